@@ -1,0 +1,5 @@
+"""gpuledger: the GPU monitoring agent."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

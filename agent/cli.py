@@ -1,0 +1,336 @@
+"""The `gpuledger` command: the composition root, and the only code that reads configuration.
+
+Exit codes: 0 ok, 2 bad input (config, scenario, arguments), 1 any other failure. Errors are
+one line on stderr naming what was wrong and where; --debug adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NoReturn
+
+from agent import __version__
+from agent.config import Settings, check_config, load_config
+from agent.errors import BadInputError, GpuledgerError, NvmlLibraryMissing
+from agent.model import AgentState, DeviceReading, Snapshot
+from agent.nvml import NvmlBackend
+from agent.pipeline import Pipeline
+from agent.sampler import Sampler
+from agent.units import format_duration, parse_duration
+
+log = logging.getLogger("gpuledger")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so errors stay one line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise BadInputError(f"{self.prog}: {message}")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(prog="gpuledger", description="GPU monitoring agent: usage, owners and cost per GPU.")
+    parser.add_argument("--version", action="version", version=f"gpuledger {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+
+    run = sub.add_parser("run", help="run the daemon: poll NVML and serve /metrics")
+    run.add_argument("--config", help="YAML config file")
+    run.add_argument(
+        "--fake", nargs="?", const="demo", metavar="SCENARIO", help="run on a fake node (default scenario: demo)"
+    )
+    run.add_argument(
+        "--fake-speed", type=float, default=1.0, metavar="N", help="scenario seconds per real second (with --fake)"
+    )
+    run.add_argument("--listen", metavar="HOST:PORT", help="address to serve on (default 0.0.0.0:9835)")
+
+    snap = sub.add_parser("snapshot", help="poll once and print each GPU")
+    snap.add_argument("--config", help="YAML config file")
+    snap.add_argument(
+        "--fake", nargs="?", const="demo", metavar="SCENARIO", help="read a fake node (default scenario: demo)"
+    )
+    snap.add_argument(
+        "--at", default="0s", metavar="DURATION", help="with --fake: scenario time to read at (default 0s)"
+    )
+    snap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    sim = sub.add_parser("simulate", help="run the pipeline over scenario time without sleeping")
+    sim.add_argument("scenario", help="built-in scenario name or YAML file")
+    sim.add_argument(
+        "--for", dest="duration", required=True, metavar="DURATION", help="scenario time to cover, e.g. 3d"
+    )
+    sim.add_argument(
+        "--step", default="15s", metavar="DURATION", help="poll every this much scenario time (default 15s)"
+    )
+    sim.add_argument("--config", help="YAML config file")
+    sim.add_argument("--metrics-out", metavar="FILE", help="write the final /metrics text here (default: stdout)")
+
+    check = sub.add_parser("check-config", help="validate a config file")
+    check.add_argument("file", help="YAML config file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args_list
+    _setup_logging(debug)
+    try:
+        args = _build_parser().parse_args(args_list)
+        handler: Callable[[argparse.Namespace], int] = _COMMANDS[args.command]
+        return handler(args)
+    except BadInputError as exc:
+        return _fail(str(exc), EXIT_BAD_INPUT, debug)
+    except NvmlLibraryMissing:
+        return _fail(
+            "gpuledger: cannot load the NVML library (libnvidia-ml.so.1): is the NVIDIA driver installed? "
+            "(use --fake to run on a simulated node)",
+            EXIT_FAILURE,
+            debug,
+        )
+    except GpuledgerError as exc:
+        return _fail(f"gpuledger: {exc}", EXIT_FAILURE, debug)
+    except _scenario_error() as exc:
+        return _fail(f"gpuledger: scenario {exc}", EXIT_BAD_INPUT, debug)
+    except KeyboardInterrupt:
+        return EXIT_FAILURE
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        return _fail(f"gpuledger:{where}: {exc.strerror or exc}", EXIT_FAILURE, debug)
+
+
+def _scenario_error() -> type[Exception]:
+    # Imported lazily: the fake is only loaded when a command asks for it.
+    from fake_nvml.scenario import ScenarioError
+
+    return ScenarioError
+
+
+def _fail(message: str, code: int, debug: bool) -> int:
+    if debug:
+        logging.getLogger("gpuledger").exception(message)
+    print(message.splitlines()[0] if message else "gpuledger: failed", file=sys.stderr)
+    return code
+
+
+def _setup_logging(debug: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    # APScheduler logs every job run at INFO; that is noise at a 5 s interval.
+    logging.getLogger("apscheduler").setLevel(logging.DEBUG if debug else logging.WARNING)
+
+
+def _settings(path: str | None) -> Settings:
+    return load_config(path)
+
+
+def _duration_arg(value: str, option: str) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise BadInputError(f"gpuledger: {option}: {exc}") from None
+
+
+def _parse_listen(value: str, option: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise BadInputError(f"gpuledger: {option}: expected HOST:PORT such as 0.0.0.0:9835, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _make_backend(fake: str | None, speed: float) -> tuple[NvmlBackend, Any]:
+    """The NVML backend, and the fake node when running on one."""
+    if fake is None:
+        return NvmlBackend(clock=time.time), None
+    import fake_nvml
+
+    node = fake_nvml.install(fake, speed=speed)
+    return NvmlBackend(clock=node.clock.wall_time), node
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from exporters.http import MetricsServer
+    from exporters.prometheus import make_registry
+
+    settings = _settings(args.config)
+    if args.fake is None and args.fake_speed != 1.0:
+        raise BadInputError("gpuledger: --fake-speed: only meaningful with --fake")
+    if args.fake_speed <= 0:
+        raise BadInputError(f"gpuledger: --fake-speed: must be above 0, got {args.fake_speed:g}")
+    host, port = _parse_listen(args.listen or settings.listen, "--listen" if args.listen else "listen")
+    backend, node = _make_backend(args.fake, args.fake_speed)
+    hostname = node.scenario.node.hostname if node is not None else None
+    sampler = Sampler(backend, hostname=hostname)
+    sampler.start()
+    pipeline = Pipeline(sampler, settings.poll_interval)
+    try:
+        server = MetricsServer(host, port, make_registry(lambda: pipeline.state), pipeline.healthy)
+    except OSError as exc:
+        raise BadInputError(f"gpuledger: listen {host}:{port}: {exc.strerror or exc}") from None
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("received signal %d, shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    server.start()
+    pipeline.start()
+    where = f"fake node {node.scenario.name!r} at {args.fake_speed:g}x" if node is not None else "NVML"
+    log.info(
+        "gpuledger %s serving http://%s:%d/metrics, polling %s every %s",
+        __version__,
+        host,
+        server.port,
+        where,
+        format_duration(settings.poll_interval),
+    )
+    stop.wait()
+    pipeline.stop()
+    server.stop()
+    sampler.close()
+    return EXIT_OK
+
+
+def _cmd_snapshot(args: argparse.Namespace) -> int:
+    _settings(args.config)
+    at = _duration_arg(args.at, "--at")
+    backend, node = _make_backend(args.fake, 0.0)
+    if node is not None and at:
+        node.clock.advance(at)
+    sampler = Sampler(backend, hostname=node.scenario.node.hostname if node is not None else None)
+    sampler.start()
+    pipeline = Pipeline(sampler, poll_interval_s=5.0)
+    if node is not None:
+        # Per-process utilization is the mean of the samples between two polls: take a first
+        # poll a few seconds earlier so the reading covers a real interval.
+        pipeline.poll_once()
+        node.clock.advance(5.0)
+    state = pipeline.poll_once()
+    sampler.close()
+    if state.snapshot is None:
+        raise GpuledgerError("the poll read nothing")
+    if args.json:
+        print(json.dumps(_snapshot_json(state.snapshot), indent=2))
+    else:
+        print(render_table(state.snapshot))
+    return EXIT_OK
+
+
+def _snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
+    data = asdict(snapshot)
+    data["devices"] = [dict(asdict(d), model=d.model, gpu=d.label) for d in snapshot.devices]
+    return data
+
+
+def _fmt(value: float | None, fmt: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, fmt)
+
+
+def render_table(snapshot: Snapshot) -> str:
+    header = ("GPU", "MODEL", "UP", "UTIL", "MEM USED/TOTAL GiB", "TEMP", "POWER W", "PROCS", "NVLINK DOWN")
+    rows: list[tuple[str, ...]] = [header]
+    rows.extend(_row(d) for d in snapshot.devices)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(snapshot.taken_at))
+    title = f"{snapshot.node.hostname}  driver {snapshot.node.driver_version}  at {when}"
+    return "\n".join([title, *lines])
+
+
+def _row(d: DeviceReading) -> tuple[str, ...]:
+    gib = 1 / 2**30
+    memory = (
+        "-"
+        if d.memory_total_bytes is None
+        else f"{_fmt(d.memory_used_bytes, '.1f', gib)}/{_fmt(d.memory_total_bytes, '.0f', gib)}"
+    )
+    down_links = [str(link.link) for link in d.nvlinks if not link.up]
+    model = d.model if not d.is_mig else "  " + d.name.split(" MIG ")[-1]
+    return (
+        d.label,
+        model,
+        "yes" if d.up else f"no ({d.down_reason})",
+        _fmt(d.utilization, ".0%"),
+        memory,
+        _fmt(d.temperature_c, ".0f"),
+        _fmt(d.power_w, ".0f"),
+        str(len(d.processes)),
+        ",".join(down_links) or "-",
+    )
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from prometheus_client import generate_latest
+
+    from exporters.prometheus import make_registry
+
+    settings = _settings(args.config)
+    duration = _duration_arg(args.duration, "--for")
+    step = _duration_arg(args.step, "--step")
+    if step <= 0:
+        raise BadInputError("gpuledger: --step: must be above 0")
+    if args.metrics_out:
+        out_dir = Path(args.metrics_out).parent
+        if not out_dir.is_dir():
+            raise BadInputError(f"gpuledger: --metrics-out: no such directory {out_dir}")
+    backend, node = _make_backend(args.scenario, 0.0)
+    sampler = Sampler(backend, hostname=node.scenario.node.hostname)
+    sampler.start()
+    del settings  # thresholds and prices join the simulation with the rules and cost stages
+    pipeline = Pipeline(sampler, poll_interval_s=step, monotonic=node.clock.now)
+    state: AgentState = pipeline.poll_once()
+    elapsed = 0.0
+    while elapsed + step <= duration + 1e-9:
+        node.clock.advance(step)
+        elapsed += step
+        state = pipeline.poll_once()
+    sampler.close()
+    text = generate_latest(make_registry(lambda: state)).decode()
+    if args.metrics_out:
+        Path(args.metrics_out).write_text(text)
+        log.info(
+            "simulated %s of %r in %d polls; metrics written to %s",
+            format_duration(duration),
+            node.scenario.name,
+            state.health.polls_total,
+            args.metrics_out,
+        )
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    _settings_obj, problems = check_config(args.file)
+    if problems:
+        for line in problems:
+            print(line, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"{args.file}: ok")
+    return EXIT_OK
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _cmd_run,
+    "snapshot": _cmd_snapshot,
+    "simulate": _cmd_simulate,
+    "check-config": _cmd_check_config,
+}

@@ -1,0 +1,179 @@
+"""Configuration: an optional YAML file plus ``GPULEDGER_<SECTION>__<KEY>`` environment variables.
+
+Environment variables win over the file, the file over the defaults; no file is needed. Every
+problem is reported with the key it concerns (and the variable, when one set it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from agent.errors import ConfigError
+from agent.units import parse_duration, parse_size_bytes
+
+ENV_PREFIX = "GPULEDGER_"
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+Size = Annotated[int, BeforeValidator(parse_size_bytes)]
+Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PricingConfig(_Section):
+    gpu_hourly: float | None = Field(default=None, ge=0)
+    by_uuid: dict[str, Annotated[float, Field(ge=0)]] = {}
+    by_model: dict[str, Annotated[float, Field(ge=0)]] = {}
+    instance_type: str | None = None
+    instance_hourly: dict[str, Annotated[float, Field(ge=0)]] = {}
+    energy_per_kwh: float | None = Field(default=None, ge=0)
+
+
+class LedgerConfig(_Section):
+    path: str = "/var/lib/gpuledger/ledger.db"
+    flush_interval: Duration = 60.0
+
+
+class AttributionRule(_Section):
+    match: dict[str, str]
+    set: dict[str, str]
+
+    @field_validator("match")
+    @classmethod
+    def _patterns_compile(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, pattern in value.items():
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"{key}: not a regular expression: {exc}") from None
+        return value
+
+
+class AttributionConfig(_Section):
+    env_allowlist: list[str] = ["SLURM_JOB_ID", "SLURM_JOB_USER", "SLURM_JOB_ACCOUNT", "SLURM_JOB_NAME"]
+    per_pid_series: bool = False
+    passwd_file: str = "/etc/passwd"
+    podresources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    slurm_map_dir: str = "/run/gpuledger/jobs"
+    rules: list[AttributionRule] = []
+
+
+class IdleRule(_Section):
+    utilization_below: Ratio = 0.05
+    for_: Duration = Field(default=1800.0, alias="for")
+
+
+class UnderusedRule(_Section):
+    utilization_below: Ratio = 0.40
+    window: Duration = 7200.0
+    for_: Duration = Field(default=7200.0, alias="for")
+
+
+class StrandedMemoryRule(_Section):
+    memory_above: Size = 2**30
+    utilization_below: Ratio = 0.01
+    for_: Duration = Field(default=900.0, alias="for")
+
+
+class RulesConfig(_Section):
+    idle: IdleRule = IdleRule()
+    allocated_idle: IdleRule = IdleRule()
+    underused: UnderusedRule = UnderusedRule()
+    stranded_memory: StrandedMemoryRule = StrandedMemoryRule()
+
+
+def _check_listen(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT such as 0.0.0.0:9835, got {value!r}")
+    del host
+    return value
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, populate_by_name=True
+    )
+
+    poll_interval: Duration = Field(default=5.0, gt=0)
+    listen: Annotated[str, BeforeValidator(_check_listen)] = "0.0.0.0:9835"
+    proc_root: str = "/proc"
+    pricing: PricingConfig = PricingConfig()
+    ledger: LedgerConfig = LedgerConfig()
+    attribution: AttributionConfig = AttributionConfig()
+    rules: RulesConfig = RulesConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's values arrive as init arguments; the environment overrides them.
+        return (env_settings, init_settings)
+
+
+def _read_yaml(path: Path) -> Mapping[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{where}: {getattr(exc, 'problem', None) or 'invalid YAML'}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of settings at the top, got {type(raw).__name__}")
+    return raw
+
+
+def _problems(exc: ValidationError, source: str) -> list[str]:
+    lines = []
+    for error in exc.errors():
+        loc = [str(part) for part in error["loc"] if part not in ("function-after", "function-before")]
+        key = ".".join(loc).replace("for_", "for")
+        env_name = ENV_PREFIX + "__".join(loc).upper().replace("FOR_", "FOR")
+        where = f"{key} (from {env_name})" if env_name in os.environ else key
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"{source}: {where}: {message}")
+    return lines
+
+
+def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
+    """The settings and every problem found, one line each (empty when the config is good)."""
+    source = str(path) if path is not None else "environment"
+    try:
+        data = dict(_read_yaml(Path(path))) if path is not None else {}
+    except ConfigError as exc:
+        return None, [str(exc)]
+    try:
+        return Settings(**data), []
+    except ValidationError as exc:
+        return None, _problems(exc, source)
+
+
+def load_config(path: str | Path | None = None) -> Settings:
+    """Settings from `path` (optional) and the environment. Raises ConfigError naming each problem."""
+    settings, problems = check_config(path)
+    if problems or settings is None:
+        raise ConfigError("; ".join(problems))
+    return settings

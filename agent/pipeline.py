@@ -1,0 +1,127 @@
+"""The poll loop: sampler -> snapshot, swapped in atomically for the HTTP side to render.
+
+The daemon runs `poll_once` on an APScheduler interval job (one instance at a time, missed runs
+coalesced); `simulate` calls it in a loop while it moves the fake clock. Either way a scrape
+only reads `state`, a single reference to frozen data.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from agent.errors import NvmlLibraryMissing
+from agent.model import AgentHealth, AgentState, Snapshot
+from agent.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+HEALTHY_WITHIN_POLLS = 3
+
+
+class Pipeline:
+    def __init__(
+        self,
+        sampler: Sampler,
+        poll_interval_s: float,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sampler = sampler
+        self.poll_interval_s = poll_interval_s
+        self._monotonic = monotonic
+        self._state = AgentState()
+        self._last_success_monotonic: float | None = None
+        self._overran = 0
+        self._failed = 0
+        self._polls = 0
+        self._scheduler: BackgroundScheduler | None = None
+        self._overrun_lock = threading.Lock()
+
+    @property
+    def state(self) -> AgentState:
+        return self._state
+
+    def healthy(self) -> bool:
+        """True while a poll has succeeded within the last HEALTHY_WITHIN_POLLS intervals."""
+        last = self._last_success_monotonic
+        return last is not None and self._monotonic() - last <= HEALTHY_WITHIN_POLLS * self.poll_interval_s
+
+    def poll_once(self) -> AgentState:
+        started = self._monotonic()
+        snapshot: Snapshot | None = None
+        try:
+            snapshot = self.sampler.poll()
+        except NvmlLibraryMissing:
+            raise
+        except Exception:
+            # A bug in one poll must not stop the daemon: count it, keep the last good snapshot.
+            log.exception("poll failed")
+        duration = self._monotonic() - started
+        self._polls += 1
+        previous = self._state
+        if snapshot is None or not snapshot.driver_up:
+            self._failed += 1
+        if duration > self.poll_interval_s:
+            with self._overrun_lock:
+                self._overran += 1
+            log.warning(
+                "poll took %.3fs, longer than the %.3fs interval", duration, self.poll_interval_s,
+                extra={"duration_s": duration},
+            )  # fmt: skip
+        last_success_at = previous.health.last_success_at
+        if snapshot is not None and snapshot.driver_up:
+            last_success_at = snapshot.taken_at
+            self._last_success_monotonic = self._monotonic()
+        health = AgentHealth(
+            polls_total=self._polls,
+            polls_failed=self._failed,
+            polls_overran=self._overran,
+            last_success_at=last_success_at,
+            nvml_errors=tuple((call, error, n) for (call, error), n in sorted(self.sampler.errors.items())),
+        )
+        if snapshot is not None:
+            snapshot = Snapshot(snapshot.taken_at, snapshot.node, snapshot.devices, duration, snapshot.driver_up)
+            new_state = AgentState(snapshot=snapshot, health=health)
+        else:
+            new_state = AgentState(snapshot=previous.snapshot, health=health)
+        self._state = new_state  # one reference assignment: scrapes see old or new, never half
+        return new_state
+
+    def start(self) -> None:
+        scheduler = BackgroundScheduler(daemon=True)
+        scheduler.add_listener(self._on_missed, EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
+        scheduler.add_job(
+            self._scheduled_poll,
+            "interval",
+            seconds=self.poll_interval_s,
+            max_instances=1,
+            coalesce=True,
+            misfire_grace_time=max(1, int(self.poll_interval_s)),
+            id="poll",
+            next_run_time=datetime.now(UTC),
+        )
+        scheduler.start()
+        self._scheduler = scheduler
+
+    def _scheduled_poll(self) -> None:
+        try:
+            self.poll_once()
+        except NvmlLibraryMissing as exc:
+            log.error("%s", exc)
+
+    def _on_missed(self, event: JobExecutionEvent) -> None:
+        # A run skipped because the previous poll was still going: that poll overran.
+        with self._overrun_lock:
+            self._overran += 1
+        log.warning("a poll was skipped: the previous one is still running")
+
+    def stop(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=True)
+            self._scheduler = None

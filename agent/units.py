@@ -1,0 +1,75 @@
+"""Durations and sizes as people write them in configs and scenarios ("90s", "1h30m", "1GiB")."""
+
+from __future__ import annotations
+
+import re
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
+_DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_FACTOR = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number (taken as seconds) or a string such as "90s", "15m", "1h30m", "2d".
+
+    Raises ValueError with the offending text; callers add where it came from.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration like 30s or 2h, got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"duration must not be negative, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a duration like 30s or 2h, got {value!r}")
+    text = value.strip()
+    if re.fullmatch(r"\d+(?:\.\d+)?", text):
+        return float(text)
+    pos = 0
+    total = 0.0
+    for match in _DURATION_PART.finditer(text):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _DURATION_SECONDS[match.group(2)]
+        pos = match.end()
+    if pos == 0 or pos != len(text):
+        raise ValueError(f"expected a duration like 30s or 2h, got {value!r}")
+    return total
+
+
+def parse_size_bytes(value: object) -> int:
+    """Bytes from a number (taken as bytes) or a string such as "1GiB", "512MiB", "2GB"."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like 1GiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value!r}")
+        return value
+    if isinstance(value, str) and (match := _SIZE.match(value)):
+        unit = (match.group(2) or "b").lower()
+        return int(float(match.group(1)) * _SIZE_FACTOR[unit])
+    raise ValueError(f"expected a size like 1GiB or 512MiB, got {value!r}")
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest exact-ish human form: 90 -> "1m30s", 7200 -> "2h"."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    remaining = round(seconds)
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        count, remaining = divmod(remaining, size)
+        if count:
+            parts.append(f"{count}{unit}")
+    return "".join(parts) or "0s"

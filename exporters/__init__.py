@@ -1,0 +1,1 @@
+"""Outputs: Prometheus exposition over HTTP (and, later, the textfile and ledger writers)."""

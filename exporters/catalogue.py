@@ -1,0 +1,109 @@
+"""Every metric gpuledger emits: name, type, unit, help and labels, in one place.
+
+The collector builds families from these entries only, and a test holds the catalogue
+against what a scrape emits, both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(Enum):
+    GAUGE = "gauge"
+    COUNTER = "counter"
+    INFO = "info"  # a gauge of 1 whose labels carry the facts
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    unit: str = ""
+
+    @property
+    def family_name(self) -> str:
+        """The name prometheus_client wants for a counter family: without `_total`."""
+        return self.name.removesuffix("_total") if self.kind is Kind.COUNTER else self.name
+
+
+DEVICE = ("gpu", "uuid")
+
+CATALOGUE: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "gpuledger_gpu_info",
+        Kind.INFO,
+        "GPU identity: always 1, the labels carry model, PCI bus id and driver version.",
+        ("gpu", "uuid", "model_name", "pci_bus_id", "driver_version"),
+    ),
+    MetricSpec("gpuledger_gpu_up", Kind.GAUGE, "1 while the GPU is readable, 0 when lost or failing.", DEVICE),
+    MetricSpec(
+        "gpuledger_gpu_utilization_ratio",
+        Kind.GAUGE,
+        "Fraction of the last sample period in which a kernel ran on the GPU (NVML GPU utilization).",
+        DEVICE,
+        "ratio",
+    ),
+    MetricSpec("gpuledger_gpu_memory_used_bytes", Kind.GAUGE, "Device memory in use.", DEVICE, "bytes"),
+    MetricSpec("gpuledger_gpu_memory_total_bytes", Kind.GAUGE, "Device memory in total.", DEVICE, "bytes"),
+    MetricSpec("gpuledger_gpu_temperature_celsius", Kind.GAUGE, "GPU core temperature.", DEVICE, "celsius"),
+    MetricSpec("gpuledger_gpu_power_watts", Kind.GAUGE, "Power draw of the board.", DEVICE, "watts"),
+    MetricSpec("gpuledger_gpu_power_limit_watts", Kind.GAUGE, "Enforced power limit.", DEVICE, "watts"),
+    MetricSpec(
+        "gpuledger_gpu_energy_joules_total",
+        Kind.COUNTER,
+        "Energy the GPU has used since the driver was loaded (NVML energy counter).",
+        DEVICE,
+        "joules",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_nvlink_up", Kind.GAUGE, "1 when the NVLink link is active, 0 when down.", (*DEVICE, "link")
+    ),
+    MetricSpec("gpuledger_gpu_processes", Kind.GAUGE, "Compute processes running on the GPU.", DEVICE),
+    MetricSpec(
+        "gpuledger_mig_info",
+        Kind.INFO,
+        "A MIG instance of a GPU: always 1; gpu and uuid are the parent GPU's.",
+        ("gpu", "uuid", "mig", "mig_uuid", "gpu_instance_id", "profile"),
+    ),
+    MetricSpec(
+        "gpuledger_mig_memory_used_bytes", Kind.GAUGE, "Memory in use on a MIG instance.", (*DEVICE, "mig"), "bytes"
+    ),
+    MetricSpec("gpuledger_mig_memory_total_bytes", Kind.GAUGE, "Memory of a MIG instance.", (*DEVICE, "mig"), "bytes"),
+    MetricSpec("gpuledger_poll_duration_seconds", Kind.GAUGE, "How long the latest poll of NVML took.", (), "seconds"),
+    MetricSpec(
+        "gpuledger_last_poll_timestamp_seconds",
+        Kind.GAUGE,
+        "When the latest successful poll read the GPUs (backend clock, unix time).",
+        (),
+        "seconds",
+    ),
+    MetricSpec("gpuledger_polls_total", Kind.COUNTER, "Polls run since the agent started.", ()),
+    MetricSpec(
+        "gpuledger_poll_failures_total", Kind.COUNTER, "Polls that read nothing (NVML unavailable or an error).", ()
+    ),
+    MetricSpec(
+        "gpuledger_poll_overruns_total",
+        Kind.COUNTER,
+        "Polls that took longer than the poll interval, or were skipped for it.",
+        (),
+    ),
+    MetricSpec(
+        "gpuledger_nvml_errors_total",
+        Kind.COUNTER,
+        "NVML calls that failed, by call and NVML error name (NOT_SUPPORTED is learned, not counted).",
+        ("call", "error"),
+    ),
+    MetricSpec("gpuledger_nvml_up", Kind.GAUGE, "1 while NVML is initialised and answering, 0 otherwise.", ()),
+    MetricSpec(
+        "gpuledger_build_info",
+        Kind.INFO,
+        "The agent's version; always 1.",
+        ("version", "driver_version", "cuda_driver_version"),
+    ),
+)
+
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}

@@ -1,0 +1,115 @@
+"""The Prometheus collector: every scrape renders the latest `AgentState`, nothing else.
+
+No NVML call, /proc read or disk write happens here; a GPU or process that is gone from the
+snapshot is gone from the next scrape, with no series to clean up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from agent import __version__
+from agent.model import AgentState, DeviceReading
+from exporters.catalogue import BY_NAME, Kind
+
+StateSource = Callable[[], AgentState]
+
+
+class _Families:
+    """Families keyed by catalogue name, created on first use so absent readings emit nothing."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+
+    def add(self, name: str, labels: Sequence[str], value: float) -> None:
+        family = self._families.get(name)
+        if family is None:
+            spec = BY_NAME[name]
+            cls = CounterMetricFamily if spec.kind is Kind.COUNTER else GaugeMetricFamily
+            family = cls(spec.family_name, spec.help, labels=list(spec.labels), unit="")
+            self._families[name] = family
+        family.add_metric(list(labels), value)
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._families.values())
+
+
+class GpuledgerCollector(Collector):
+    def __init__(self, state: StateSource) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        out = _Families()
+        snapshot = state.snapshot
+        driver = ""
+        cuda = ""
+        if snapshot is not None:
+            driver = snapshot.node.driver_version
+            cuda = "" if snapshot.node.cuda_driver_version is None else str(snapshot.node.cuda_driver_version)
+            process_counts: dict[str, int] = {}
+            for device in snapshot.devices:
+                owner = device.parent_uuid or device.uuid
+                process_counts[owner] = process_counts.get(owner, 0) + len(device.processes)
+            for device in snapshot.devices:
+                if device.parent_uuid is None:
+                    _gpu_series(out, device, driver, process_counts.get(device.uuid, 0))
+                else:
+                    _mig_series(out, device)
+            out.add("gpuledger_poll_duration_seconds", (), snapshot.poll_duration_s)
+            out.add("gpuledger_nvml_up", (), 1.0 if snapshot.driver_up else 0.0)
+        health = state.health
+        if health.last_success_at is not None:
+            out.add("gpuledger_last_poll_timestamp_seconds", (), health.last_success_at)
+        out.add("gpuledger_polls_total", (), health.polls_total)
+        out.add("gpuledger_poll_failures_total", (), health.polls_failed)
+        out.add("gpuledger_poll_overruns_total", (), health.polls_overran)
+        for call, error, count in health.nvml_errors:
+            out.add("gpuledger_nvml_errors_total", (call, error), count)
+        out.add("gpuledger_build_info", (__version__, driver, cuda), 1.0)
+        yield from out
+
+
+def _gpu_series(out: _Families, d: DeviceReading, driver_version: str, processes: int) -> None:
+    ids = (str(d.index), d.uuid)
+    out.add("gpuledger_gpu_info", (*ids, d.name, d.pci_bus_id, driver_version), 1.0)
+    out.add("gpuledger_gpu_up", ids, 1.0 if d.up else 0.0)
+    if not d.up:
+        return
+    optional = (
+        ("gpuledger_gpu_utilization_ratio", d.utilization),
+        ("gpuledger_gpu_memory_used_bytes", d.memory_used_bytes),
+        ("gpuledger_gpu_memory_total_bytes", d.memory_total_bytes),
+        ("gpuledger_gpu_temperature_celsius", d.temperature_c),
+        ("gpuledger_gpu_power_watts", d.power_w),
+        ("gpuledger_gpu_power_limit_watts", d.power_limit_w),
+        ("gpuledger_gpu_energy_joules_total", d.energy_j),
+    )
+    for name, value in optional:
+        if value is not None:
+            out.add(name, ids, float(value))
+    for link in d.nvlinks:
+        out.add("gpuledger_gpu_nvlink_up", (*ids, str(link.link)), 1.0 if link.up else 0.0)
+    out.add("gpuledger_gpu_processes", ids, float(processes))
+
+
+def _mig_series(out: _Families, d: DeviceReading) -> None:
+    parent_uuid = d.parent_uuid or ""
+    ids = (str(d.index), parent_uuid, str(d.mig_index))
+    profile = d.name.split(" MIG ")[-1] if " MIG " in d.name else ""
+    gi = "" if d.gpu_instance_id is None else str(d.gpu_instance_id)
+    out.add("gpuledger_mig_info", (*ids, d.uuid, gi, profile), 1.0)
+    if d.memory_used_bytes is not None:
+        out.add("gpuledger_mig_memory_used_bytes", ids, float(d.memory_used_bytes))
+    if d.memory_total_bytes is not None:
+        out.add("gpuledger_mig_memory_total_bytes", ids, float(d.memory_total_bytes))
+
+
+def make_registry(state: StateSource) -> CollectorRegistry:
+    """A registry holding only gpuledger's collector (no process/platform defaults)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GpuledgerCollector(state))
+    return registry

@@ -1,0 +1,787 @@
+"""The fake libnvidia-ml: C functions that fill ctypes arguments and return NVML return codes.
+
+`pynvml` looks every function up with ``getattr(nvmlLib, name)``; `FakeNvmlLibrary` answers
+with a callable that behaves like the C symbol: outputs are written into the ctypes objects
+(or ``byref()`` wrappers) it is handed, and the result is an integer return code. A name the
+node's driver does not have raises AttributeError, which pynvml turns into FunctionNotFound.
+
+Device handles are ``c_nvmlDevice_t`` pointers whose value encodes the GPU and MIG instance,
+so nothing has to be looked up in a table to know which device a handle names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fake_nvml.node import FakeNode
+from fake_nvml.scenario import ERROR_CODES, MODEL_FACTS
+
+SUCCESS = 0
+INVALID_ARGUMENT = ERROR_CODES["INVALID_ARGUMENT"]
+NOT_SUPPORTED = ERROR_CODES["NOT_SUPPORTED"]
+NOT_FOUND = ERROR_CODES["NOT_FOUND"]
+INSUFFICIENT_SIZE = ERROR_CODES["INSUFFICIENT_SIZE"]
+UNINITIALIZED = ERROR_CODES["UNINITIALIZED"]
+
+_HANDLE_TAG = 0x6E760000  # "nv" in the high bytes: a handle this library made
+_HANDLE_MASK = 0xFFFF0000
+
+# Field ids (nvml.h) the fake answers in nvmlDeviceGetFieldValues, and the call each mirrors:
+# a fault on the call hits the field too, as a sensor that is missing is missing either way.
+FI_MEMORY_TEMP = 82
+FI_TOTAL_ENERGY_CONSUMPTION = 83
+FI_NVLINK_LINK_COUNT = 91
+FI_NVLINK_GET_STATE = 165
+FI_POWER_INSTANT = 186
+_FIELD_CALLS = {
+    FI_TOTAL_ENERGY_CONSUMPTION: "nvmlDeviceGetTotalEnergyConsumption",
+    FI_POWER_INSTANT: "nvmlDeviceGetPowerUsage",
+    FI_NVLINK_GET_STATE: "nvmlDeviceGetNvLinkState",
+    FI_NVLINK_LINK_COUNT: "nvmlDeviceGetNvLinkState",
+    FI_MEMORY_TEMP: "nvmlDeviceGetTemperature",
+}
+_VALUE_TYPE_UINT = 1
+_VALUE_TYPE_ULONGLONG = 3
+
+# The driver branch that first shipped each versioned symbol (NVML API reference change log).
+# A node whose driver is older does not have the symbol at all.
+FUNCTION_SINCE_DRIVER: dict[str, int] = {
+    "nvmlDeviceGetComputeRunningProcesses_v2": 470,
+    "nvmlDeviceGetGraphicsRunningProcesses_v2": 470,
+    "nvmlDeviceGetMPSComputeRunningProcesses_v2": 470,
+    "nvmlDeviceGetComputeRunningProcesses_v3": 510,
+    "nvmlDeviceGetGraphicsRunningProcesses_v3": 510,
+    "nvmlDeviceGetMPSComputeRunningProcesses_v3": 510,
+    "nvmlDeviceGetMemoryInfo_v2": 510,
+    "nvmlDeviceGetTemperatureV": 565,
+}
+# Fields newer than the field-values call itself (instant power arrived with the R530 fields).
+FIELD_SINCE_DRIVER = {FI_POWER_INSTANT: 530}
+
+_VERSION_SUFFIX = re.compile(r"(_v\d+|V)$")
+
+
+def family(name: str) -> str:
+    """The unversioned name of a C function: nvmlDeviceGetMemoryInfo_v2 -> nvmlDeviceGetMemoryInfo."""
+    return _VERSION_SUFFIX.sub("", name)
+
+
+def _obj(arg: Any) -> Any:
+    """The ctypes object behind a ``byref()`` wrapper, or the argument itself."""
+    return getattr(arg, "_obj", arg)
+
+
+def _int(arg: Any) -> int:
+    return int(getattr(arg, "value", arg))
+
+
+def _write_str(buf: Any, length: Any, text: str) -> int:
+    data = text.encode()
+    if len(data) + 1 > _int(length):
+        return INSUFFICIENT_SIZE
+    buf.value = data
+    return SUCCESS
+
+
+@dataclass(frozen=True)
+class Dev:
+    gpu: int
+    mig: int | None
+
+
+@dataclass(frozen=True)
+class _Spec:
+    impl: Callable[..., Any]
+    takes_device: bool
+
+
+_REGISTRY: dict[str, _Spec] = {}
+
+
+def _c(name: str, *, device: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(impl: Callable[..., Any]) -> Callable[..., Any]:
+        _REGISTRY[name] = _Spec(impl, device)
+        return impl
+
+    return register
+
+
+def implemented_functions() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+class FakeNvmlLibrary:
+    """Stands where pynvml keeps its loaded ``CDLL``; attributes are the C symbols."""
+
+    def __init__(self, node: FakeNode) -> None:
+        self._node = node
+        self._lock = threading.Lock()
+        self._initialised = 0
+        self.missing_lookups: Counter[str] = Counter()
+        major = int(node.scenario.node.driver_version.split(".")[0])
+        self._driver_major = major
+        self._hidden = set(node.scenario.node.missing_functions)
+        self._hidden.update(n for n, since in FUNCTION_SINCE_DRIVER.items() if major < since)
+        self._fields_hidden = {f for f, since in FIELD_SINCE_DRIVER.items() if major < since}
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        spec = _REGISTRY.get(name)
+        if spec is None or name in self._hidden:
+            self.missing_lookups[name] += 1
+            raise AttributeError(name)
+        bound = self._make_symbol(name, spec)
+        # Cache on the instance so the next lookup skips __getattr__, as dlsym's result would be.
+        self.__dict__[name] = bound
+        return bound
+
+    def _make_symbol(self, name: str, spec: _Spec) -> Callable[..., Any]:
+        node = self._node
+        fam = family(name)
+        impl = spec.impl
+
+        def symbol(*args: Any) -> Any:
+            node.calls[name] += 1
+            t = node.now()
+            latency = node.call_latency_s(name, fam, t)
+            if latency:
+                time.sleep(latency)
+            if name == "nvmlErrorString":
+                return impl(self, t, *args)
+            if not self._initialised and name not in (
+                "nvmlInit_v2",
+                "nvmlInitWithFlags",
+                "nvmlInit",
+            ):
+                return UNINITIALIZED
+            gpu: int | None = None
+            if spec.takes_device:
+                dev = self._decode(args[0])
+                if dev is None:
+                    return INVALID_ARGUMENT
+                gpu = dev.gpu
+                args = (dev, *args[1:])
+            error = node.fault_error(name, fam, gpu, t)
+            if error is not None:
+                return ERROR_CODES[error]
+            return impl(self, t, *args)
+
+        symbol.__name__ = name
+        return symbol
+
+    # -- handles ------------------------------------------------------------------------------
+
+    def _decode(self, handle: Any) -> Dev | None:
+        value = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
+        if value is None or value & _HANDLE_MASK != _HANDLE_TAG:
+            return None
+        gpu = ((value >> 8) & 0xFF) - 1
+        mig_code = value & 0xFF
+        gpus = self._node.scenario.gpus
+        if not 0 <= gpu < len(gpus):
+            return None
+        mig = mig_code - 1 if mig_code else None
+        if mig is not None and mig >= len(gpus[gpu].mig):
+            return None
+        return Dev(gpu, mig)
+
+    @staticmethod
+    def _store_handle(out: Any, gpu: int, mig: int | None = None) -> None:
+        value = _HANDLE_TAG | ((gpu + 1) << 8) | (0 if mig is None else mig + 1)
+        ctypes.c_void_p.from_buffer(_obj(out)).value = value
+
+
+# ---------------------------------------------------------------------------------------------
+# Library and system
+# ---------------------------------------------------------------------------------------------
+
+
+@_c("nvmlInit_v2", device=False)
+@_c("nvmlInitWithFlags", device=False)
+def _init(lib: FakeNvmlLibrary, t: float, *flags: Any) -> int:
+    error = lib._node.fault_error("nvmlInit_v2", "nvmlInit", None, t)
+    if error is not None:
+        return ERROR_CODES[error]
+    with lib._lock:
+        lib._initialised += 1
+    return SUCCESS
+
+
+@_c("nvmlShutdown", device=False)
+def _shutdown(lib: FakeNvmlLibrary, t: float) -> int:
+    with lib._lock:
+        lib._initialised = max(0, lib._initialised - 1)
+    return SUCCESS
+
+
+@_c("nvmlErrorString", device=False)
+def _error_string(lib: FakeNvmlLibrary, t: float, result: Any) -> bytes:
+    code = _int(result)
+    for name, value in ERROR_CODES.items():
+        if value == code:
+            return name.replace("_", " ").capitalize().encode()
+    return b"Success" if code == SUCCESS else b"Unknown Error"
+
+
+@_c("nvmlSystemGetDriverVersion", device=False)
+def _driver_version(lib: FakeNvmlLibrary, t: float, buf: Any, length: Any) -> int:
+    return _write_str(buf, length, lib._node.scenario.node.driver_version)
+
+
+@_c("nvmlSystemGetNVMLVersion", device=False)
+def _nvml_version(lib: FakeNvmlLibrary, t: float, buf: Any, length: Any) -> int:
+    cuda = lib._node.scenario.node.cuda_driver_version
+    return _write_str(buf, length, f"{cuda // 1000}.{lib._node.scenario.node.driver_version}")
+
+
+@_c("nvmlSystemGetCudaDriverVersion", device=False)
+@_c("nvmlSystemGetCudaDriverVersion_v2", device=False)
+def _cuda_version(lib: FakeNvmlLibrary, t: float, out: Any) -> int:
+    _obj(out).value = lib._node.scenario.node.cuda_driver_version
+    return SUCCESS
+
+
+@_c("nvmlSystemGetProcessName", device=False)
+def _process_name(lib: FakeNvmlLibrary, t: float, pid: Any, buf: Any, length: Any) -> int:
+    for process in lib._node.scenario.processes:
+        if process.pid == _int(pid) and process.running_at(t):
+            return _write_str(buf, length, process.cmdline.split(" ")[0])
+    return NOT_FOUND
+
+
+@_c("nvmlDeviceGetCount_v2", device=False)
+def _count(lib: FakeNvmlLibrary, t: float, out: Any) -> int:
+    _obj(out).value = len(lib._node.scenario.gpus)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetHandleByIndex_v2", device=False)
+def _handle_by_index(lib: FakeNvmlLibrary, t: float, index: Any, out: Any) -> int:
+    i = _int(index)
+    if not 0 <= i < len(lib._node.scenario.gpus):
+        return INVALID_ARGUMENT
+    error = lib._node.fault_error("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex", i, t)
+    if error is not None:
+        return ERROR_CODES[error]
+    lib._store_handle(out, i)
+    return SUCCESS
+
+
+def _find_by(lib: FakeNvmlLibrary, t: float, out: Any, match: Callable[[int], bool]) -> int:
+    for gpu in lib._node.scenario.gpus:
+        if match(gpu.index):
+            error = lib._node.fault_error("nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByUUID", gpu.index, t)
+            if error is not None:
+                return ERROR_CODES[error]
+            lib._store_handle(out, gpu.index)
+            return SUCCESS
+    return NOT_FOUND
+
+
+@_c("nvmlDeviceGetHandleByUUID", device=False)
+def _handle_by_uuid(lib: FakeNvmlLibrary, t: float, uuid: Any, out: Any) -> int:
+    wanted = _obj(uuid).value
+    gpus = lib._node.scenario.gpus
+    for gpu in gpus:
+        for j, mig in enumerate(gpu.mig):
+            if mig.uuid.encode() == wanted:
+                lib._store_handle(out, gpu.index, j)
+                return SUCCESS
+    return _find_by(lib, t, out, lambda i: gpus[i].uuid.encode() == wanted)
+
+
+@_c("nvmlDeviceGetHandleByPciBusId_v2", device=False)
+def _handle_by_pci(lib: FakeNvmlLibrary, t: float, bus_id: Any, out: Any) -> int:
+    wanted = (_obj(bus_id).value or b"").decode().upper()
+    gpus = lib._node.scenario.gpus
+    return _find_by(lib, t, out, lambda i: gpus[i].pci_bus_id == wanted)
+
+
+# ---------------------------------------------------------------------------------------------
+# Identity
+# ---------------------------------------------------------------------------------------------
+
+
+@_c("nvmlDeviceGetName")
+def _name(lib: FakeNvmlLibrary, t: float, dev: Dev, buf: Any, length: Any) -> int:
+    gpu = lib._node.gpu(dev.gpu)
+    name = gpu.name if dev.mig is None else f"{gpu.name} MIG {gpu.mig[dev.mig].profile}"
+    return _write_str(buf, length, name)
+
+
+@_c("nvmlDeviceGetUUID")
+def _uuid(lib: FakeNvmlLibrary, t: float, dev: Dev, buf: Any, length: Any) -> int:
+    gpu = lib._node.gpu(dev.gpu)
+    return _write_str(buf, length, gpu.uuid if dev.mig is None else gpu.mig[dev.mig].uuid)
+
+
+@_c("nvmlDeviceGetSerial")
+def _serial(lib: FakeNvmlLibrary, t: float, dev: Dev, buf: Any, length: Any) -> int:
+    return _write_str(buf, length, f"13240{dev.gpu:08d}")
+
+
+@_c("nvmlDeviceGetIndex")
+def _index(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = dev.gpu
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetMinorNumber")
+def _minor(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = dev.gpu
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetBrand")
+def _brand(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = 14  # NVML_BRAND_NVIDIA
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetArchitecture")
+def _architecture(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    model = lib._node.gpu(dev.gpu).model
+    arch = {"A": 7, "H": 9, "B": 10, "L": 8, "T": 4}.get(model[:1], 7)  # NVML_DEVICE_ARCH_*
+    _obj(out).value = arch
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetCudaComputeCapability")
+def _compute_capability(lib: FakeNvmlLibrary, t: float, dev: Dev, major: Any, minor: Any) -> int:
+    model = lib._node.gpu(dev.gpu).model
+    cc = {"A": (8, 0), "H": (9, 0), "B": (10, 0), "L": (8, 9), "T": (7, 5)}.get(model[:1], (8, 0))
+    _obj(major).value, _obj(minor).value = cc
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetPciInfo_v3")
+def _pci_info(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    gpu = lib._node.gpu(dev.gpu)
+    info = _obj(out)
+    bus = int(gpu.pci_bus_id.split(":")[1], 16)
+    info.busIdLegacy = gpu.pci_bus_id[4:].encode()
+    info.busId = gpu.pci_bus_id.encode()
+    info.domain = 0
+    info.bus = bus
+    info.device = 0
+    info.pciDeviceId = gpu.pci_device_id
+    info.pciSubSystemId = 0x147E10DE
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetPersistenceMode")
+def _persistence(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = 1
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetComputeMode")
+def _compute_mode(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = 0  # NVML_COMPUTEMODE_DEFAULT
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetDisplayActive")
+@_c("nvmlDeviceGetDisplayMode")
+def _display(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = 0
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetAttributes_v2")
+def _attributes(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    gpu = lib._node.gpu(dev.gpu)
+    attrs = _obj(out)
+    if dev.mig is None:
+        attrs.multiprocessorCount = gpu.sm_count
+        attrs.gpuInstanceSliceCount = 7 if gpu.mig else 0
+        attrs.computeInstanceSliceCount = 7 if gpu.mig else 0
+        attrs.memorySizeMB = gpu.memory_total_mib
+    else:
+        mig = gpu.mig[dev.mig]
+        attrs.multiprocessorCount = mig.sm_count
+        attrs.gpuInstanceSliceCount = mig.slices
+        attrs.computeInstanceSliceCount = mig.slices
+        attrs.memorySizeMB = mig.memory_total_mib
+    return SUCCESS
+
+
+# ---------------------------------------------------------------------------------------------
+# MIG
+# ---------------------------------------------------------------------------------------------
+
+
+@_c("nvmlDeviceGetMigMode")
+def _mig_mode(lib: FakeNvmlLibrary, t: float, dev: Dev, current: Any, pending: Any) -> int:
+    if dev.mig is not None:
+        return INVALID_ARGUMENT
+    gpu = lib._node.gpu(dev.gpu)
+    facts = MODEL_FACTS.get(gpu.model)
+    if facts is not None and facts.mig_slices == 0:
+        return NOT_SUPPORTED
+    mode = 1 if gpu.mig else 0
+    _obj(current).value = mode
+    _obj(pending).value = mode
+    return SUCCESS
+
+
+@_c("nvmlDeviceIsMigDeviceHandle")
+def _is_mig(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = 1 if dev.mig is not None else 0
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetMaxMigDeviceCount")
+def _max_mig(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is not None:
+        return INVALID_ARGUMENT
+    gpu = lib._node.gpu(dev.gpu)
+    _obj(out).value = 7 if gpu.mig else 0
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetMigDeviceHandleByIndex")
+def _mig_handle(lib: FakeNvmlLibrary, t: float, dev: Dev, index: Any, out: Any) -> int:
+    gpu = lib._node.gpu(dev.gpu)
+    i = _int(index)
+    if dev.mig is not None or not gpu.mig:
+        return INVALID_ARGUMENT
+    if i >= 7:
+        return INVALID_ARGUMENT
+    if i >= len(gpu.mig):
+        return NOT_FOUND
+    lib._store_handle(out, dev.gpu, i)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetDeviceHandleFromMigDeviceHandle")
+def _parent_handle(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is None:
+        return INVALID_ARGUMENT
+    lib._store_handle(out, dev.gpu)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetGpuInstanceId")
+def _gi_id(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is None:
+        return INVALID_ARGUMENT
+    _obj(out).value = lib._node.gpu(dev.gpu).mig[dev.mig].gpu_instance_id
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetComputeInstanceId")
+def _ci_id(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is None:
+        return INVALID_ARGUMENT
+    _obj(out).value = 0
+    return SUCCESS
+
+
+# ---------------------------------------------------------------------------------------------
+# Readings
+# ---------------------------------------------------------------------------------------------
+
+
+@_c("nvmlDeviceGetUtilizationRates")
+def _utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    # As on real drivers, neither a MIG-enabled GPU nor its instances report utilization.
+    if lib._node.gpu(dev.gpu).mig:
+        return NOT_SUPPORTED
+    util = _obj(out)
+    percent = lib._node.utilization(dev.gpu, t)
+    util.gpu = round(percent)
+    used = lib._node.memory_used_mib(dev.gpu, None, t)
+    util.memory = round(percent * 0.6) if used else 0
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetEncoderUtilization")
+@_c("nvmlDeviceGetDecoderUtilization")
+def _codec_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, util: Any, period: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    _obj(util).value = 0
+    _obj(period).value = 167000
+    return SUCCESS
+
+
+def _memory_bytes(lib: FakeNvmlLibrary, dev: Dev, t: float) -> tuple[int, int]:
+    gpu = lib._node.gpu(dev.gpu)
+    total_mib = gpu.memory_total_mib if dev.mig is None else gpu.mig[dev.mig].memory_total_mib
+    used_mib = min(total_mib, lib._node.memory_used_mib(dev.gpu, dev.mig, t))
+    return total_mib * 2**20, used_mib * 2**20
+
+
+@_c("nvmlDeviceGetMemoryInfo")
+@_c("nvmlDeviceGetMemoryInfo_v2")
+def _memory(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    total, used = _memory_bytes(lib, dev, t)
+    memory = _obj(out)
+    if hasattr(memory, "version"):
+        # The v2 struct separates the driver's reservation from what processes use.
+        memory.reserved = 0
+    memory.total = total
+    memory.used = used
+    memory.free = total - used
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetBAR1MemoryInfo")
+def _bar1(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    bar1 = _obj(out)
+    bar1.bar1Total = 128 * 2**30
+    bar1.bar1Used = 2**21
+    bar1.bar1Free = bar1.bar1Total - bar1.bar1Used
+    return SUCCESS
+
+
+def _gpu_only(dev: Dev) -> int:
+    return NOT_SUPPORTED if dev.mig is not None else SUCCESS
+
+
+@_c("nvmlDeviceGetTemperature")
+def _temperature(lib: FakeNvmlLibrary, t: float, dev: Dev, sensor: Any, out: Any) -> int:
+    if _gpu_only(dev) or _int(sensor) != 0:
+        return NOT_SUPPORTED if dev.mig is not None else INVALID_ARGUMENT
+    _obj(out).value = round(lib._node.temperature_c(dev.gpu, t))
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetTemperatureV")
+def _temperature_v(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    reading = _obj(out)
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    if reading.sensorType != 0:
+        return INVALID_ARGUMENT
+    reading.temperature = round(lib._node.temperature_c(dev.gpu, t))
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetTemperatureThreshold")
+def _temperature_threshold(lib: FakeNvmlLibrary, t: float, dev: Dev, which: Any, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    # shutdown, slowdown, mem max, gpu max
+    table = {0: 92, 1: 89, 2: 95, 3: 87}
+    if _int(which) not in table:
+        return NOT_SUPPORTED
+    _obj(out).value = table[_int(which)]
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetFanSpeed")
+@_c("nvmlDeviceGetFanSpeed_v2")
+def _fan(lib: FakeNvmlLibrary, t: float, dev: Dev, *args: Any) -> int:
+    return NOT_SUPPORTED  # data-centre boards are passively cooled: the driver has no fan to read
+
+
+@_c("nvmlDeviceGetNumFans")
+def _num_fans(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = 0
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetPowerUsage")
+def _power(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    _obj(out).value = round(lib._node.power_w(dev.gpu, t) * 1000)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetEnforcedPowerLimit")
+@_c("nvmlDeviceGetPowerManagementLimit")
+@_c("nvmlDeviceGetPowerManagementDefaultLimit")
+def _power_limit(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    _obj(out).value = round(lib._node.gpu(dev.gpu).power_limit_w * 1000)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetPowerManagementLimitConstraints")
+def _power_constraints(lib: FakeNvmlLibrary, t: float, dev: Dev, low: Any, high: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    gpu = lib._node.gpu(dev.gpu)
+    _obj(low).value = round(gpu.idle_power_w * 2 * 1000)
+    _obj(high).value = round(gpu.power_limit_w * 1000)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetPowerState")
+@_c("nvmlDeviceGetPerformanceState")
+def _pstate(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    _obj(out).value = 0 if lib._node.utilization(dev.gpu, t) > 0 else 8
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetTotalEnergyConsumption")
+def _energy(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    _obj(out).value = int(lib._node.energy_j(dev.gpu, t) * 1000)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetClockInfo")
+@_c("nvmlDeviceGetMaxClockInfo")
+def _clock(lib: FakeNvmlLibrary, t: float, dev: Dev, which: Any, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    table = {0: 1410, 1: 1410, 2: 1593, 3: 1275}  # graphics, SM, memory, video (MHz)
+    if _int(which) not in table:
+        return INVALID_ARGUMENT
+    _obj(out).value = table[_int(which)]
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetNvLinkState")
+def _nvlink_state(lib: FakeNvmlLibrary, t: float, dev: Dev, link: Any, out: Any) -> int:
+    gpu = lib._node.gpu(dev.gpu)
+    if dev.mig is not None or gpu.nvlink_links == 0:
+        return NOT_SUPPORTED
+    n = _int(link)
+    if n >= gpu.nvlink_links:
+        return INVALID_ARGUMENT
+    _obj(out).value = 1 if lib._node.nvlink_up(dev.gpu, n, t) else 0
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetFieldValues")
+def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: Any) -> int:
+    array = _obj(values)
+    node = lib._node
+    gpu = node.gpu(dev.gpu)
+    stamp_us = int(node.clock.start_epoch * 1_000_000 + t * 1_000_000)
+    for i in range(_int(count)):
+        field = array[i]
+        fid = field.fieldId
+        field.timestamp = stamp_us
+        field.latencyUsec = 0
+        call = _FIELD_CALLS.get(fid)
+        error = node.fault_error(call, family(call), dev.gpu, t) if call else None
+        if call is None or fid in lib._fields_hidden:
+            field.nvmlReturn = NOT_SUPPORTED
+        elif error is not None:
+            field.nvmlReturn = ERROR_CODES[error]
+        elif dev.mig is not None and fid != FI_NVLINK_LINK_COUNT:
+            field.nvmlReturn = NOT_SUPPORTED
+        elif fid == FI_POWER_INSTANT:
+            field.valueType = _VALUE_TYPE_UINT
+            field.value.uiVal = round(node.power_w(dev.gpu, t) * 1000)
+            field.nvmlReturn = SUCCESS
+        elif fid == FI_TOTAL_ENERGY_CONSUMPTION:
+            field.valueType = _VALUE_TYPE_ULONGLONG
+            field.value.ullVal = int(node.energy_j(dev.gpu, t) * 1000)
+            field.nvmlReturn = SUCCESS
+        elif fid == FI_NVLINK_LINK_COUNT:
+            field.valueType = _VALUE_TYPE_UINT
+            field.value.uiVal = gpu.nvlink_links if dev.mig is None else 0
+            field.nvmlReturn = SUCCESS
+        elif fid == FI_NVLINK_GET_STATE:
+            link = field.scopeId
+            if gpu.nvlink_links == 0:
+                field.nvmlReturn = NOT_SUPPORTED
+            elif link >= gpu.nvlink_links:
+                field.nvmlReturn = INVALID_ARGUMENT
+            else:
+                field.valueType = _VALUE_TYPE_UINT
+                field.value.uiVal = 1 if node.nvlink_up(dev.gpu, link, t) else 0
+                field.nvmlReturn = SUCCESS
+        else:
+            field.nvmlReturn = NOT_SUPPORTED
+    return SUCCESS
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------------------------
+
+_NO_INSTANCE = 0xFFFFFFFF
+
+
+def _running_processes(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, infos: Any) -> int:
+    node = lib._node
+    gpu = node.gpu(dev.gpu)
+    if dev.mig is None:
+        entries = [(e.process, e.mig) for e in node.process_entries(dev.gpu, t)]
+    else:
+        entries = [(p, dev.mig) for p in node.processes_on(dev.gpu, dev.mig, t)]
+    counter = _obj(count)
+    if infos is None:
+        counter.value = len(entries)
+        return INSUFFICIENT_SIZE if entries else SUCCESS
+    if counter.value < len(entries):
+        counter.value = len(entries)
+        return INSUFFICIENT_SIZE
+    array = _obj(infos)
+    for i, (process, mig) in enumerate(entries):
+        info = array[i]
+        info.pid = process.pid
+        info.usedGpuMemory = process.memory_mib * 2**20
+        if hasattr(info, "gpuInstanceId"):
+            info.gpuInstanceId = _NO_INSTANCE if mig is None else gpu.mig[mig].gpu_instance_id
+            info.computeInstanceId = _NO_INSTANCE if mig is None else 0
+    counter.value = len(entries)
+    return SUCCESS
+
+
+for _name_ in (
+    "nvmlDeviceGetComputeRunningProcesses",
+    "nvmlDeviceGetComputeRunningProcesses_v2",
+    "nvmlDeviceGetComputeRunningProcesses_v3",
+):
+    _c(_name_)(_running_processes)
+
+
+@_c("nvmlDeviceGetGraphicsRunningProcesses")
+@_c("nvmlDeviceGetGraphicsRunningProcesses_v2")
+@_c("nvmlDeviceGetGraphicsRunningProcesses_v3")
+@_c("nvmlDeviceGetMPSComputeRunningProcesses")
+@_c("nvmlDeviceGetMPSComputeRunningProcesses_v2")
+@_c("nvmlDeviceGetMPSComputeRunningProcesses_v3")
+def _no_processes(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, infos: Any) -> int:
+    # Scenario processes are compute contexts; the fake node runs no graphics or MPS clients.
+    _obj(count).value = 0
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetProcessUtilization")
+def _process_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, samples: Any, count: Any, last_seen: Any) -> int:
+    if lib._node.gpu(dev.gpu).mig:
+        return NOT_SUPPORTED
+    found = lib._node.process_samples(dev.gpu, _int(last_seen), t)
+    counter = _obj(count)
+    if not found:
+        return NOT_FOUND
+    if samples is None or counter.value < len(found):
+        counter.value = len(found)
+        return INSUFFICIENT_SIZE
+    array = _obj(samples)
+    for i, (pid, stamp_us, sm_util) in enumerate(found):
+        sample = array[i]
+        sample.pid = pid
+        sample.timeStamp = stamp_us
+        sample.smUtil = sm_util
+        sample.memUtil = 0
+        sample.encUtil = 0
+        sample.decUtil = 0
+    counter.value = len(found)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetAccountingMode")
+def _accounting_mode(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = 0
+    return SUCCESS

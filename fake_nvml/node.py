@@ -1,0 +1,224 @@
+"""The fake node's physics: a scenario clock and the readings each GPU shows at a given time."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fake_nvml.scenario import Fault, Gpu, GpuRef, Process, Scenario
+
+# How often the fake driver records a per-process utilization sample, in scenario seconds,
+# and how many it keeps per process (the real driver keeps a short ring buffer too).
+PROCESS_SAMPLE_PERIOD_S = 1.0
+PROCESS_SAMPLES_KEPT = 32
+
+
+class ScenarioClock:
+    """Scenario time in seconds since t=0. Moves only by `advance`, or at `speed` x real time.
+
+    The monotonic source is injectable so that tests of the speed mode need not sleep.
+    """
+
+    def __init__(
+        self,
+        start_epoch: float,
+        speed: float = 0.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.start_epoch = start_epoch
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        self._base_s = 0.0
+        self._speed = speed
+        self._anchor = monotonic()
+
+    def now(self) -> float:
+        """Scenario seconds since t=0."""
+        with self._lock:
+            if self._speed:
+                return self._base_s + (self._monotonic() - self._anchor) * self._speed
+            return self._base_s
+
+    def wall_time(self) -> float:
+        """Unix time the scenario is at now: what a real node's wall clock would show."""
+        return self.start_epoch + self.now()
+
+    def advance(self, seconds: float) -> float:
+        if seconds < 0:
+            raise ValueError("the scenario clock does not run backwards")
+        with self._lock:
+            self._base_s += seconds
+            return self._base_s
+
+    def set_speed(self, speed: float) -> None:
+        with self._lock:
+            now = self._monotonic()
+            self._base_s += (now - self._anchor) * self._speed
+            self._anchor = now
+            self._speed = speed
+
+
+@dataclass(frozen=True)
+class ProcessOnGpu:
+    process: Process
+    mig: int | None
+
+
+class FakeNode:
+    """A scenario running on a clock: what NVML (and later procfs) would show at any moment."""
+
+    def __init__(self, scenario: Scenario, clock: ScenarioClock, workdir: Path | None = None) -> None:
+        self.scenario = scenario
+        self.clock = clock
+        self.calls: Counter[str] = Counter()
+        self.workdir = workdir
+        self._by_gpu: list[list[ProcessOnGpu]] = [[] for _ in scenario.gpus]
+        for process in scenario.processes:
+            for ref in process.gpus:
+                self._by_gpu[ref.gpu].append(ProcessOnGpu(process, ref.mig))
+        # Times at which a GPU's utilization may change: integrating power between them is exact.
+        self._breakpoints: list[list[float]] = []
+        for entries in self._by_gpu:
+            points: set[float] = {0.0}
+            for entry in entries:
+                points.add(entry.process.start_s)
+                if entry.process.end_s is not None:
+                    points.add(entry.process.end_s)
+                points.update(entry.process.start_s + s.at_s for s in entry.process.segments)
+            self._breakpoints.append(sorted(points))
+        self._energy_cache: list[tuple[float, float]] = [(0.0, 0.0) for _ in scenario.gpus]
+        self._energy_lock = threading.Lock()
+        self._faults_by_gpu: dict[int | None, list[Fault]] = {}
+        for fault in scenario.faults:
+            self._faults_by_gpu.setdefault(fault.gpu, []).append(fault)
+
+    # -- time ---------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    # -- processes ----------------------------------------------------------------------------
+
+    def processes_on(self, gpu: int, mig: int | None, t: float) -> list[Process]:
+        """Processes running on a GPU (mig None: on any part of it) or one MIG instance."""
+        return [
+            entry.process
+            for entry in self._by_gpu[gpu]
+            if entry.process.running_at(t) and (mig is None or entry.mig == mig)
+        ]
+
+    def process_entries(self, gpu: int, t: float) -> list[ProcessOnGpu]:
+        return [entry for entry in self._by_gpu[gpu] if entry.process.running_at(t)]
+
+    @staticmethod
+    def process_util(process: Process, t: float) -> float:
+        return process.sm_util_at(t - process.start_s)
+
+    # -- device readings ----------------------------------------------------------------------
+
+    def utilization(self, gpu: int, t: float) -> float:
+        """Percent of the GPU kept busy: the running processes' sm_util summed, capped at 100."""
+        total = sum(self.process_util(p, t) for p in self.processes_on(gpu, None, t))
+        return min(100.0, total)
+
+    def memory_used_mib(self, gpu: int, mig: int | None, t: float) -> int:
+        return sum(p.memory_mib for p in self.processes_on(gpu, mig, t))
+
+    def power_w(self, gpu: int, t: float) -> float:
+        spec = self.scenario.gpus[gpu]
+        return spec.idle_power_w + (spec.power_limit_w - spec.idle_power_w) * self.utilization(gpu, t) / 100
+
+    def temperature_c(self, gpu: int, t: float) -> float:
+        spec = self.scenario.gpus[gpu]
+        return spec.idle_temp_c + (spec.max_temp_c - spec.idle_temp_c) * self.utilization(gpu, t) / 100
+
+    def energy_j(self, gpu: int, t: float) -> float:
+        """Energy since t=0: the exact integral of power, which is constant between breakpoints."""
+        with self._energy_lock:
+            cached_t, cached_j = self._energy_cache[gpu]
+            if t < cached_t:
+                cached_t, cached_j = 0.0, 0.0
+            points = self._breakpoints[gpu]
+            lo = cached_t
+            i = bisect.bisect_right(points, lo)
+            energy = cached_j
+            while lo < t:
+                hi = min(points[i], t) if i < len(points) else t
+                energy += self.power_w(gpu, lo) * (hi - lo)
+                lo = hi
+                i += 1
+            self._energy_cache[gpu] = (t, energy)
+            return energy
+
+    def nvlink_up(self, gpu: int, link: int, t: float) -> bool:
+        return not any(link in f.nvlink_down and f.active(t) for f in self._faults_by_gpu.get(gpu, ()))
+
+    def process_samples(self, gpu: int, last_seen_us: int, t: float) -> list[tuple[int, int, int]]:
+        """(pid, timestamp_us, sm_util) samples newer than `last_seen_us`, as the driver keeps them.
+
+        Samples are taken every PROCESS_SAMPLE_PERIOD_S of scenario time; only the newest
+        PROCESS_SAMPLES_KEPT per process survive; a process at 0% leaves no sample (the real
+        driver reports only processes with non-zero utilization in the sample period).
+        """
+        start_epoch = self.clock.start_epoch
+        newest_k = int(t // PROCESS_SAMPLE_PERIOD_S)
+        samples: list[tuple[int, int, int]] = []
+        for process in self.processes_on(gpu, None, t):
+            first_k = max(
+                newest_k - PROCESS_SAMPLES_KEPT + 1,
+                int(-(-process.start_s // PROCESS_SAMPLE_PERIOD_S)),
+            )
+            for k in range(max(first_k, 0), newest_k + 1):
+                at = k * PROCESS_SAMPLE_PERIOD_S
+                stamp_us = round((start_epoch + at) * 1_000_000)
+                if stamp_us <= last_seen_us:
+                    continue
+                util = round(self.process_util(process, at))
+                if util > 0:
+                    samples.append((process.pid, stamp_us, util))
+        return samples
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def fault_error(self, call: str, family: str, gpu: int | None, t: float) -> str | None:
+        """The NVML error a call fails with now, if a fault says so.
+
+        A GPU_IS_LOST fault is sticky: once its `at` has passed the GPU stays lost, unless the
+        fault gives an `until` (the GPU was reset and came back).
+        """
+        for key in (None, gpu) if gpu is not None else (None,):
+            for fault in self._faults_by_gpu.get(key, ()):
+                if fault.error is None or not fault.active(t):
+                    continue
+                if fault.call is None:
+                    # GPU-scoped faults without a call hit every call on that GPU; node-wide ones
+                    # without a call hit every call, like a driver that went away.
+                    return fault.error
+                if fault.call in ("*", call, family):
+                    return fault.error
+        return None
+
+    def call_latency_s(self, call: str, family: str, t: float) -> float:
+        latency = 0.0
+        for fault in self._faults_by_gpu.get(None, ()):
+            if fault.latency_ms and fault.active(t) and fault.call in (None, "*", call, family):
+                latency = max(latency, fault.latency_ms / 1000)
+        return latency
+
+    def xids(self, gpu: int, since_s: float, until_s: float) -> list[tuple[float, int]]:
+        return [
+            (f.at_s, f.xid)
+            for f in self._faults_by_gpu.get(gpu, ())
+            if f.xid is not None and since_s < f.at_s <= until_s
+        ]
+
+    def gpu(self, index: int) -> Gpu:
+        return self.scenario.gpus[index]
+
+    def ref_exists(self, ref: GpuRef) -> bool:
+        return ref.gpu < len(self.scenario.gpus) and (ref.mig is None or ref.mig < len(self.scenario.gpus[ref.gpu].mig))

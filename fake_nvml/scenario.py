@@ -1,0 +1,653 @@
+"""Scenario files: the YAML that describes a fake node, parsed and validated into frozen data.
+
+Every problem is reported as one `ScenarioError` line naming the file, the key path and the
+entry, e.g. ``demo.yaml: processes[2].gpus: GPU 9 does not exist (the node has 8)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agent.units import parse_duration
+
+SCENARIO_DIR = Path(__file__).parent / "scenarios"
+
+# NVML return-code names without the NVML_ERROR_ prefix, as scenarios write them.
+ERROR_CODES: dict[str, int] = {
+    "UNINITIALIZED": 1,
+    "INVALID_ARGUMENT": 2,
+    "NOT_SUPPORTED": 3,
+    "NO_PERMISSION": 4,
+    "ALREADY_INITIALIZED": 5,
+    "NOT_FOUND": 6,
+    "INSUFFICIENT_SIZE": 7,
+    "INSUFFICIENT_POWER": 8,
+    "DRIVER_NOT_LOADED": 9,
+    "TIMEOUT": 10,
+    "IRQ_ISSUE": 11,
+    "LIBRARY_NOT_FOUND": 12,
+    "FUNCTION_NOT_FOUND": 13,
+    "CORRUPTED_INFOROM": 14,
+    "GPU_IS_LOST": 15,
+    "RESET_REQUIRED": 16,
+    "OPERATING_SYSTEM": 17,
+    "LIB_RM_VERSION_MISMATCH": 18,
+    "IN_USE": 19,
+    "MEMORY": 20,
+    "NO_DATA": 21,
+    "INSUFFICIENT_RESOURCES": 23,
+    "ARGUMENT_VERSION_MISMATCH": 25,
+    "NOT_READY": 27,
+    "GPU_NOT_FOUND": 28,
+    "INVALID_STATE": 29,
+    "UNKNOWN": 999,
+}
+
+
+@dataclass(frozen=True)
+class GpuModelFacts:
+    """What a GPU model looks like to NVML: SMs, and how MIG carves them up."""
+
+    sm_count: int
+    mig_slices: int  # compute slices a full MIG layout has; 0 when the model has no MIG
+    sms_per_slice: int
+    memory_total_mib: int
+    power_limit_w: int
+    idle_power_w: int
+    pci_device_id: int
+
+
+# Public spec-sheet facts (NVIDIA data sheets and the MIG user guide's profile tables).
+MODEL_FACTS: dict[str, GpuModelFacts] = {
+    "A100-SXM4-80GB": GpuModelFacts(108, 7, 14, 81920, 400, 55, 0x20B210DE),
+    "A100-SXM4-40GB": GpuModelFacts(108, 7, 14, 40960, 400, 52, 0x20B010DE),
+    "A100-PCIE-40GB": GpuModelFacts(108, 7, 14, 40960, 250, 35, 0x20F110DE),
+    "A100 80GB PCIe": GpuModelFacts(108, 7, 14, 81920, 300, 45, 0x20B510DE),
+    "H100 80GB HBM3": GpuModelFacts(132, 7, 16, 81559, 700, 70, 0x233010DE),
+    "H100-SXM5-80GB": GpuModelFacts(132, 7, 16, 81559, 700, 70, 0x233010DE),
+    "H100 PCIe": GpuModelFacts(114, 7, 14, 81559, 350, 50, 0x233110DE),
+    "H200": GpuModelFacts(132, 7, 16, 143771, 700, 75, 0x233510DE),
+    "B200": GpuModelFacts(148, 7, 18, 183359, 1000, 110, 0x290110DE),
+    "A30": GpuModelFacts(56, 4, 14, 24576, 165, 30, 0x20B710DE),
+    "L40S": GpuModelFacts(142, 0, 0, 46068, 350, 35, 0x26B910DE),
+    "L4": GpuModelFacts(58, 0, 0, 23034, 72, 16, 0x27B810DE),
+    "A10G": GpuModelFacts(80, 0, 0, 23028, 300, 25, 0x223710DE),
+    "T4": GpuModelFacts(40, 0, 0, 15360, 70, 10, 0x1EB810DE),
+}
+_DEFAULT_FACTS = GpuModelFacts(108, 7, 14, 81920, 400, 55, 0x20B210DE)
+
+_MIG_PROFILE = re.compile(r"^(\d)g\.(\d+)gb$")
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be loaded; the message is one line naming the key and entry."""
+
+
+@dataclass(frozen=True)
+class GpuRef:
+    """A whole GPU (`mig` None) or one MIG instance of it (`mig` = position in its `mig:` list)."""
+
+    gpu: int
+    mig: int | None = None
+
+    def __str__(self) -> str:
+        return str(self.gpu) if self.mig is None else f"{self.gpu}:{self.mig}"
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    profile: str
+    slices: int
+    memory_total_mib: int
+    sm_count: int
+    gpu_instance_id: int
+    uuid: str
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    model: str
+    uuid: str
+    pci_bus_id: str
+    pci_device_id: int
+    memory_total_mib: int
+    power_limit_w: float
+    idle_power_w: float
+    idle_temp_c: float
+    max_temp_c: float
+    nvlink_links: int
+    sm_count: int
+    mig: tuple[MigInstance, ...]
+
+    @property
+    def name(self) -> str:
+        return "NVIDIA " + self.model
+
+
+@dataclass(frozen=True)
+class UtilSegment:
+    at_s: float
+    sm_util: float
+
+
+@dataclass(frozen=True)
+class PodRef:
+    namespace: str
+    name: str
+    container: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    gpus: tuple[GpuRef, ...]
+    start_s: float
+    end_s: float | None
+    segments: tuple[UtilSegment, ...]
+    memory_mib: int
+    uid: int
+    user: str | None
+    cmdline: str
+    environ: Mapping[str, str]
+    cgroup: str | None
+    pod: PodRef | None
+    slurm_job: str | None
+    container_id: str | None
+
+    def running_at(self, t: float) -> bool:
+        return self.start_s <= t and (self.end_s is None or t < self.end_s)
+
+    def sm_util_at(self, t: float) -> float:
+        util = 0.0
+        for segment in self.segments:
+            if segment.at_s <= t:
+                util = segment.sm_util
+            else:
+                break
+        return util
+
+
+@dataclass(frozen=True)
+class Allocation:
+    gpus: tuple[GpuRef, ...]
+    start_s: float
+    end_s: float | None
+    pod: PodRef | None
+    slurm_job: str | None
+    user: str | None
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float
+    until_s: float | None
+    gpu: int | None
+    call: str | None
+    error: str | None
+    nvlink_down: tuple[int, ...]
+    xid: int | None
+    latency_ms: float
+
+    def active(self, t: float) -> bool:
+        return self.at_s <= t and (self.until_s is None or t < self.until_s)
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    hostname: str
+    driver_version: str
+    cuda_driver_version: int
+    instance_type: str | None
+    missing_functions: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    start: datetime
+    node: NodeFacts
+    gpus: tuple[Gpu, ...]
+    processes: tuple[Process, ...]
+    allocations: tuple[Allocation, ...]
+    faults: tuple[Fault, ...]
+    raw: Mapping[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def start_epoch(self) -> float:
+        return self.start.timestamp()
+
+
+class _Reader:
+    """Typed access to one mapping of the YAML, with the path used in error messages."""
+
+    def __init__(self, source: str, path: str, data: object) -> None:
+        if not isinstance(data, Mapping):
+            raise ScenarioError(f"{source}: {path or 'scenario'}: expected a mapping, got {_kind(data)}")
+        self.source = source
+        self.path = path
+        self.data: Mapping[str, Any] = data
+
+    def where(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def fail(self, key: str, message: str) -> ScenarioError:
+        return ScenarioError(f"{self.source}: {self.where(key)}: {message}")
+
+    def check_keys(self, allowed: Sequence[str]) -> None:
+        for key in self.data:
+            if key not in allowed:
+                raise self.fail(str(key), f"unknown key (expected one of: {', '.join(allowed)})")
+
+    def str_(self, key: str, default: str | None = None) -> str | None:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise self.fail(key, f"expected text, got {_kind(value)}")
+        return str(value)
+
+    def int_(self, key: str, default: int | None = None, *, minimum: int = 0) -> int | None:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"expected a whole number, got {value!r}")
+        if value < minimum:
+            raise self.fail(key, f"must be at least {minimum}, got {value}")
+        return value
+
+    def num(self, key: str, default: float | None = None, *, maximum: float | None = None) -> float | None:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(key, f"expected a number, got {value!r}")
+        if value < 0 or (maximum is not None and value > maximum):
+            bound = f"0..{maximum:g}" if maximum is not None else "0 or more"
+            raise self.fail(key, f"must be {bound}, got {value}")
+        return float(value)
+
+    def duration(self, key: str, default: float | None = None) -> float | None:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            raise self.fail(key, str(exc)) from None
+
+    def list_(self, key: str) -> list[Any]:
+        value = self.data.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise self.fail(key, f"expected a list, got {_kind(value)}")
+        return value
+
+    def child(self, key: str, data: object) -> _Reader:
+        return _Reader(self.source, self.where(key), data)
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _uuid(hostname: str, *parts: object) -> str:
+    digest = hashlib.sha256("/".join([hostname, *map(str, parts)]).encode()).hexdigest()
+    return f"{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+
+def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
+    entries = top.list_("gpus")
+    if not entries:
+        raise top.fail("gpus", "required: at least one GPU")
+    gpus: list[Gpu] = []
+    for i, entry in enumerate(entries):
+        r = top.child(f"gpus[{i}]", entry)
+        r.check_keys(
+            [
+                "model", "count", "memory_total_mib", "power_limit_w", "idle_power_w",
+                "idle_temp_c", "max_temp_c", "nvlink_links", "mig", "sm_count",
+            ]
+        )  # fmt: skip
+        model = r.str_("model", "A100-SXM4-80GB") or "A100-SXM4-80GB"
+        facts = MODEL_FACTS.get(model, _DEFAULT_FACTS)
+        count = r.int_("count", 1, minimum=1) or 1
+        memory_total_mib = r.int_("memory_total_mib", minimum=1) or facts.memory_total_mib
+        power_limit_w = r.num("power_limit_w", facts.power_limit_w) or float(facts.power_limit_w)
+        idle_power_w = r.num("idle_power_w", facts.idle_power_w) or 0.0
+        if idle_power_w > power_limit_w:
+            raise r.fail("idle_power_w", f"{idle_power_w:g} is above power_limit_w {power_limit_w:g}")
+        idle_temp_c = r.num("idle_temp_c", 32.0, maximum=120) or 0.0
+        max_temp_c = r.num("max_temp_c", 83.0, maximum=120) or 0.0
+        nvlink_links = r.int_("nvlink_links", 0) or 0
+        sm_count = r.int_("sm_count", facts.sm_count, minimum=1) or facts.sm_count
+        profiles = r.list_("mig")
+        for _ in range(count):
+            index = len(gpus)
+            uuid = "GPU-" + _uuid(hostname, "gpu", index)
+            mig = _parse_mig(r, profiles, facts, memory_total_mib, hostname, index)
+            gpus.append(
+                Gpu(
+                    index=index,
+                    model=model,
+                    uuid=uuid,
+                    pci_bus_id=f"00000000:{0x10 + index * 0x10:02X}:00.0",
+                    pci_device_id=facts.pci_device_id,
+                    memory_total_mib=memory_total_mib,
+                    power_limit_w=power_limit_w,
+                    idle_power_w=idle_power_w,
+                    idle_temp_c=idle_temp_c,
+                    max_temp_c=max(max_temp_c, idle_temp_c),
+                    nvlink_links=nvlink_links,
+                    sm_count=sm_count,
+                    mig=mig,
+                )
+            )
+    return tuple(gpus)
+
+
+def _parse_mig(
+    r: _Reader,
+    profiles: list[Any],
+    facts: GpuModelFacts,
+    memory_total_mib: int,
+    hostname: str,
+    gpu_index: int,
+) -> tuple[MigInstance, ...]:
+    if profiles and facts.mig_slices == 0:
+        raise r.fail("mig", "this GPU model does not support MIG")
+    instances: list[MigInstance] = []
+    used_slices = 0
+    for j, profile in enumerate(profiles):
+        match = _MIG_PROFILE.match(str(profile))
+        if not match:
+            raise r.fail(f"mig[{j}]", f"expected a profile like 3g.40gb, got {profile!r}")
+        slices, memory_gb = int(match.group(1)), int(match.group(2))
+        used_slices += slices
+        if used_slices > facts.mig_slices:
+            raise r.fail(f"mig[{j}]", f"profiles use {used_slices} slices, the GPU has {facts.mig_slices}")
+        if memory_gb * 1024 > memory_total_mib:
+            raise r.fail(f"mig[{j}]", f"{profile} needs more memory than the GPU has")
+        instances.append(
+            MigInstance(
+                profile=str(profile),
+                slices=slices,
+                memory_total_mib=memory_gb * 1024,
+                sm_count=slices * facts.sms_per_slice,
+                # GPU instance ids as the driver numbers them: small integers from 1
+                gpu_instance_id=j + 1,
+                uuid="MIG-" + _uuid(hostname, "mig", gpu_index, j),
+            )
+        )
+    return tuple(instances)
+
+
+def _parse_gpu_refs(r: _Reader, key: str, gpus: tuple[Gpu, ...]) -> tuple[GpuRef, ...]:
+    items = r.data.get(key)
+    if items is None:
+        raise r.fail(key, "required: the GPUs it uses, e.g. [0, 1] or ['0:1']")
+    if not isinstance(items, list) or not items:
+        raise r.fail(key, f"expected a non-empty list of GPU indexes, got {_kind(items)}")
+    refs: list[GpuRef] = []
+    for item in items:
+        text = str(item)
+        match = re.fullmatch(r"(\d+)(?::(\d+))?", text)
+        if isinstance(item, bool) or not match:
+            raise r.fail(key, f"expected a GPU index or 'gpu:mig', got {item!r}")
+        gpu, mig = int(match.group(1)), match.group(2)
+        if gpu >= len(gpus):
+            raise r.fail(key, f"GPU {gpu} does not exist (the node has {len(gpus)})")
+        if mig is None:
+            if gpus[gpu].mig:
+                raise r.fail(key, f"GPU {gpu} is MIG-partitioned: name an instance, e.g. '{gpu}:0'")
+            refs.append(GpuRef(gpu))
+        else:
+            if int(mig) >= len(gpus[gpu].mig):
+                raise r.fail(key, f"GPU {gpu} has no MIG instance {mig}")
+            refs.append(GpuRef(gpu, int(mig)))
+    return tuple(refs)
+
+
+def _parse_pod(r: _Reader, key: str) -> PodRef | None:
+    value = r.data.get(key)
+    if value is None:
+        return None
+    p = r.child(key, value)
+    p.check_keys(["namespace", "name", "container", "uid"])
+    name = p.str_("name")
+    namespace = p.str_("namespace", "default") or "default"
+    if not name:
+        raise p.fail("name", "required: the pod's name")
+    uid = p.str_("uid") or _uuid("pod", namespace, name)
+    return PodRef(namespace=namespace, name=name, container=p.str_("container", "") or "", uid=uid)
+
+
+def _parse_segments(r: _Reader) -> tuple[UtilSegment, ...]:
+    value = r.data.get("sm_util", 0)
+    if isinstance(value, list):
+        segments: list[UtilSegment] = []
+        for k, item in enumerate(value):
+            s = r.child(f"sm_util[{k}]", item)
+            s.check_keys(["at", "sm_util"])
+            at = s.duration("at", 0.0) or 0.0
+            util = s.num("sm_util", 0.0, maximum=100)
+            if segments and at < segments[-1].at_s:
+                raise s.fail("at", "segments must be in time order")
+            segments.append(UtilSegment(at, util or 0.0))
+        return tuple(segments)
+    util = r.num("sm_util", 0.0, maximum=100)
+    return (UtilSegment(0.0, util or 0.0),)
+
+
+def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]:
+    processes: list[Process] = []
+    seen: dict[int, Process] = {}
+    for i, entry in enumerate(top.list_("processes")):
+        r = top.child(f"processes[{i}]", entry)
+        r.check_keys(
+            [
+                "pid", "gpus", "start", "end", "sm_util", "memory_mib", "uid", "user",
+                "cmdline", "environ", "cgroup", "pod", "slurm_job", "container_id",
+            ]
+        )  # fmt: skip
+        pid = r.int_("pid", minimum=1)
+        if pid is None:
+            raise r.fail("pid", "required: the process id")
+        start = r.duration("start", 0.0) or 0.0
+        end = r.duration("end")
+        if end is not None and end <= start:
+            raise r.fail("end", "must be after start")
+        previous = seen.get(pid)
+        if previous is not None and (previous.end_s is None or previous.end_s > start):
+            raise r.fail(
+                "pid",
+                f"pid {pid} is already running then (a reused pid must start after the old one ends)",
+            )
+        environ_raw = r.data.get("environ") or {}
+        if not isinstance(environ_raw, Mapping):
+            raise r.fail("environ", f"expected a mapping of names to values, got {_kind(environ_raw)}")
+        process = Process(
+            pid=pid,
+            gpus=_parse_gpu_refs(r, "gpus", gpus),
+            start_s=start,
+            end_s=end,
+            segments=_parse_segments(r),
+            memory_mib=r.int_("memory_mib", 0) or 0,
+            uid=r.int_("uid", 0) or 0,
+            user=r.str_("user"),
+            cmdline=r.str_("cmdline", "python") or "python",
+            environ={str(k): str(v) for k, v in environ_raw.items()},
+            cgroup=r.str_("cgroup"),
+            pod=_parse_pod(r, "pod"),
+            slurm_job=r.str_("slurm_job"),
+            container_id=r.str_("container_id"),
+        )
+        seen[pid] = process
+        processes.append(process)
+    return tuple(processes)
+
+
+def _parse_allocations(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Allocation, ...]:
+    allocations: list[Allocation] = []
+    for i, entry in enumerate(top.list_("allocations")):
+        r = top.child(f"allocations[{i}]", entry)
+        r.check_keys(["gpus", "pod", "slurm_job", "user", "start", "end"])
+        start = r.duration("start", 0.0) or 0.0
+        end = r.duration("end")
+        if end is not None and end <= start:
+            raise r.fail("end", "must be after start")
+        pod = _parse_pod(r, "pod")
+        slurm_job = r.str_("slurm_job")
+        if pod is None and slurm_job is None:
+            raise r.fail("pod", "an allocation needs a pod: or a slurm_job:")
+        allocations.append(
+            Allocation(
+                gpus=_parse_gpu_refs(r, "gpus", gpus),
+                start_s=start,
+                end_s=end,
+                pod=pod,
+                slurm_job=slurm_job,
+                user=r.str_("user"),
+            )
+        )
+    return tuple(allocations)
+
+
+def _parse_faults(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Fault, ...]:
+    faults: list[Fault] = []
+    for i, entry in enumerate(top.list_("faults")):
+        r = top.child(f"faults[{i}]", entry)
+        r.check_keys(["at", "until", "gpu", "call", "error", "nvlink_down", "xid", "latency_ms"])
+        at = r.duration("at", 0.0) or 0.0
+        until = r.duration("until")
+        if until is not None and until <= at:
+            raise r.fail("until", "must be after at")
+        gpu = r.int_("gpu")
+        if gpu is not None and gpu >= len(gpus):
+            raise r.fail("gpu", f"GPU {gpu} does not exist (the node has {len(gpus)})")
+        error = r.str_("error")
+        if error is not None and error not in ERROR_CODES:
+            raise r.fail("error", f"unknown NVML error {error!r} (use names like GPU_IS_LOST, NOT_SUPPORTED)")
+        call = r.str_("call")
+        if call is not None and call != "*" and not call.startswith("nvml"):
+            raise r.fail(
+                "call",
+                f"expected an NVML function name like nvmlDeviceGetTemperature or '*', got {call!r}",
+            )
+        links_raw = r.list_("nvlink_down")
+        links: list[int] = []
+        for link in links_raw:
+            if isinstance(link, bool) or not isinstance(link, int) or link < 0:
+                raise r.fail("nvlink_down", f"expected link numbers, got {link!r}")
+            if gpu is None:
+                raise r.fail("gpu", "nvlink_down needs the GPU it happens on")
+            if link >= gpus[gpu].nvlink_links:
+                raise r.fail("nvlink_down", f"GPU {gpu} has no NVLink link {link}")
+            links.append(link)
+        xid = r.int_("xid")
+        if xid is not None and gpu is None:
+            raise r.fail("gpu", "xid needs the GPU it happens on")
+        latency_ms = r.num("latency_ms", 0.0) or 0.0
+        if error is None and not links and xid is None and latency_ms == 0:
+            raise r.fail("error", "a fault needs one of error, nvlink_down, xid or latency_ms")
+        faults.append(Fault(at, until, gpu, call, error, tuple(links), xid, latency_ms))
+    return tuple(faults)
+
+
+def _parse_start(top: _Reader) -> datetime:
+    value = top.data.get("start")
+    if value is None:
+        return datetime(2026, 11, 20, 18, 0, tzinfo=UTC)
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    try:
+        parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        raise top.fail("start", f"expected an ISO time like 2026-11-20T18:00:00Z, got {value!r}") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def parse_scenario(data: object, source: str = "scenario") -> Scenario:
+    """Validate a scenario mapping (as loaded from YAML) into a `Scenario`."""
+    top = _Reader(source, "", data)
+    top.check_keys(["name", "start", "node", "gpus", "processes", "allocations", "faults"])
+    node_r = top.child("node", top.data.get("node") or {})
+    node_r.check_keys(["hostname", "driver_version", "cuda_driver_version", "instance_type", "missing_functions"])
+    hostname = node_r.str_("hostname", "gpu-node-01") or "gpu-node-01"
+    driver_version = node_r.str_("driver_version", "550.54.15") or "550.54.15"
+    if not re.fullmatch(r"\d+\.\d+(\.\d+)?", driver_version):
+        raise node_r.fail("driver_version", f"expected a version like 550.54.15, got {driver_version!r}")
+    missing = node_r.list_("missing_functions")
+    node = NodeFacts(
+        hostname=hostname,
+        driver_version=driver_version,
+        cuda_driver_version=node_r.int_("cuda_driver_version", 12040) or 12040,
+        instance_type=node_r.str_("instance_type"),
+        missing_functions=frozenset(str(m) for m in missing),
+    )
+    gpus = _parse_gpus(top, hostname)
+    return Scenario(
+        name=top.str_("name", source) or source,
+        start=_parse_start(top),
+        node=node,
+        gpus=gpus,
+        processes=_parse_processes(top, gpus),
+        allocations=_parse_allocations(top, gpus),
+        faults=_parse_faults(top, gpus),
+        raw=top.data,
+    )
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
+
+
+def load_scenario(spec: str | Path | Mapping[str, Any]) -> Scenario:
+    """A scenario from a mapping, a built-in name (``demo``) or a path to a YAML file."""
+    if isinstance(spec, Mapping):
+        return parse_scenario(spec, "scenario")
+    text = str(spec)
+    path = Path(text)
+    if not path.suffix and "/" not in text:
+        builtin = SCENARIO_DIR / f"{text}.yaml"
+        if not builtin.exists():
+            raise ScenarioError(
+                f"{text}: no such built-in scenario (built-in: {', '.join(builtin_names())}) and no such file"
+            )
+        path = builtin
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(f"{path}: no such scenario file") from None
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ScenarioError(f"{path}:{where}: {problem}") from None
+    name = path.stem if path.parent == SCENARIO_DIR else str(path)
+    scenario = parse_scenario(raw, path.name)
+    if "name" not in scenario.raw:
+        scenario = Scenario(
+            name, scenario.start, scenario.node, scenario.gpus, scenario.processes,
+            scenario.allocations, scenario.faults, scenario.raw,
+        )  # fmt: skip
+    return scenario
