@@ -98,8 +98,20 @@ class Sampler:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Initialise NVML and discover devices. Raises NvmlLibraryMissing when there is no NVML."""
-        self._init(self.backend.clock())
+        """Initialise NVML and discover devices. Raises NvmlLibraryMissing when there is no NVML.
+
+        A driver that is installed but not answering yet (still loading, mid-upgrade) is not
+        fatal: polls report it down and initialisation is retried with backoff.
+        """
+        now = self.backend.clock()
+        try:
+            self._init(now)
+        except NvmlLibraryMissing:
+            raise
+        except NvmlError as exc:
+            self._count(exc)
+            log.error("nvml is not answering (%s); retrying with backoff", exc.error)
+            self._schedule_reinit(now)
 
     def close(self) -> None:
         if self._initialised:

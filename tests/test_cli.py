@@ -1,0 +1,285 @@
+"""The `gpuledger` command end to end: real subprocesses, real HTTP, real exit codes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def gpuledger(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fetch(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    for (sample_name, sample_labels), v in samples(text).items():
+        if sample_name == name and all((k, val) in sample_labels for k, val in labels.items()):
+            return v
+    raise KeyError((name, labels))
+
+
+class Daemon:
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.log = (tmp_path / f"daemon-{self.port}.log").open("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "run", "--listen", f"127.0.0.1:{self.port}", *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_for(self, predicate: object, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}: {self.output()}")
+            try:
+                _status, last = fetch(self.url + "/metrics")
+                if callable(predicate) and predicate(last):
+                    return last
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"timed out; last scrape:\n{last[:2000]}\nlog:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[type[Daemon]]:
+    started: list[Daemon] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Daemon:
+        d = Daemon(tmp_path, *args, env=env)
+        started.append(d)
+        return d
+
+    yield start  # type: ignore[misc]
+    for d in started:
+        d.stop()
+
+
+def polls_at_least(n: int) -> object:
+    def check(text: str) -> bool:
+        try:
+            return value(text, "gpuledger_polls_total") >= n
+        except KeyError:
+            return False
+
+    return check
+
+
+def test_run_fake_serves_demo_metrics_and_health_over_http(daemon: type[Daemon]) -> None:
+    d = daemon("--fake", env={"GPULEDGER_POLL_INTERVAL": "0.2s"})  # type: ignore[call-arg]
+    text = d.wait_for(polls_at_least(2))
+    assert value(text, "gpuledger_gpu_utilization_ratio", gpu="0") == pytest.approx(0.92)
+    assert value(text, "gpuledger_gpu_memory_used_bytes", gpu="5") == 30000 * 2**20
+    assert value(text, "gpuledger_gpu_up", gpu="7") == 1
+    assert value(text, "gpuledger_nvml_up") == 1
+    gpus = {labels for (name, labels) in samples(text) if name == "gpuledger_gpu_info"}
+    assert len(gpus) == 8
+    assert all("pid" not in dict(labels) for (_name, labels) in samples(text))
+    status, body = fetch(d.url + "/healthz")
+    assert (status, body) == (200, "ok\n")
+    assert fetch(d.url + "/nope")[0] == 404
+    assert d.stop() == 0
+
+
+def test_fake_speed_makes_energy_grow_at_the_simulated_rate(daemon: type[Daemon]) -> None:
+    d = daemon("--fake", "--fake-speed", "3600", env={"GPULEDGER_POLL_INTERVAL": "0.2s"})  # type: ignore[call-arg]
+    first = d.wait_for(polls_at_least(1))
+    t0 = time.monotonic()
+    start_polls = value(first, "gpuledger_polls_total")
+    second = d.wait_for(polls_at_least(start_polls + 5))
+    real_elapsed = time.monotonic() - t0
+    scenario_elapsed = value(second, "gpuledger_last_poll_timestamp_seconds") - value(
+        first, "gpuledger_last_poll_timestamp_seconds"
+    )
+    energy = value(second, "gpuledger_gpu_energy_joules_total", gpu="0") - value(
+        first, "gpuledger_gpu_energy_joules_total", gpu="0"
+    )
+    # scenario time runs an hour per second, so it outpaces real time by far
+    assert scenario_elapsed > 100 * real_elapsed * 0.5
+    # GPU 0 draws 55 + 345 * 0.92 = 372.4 W in the first three hours of the demo
+    assert energy / scenario_elapsed == pytest.approx(372.4, rel=0.01)
+
+
+def test_healthz_is_503_while_no_poll_succeeds(daemon: type[Daemon], tmp_path: Path) -> None:
+    scenario = tmp_path / "no-driver.yaml"
+    scenario.write_text("gpus: [{count: 1}]\nfaults: [{call: '*', error: DRIVER_NOT_LOADED}]\n")
+    d = daemon("--fake", str(scenario), env={"GPULEDGER_POLL_INTERVAL": "0.2s"})  # type: ignore[call-arg]
+    text = d.wait_for(polls_at_least(3))
+    assert value(text, "gpuledger_nvml_up") == 0
+    assert value(text, "gpuledger_poll_failures_total") >= 3
+    assert value(text, "gpuledger_nvml_errors_total", error="DRIVER_NOT_LOADED") >= 1
+    assert fetch(d.url + "/healthz")[0] == 503
+
+
+def test_run_without_a_driver_exits_1_with_one_line() -> None:
+    result = gpuledger("run", "--listen", f"127.0.0.1:{free_port()}")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "libnvidia-ml.so.1" in lines[0] and "--fake" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_snapshot_prints_a_table_of_the_demo_node() -> None:
+    result = gpuledger("snapshot", "--fake")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("gpu-node-01")
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(rows) == {str(i) for i in range(8)}
+    assert rows["0"][3] == "92%"
+    assert rows["5"][3] == "0%" and rows["5"][4] == "29.3/80"
+
+
+def test_snapshot_json_carries_every_device() -> None:
+    import json
+
+    result = gpuledger("snapshot", "--fake", "mig", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert [d["gpu"] for d in data["devices"]] == ["0", "0:0", "0:1", "1"]
+    assert data["devices"][1]["parent_uuid"] == data["devices"][0]["uuid"]
+    assert data["devices"][0]["utilization"] is None
+
+
+def test_simulate_runs_scenario_time_without_sleeping(tmp_path: Path) -> None:
+    out = tmp_path / "metrics.prom"
+    started = time.monotonic()
+    result = gpuledger("simulate", "weekend-idle", "--for", "6h", "--step", "60s", "--metrics-out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 30
+    text = out.read_text()
+    assert value(text, "gpuledger_polls_total") == 6 * 60 + 1
+    # the job died at 4h: every GPU is idle at 6h
+    assert value(text, "gpuledger_gpu_utilization_ratio", gpu="3") == 0
+    # 4 h at 55 + 345 * 0.95 = 382.75 W, then 2 h at 55 W idle
+    assert value(text, "gpuledger_gpu_energy_joules_total", gpu="3") == pytest.approx(
+        4 * 3600 * 382.75 + 2 * 3600 * 55, rel=1e-6
+    )
+    ts = value(text, "gpuledger_last_poll_timestamp_seconds")
+    assert ts == pytest.approx(1795197600 + 6 * 3600)  # 2026-11-20T18:00Z + 6 h
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (("snapshot", "--fake", "no-such-scenario"), "no-such-scenario"),
+        (("simulate", "demo", "--for", "soon"), "--for"),
+        (("simulate", "demo", "--for", "1h", "--step", "0s"), "--step"),
+        (("run", "--fake", "--listen", "nonsense"), "--listen"),
+        (("frobnicate",), "frobnicate"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_naming_them(args: tuple[str, ...], expect: str) -> None:
+    result = gpuledger(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert expect in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_scenario_exits_2_naming_the_key(tmp_path: Path) -> None:
+    scenario = tmp_path / "bad.yaml"
+    scenario.write_text("gpus: [{count: 2}]\nprocesses:\n  - {pid: 1, gpus: [0]}\n  - {pid: 2, gpus: [5]}\n")
+    result = gpuledger("snapshot", "--fake", str(scenario))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "processes[1].gpus" in result.stderr and "GPU 5" in result.stderr
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("poll_interval: often\n")
+    result = gpuledger("run", "--fake", "--config", str(config), "--listen", f"127.0.0.1:{free_port()}")
+    assert result.returncode == 2
+    assert "poll_interval" in result.stderr and str(config) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_check_config_reports_every_problem_with_its_key(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "poll_interval: often\npricing: {gpu_hourly: -2, by_modle: {}}\nrules:\n  idle: {utilization_below: 5}\n"
+    )
+    result = gpuledger("check-config", str(config))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    keys = [line.split(": ")[1] for line in lines]
+    assert keys == ["poll_interval", "pricing.gpu_hourly", "pricing.by_modle", "rules.idle.utilization_below"]
+    good = tmp_path / "good.yaml"
+    good.write_text("poll_interval: 10s\npricing: {gpu_hourly: 2.5}\n")
+    ok = gpuledger("check-config", str(good))
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("ok")
+
+
+def test_environment_overrides_the_file_and_bad_values_name_the_variable(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("pricing: {gpu_hourly: 2.5}\n")
+    result = gpuledger("check-config", str(config), env={"GPULEDGER_PRICING__GPU_HOURLY": "lots"})
+    assert result.returncode == 2
+    assert "GPULEDGER_PRICING__GPU_HOURLY" in result.stderr and "pricing.gpu_hourly" in result.stderr

@@ -1,0 +1,75 @@
+"""Data flows one way. Each module may import only the layers below it, and only
+agent/nvml.py imports pynvml."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# module -> the project modules it may import (prefix match). The CLI is the composition root.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "agent.units": (),
+    "agent.errors": (),
+    "agent.model": (),
+    "agent.config": ("agent.errors", "agent.units"),
+    "agent.nvml": ("agent.errors",),
+    "agent.sampler": ("agent.errors", "agent.model", "agent.nvml"),
+    "agent.pipeline": ("agent.errors", "agent.model", "agent.sampler"),
+    "exporters": ("agent.model", "agent.__init__", "agent", "exporters"),
+    "fake_nvml": ("fake_nvml", "agent.units"),
+}
+PROJECT = ("agent", "exporters", "fake_nvml", "rules")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return found
+
+
+def rule_for(module: str) -> tuple[str, ...] | None:
+    for prefix in sorted(ALLOWED, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return ALLOWED[prefix]
+    return None
+
+
+def test_no_layer_reaches_backwards() -> None:
+    problems = []
+    for package in PROJECT:
+        for path in (ROOT / package).rglob("*.py"):
+            module = module_name(path).removesuffix(".__init__")
+            allowed = rule_for(module)
+            if allowed is None:
+                continue
+            for imported in imports_of(path):
+                if not imported.startswith(PROJECT):
+                    continue
+                if imported == "agent" and "agent" in allowed:
+                    continue
+                if not any(imported == a or imported.startswith(a + ".") for a in allowed):
+                    problems.append(f"{module} imports {imported}")
+    assert problems == []
+
+
+def test_only_the_nvml_boundary_imports_pynvml() -> None:
+    importers = sorted(
+        module_name(path)
+        for package in ("agent", "exporters", "rules")
+        if (ROOT / package).exists()
+        for path in (ROOT / package).rglob("*.py")
+        if any(name == "pynvml" or name.startswith("pynvml.") for name in imports_of(path))
+    )
+    assert importers == ["agent.nvml"]
