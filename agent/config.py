@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from agent.errors import ConfigError
 from agent.units import parse_duration, parse_size_bytes
+from agent.yamlfile import YamlFileError, read_yaml
 
 ENV_PREFIX = "GPULEDGER_"
 
@@ -128,15 +128,9 @@ class Settings(BaseSettings):
 
 def _read_yaml(path: Path) -> Mapping[str, Any]:
     try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{where}: {getattr(exc, 'problem', None) or 'invalid YAML'}") from None
+        raw = read_yaml(path, "config")
+    except YamlFileError as exc:
+        raise ConfigError(str(exc)) from None
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):

@@ -251,78 +251,40 @@ class Sampler:
         self._init_backoff_s = min(self._init_backoff_s * 2, REINIT_BACKOFF_MAX_S)
 
     def _down_snapshot(self, now: float, reason: str) -> Snapshot:
-        devices = tuple(
-            DeviceReading(
-                index=g.index,
-                uuid=g.uuid,
-                name=g.name,
-                up=False,
-                pci_bus_id=g.pci_bus_id,
-                down_reason=reason,
-            )
-            for g in self._gpus
-        )
-        return Snapshot(
-            now,
-            NodeInfo(self.hostname, self._driver_version, self._cuda_version),
-            devices,
-            driver_up=False,
-        )
+        devices = tuple(_down(g, reason) for g in self._gpus)
+        node = NodeInfo(self.hostname, self._driver_version, self._cuda_version)
+        return Snapshot(now, node, devices, driver_up=False)
 
     def _count(self, exc: NvmlError) -> None:
         self.errors[(exc.call, exc.error)] += 1
 
+    @staticmethod
+    def _back_off(gpu: _Gpu, now: float) -> None:
+        gpu.retry_at = now + gpu.retry_backoff_s
+        gpu.retry_backoff_s = min(gpu.retry_backoff_s * 2, REINIT_BACKOFF_MAX_S)
+
     def _lost(self, gpu: _Gpu, now: float, exc: NvmlError) -> DeviceReading:
         if gpu.lost_reason is None:
             log.error(
-                "GPU %d (%s) is lost: %s",
-                gpu.index,
-                gpu.uuid,
-                exc.error,
-                extra={"gpu": gpu.index, "uuid": gpu.uuid},
+                "GPU %d (%s) is lost: %s", gpu.index, gpu.uuid, exc.error, extra={"gpu": gpu.index, "uuid": gpu.uuid}
             )
         self._count(exc)
         gpu.lost_reason = exc.error
-        gpu.retry_at = now + gpu.retry_backoff_s
-        gpu.retry_backoff_s = min(gpu.retry_backoff_s * 2, REINIT_BACKOFF_MAX_S)
-        return DeviceReading(
-            index=gpu.index,
-            uuid=gpu.uuid,
-            name=gpu.name,
-            up=False,
-            pci_bus_id=gpu.pci_bus_id,
-            down_reason=exc.error,
-        )
+        self._back_off(gpu, now)
+        return _down(gpu, exc.error)
 
     def _read_gpu(self, gpu: _Gpu, now: float) -> list[DeviceReading]:
         if gpu.lost_reason is not None:
             if now < gpu.retry_at:
-                return [
-                    DeviceReading(
-                        index=gpu.index,
-                        uuid=gpu.uuid,
-                        name=gpu.name,
-                        up=False,
-                        pci_bus_id=gpu.pci_bus_id,
-                        down_reason=gpu.lost_reason,
-                    )
-                ]
+                return [_down(gpu, gpu.lost_reason)]
             if gpu.handle is None:
+                # Lost before we ever had a handle: look it up again.
                 rediscovered = self._discover(gpu.index)
                 if rediscovered.lost_reason is not None:
                     rediscovered.retry_backoff_s = gpu.retry_backoff_s
+                    self._back_off(rediscovered, now)
                     self._gpus[gpu.index] = rediscovered
-                    rediscovered.retry_at = now + rediscovered.retry_backoff_s
-                    rediscovered.retry_backoff_s = min(rediscovered.retry_backoff_s * 2, REINIT_BACKOFF_MAX_S)
-                    return [
-                        DeviceReading(
-                            index=gpu.index,
-                            uuid=rediscovered.uuid,
-                            name=rediscovered.name,
-                            up=False,
-                            down_reason=rediscovered.lost_reason,
-                        )
-                    ]
+                    return [_down(rediscovered, rediscovered.lost_reason)]
                 self._gpus[gpu.index] = gpu = rediscovered
         try:
             readings = self._read_healthy(gpu)
@@ -515,3 +477,10 @@ class Sampler:
             newest = max(newest, stamp_us)
         gpu.last_seen_us = newest
         return {pid: sums[pid] / counts[pid] for pid in sums}
+
+
+def _down(gpu: _Gpu, reason: str) -> DeviceReading:
+    """A GPU that could not be read: its identity, up=0, and why; no readings."""
+    return DeviceReading(
+        index=gpu.index, uuid=gpu.uuid, name=gpu.name, up=False, pci_bus_id=gpu.pci_bus_id, down_reason=reason
+    )

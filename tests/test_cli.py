@@ -180,7 +180,8 @@ def test_run_without_a_driver_exits_1_with_one_line() -> None:
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
-    assert "libnvidia-ml.so.1" in lines[0] and "--fake" in lines[0]
+    assert "libnvidia-ml.so.1" in lines[0]
+    assert "--fake" in lines[0]
     assert "Traceback" not in result.stderr
 
 
@@ -192,7 +193,8 @@ def test_snapshot_prints_a_table_of_the_demo_node() -> None:
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert set(rows) == {str(i) for i in range(8)}
     assert rows["0"][3] == "92%"
-    assert rows["5"][3] == "0%" and rows["5"][4] == "29.3/80"
+    assert rows["5"][3] == "0%"
+    assert rows["5"][4] == "29.3/80"
 
 
 def test_snapshot_json_carries_every_device() -> None:
@@ -249,7 +251,8 @@ def test_bad_scenario_exits_2_naming_the_key(tmp_path: Path) -> None:
     result = gpuledger("snapshot", "--fake", str(scenario))
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
-    assert "processes[1].gpus" in result.stderr and "GPU 5" in result.stderr
+    assert "processes[1].gpus" in result.stderr
+    assert "GPU 5" in result.stderr
 
 
 def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
@@ -257,7 +260,8 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     config.write_text("poll_interval: often\n")
     result = gpuledger("run", "--fake", "--config", str(config), "--listen", f"127.0.0.1:{free_port()}")
     assert result.returncode == 2
-    assert "poll_interval" in result.stderr and str(config) in result.stderr
+    assert "poll_interval" in result.stderr
+    assert str(config) in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -274,7 +278,8 @@ def test_check_config_reports_every_problem_with_its_key(tmp_path: Path) -> None
     good = tmp_path / "good.yaml"
     good.write_text("poll_interval: 10s\npricing: {gpu_hourly: 2.5}\n")
     ok = gpuledger("check-config", str(good))
-    assert ok.returncode == 0 and ok.stdout.strip().endswith("ok")
+    assert ok.returncode == 0
+    assert ok.stdout.strip().endswith("ok")
 
 
 def test_environment_overrides_the_file_and_bad_values_name_the_variable(tmp_path: Path) -> None:
@@ -282,4 +287,5 @@ def test_environment_overrides_the_file_and_bad_values_name_the_variable(tmp_pat
     config.write_text("pricing: {gpu_hourly: 2.5}\n")
     result = gpuledger("check-config", str(config), env={"GPULEDGER_PRICING__GPU_HOURLY": "lots"})
     assert result.returncode == 2
-    assert "GPULEDGER_PRICING__GPU_HOURLY" in result.stderr and "pricing.gpu_hourly" in result.stderr
+    assert "GPULEDGER_PRICING__GPU_HOURLY" in result.stderr
+    assert "pricing.gpu_hourly" in result.stderr

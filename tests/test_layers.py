@@ -13,12 +13,13 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "agent.units": (),
     "agent.errors": (),
     "agent.model": (),
-    "agent.config": ("agent.errors", "agent.units"),
+    "agent.yamlfile": (),
+    "agent.config": ("agent.errors", "agent.units", "agent.yamlfile"),
     "agent.nvml": ("agent.errors",),
     "agent.sampler": ("agent.errors", "agent.model", "agent.nvml"),
     "agent.pipeline": ("agent.errors", "agent.model", "agent.sampler"),
     "exporters": ("agent.model", "agent.__init__", "agent", "exporters"),
-    "fake_nvml": ("fake_nvml", "agent.units"),
+    "fake_nvml": ("fake_nvml", "agent.units", "agent.yamlfile"),
 }
 PROJECT = ("agent", "exporters", "fake_nvml", "rules")
 

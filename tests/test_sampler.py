@@ -117,7 +117,8 @@ def test_old_driver_falls_back_to_the_calls_it_has(install: Any) -> None:
     assert reading.up
     assert [p.pid for p in reading.processes] == [900]
     assert reading.memory_used_bytes == 12000 * MiB
-    assert reading.power_w is not None and reading.power_w > 52
+    assert reading.power_w is not None
+    assert reading.power_w > 52
     assert reading.temperature_c is not None
     # v3 and memory-v2 were tried once each, found missing, and never asked for again
     assert node.library.missing_lookups["nvmlDeviceGetComputeRunningProcesses_v3"] == 1
@@ -235,17 +236,22 @@ def test_mig_instances_are_devices_joined_to_their_gpu(install: Any) -> None:
     assert first.parent_uuid == parent.uuid
     assert first.memory_total_bytes == 40 * 1024 * MiB
     assert first.memory_used_bytes == 20000 * MiB
-    assert first.sm_count == 42 and parent.sm_count == 108
+    assert first.sm_count == 42
+    assert parent.sm_count == 108
     assert [p.pid for p in first.processes] == [800]
     assert [p.pid for p in second.processes] == [801]
     assert first.processes[0].sm_util is None  # not measurable on MIG: absent, never 0
-    assert first.gpu_instance_id == 1 and second.gpu_instance_id == 2
+    assert first.gpu_instance_id == 1
+    assert second.gpu_instance_id == 2
     assert devices["1"].utilization == pytest.approx(0.40)
 
 
 def test_nvlink_down_window_shows_in_the_snapshot(install: Any) -> None:
     node, sampler = install(
-        {"gpus": [{"count": 2, "nvlink_links": 4}], "faults": [{"at": "5m", "until": "6m", "gpu": 1, "nvlink_down": [3]}]}
+        {
+            "gpus": [{"count": 2, "nvlink_links": 4}],
+            "faults": [{"at": "5m", "until": "6m", "gpu": 1, "nvlink_down": [3]}],
+        }
     )
     node.clock.advance(330)
     links = {link.link: link.up for link in by_label(sampler.poll())["1"].nvlinks}
@@ -259,9 +265,7 @@ def test_transient_errors_are_counted_and_leave_the_reading_absent(install: Any)
         {
             "gpus": [{"count": 1}],
             "processes": [{"pid": 5, "gpus": [0], "sm_util": 50, "memory_mib": 100}],
-            "faults": [
-                {"at": "1m", "until": "2m", "call": "nvmlDeviceGetComputeRunningProcesses", "error": "TIMEOUT"}
-            ],
+            "faults": [{"at": "1m", "until": "2m", "call": "nvmlDeviceGetComputeRunningProcesses", "error": "TIMEOUT"}],
         }
     )
     node.clock.advance(61)
