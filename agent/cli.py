@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from agent import __version__
+from agent.attribution import compile_rules, rule_env_keys
+from agent.attributor import Attributor, KubeletWatcher
 from agent.config import Settings, check_config, load_config
 from agent.errors import BadInputError, GpuledgerError, NvmlLibraryMissing
-from agent.model import AgentState, DeviceReading, Snapshot
+from agent.model import AgentState, Attribution, DeviceReading, Snapshot
 from agent.nvml import NvmlBackend
 from agent.pipeline import Pipeline
+from agent.procfs import Passwd, ProcFS
 from agent.sampler import Sampler
 from agent.units import format_duration, parse_duration
 
@@ -154,6 +157,31 @@ def _parse_listen(value: str, option: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def _make_attributor(settings: Settings, node: Any) -> Attributor:
+    """Attribution reading the host's files, or the fake node's when running on one."""
+    a = settings.attribution
+    rules = compile_rules([(rule.match, rule.set) for rule in a.rules])
+    allowlist = set(a.env_allowlist) | rule_env_keys(rules)
+    if node is not None:
+        host = node.host
+        proc_root, passwd, slurm_dir, pod_logs, socket_path = (
+            host.proc_root, host.passwd_file, host.slurm_map_dir, host.pod_logs_dir, str(host.podresources_socket)
+        )  # fmt: skip
+    else:
+        proc_root, passwd, slurm_dir, pod_logs, socket_path = (
+            settings.proc_root, a.passwd_file, a.slurm_map_dir, a.pod_logs_dir, a.podresources_socket
+        )  # fmt: skip
+    return Attributor(
+        ProcFS(proc_root, env_allowlist=allowlist),
+        Passwd(passwd),
+        rules=rules,
+        slurm_map_dir=slurm_dir,
+        pod_logs_dir=pod_logs,
+        kubelet=KubeletWatcher(socket_path, timeout_s=a.kubelet_timeout),
+        per_pid=a.per_pid_series,
+    )
+
+
 def _make_backend(fake: str | None, speed: float) -> tuple[NvmlBackend, Any]:
     """The NVML backend, and the fake node when running on one."""
     if fake is None:
@@ -178,9 +206,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     hostname = node.scenario.node.hostname if node is not None else None
     sampler = Sampler(backend, hostname=hostname)
     sampler.start()
-    pipeline = Pipeline(sampler, settings.poll_interval)
+    attributor = _make_attributor(settings, node)
+    pipeline = Pipeline(
+        sampler, settings.poll_interval, attributor=attributor, kubelet_interval_s=settings.attribution.kubelet_interval
+    )
+    per_pid = settings.attribution.per_pid_series
     try:
-        server = MetricsServer(host, port, make_registry(lambda: pipeline.state), pipeline.healthy)
+        server = MetricsServer(host, port, make_registry(lambda: pipeline.state, per_pid), pipeline.healthy)
     except OSError as exc:
         raise BadInputError(f"gpuledger: listen {host}:{port}: {exc.strerror or exc}") from None
     stop = threading.Event()
@@ -206,18 +238,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     pipeline.stop()
     server.stop()
     sampler.close()
+    if node is not None:
+        import fake_nvml
+
+        fake_nvml.uninstall()
     return EXIT_OK
 
 
 def _cmd_snapshot(args: argparse.Namespace) -> int:
-    _settings(args.config)
+    settings = _settings(args.config)
     at = _duration_arg(args.at, "--at")
     backend, node = _make_backend(args.fake, 0.0)
     if node is not None and at:
         node.clock.advance(at)
     sampler = Sampler(backend, hostname=node.scenario.node.hostname if node is not None else None)
     sampler.start()
-    pipeline = Pipeline(sampler, poll_interval_s=5.0)
+    pipeline = Pipeline(sampler, poll_interval_s=5.0, attributor=_make_attributor(settings, node))
+    pipeline.refresh_allocations()
     if node is not None:
         # Per-process utilization is the mean of the samples between two polls: take a first
         # poll a few seconds earlier so the reading covers a real interval.
@@ -225,18 +262,33 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
         node.clock.advance(5.0)
     state = pipeline.poll_once()
     sampler.close()
+    if node is not None:
+        import fake_nvml
+
+        fake_nvml.uninstall()
     if state.snapshot is None:
         raise GpuledgerError("the poll read nothing")
     if args.json:
-        print(json.dumps(_snapshot_json(state.snapshot), indent=2))
+        print(json.dumps(_snapshot_json(state.snapshot, state.attribution), indent=2))
     else:
-        print(render_table(state.snapshot))
+        print(render_table(state.snapshot, state.attribution))
     return EXIT_OK
 
 
-def _snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
+def _snapshot_json(snapshot: Snapshot, attribution: Attribution) -> dict[str, Any]:
     data = asdict(snapshot)
-    data["devices"] = [dict(asdict(d), model=d.model, gpu=d.label) for d in snapshot.devices]
+    data["devices"] = [
+        dict(
+            asdict(d),
+            model=d.model,
+            gpu=d.label,
+            owners=[
+                dict(asdict(h.workload), pids=list(h.pids), allocated=h.allocated, sm_util=h.sm_util)
+                for h in attribution.for_device(d.uuid)
+            ],
+        )
+        for d in snapshot.devices
+    ]
     return data
 
 
@@ -244,15 +296,33 @@ def _fmt(value: float | None, fmt: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, fmt)
 
 
-def render_table(snapshot: Snapshot) -> str:
-    header = ("GPU", "MODEL", "UP", "UTIL", "MEM USED/TOTAL GiB", "TEMP", "POWER W", "PROCS", "NVLINK DOWN")
+def render_table(snapshot: Snapshot, attribution: Attribution) -> str:
+    header = ("GPU", "MODEL", "UP", "UTIL", "MEM USED/TOTAL GiB", "TEMP", "POWER W", "PROCS", "NVLINK DOWN", "OWNERS")
     rows: list[tuple[str, ...]] = [header]
-    rows.extend(_row(d) for d in snapshot.devices)
+    rows.extend((*_row(d), _owners(attribution, d)) for d in snapshot.devices)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(snapshot.taken_at))
     title = f"{snapshot.node.hostname}  driver {snapshot.node.driver_version}  at {when}"
     return "\n".join([title, *lines])
+
+
+def _owners(attribution: Attribution, d: DeviceReading) -> str:
+    """Who holds the device, e.g. "job 8812 (alice) llama-3-8b; serving/vllm-llama-0 [alloc]"."""
+    parts = []
+    for h in attribution.for_device(d.uuid):
+        w = h.workload
+        text = w.describe()
+        if w.user and not text.startswith("user "):
+            text += f" ({w.user})"
+        if w.model:
+            text += f" {w.model}"
+        if w.team:
+            text += f" team={w.team}"
+        if h.allocated and not h.pids:
+            text += " [allocated, idle]"
+        parts.append(text)
+    return "; ".join(parts) or "-"
 
 
 def _row(d: DeviceReading) -> tuple[str, ...]:
@@ -294,16 +364,20 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     backend, node = _make_backend(args.scenario, 0.0)
     sampler = Sampler(backend, hostname=node.scenario.node.hostname)
     sampler.start()
-    del settings  # thresholds and prices join the simulation with the rules and cost stages
-    pipeline = Pipeline(sampler, poll_interval_s=step, monotonic=node.clock.now)
+    pipeline = Pipeline(sampler, poll_interval_s=step, attributor=_make_attributor(settings, node))
+    pipeline.refresh_allocations()
     state: AgentState = pipeline.poll_once()
     elapsed = 0.0
     while elapsed + step <= duration + 1e-9:
         node.clock.advance(step)
         elapsed += step
+        pipeline.refresh_allocations()
         state = pipeline.poll_once()
     sampler.close()
-    text = generate_latest(make_registry(lambda: state)).decode()
+    import fake_nvml
+
+    fake_nvml.uninstall()
+    text = generate_latest(make_registry(lambda: state, settings.attribution.per_pid_series)).decode()
     if args.metrics_out:
         Path(args.metrics_out).write_text(text)
         log.info(

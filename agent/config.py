@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from agent.attribution import MATCH_FIELDS, SET_FIELDS
 from agent.errors import ConfigError
 from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
@@ -52,10 +53,20 @@ class AttributionRule(_Section):
     @classmethod
     def _patterns_compile(cls, value: dict[str, str]) -> dict[str, str]:
         for key, pattern in value.items():
+            if key not in MATCH_FIELDS and not key.startswith("env."):
+                raise ValueError(f"{key}: unknown field (use {', '.join(MATCH_FIELDS)} or env.KEY)")
             try:
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"{key}: not a regular expression: {exc}") from None
+        return value
+
+    @field_validator("set")
+    @classmethod
+    def _settable(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if key not in SET_FIELDS:
+                raise ValueError(f"{key}: only {' and '.join(SET_FIELDS)} can be set")
         return value
 
 
@@ -65,6 +76,9 @@ class AttributionConfig(_Section):
     passwd_file: str = "/etc/passwd"
     podresources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     slurm_map_dir: str = "/run/gpuledger/jobs"
+    pod_logs_dir: str = "/var/log/pods"
+    kubelet_interval: Duration = Field(default=10.0, gt=0)
+    kubelet_timeout: Duration = Field(default=2.0, gt=0)
     rules: list[AttributionRule] = []
 
 

@@ -92,6 +92,91 @@ class Snapshot:
         return tuple(d for d in self.devices if d.parent_uuid == parent_uuid)
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class ProcessIdentity:
+    """A process as procfs knows it: a pid alone may be reused, (pid, start time) is not."""
+
+    pid: int
+    start_ticks: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessFacts:
+    identity: ProcessIdentity
+    uid: int | None
+    cmdline: tuple[str, ...]
+    cgroup: str
+    env: tuple[tuple[str, str], ...] = ()  # allowlisted keys only
+
+    @property
+    def pid(self) -> int:
+        return self.identity.pid
+
+    def env_value(self, key: str) -> str | None:
+        for name, value in self.env:
+            if name == key:
+                return value
+        return None
+
+
+WORKLOAD_LABELS = ("namespace", "pod", "container", "job", "user", "model", "team")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Workload:
+    """Who holds a GPU, as the workload labels name it; empty strings where unknown.
+
+    A pod sets namespace/pod/container, a Slurm job sets `job` to its id, a systemd service
+    sets `job` to its unit name, a plain container sets `container`.
+    """
+
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    job: str = ""
+    user: str = ""
+    model: str = ""
+    team: str = ""
+
+    def labels(self) -> tuple[str, ...]:
+        return (self.namespace, self.pod, self.container, self.job, self.user, self.model, self.team)
+
+    def describe(self) -> str:
+        """A short human name: "serving/vllm-llama-0", "job 8812", "container 9f2b7c1d4e5a"."""
+        if self.pod:
+            return f"{self.namespace}/{self.pod}"
+        if self.job:
+            return f"job {self.job}" if self.job[0].isdigit() else self.job
+        if self.container:
+            return f"container {self.container}"
+        if self.user:
+            return f"user {self.user}"
+        return "(unknown)"
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """One workload holding one device (a GPU, or a MIG instance) in one poll."""
+
+    device_uuid: str
+    workload: Workload
+    pids: tuple[int, ...] = ()
+    sm_util: float | None = None  # summed over its processes; None where the device cannot tell
+    memory_bytes: int | None = None
+    allocated: bool = False  # the scheduler (kubelet, Slurm) handed it this device
+    pid: int | None = None  # set only when per-pid series are on
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    holdings: tuple[Holding, ...] = ()
+    unresolved: tuple[tuple[str, int], ...] = ()  # device uuid -> processes procfs could not resolve
+    kubelet_up: bool | None = None  # None: no kubelet socket configured or present
+
+    def for_device(self, uuid: str) -> tuple[Holding, ...]:
+        return tuple(h for h in self.holdings if h.device_uuid == uuid)
+
+
 @dataclass(frozen=True, slots=True)
 class AgentHealth:
     """The agent's own counters as of the latest poll, swapped in with the snapshot."""
@@ -106,4 +191,5 @@ class AgentHealth:
 @dataclass(frozen=True, slots=True)
 class AgentState:
     snapshot: Snapshot | None = None
+    attribution: Attribution = field(default_factory=Attribution)
     health: AgentHealth = field(default_factory=AgentHealth)

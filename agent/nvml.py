@@ -265,8 +265,8 @@ class NvmlBackend:
         assert last is not None
         raise last
 
-    def process_utilization(self, handle: Handle, last_seen_us: int) -> list[tuple[int, int, float]]:
-        """(pid, timestamp_us, sm_util 0-1) samples newer than `last_seen_us`; [] when none."""
+    def process_utilization(self, handle: Handle, last_seen_us: int) -> list[tuple[int, int, int]]:
+        """(pid, timestamp_us, SM utilization percent) samples newer than `last_seen_us`; [] when none."""
         try:
             samples = _call(
                 "nvmlDeviceGetProcessUtilization",
@@ -276,4 +276,4 @@ class NvmlBackend:
             )
         except NvmlNotFound:
             return []
-        return [(int(s.pid), int(s.timeStamp), s.smUtil / 100) for s in samples]
+        return [(int(s.pid), int(s.timeStamp), int(s.smUtil)) for s in samples]

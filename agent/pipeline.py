@@ -16,8 +16,9 @@ from datetime import UTC, datetime
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from agent.attributor import Attributor
 from agent.errors import NvmlLibraryMissing
-from agent.model import AgentHealth, AgentState, Snapshot
+from agent.model import AgentHealth, AgentState, Attribution, Snapshot
 from agent.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,12 @@ class Pipeline:
         sampler: Sampler,
         poll_interval_s: float,
         monotonic: Callable[[], float] = time.monotonic,
+        attributor: Attributor | None = None,
+        kubelet_interval_s: float = 10.0,
     ) -> None:
         self.sampler = sampler
+        self.attributor = attributor
+        self.kubelet_interval_s = kubelet_interval_s
         self.poll_interval_s = poll_interval_s
         self._monotonic = monotonic
         self._state = AgentState()
@@ -53,6 +58,7 @@ class Pipeline:
         return last is not None and self._monotonic() - last <= HEALTHY_WITHIN_POLLS * self.poll_interval_s
 
     def poll_once(self) -> AgentState:
+        """Poll, attribute, and swap the result in. The poll's duration covers both."""
         started = self._monotonic()
         snapshot: Snapshot | None = None
         try:
@@ -62,6 +68,7 @@ class Pipeline:
         except Exception:
             # A bug in one poll must not stop the daemon: count it, keep the last good snapshot.
             log.exception("poll failed")
+        attribution = self._attribute(snapshot) if snapshot is not None else None
         duration = self._monotonic() - started
         self._polls += 1
         previous = self._state
@@ -85,13 +92,28 @@ class Pipeline:
             last_success_at=last_success_at,
             nvml_errors=tuple((call, error, n) for (call, error), n in sorted(self.sampler.errors.items())),
         )
-        if snapshot is not None:
+        if snapshot is not None and attribution is not None:
             snapshot = Snapshot(snapshot.taken_at, snapshot.node, snapshot.devices, duration, snapshot.driver_up)
-            new_state = AgentState(snapshot=snapshot, health=health)
+            new_state = AgentState(snapshot=snapshot, attribution=attribution, health=health)
         else:
-            new_state = AgentState(snapshot=previous.snapshot, health=health)
+            new_state = AgentState(snapshot=previous.snapshot, attribution=previous.attribution, health=health)
         self._state = new_state  # one reference assignment: scrapes see old or new, never half
         return new_state
+
+    def _attribute(self, snapshot: Snapshot) -> Attribution:
+        if self.attributor is None:
+            return Attribution()
+        try:
+            return self.attributor.attribute(snapshot)
+        except Exception:
+            # Readings without owners beat no readings: keep the poll, lose its attribution.
+            log.exception("attribution failed")
+            return Attribution()
+
+    def refresh_allocations(self) -> None:
+        """Ask the kubelet for its GPU allocations (the daemon does this on its own schedule)."""
+        if self.attributor is not None and self.attributor.kubelet is not None:
+            self.attributor.kubelet.refresh()
 
     def start(self) -> None:
         scheduler = BackgroundScheduler(daemon=True)
@@ -106,6 +128,16 @@ class Pipeline:
             id="poll",
             next_run_time=datetime.now(UTC),
         )
+        if self.attributor is not None and self.attributor.kubelet is not None:
+            scheduler.add_job(
+                self.refresh_allocations,
+                "interval",
+                seconds=self.kubelet_interval_s,
+                max_instances=1,
+                coalesce=True,
+                id="kubelet",
+                next_run_time=datetime.now(UTC),
+            )
         scheduler.start()
         self._scheduler = scheduler
 

@@ -466,17 +466,18 @@ class Sampler:
         )
         if samples is None:
             return None
-        sums: dict[int, float] = {}
+        sums: dict[int, int] = {}
         counts: dict[int, int] = {}
         newest = gpu.last_seen_us
         for pid, stamp_us, util in samples:
             if stamp_us <= gpu.last_seen_us:
                 continue
-            sums[pid] = sums.get(pid, 0.0) + util
+            sums[pid] = sums.get(pid, 0) + util
             counts[pid] = counts.get(pid, 0) + 1
             newest = max(newest, stamp_us)
         gpu.last_seen_us = newest
-        return {pid: sums[pid] / counts[pid] for pid in sums}
+        # Sum whole percents and divide once, so a steady 92% reads 0.92, not 0.9200000000000002.
+        return {pid: sums[pid] / counts[pid] / 100 for pid in sums}
 
 
 def _down(gpu: _Gpu, reason: str) -> DeviceReading:

@@ -23,6 +23,8 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...] = ()
     unit: str = ""
+    # Labels present only when a config switch turns them on (per-pid series).
+    optional_labels: tuple[str, ...] = ()
 
     @property
     def family_name(self) -> str:
@@ -31,6 +33,7 @@ class MetricSpec:
 
 
 DEVICE = ("gpu", "uuid")
+WORKLOAD = (*DEVICE, "namespace", "pod", "container", "job", "user", "model", "team")
 
 CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -73,6 +76,43 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gpuledger_mig_memory_used_bytes", Kind.GAUGE, "Memory in use on a MIG instance.", (*DEVICE, "mig"), "bytes"
     ),
     MetricSpec("gpuledger_mig_memory_total_bytes", Kind.GAUGE, "Memory of a MIG instance.", (*DEVICE, "mig"), "bytes"),
+    MetricSpec(
+        "gpuledger_workload_gpu_utilization_ratio",
+        Kind.GAUGE,
+        "SM utilization of the GPU (or MIG instance, by its uuid) due to this workload's processes.",
+        WORKLOAD,
+        "ratio",
+        optional_labels=("pid",),
+    ),
+    MetricSpec(
+        "gpuledger_workload_gpu_memory_used_bytes",
+        Kind.GAUGE,
+        "GPU memory this workload's processes hold on the GPU (or MIG instance).",
+        WORKLOAD,
+        "bytes",
+        optional_labels=("pid",),
+    ),
+    MetricSpec(
+        "gpuledger_workload_gpu_processes",
+        Kind.GAUGE,
+        "Processes the workload runs on the GPU; 0 for an allocation that runs nothing.",
+        WORKLOAD,
+        optional_labels=("pid",),
+    ),
+    MetricSpec(
+        "gpuledger_workload_gpu_allocated",
+        Kind.GAUGE,
+        "1 when the scheduler (kubelet, Slurm) allocated the GPU to the workload, 0 when it only runs there.",
+        WORKLOAD,
+        optional_labels=("pid",),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_unresolved_processes",
+        Kind.GAUGE,
+        "Processes on the GPU that procfs could not resolve (exited, other PID namespace, no permission).",
+        DEVICE,
+    ),
+    MetricSpec("gpuledger_kubelet_up", Kind.GAUGE, "1 while the kubelet pod-resources API answers, 0 when not.", ()),
     MetricSpec("gpuledger_poll_duration_seconds", Kind.GAUGE, "How long the latest poll of NVML took.", (), "seconds"),
     MetricSpec(
         "gpuledger_last_poll_timestamp_seconds",

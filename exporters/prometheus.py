@@ -21,15 +21,17 @@ StateSource = Callable[[], AgentState]
 class _Families:
     """Families keyed by catalogue name, created on first use so absent readings emit nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_pid: bool = False) -> None:
         self._families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        self._per_pid = per_pid
 
     def add(self, name: str, labels: Sequence[str], value: float) -> None:
         family = self._families.get(name)
         if family is None:
             spec = BY_NAME[name]
             cls = CounterMetricFamily if spec.kind is Kind.COUNTER else GaugeMetricFamily
-            family = cls(spec.family_name, spec.help, labels=list(spec.labels), unit="")
+            names = [*spec.labels, *(spec.optional_labels if self._per_pid else ())]
+            family = cls(spec.family_name, spec.help, labels=names, unit="")
             self._families[name] = family
         family.add_metric(list(labels), value)
 
@@ -38,12 +40,13 @@ class _Families:
 
 
 class GpuledgerCollector(Collector):
-    def __init__(self, state: StateSource) -> None:
+    def __init__(self, state: StateSource, per_pid: bool = False) -> None:
         self._state = state
+        self._per_pid = per_pid
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
-        out = _Families()
+        out = _Families(self._per_pid)
         snapshot = state.snapshot
         driver = ""
         cuda = ""
@@ -59,8 +62,11 @@ class GpuledgerCollector(Collector):
                     _gpu_series(out, device, driver, process_counts.get(device.uuid, 0))
                 else:
                     _mig_series(out, device)
+            _workload_series(out, state, self._per_pid)
             out.add("gpuledger_poll_duration_seconds", (), snapshot.poll_duration_s)
             out.add("gpuledger_nvml_up", (), 1.0 if snapshot.driver_up else 0.0)
+        if state.attribution.kubelet_up is not None:
+            out.add("gpuledger_kubelet_up", (), 1.0 if state.attribution.kubelet_up else 0.0)
         health = state.health
         if health.last_success_at is not None:
             out.add("gpuledger_last_poll_timestamp_seconds", (), health.last_success_at)
@@ -108,8 +114,34 @@ def _mig_series(out: _Families, d: DeviceReading) -> None:
         out.add("gpuledger_mig_memory_total_bytes", ids, float(d.memory_total_bytes))
 
 
-def make_registry(state: StateSource) -> CollectorRegistry:
+def _workload_series(out: _Families, state: AgentState, per_pid: bool) -> None:
+    snapshot = state.snapshot
+    assert snapshot is not None
+    devices = {d.uuid: d for d in snapshot.devices}
+    for holding in state.attribution.holdings:
+        device = devices.get(holding.device_uuid)
+        if device is None:
+            continue
+        labels: tuple[str, ...] = (str(device.index), device.uuid, *holding.workload.labels())
+        if per_pid:
+            labels = (*labels, "" if holding.pid is None else str(holding.pid))
+        if holding.sm_util is not None:
+            out.add("gpuledger_workload_gpu_utilization_ratio", labels, holding.sm_util)
+        if holding.memory_bytes is not None:
+            out.add("gpuledger_workload_gpu_memory_used_bytes", labels, float(holding.memory_bytes))
+        out.add("gpuledger_workload_gpu_processes", labels, float(len(holding.pids)))
+        out.add("gpuledger_workload_gpu_allocated", labels, 1.0 if holding.allocated else 0.0)
+    unresolved = dict(state.attribution.unresolved)
+    for device in snapshot.gpus:
+        if device.up:
+            count = unresolved.get(device.uuid, 0) + sum(
+                unresolved.get(m.uuid, 0) for m in snapshot.mig_devices(device.uuid)
+            )
+            out.add("gpuledger_gpu_unresolved_processes", (str(device.index), device.uuid), float(count))
+
+
+def make_registry(state: StateSource, per_pid: bool = False) -> CollectorRegistry:
     """A registry holding only gpuledger's collector (no process/platform defaults)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GpuledgerCollector(state))
+    registry.register(GpuledgerCollector(state, per_pid))
     return registry

@@ -12,6 +12,7 @@ in this code or any other tool in the process, calls the fake's C functions.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 import pynvml
 
+from fake_nvml.host import FakeHost
 from fake_nvml.lib import FakeNvmlLibrary, implemented_functions
 from fake_nvml.node import FakeNode, ScenarioClock
 from fake_nvml.scenario import Scenario, ScenarioError, builtin_names, load_scenario
@@ -43,9 +45,29 @@ _installed: InstalledNode | None = None
 
 
 class InstalledNode(FakeNode):
-    """The node `install` returns: the scenario, its clock, the call record and the library."""
+    """The node `install` returns: the scenario, its clock, the call record, the library and,
+    unless installed with host=False, the host files and kubelet socket beside it."""
 
     library: FakeNvmlLibrary
+    _host: FakeHost | None = None
+
+    @property
+    def host(self) -> FakeHost:
+        if self._host is None:
+            raise RuntimeError("this fake node was installed with host=False")
+        return self._host
+
+    @property
+    def proc_root(self) -> Path:
+        return self.host.proc_root
+
+    @property
+    def passwd_file(self) -> Path:
+        return self.host.passwd_file
+
+    def sync_host(self, t: float) -> None:
+        if self._host is not None:
+            self._host.sync(t)
 
 
 def install(
@@ -53,12 +75,24 @@ def install(
     *,
     speed: float = 0.0,
     clock: ScenarioClock | None = None,
+    host: bool = True,
+    workdir: str | Path | None = None,
 ) -> InstalledNode:
-    """Load a scenario and make pynvml talk to it. Raises ScenarioError on a bad scenario."""
+    """Load a scenario and make pynvml talk to it. Raises ScenarioError on a bad scenario.
+
+    With `host` (the default), the node also writes its procfs tree, passwd file, Slurm GPU
+    map and kubelet pod log directories under `workdir` (a new temporary directory when not
+    given) and serves the kubelet pod-resources API on a unix socket there.
+    """
     global _installed
     loaded = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
+    uninstall()
     node = InstalledNode(loaded, clock or ScenarioClock(loaded.start_epoch, speed=speed))
     node.library = FakeNvmlLibrary(node)
+    if host:
+        root = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="gpuledger-fake-"))
+        node._host = FakeHost(node, root)
+        node._host.start()
     with _lock, pynvml.libLoadLock:
         pynvml.nvmlLib = node.library
         pynvml._nvmlGetFunctionPointer_cache.clear()
@@ -70,6 +104,9 @@ def install(
 def uninstall() -> None:
     """Put pynvml back as it was before `install`: no library loaded, no cached symbols."""
     global _installed
+    previous = _installed
+    if previous is not None and previous._host is not None:
+        previous._host.stop()
     with _lock, pynvml.libLoadLock:
         pynvml.nvmlLib = None
         pynvml._nvmlGetFunctionPointer_cache.clear()

@@ -149,7 +149,8 @@ class FakeNvmlLibrary:
         def symbol(*args: Any) -> Any:
             node.calls[name] += 1
             t = node.now()
-            latency = node.call_latency_s(name, fam, t)
+            node.sync_host(t)
+            latency = node.call_latency_s(name, fam, None, t)
             if latency:
                 time.sleep(latency)
             if name == "nvmlErrorString":
@@ -167,6 +168,9 @@ class FakeNvmlLibrary:
                     return INVALID_ARGUMENT
                 gpu = dev.gpu
                 args = (dev, *args[1:])
+                latency = node.call_latency_s(name, fam, gpu, t)
+                if latency:
+                    time.sleep(latency)
             error = node.fault_error(name, fam, gpu, t)
             if error is not None:
                 return ERROR_CODES[error]

@@ -49,11 +49,12 @@ class ScenarioClock:
         return self.start_epoch + self.now()
 
     def advance(self, seconds: float) -> float:
+        """Move scenario time forward; returns the scenario time now (speed mode included)."""
         if seconds < 0:
             raise ValueError("the scenario clock does not run backwards")
         with self._lock:
             self._base_s += seconds
-            return self._base_s
+            return self._base_s + (self._monotonic() - self._anchor) * self._speed
 
     def set_speed(self, speed: float) -> None:
         with self._lock:
@@ -203,9 +204,10 @@ class FakeNode:
                     return fault.error
         return None
 
-    def call_latency_s(self, call: str, family: str, t: float) -> float:
+    def call_latency_s(self, call: str, family: str, gpu: int | None, t: float) -> float:
+        """Extra time a call takes: node-wide latency faults when gpu is None, else that GPU's."""
         latency = 0.0
-        for fault in self._faults_by_gpu.get(None, ()):
+        for fault in self._faults_by_gpu.get(gpu, ()):
             if fault.latency_ms and fault.active(t) and fault.call in (None, "*", call, family):
                 latency = max(latency, fault.latency_ms / 1000)
         return latency
@@ -216,6 +218,9 @@ class FakeNode:
             for f in self._faults_by_gpu.get(gpu, ())
             if f.xid is not None and since_s < f.at_s <= until_s
         ]
+
+    def sync_host(self, t: float) -> None:
+        """Bring host-side files up to scenario time t; a node without a host has none."""
 
     def gpu(self, index: int) -> Gpu:
         return self.scenario.gpus[index]

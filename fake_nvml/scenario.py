@@ -412,6 +412,8 @@ def _parse_gpu_refs(r: _Reader, key: str, gpus: tuple[Gpu, ...]) -> tuple[GpuRef
         if isinstance(item, bool) or not match:
             raise r.fail(key, f"expected a GPU index or 'gpu:mig', got {item!r}")
         gpu, mig = int(match.group(1)), match.group(2)
+        if GpuRef(gpu, None if mig is None else int(mig)) in refs:
+            raise r.fail(key, f"GPU {text} is listed twice")
         if gpu >= len(gpus):
             raise r.fail(key, f"GPU {gpu} does not exist (the node has {len(gpus)})")
         if mig is None:

@@ -14,6 +14,21 @@ import fake_nvml
 InstallFake = Callable[..., fake_nvml.InstalledNode]
 
 
+@pytest.fixture(autouse=True)
+def _pynvml_as_shipped() -> Iterator[None]:
+    """Put back any pynvml function a test's imports replaced.
+
+    gpustat, on import, swaps pynvml's `_nvmlGetFunctionPointer` (a missing `_v3` process call
+    silently becomes `_v2`) and `nvmlDeviceGetMemoryInfo` (no `version=`) for its own; left in
+    place, that would hide the fake's driver profiles from every test that runs afterwards.
+    """
+    before = {name: value for name, value in vars(pynvml).items() if callable(value)}
+    yield
+    for name, value in before.items():
+        if getattr(pynvml, name, None) is not value:
+            setattr(pynvml, name, value)
+
+
 @pytest.fixture
 def install_fake() -> Iterator[InstallFake]:
     """Install a fake node (a built-in name, a path, a mapping or a Scenario) and nvmlInit it.

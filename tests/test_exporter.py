@@ -14,26 +14,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import fake_nvml
 from agent.model import AgentState
-from agent.nvml import NvmlBackend
-from agent.pipeline import Pipeline
-from agent.sampler import Sampler
 from exporters.catalogue import BY_NAME, CATALOGUE, Kind
 from exporters.prometheus import make_registry
+from tests.helpers import Rig
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("GPULEDGER_UPDATE_GOLDEN") == "1"  # GPULEDGER_UPDATE_GOLDEN=1 pytest ... rewrites
 
 
 def simulate(scenario: object, at_s: float) -> AgentState:
-    """Polls `scenario` at at_s - 5 and at_s; poll durations are pinned to 0 for stable output."""
-    node = fake_nvml.install(scenario)  # type: ignore[arg-type]
-    sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname="golden")
-    sampler.start()
-    pipeline = Pipeline(sampler, poll_interval_s=5.0, monotonic=lambda: 0.0)
-    node.clock.advance(at_s - 5)
-    pipeline.poll_once()
-    node.clock.advance(5)
-    return pipeline.poll_once()
+    """Polls `scenario` at at_s - 5 and at_s, with attribution, as the daemon would."""
+    rig = Rig(scenario, rules=[({"namespace": "^research-"}, {"team": "research"})])
+    rig.poll(at_s - 5)
+    state = rig.poll(5)
+    rig.kubelet.close()
+    return state
 
 
 @pytest.fixture(autouse=True)

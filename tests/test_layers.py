@@ -14,12 +14,29 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "agent.errors": (),
     "agent.model": (),
     "agent.yamlfile": (),
-    "agent.config": ("agent.errors", "agent.units", "agent.yamlfile"),
+    "agent.cgroup": (),
+    "agent.recognise": (),
+    "agent.hostfiles": (),
+    "agent.podresources": ("agent.podresources",),
+    "agent.config": ("agent.errors", "agent.units", "agent.yamlfile", "agent.attribution"),
     "agent.nvml": ("agent.errors",),
+    "agent.procfs": ("agent.errors", "agent.model"),
+    "agent.kubelet": ("agent.errors", "agent.podresources"),
     "agent.sampler": ("agent.errors", "agent.model", "agent.nvml"),
-    "agent.pipeline": ("agent.errors", "agent.model", "agent.sampler"),
+    # attribution is pure: the model, the cgroup parser and the recognisers, nothing that reads
+    "agent.attribution": ("agent.model", "agent.cgroup", "agent.recognise"),
+    "agent.attributor": (
+        "agent.attribution",
+        "agent.errors",
+        "agent.hostfiles",
+        "agent.kubelet",
+        "agent.model",
+        "agent.procfs",
+    ),
+    "agent.pipeline": ("agent.errors", "agent.model", "agent.sampler", "agent.attributor"),
     "exporters": ("agent.model", "agent.__init__", "agent", "exporters"),
-    "fake_nvml": ("fake_nvml", "agent.units", "agent.yamlfile"),
+    # The fake serves the kubelet API from the same generated stubs the agent's client uses.
+    "fake_nvml": ("fake_nvml", "agent.units", "agent.yamlfile", "agent.podresources"),
 }
 PROJECT = ("agent", "exporters", "fake_nvml", "rules")
 

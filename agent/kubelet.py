@@ -1,0 +1,153 @@
+"""The one module that speaks gRPC to the kubelet: its pod-resources v1 API on a unix socket.
+
+The kubelet answers ``List`` with every pod's containers and the device-plugin devices each was
+handed. The NVIDIA device plugin reports its devices by UUID ("GPU-..." for a whole GPU,
+"MIG-..." for a MIG instance), which is how an allocation is tied to a GPU. Everything above
+this module sees `PodDeviceAllocation` rows and `KubeletUnavailable`, never a grpc or protobuf
+type.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from agent.errors import GpuledgerError
+from agent.podresources import api_pb2, api_pb2_grpc
+
+NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
+
+# The kubelet's pod-resources server sends up to 16 MiB (podresources.DefaultMaxMsgSize), more
+# than gRPC's default 4 MiB receive limit; a node with many pods would otherwise fail to list.
+_MAX_RECEIVE_BYTES = 16 * 1024 * 1024
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES),
+    # Channels to the same target share subchannels through a process-wide pool, so a channel
+    # re-created after the kubelet restarted could inherit the old subchannel's reconnect backoff
+    # and fail at once with UNAVAILABLE. A pool per channel makes re-creating it a fresh start.
+    ("grpc.use_local_subchannel_pool", 1),
+]
+
+
+class KubeletUnavailable(GpuledgerError):
+    """The kubelet's pod-resources API cannot be read: the socket is missing or refuses
+    connections, the call timed out, or the kubelet answered with a gRPC error."""
+
+    def __init__(self, socket_path: str, reason: str) -> None:
+        self.socket_path = socket_path
+        self.reason = reason
+        super().__init__(f"kubelet pod-resources socket {socket_path}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class PodDeviceAllocation:
+    """One device that the kubelet has allocated to one container."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource_name: str  # e.g. nvidia.com/gpu, nvidia.com/mig-3g.40gb
+    device_id: str  # as the device plugin reports it: a GPU UUID ("GPU-...") or MIG UUID ("MIG-...")
+
+
+class PodResourcesClient:
+    """A client of the kubelet's pod-resources API at ``socket_path``.
+
+    The channel is opened on first use and dropped after any failure, so the next call
+    reconnects from scratch (the kubelet restarts, and recreates its socket, on every upgrade).
+    Thread-safe; `close` releases the channel and the client may still be used afterwards.
+    """
+
+    def __init__(self, socket_path: str, timeout_s: float = 2.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
+
+    def list_gpu_allocations(self) -> list[PodDeviceAllocation]:
+        """Every NVIDIA device (resource ``nvidia.com/...``) allocated to a container, one row per
+        device id, in the kubelet's order. Raises `KubeletUnavailable`."""
+        response = self._list()
+        return [
+            PodDeviceAllocation(
+                namespace=pod.namespace,
+                pod=pod.name,
+                container=container.name,
+                resource_name=devices.resource_name,
+                device_id=device_id,
+            )
+            for pod in response.pod_resources
+            for container in pod.containers
+            for devices in container.devices
+            if devices.resource_name.startswith(NVIDIA_RESOURCE_PREFIX)
+            for device_id in devices.device_ids
+        ]
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_channel()
+
+    def __enter__(self) -> PodResourcesClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _list(self) -> api_pb2.ListPodResourcesResponse:
+        with self._lock:
+            self._check_socket()
+            try:
+                if self._channel is None or self._stub is None:
+                    # "unix://" takes an absolute path only; "unix:" would take a relative one.
+                    target = "unix://" + os.path.abspath(self.socket_path)
+                    self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                    self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
+                response: api_pb2.ListPodResourcesResponse = self._stub.List(
+                    api_pb2.ListPodResourcesRequest(), timeout=self.timeout_s
+                )
+            except grpc.RpcError as exc:
+                self._drop_channel()
+                raise KubeletUnavailable(self.socket_path, _describe_rpc_error(exc, self.timeout_s)) from exc
+            except (OSError, ValueError) as exc:
+                self._drop_channel()
+                raise KubeletUnavailable(self.socket_path, _one_line(str(exc) or type(exc).__name__)) from exc
+            return response
+
+    def _check_socket(self) -> None:
+        """gRPC would only say "failed to connect to all addresses": name the actual problem."""
+        try:
+            mode = os.stat(self.socket_path).st_mode
+        except FileNotFoundError as exc:
+            self._drop_channel()
+            raise KubeletUnavailable(self.socket_path, "no such socket (is the kubelet running?)") from exc
+        except OSError as exc:
+            self._drop_channel()
+            raise KubeletUnavailable(self.socket_path, _one_line(exc.strerror or str(exc))) from exc
+        if not stat.S_ISSOCK(mode):
+            self._drop_channel()
+            raise KubeletUnavailable(self.socket_path, "not a unix socket")
+
+    def _drop_channel(self) -> None:
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            channel.close()
+
+
+def _describe_rpc_error(exc: grpc.RpcError, timeout_s: float) -> str:
+    # Errors raised by a call are also grpc.Call objects; anything else has only its text.
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = exc.details() if isinstance(exc, grpc.Call) else None
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"no answer within {timeout_s:g}s"
+    name = code.name if code is not None else type(exc).__name__
+    return _one_line(f"{name}: {details}" if details else name)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -1,0 +1,131 @@
+"""The one module that reads procfs (and the passwd file beside it).
+
+A process is identified by (pid, start time in clock ticks), so a reused pid is never taken
+for the process that had it before. OS errors become `ProcessGone` / `ProcessUnreadable`.
+The root is injectable: `/proc` on a host, the host's /proc mounted elsewhere in a container,
+or the tree the fake node writes.
+
+Environment variables are secrets until proven otherwise: `environ` is parsed here and only
+allowlisted keys leave this module; every other value is dropped with the buffer it came in.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from agent.errors import GpuledgerError
+from agent.model import ProcessFacts, ProcessIdentity
+
+log = logging.getLogger(__name__)
+
+
+class ProcessGone(GpuledgerError):
+    """The pid is not there (exited, or in a PID namespace we cannot see)."""
+
+
+class ProcessUnreadable(GpuledgerError):
+    """The process exists but we may not read it (permissions, hidepid)."""
+
+
+def _map_os_error(pid: int, exc: OSError) -> GpuledgerError:
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return ProcessUnreadable(f"pid {pid}: permission denied")
+    return ProcessGone(f"pid {pid}: {exc.strerror or 'not found'}")
+
+
+class ProcFS:
+    def __init__(self, root: str | Path = "/proc", env_allowlist: Iterable[str] = ()) -> None:
+        self.root = Path(root)
+        self.env_allowlist = frozenset(env_allowlist)
+        self._environ_denied_logged = False
+
+    def _read(self, pid: int, name: str) -> bytes:
+        try:
+            with open(self.root / str(pid) / name, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise _map_os_error(pid, exc) from exc
+
+    def identity(self, pid: int) -> ProcessIdentity:
+        """(pid, start time): one small read, done every poll to notice pid reuse."""
+        stat = self._read(pid, "stat")
+        # The command name sits in parentheses and may itself hold spaces and ')'.
+        after_comm = stat[stat.rfind(b")") + 2 :].split()
+        try:
+            start_ticks = int(after_comm[19])  # field 22 of proc(5); fields after comm start at 3
+        except (IndexError, ValueError):
+            raise ProcessGone(f"pid {pid}: unreadable stat") from None
+        return ProcessIdentity(pid, start_ticks)
+
+    def facts(self, identity: ProcessIdentity) -> ProcessFacts:
+        pid = identity.pid
+        cmdline = tuple(part.decode(errors="replace") for part in self._read(pid, "cmdline").split(b"\0") if part)
+        cgroup = self._read(pid, "cgroup").decode(errors="replace")
+        uid = _status_uid(self._read(pid, "status"))
+        env = self._environ(pid) if self.env_allowlist else ()
+        # The pid may have been reused while we read: only facts of the same process count.
+        if self.identity(pid) != identity:
+            raise ProcessGone(f"pid {pid}: exited while being read")
+        return ProcessFacts(identity, uid, cmdline, cgroup, env)
+
+    def _environ(self, pid: int) -> tuple[tuple[str, str], ...]:
+        try:
+            raw = self._read(pid, "environ")
+        except ProcessUnreadable:
+            # Reading another user's environ needs CAP_SYS_PTRACE; without it, go on quietly.
+            if not self._environ_denied_logged:
+                log.info("cannot read process environments (no privilege); attribution uses cgroups and cmdlines")
+                self._environ_denied_logged = True
+            return ()
+        kept: list[tuple[str, str]] = []
+        for entry in raw.split(b"\0"):
+            key, sep, value = entry.partition(b"=")
+            if sep and key.decode(errors="replace") in self.env_allowlist:
+                kept.append((key.decode(errors="replace"), value.decode(errors="replace")))
+        del raw
+        return tuple(sorted(kept))
+
+
+def _status_uid(status: bytes) -> int | None:
+    for line in status.splitlines():
+        if line.startswith(b"Uid:"):
+            fields = line.split()
+            if len(fields) > 1 and fields[1].isdigit():
+                return int(fields[1])
+    return None
+
+
+class Passwd:
+    """uid -> user name from a passwd-format file, re-read when the file changes."""
+
+    def __init__(self, path: str | Path = "/etc/passwd") -> None:
+        self.path = Path(path)
+        self._mtime: float | None = None
+        self._names: Mapping[int, str] = {}
+
+    def name(self, uid: int) -> str | None:
+        self._refresh()
+        return self._names.get(uid)
+
+    def _refresh(self) -> None:
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except OSError:
+            self._names, self._mtime = {}, None
+            return
+        if mtime == self._mtime:
+            return
+        names: dict[int, str] = {}
+        try:
+            text = self.path.read_text(errors="replace")
+        except OSError:
+            return
+        for line in text.splitlines():
+            fields = line.split(":")
+            if len(fields) >= 3 and fields[2].isdigit():
+                names.setdefault(int(fields[2]), fields[0])
+        self._names, self._mtime = names, mtime

@@ -1,0 +1,72 @@
+"""Which model a process serves or trains, read off its command line.
+
+Built-in knowledge of the common inference servers and launchers; config rules run first and
+win. Only the command line is used here: it is what `ps` shows anyone on the host anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+# Flags that name a model, as the servers and training scripts spell them.
+_MODEL_FLAGS = (
+    "--model",
+    "--model-id",
+    "--model_id",
+    "--model-name",
+    "--model_name",
+    "--model-path",
+    "--model_path",
+    "--model_name_or_path",
+    "--model-name-or-path",
+    "--served-model-name",
+    "--pretrained_model_name_or_path",
+)
+
+
+def _flag_value(argv: Sequence[str], flags: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            if eq:
+                return value or None
+            if i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                return argv[i + 1]
+    return None
+
+
+def _split(cmdline: Sequence[str]) -> list[str]:
+    # Some launchers (and the fake) hand us one string with spaces; real /proc gives argv.
+    if len(cmdline) == 1 and " " in cmdline[0]:
+        return cmdline[0].split()
+    return list(cmdline)
+
+
+def recognise_model(cmdline: Sequence[str]) -> str | None:
+    argv = _split(cmdline)
+    if not argv:
+        return None
+    words = [os.path.basename(a) for a in argv[:4]]
+    # `vllm serve MODEL` and `sglang`/`ollama run MODEL` take the model as a positional argument.
+    for i, word in enumerate(words):
+        if word == "vllm" and i + 2 < len(argv) and argv[i + 1] == "serve" and not argv[i + 2].startswith("-"):
+            return argv[i + 2]
+        if (
+            word == "ollama"
+            and i + 2 < len(argv)
+            and argv[i + 1] in ("run", "serve")
+            and not argv[i + 2].startswith("-")
+        ):
+            return argv[i + 2]
+    # Triton serves a repository of models; name the repository when no model is explicit.
+    if any(w in ("tritonserver", "triton") for w in words):
+        explicit = _flag_value(argv, ("--load-model",))
+        if explicit:
+            return explicit
+        repo = _flag_value(argv, ("--model-repository", "--model-store"))
+        return os.path.basename(repo.rstrip("/")) if repo else None
+    value = _flag_value(argv, _MODEL_FLAGS)
+    if value:
+        return value
+    return None

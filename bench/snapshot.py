@@ -1,0 +1,387 @@
+"""What one poll costs: gpuledger's sampler against nvitop and against bare pynvml calls.
+
+    python bench/snapshot.py [--polls N] [--warmup N]
+
+All three read the same fake node (the built-in `demo` node, scaled to 8 GPUs x 64 processes,
+no faults and so no injected latency) through the same real `pynvml` module:
+
+  gpuledger  Sampler(NvmlBackend(...)).poll(): the agent's whole poll, snapshot included.
+  nvitop     nvitop's Device API, one fresh read of every field per poll.
+  floor      bare pynvml wrapper calls, one call per reading, handles obtained once: the least
+             a poll of these fields can cost.
+
+Each round moves the fake clock 5 s, then polls all three (in a rotating order, so that no
+reader always runs first or last) at the same scenario instant; every reader sees new
+per-process utilization samples each round. Timings are wall time (`time.perf_counter`) of
+the poll alone; NVML C-function calls are counted by the fake (`node.calls`). Only the
+timings vary from run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
+
+import pynvml
+import yaml
+
+import fake_nvml
+from agent.model import Snapshot
+from agent.nvml import NvmlBackend
+from agent.sampler import Sampler
+from fake_nvml.scenario import SCENARIO_DIR
+
+GPUS = 8
+PROCESSES_PER_GPU = 8
+STEP_S = 5.0
+# Above the kernel's PID_MAX_LIMIT (2**22): no host process ever has these pids, so nvitop's
+# psutil lookups of them (Device.processes() builds a host process per GPU process) behave the
+# same on every machine.
+PID_BASE = 5_000_000
+
+TARGET_TIME_VS_NVITOP = 0.5
+TARGET_TIME_VS_FLOOR = 1.3
+TARGET_CALLS_VS_FLOOR = 1.0
+
+
+NOTES = (
+    "nvitop 1.7 has no energy or NVLink-state method: both are read through Device.__getattr__'s"
+    " pynvml pass-through, d.total_energy_consumption() and d.nv_link_state(link).",
+    "nvitop's Device.processes() reads the per-process samples of the last second of wall time, with"
+    " its clock put on the scenario's: 1 sample per process per poll; gpuledger and the floor read"
+    " every sample since their previous poll (5).",
+    "nvitop's time includes the psutil host-process objects Device.processes() builds (no NVML calls).",
+    "Attribution (process -> pod / job / user) is not measured: the sampler's poll ends at NVML readings.",
+)
+
+
+# -- the node -------------------------------------------------------------------------------------
+
+
+def scaled_demo() -> dict[str, Any]:
+    """demo.yaml's node and GPUs with 64 processes, 8 per GPU, of varied load and memory."""
+    demo = yaml.safe_load((SCENARIO_DIR / "demo.yaml").read_text())
+    assert sum(g.get("count", 1) for g in demo["gpus"]) == GPUS, "demo.yaml no longer has 8 GPUs"
+    processes = []
+    for gpu in range(GPUS):
+        for slot in range(PROCESSES_PER_GPU):
+            n = gpu * PROCESSES_PER_GPU + slot
+            processes.append(
+                {
+                    "pid": PID_BASE + n,
+                    "gpus": [gpu],
+                    "sm_util": 1 + (7 * slot + 3 * gpu) % 19,  # 1..19 %: never 0, so every pid has samples
+                    "memory_mib": 2048 + 1024 * ((5 * n) % 9),  # 2..10 GiB: at most 80 GiB per GPU
+                    "uid": 1000 + slot,
+                    "cmdline": f"python worker.py --rank {n}",
+                }
+            )
+    return {"start": demo["start"], "node": demo["node"], "gpus": demo["gpus"], "processes": processes}
+
+
+# -- the readers ----------------------------------------------------------------------------------
+#
+# Each reader is a setup that runs once (not timed) and returns the poll to time, plus a
+# function that turns one poll's result into the common form below, to check (outside the
+# timing) that all three really read the same values.
+
+# Per GPU: util %, memory used B, memory total B, temperature C, power mW, energy mJ, NVLink
+# up per link, and (pid, GPU memory B, SM util %) per process.
+Reading = tuple[int, int, int, int, int, int, tuple[bool, ...], tuple[tuple[int, int, int], ...]]
+
+
+@dataclass
+class Reader:
+    name: str
+    poll: Callable[[], Any]
+    readings: Callable[[Any], list[Reading]]
+    times_s: list[float] = field(default_factory=list)
+    calls: Counter[str] = field(default_factory=Counter)
+    last: Any = None
+
+
+def gpuledger_reader(node: fake_nvml.InstalledNode) -> Reader:
+    sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname=node.scenario.node.hostname)
+    sampler.start()
+
+    def readings(snapshot: Snapshot) -> list[Reading]:
+        return [
+            (
+                round((d.utilization or 0) * 100),
+                d.memory_used_bytes or 0,
+                d.memory_total_bytes or 0,
+                round(d.temperature_c or 0),
+                round((d.power_w or 0) * 1000),
+                round((d.energy_j or 0) * 1000),
+                tuple(link.up for link in d.nvlinks),
+                tuple(sorted((p.pid, p.used_memory_bytes or 0, round((p.sm_util or 0) * 100)) for p in d.processes)),
+            )
+            for d in snapshot.devices
+        ]
+
+    return Reader("gpuledger", sampler.poll, readings)
+
+
+class _ScenarioTime:
+    """The `time` module as nvitop.api.device sees it, with `time_ns` on the scenario clock."""
+
+    def __init__(self, wall_time: Callable[[], float]) -> None:
+        self._wall_time = wall_time
+
+    def time_ns(self) -> int:
+        return round(self._wall_time() * 1e9)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def nvitop_reader(node: fake_nvml.InstalledNode) -> Reader:
+    # Imported only now: nvitop's pynvml must find the fake already installed.
+    import nvitop.api.device
+    from nvitop import Device
+
+    # Device.processes() asks NVML for the per-process samples of the last second of *wall*
+    # time (time.time_ns() - 1 s), as a real node's driver stamps samples with the host clock.
+    # The fake stamps them with the scenario clock, which does not run with real time, so point
+    # nvitop's clock at the scenario's: it then sees what it would see on a real node (the
+    # newest sample of each process) instead of none at all.
+    nvitop.api.device.time = _ScenarioTime(node.clock.wall_time)  # type: ignore[assignment]
+
+    # Caching, checked in nvitop 1.7: the API Device (nvitop.api) caches no reading across
+    # calls; its `ttl_cache`s (5 s) sit only on the TUI's Device subclass (nvitop.tui), unused
+    # here. oneshot() memoizes readings within one `with` block, i.e. within this one poll, and a
+    # Device memoizes two static facts (memory total, NVLink link count), as gpuledger does at
+    # discovery. So every poll below really reads NVML: no real time needs to pass between polls.
+    devices = Device.all()
+
+    def poll() -> list[tuple[Any, ...]]:
+        rows = []
+        for d in devices:
+            with d.oneshot():
+                rows.append(
+                    (
+                        d.gpu_utilization(),
+                        d.memory_used(),
+                        d.memory_total(),
+                        d.temperature(),
+                        d.power_usage(),
+                        # nvitop 1.7 has no energy or NVLink-state method: Device.__getattr__
+                        # forwards these names to pynvml.nvmlDeviceGetTotalEnergyConsumption and
+                        # pynvml.nvmlDeviceGetNvLinkState (NotSupported becomes NA).
+                        d.total_energy_consumption(),
+                        [d.nv_link_state(link) for link in range(d.nvlink_link_count())],
+                        {pid: (p.gpu_memory(), p.gpu_sm_utilization()) for pid, p in d.processes().items()},
+                    )
+                )
+        return rows
+
+    def readings(rows: list[tuple[Any, ...]]) -> list[Reading]:
+        result = []
+        for util, used, total, temp, power, energy, links, procs in rows:
+            links_up = tuple(bool(s) for s in links)
+            per_process = tuple(sorted((pid, memory, sm_util) for pid, (memory, sm_util) in procs.items()))
+            result.append((util, used, total, temp, power, energy, links_up, per_process))
+        return result
+
+    return Reader(f"nvitop {nvitop.__version__}", poll, readings)
+
+
+def floor_reader(node: fake_nvml.InstalledNode) -> Reader:
+    pynvml.nvmlInit()
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    links = [_count_links(h) for h in handles]
+    # Per-process samples since the previous poll, as gpuledger asks for them (passing 0 instead
+    # would re-read each process's whole sample buffer every poll and slow the floor down).
+    last_seen = [0] * len(handles)
+
+    # Each reading is taken out of its ctypes struct into a plain value, as any caller must to
+    # use it; nothing more (no per-pid averaging, no objects): that is left to `readings`.
+    def poll() -> list[tuple[Any, ...]]:
+        rows = []
+        for i, h in enumerate(handles):
+            util = pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+            memory = pynvml.nvmlDeviceGetMemoryInfo(h)
+            temperature = pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)
+            power = pynvml.nvmlDeviceGetPowerUsage(h)
+            energy = pynvml.nvmlDeviceGetTotalEnergyConsumption(h)
+            nvlinks = [pynvml.nvmlDeviceGetNvLinkState(h, link) for link in range(links[i])]
+            processes = [(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+            try:
+                samples = [
+                    (s.pid, s.timeStamp, s.smUtil) for s in pynvml.nvmlDeviceGetProcessUtilization(h, last_seen[i])
+                ]
+            except pynvml.NVMLError_NotFound:
+                samples = []
+            if samples:
+                last_seen[i] = max(stamp for _, stamp, _ in samples)
+            rows.append((util, memory.used, memory.total, temperature, power, energy, nvlinks, processes, samples))
+        return rows
+
+    def readings(rows: list[tuple[Any, ...]]) -> list[Reading]:
+        result = []
+        for util, used, total, temperature, power, energy, nvlinks, processes, samples in rows:
+            per_pid: dict[int, list[int]] = {}
+            for pid, _, sm_util in samples:
+                per_pid.setdefault(pid, []).append(sm_util)
+            procs = tuple(
+                sorted((pid, memory, round(statistics.fmean(per_pid.get(pid, [0])))) for pid, memory in processes)
+            )
+            links_up = tuple(bool(s) for s in nvlinks)
+            result.append((util, used, total, temperature, power, energy, links_up, procs))
+        return result
+
+    return Reader("floor (bare pynvml)", poll, readings)
+
+
+def _count_links(handle: Any) -> int:
+    links = 0
+    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            pynvml.nvmlDeviceGetNvLinkState(handle, link)
+        except pynvml.NVMLError:
+            break
+        links += 1
+    return links
+
+
+# -- measuring ------------------------------------------------------------------------------------
+
+
+def run(node: fake_nvml.InstalledNode, readers: list[Reader], polls: int, warmup: int) -> None:
+    """`warmup` untimed rounds, then `polls` timed ones; each round moves the clock STEP_S."""
+    gc.collect()
+    for round_ in range(warmup + polls):
+        node.clock.advance(STEP_S)
+        shift = round_ % len(readers)
+        for reader in readers[shift:] + readers[:shift]:
+            before = Counter(node.calls)
+            started = time.perf_counter()
+            result = reader.poll()
+            elapsed = time.perf_counter() - started
+            reader.last = result
+            if round_ >= warmup:
+                reader.times_s.append(elapsed)
+                reader.calls.update(node.calls - before)
+
+
+def disagreements(readers: list[Reader]) -> list[str]:
+    """Where the last round's readings differ from the first reader's, one line each."""
+    reference = readers[0].readings(readers[0].last)
+    problems = []
+    for reader in readers[1:]:
+        readings = reader.readings(reader.last)
+        if len(readings) != len(reference):
+            problems.append(f"{reader.name}: {len(readings)} GPUs, {readers[0].name} {len(reference)}")
+            continue
+        names = ("util", "memory used", "memory total", "temperature", "power", "energy", "nvlink", "processes")
+        for gpu, (ours, theirs) in enumerate(zip(reference, readings, strict=True)):
+            problems.extend(
+                f"GPU {gpu} {what}: {readers[0].name} {a!r}, {reader.name} {b!r}"
+                for what, a, b in zip(names, ours, theirs, strict=True)
+                if a != b
+            )
+    return problems
+
+
+# -- reporting ------------------------------------------------------------------------------------
+
+
+def table(rows: Iterable[Iterable[object]], align: str) -> list[str]:
+    """Rows as aligned text; `align` gives each column's alignment, "<" or ">"."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(align))]
+    return ["  ".join(f"{c:{a}{w}}" for c, a, w in zip(row, align, widths, strict=True)).rstrip() for row in cells]
+
+
+def poll_cost_section(readers: list[Reader], polls: int) -> list[str]:
+    gl, nv, fl = readers
+    ms = {r.name: statistics.median(r.times_s) * 1000 for r in readers}
+    per_gpu = {r.name: sum(r.calls.values()) / polls / GPUS for r in readers}
+    lines = table(
+        [("reader", "median ms/poll", "NVML calls/GPU/poll")]
+        + [(r.name, f"{ms[r.name]:.3f}", f"{per_gpu[r.name]:.1f}") for r in readers],
+        "<>>",
+    )
+
+    def verdict(ratio: float, target: float | None) -> tuple[str, str]:
+        if target is None:
+            return "-", "-"
+        return f"<= {target:.2f}x", "PASS" if ratio <= target else "MISS"
+
+    checks = [
+        ("time", nv, TARGET_TIME_VS_NVITOP),
+        ("time", fl, TARGET_TIME_VS_FLOOR),
+        ("calls/GPU", nv, None),
+        ("calls/GPU", fl, TARGET_CALLS_VS_FLOOR),
+    ]
+    ratio_rows: list[tuple[str, ...]] = [("ratio", "", "value", "target", "result")]
+    for what, other, target in checks:
+        figures = ms if what == "time" else per_gpu
+        ratio = figures[gl.name] / figures[other.name]
+        ratio_rows.append((what, f"gpuledger / {other.name}", f"{ratio:.3f}x", *verdict(ratio, target)))
+    lines += ["", *table(ratio_rows, "<<>>>")]
+
+    functions = sorted(set().union(*(r.calls for r in readers)))
+    breakdown = [("NVML calls/GPU/poll", *(r.name for r in readers))]
+    breakdown += [(fn, *(f"{r.calls[fn] / polls / GPUS:.1f}" for r in readers)) for fn in functions]
+    breakdown.append(("total", *(f"{per_gpu[r.name]:.1f}" for r in readers)))
+    lines += ["", *table(breakdown, "<" + ">" * len(readers))]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--polls", type=int, default=200, help="timed polls per reader (default 200)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed polls first (default 20)")
+    args = parser.parse_args(argv)
+    if args.polls < 1 or args.warmup < 1:
+        parser.error("--polls and --warmup must be at least 1")
+
+    node = fake_nvml.install(scaled_demo())
+    try:
+        readers = [gpuledger_reader(node), nvitop_reader(node), floor_reader(node)]
+        run(node, readers, args.polls, args.warmup)
+        problems = disagreements(readers)
+    finally:
+        fake_nvml.uninstall()
+
+    print(
+        f"One poll of {GPUS} GPUs x {GPUS * PROCESSES_PER_GPU} processes (the demo node, scaled; no faults), "
+        f"median of {args.polls} polls after {args.warmup} warm-up, fake clock +{STEP_S:g}s per poll"
+    )
+    sections = [
+        poll_cost_section(readers, args.polls),
+        # == Attribution: a section to come ========================================================
+        # Not measured yet: the polls above end at NVML readings. Attributing each process to its
+        # pod / Slurm job / user (procfs, cgroup and allocation lookups) is the next stage of a
+        # poll; its cost goes here as one more list of lines, built like poll_cost_section's.
+        # ==========================================================================================
+    ]
+    for section in sections:
+        print()
+        print("\n".join(section))
+    print()
+    print(
+        "Readings agree: all three read the same values on the last poll."
+        if not problems
+        else "Readings DISAGREE on the last poll:\n  " + "\n  ".join(problems)
+    )
+    print()
+    print("Notes:")
+    for note in NOTES:
+        print(f"- {note}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

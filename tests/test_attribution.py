@@ -1,0 +1,373 @@
+"""Attribution: every GPU process and allocation tied to its workload, model and team."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.attribution import compile_rules, rule_env_keys
+from agent.model import AgentState, Workload
+from agent.procfs import ProcessUnreadable, ProcFS
+from agent.recognise import recognise_model
+from tests.helpers import Rig
+
+DEMO_RULES = [
+    ({"namespace": "^research-"}, {"team": "research"}),
+    ({"account": "^nlp$"}, {"team": "nlp"}),
+    ({"namespace": "^serving$"}, {"team": "inference"}),
+]
+
+
+@pytest.fixture
+def rig() -> Iterator[Any]:
+    made: list[Rig] = []
+
+    def make(*args: Any, **kwargs: Any) -> Rig:
+        r = Rig(*args, **kwargs)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def owners(state: AgentState) -> dict[str, list[Workload]]:
+    assert state.snapshot is not None
+    return {d.label: [h.workload for h in state.attribution.for_device(d.uuid)] for d in state.snapshot.devices}
+
+
+def workload_series(text: str, name: str) -> dict[tuple[str, ...], float]:
+    keys = ("gpu", "namespace", "pod", "container", "job", "user", "model", "team")
+    return {
+        tuple(s.labels[k] for k in keys): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def test_demo_metrics_name_every_workload(rig: Any) -> None:
+    r = rig("demo", rules=DEMO_RULES)
+    r.poll()
+    text = r.metrics(r.poll(5))
+    util = workload_series(text, "gpuledger_workload_gpu_utilization_ratio")
+    llama = "llama-3-8b"
+    expected = {
+        ("0", "", "", "", "8812", "alice", llama, "nlp"): 0.92,
+        ("1", "", "", "", "8812", "alice", llama, "nlp"): 0.92,
+        ("2", "", "", "", "8812", "alice", llama, "nlp"): 0.92,
+        ("3", "", "", "", "8812", "alice", llama, "nlp"): 0.92,
+        ("4", "serving", "vllm-llama-0", "vllm", "", "", "meta-llama/Llama-3.1-8B-Instruct", "inference"): 0.55,
+        ("4", "", "", "9f2b7c1d4e5a", "", "carol", "BAAI/bge-large-en-v1.5", ""): 0.20,
+        ("5", "research-nlp", "notebook-7", "jupyter", "", "", "", "research"): 0.0,
+        ("7", "research-cv", "notebook-3", "jupyter", "", "", "", "research"): 0.0,
+    }
+    assert util == pytest.approx(expected)
+    memory = workload_series(text, "gpuledger_workload_gpu_memory_used_bytes")
+    assert memory[("5", "research-nlp", "notebook-7", "jupyter", "", "", "", "research")] == 30000 * 2**20
+    processes = workload_series(text, "gpuledger_workload_gpu_processes")
+    allocated = workload_series(text, "gpuledger_workload_gpu_allocated")
+    notebook3 = ("7", "research-cv", "notebook-3", "jupyter", "", "", "", "research")
+    assert processes[notebook3] == 0  # allocated, runs nothing: still holds the GPU
+    assert allocated[notebook3] == 1
+    assert allocated[("0", "", "", "", "8812", "alice", llama, "nlp")] == 1  # the Slurm map file
+    assert allocated[("4", "", "", "9f2b7c1d4e5a", "", "carol", "BAAI/bge-large-en-v1.5", "")] == 0
+    assert "pid=" not in text
+    assert "gpuledger_kubelet_up 1.0" in text
+
+
+def test_per_pid_series_add_a_pid_label_only_when_switched_on(rig: Any) -> None:
+    r = rig("demo", per_pid=True)
+    text = r.metrics(r.poll())
+    pids = {
+        s.labels["pid"]
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "gpuledger_workload_gpu_memory_used_bytes"
+    }
+    assert {"4101", "5200", "6310", "7001"} <= pids
+
+
+def test_a_reused_pid_is_reported_with_its_new_owner_from_the_next_poll(rig: Any) -> None:
+    r = rig(
+        {
+            "gpus": [{"count": 1}],
+            "processes": [
+                {"pid": 700, "gpus": [0], "end": "1m", "sm_util": 50, "slurm_job": "41", "user": "ann", "uid": 2001},
+                {
+                    "pid": 700,
+                    "gpus": [0],
+                    "start": "2m",
+                    "sm_util": 30,
+                    "uid": 2002,
+                    "pod": {"namespace": "ml", "name": "trainer-0", "container": "main"},
+                    "cmdline": "python train.py --model qwen2-7b",
+                },
+            ],
+        }
+    )
+    first = owners(r.poll(5))["0"]
+    assert first == [Workload(job="41", user="ann")]
+    reads = r.attributor.full_reads
+    r.poll(60)
+    assert r.attributor.full_reads == reads  # same process: served from the cache
+    second = owners(r.poll(120))["0"]
+    assert second == [Workload(namespace="ml", pod="trainer-0", container="main", model="qwen2-7b")]
+
+
+def test_steady_state_polls_read_only_each_process_stat(rig: Any) -> None:
+    r = rig("demo")
+    r.poll()
+    reads = r.attributor.full_reads
+    assert reads == 7
+    for _ in range(5):
+        r.poll(5)
+    assert r.attributor.full_reads == reads
+
+
+def test_unresolvable_pids_are_counted_and_attributed_as_unknown(rig: Any) -> None:
+    r = rig(
+        {
+            "gpus": [{"count": 2}],
+            "processes": [
+                {"pid": 10, "gpus": [0], "sm_util": 40, "memory_mib": 100, "user": "ann", "uid": 2001},
+                {"pid": 11, "gpus": [1], "sm_util": 60, "memory_mib": 200, "user": "ann", "uid": 2001},
+            ],
+        }
+    )
+    r.poll()
+    # pid 11 lives in a PID namespace we cannot see: NVML reports it, procfs does not have it
+    shutil.rmtree(r.node.proc_root / "11")
+    state = r.poll(5)
+    assert owners(state)["1"] == [Workload()]
+    assert owners(state)["0"] == [Workload(user="ann")]
+    text = r.metrics(state)
+    assert 'gpuledger_gpu_unresolved_processes{gpu="1"' in text
+    unresolved = {
+        s.labels["gpu"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "gpuledger_gpu_unresolved_processes"
+    }
+    assert unresolved == {"0": 0.0, "1": 1.0}
+    memory = workload_series(text, "gpuledger_workload_gpu_memory_used_bytes")
+    assert memory[("1", "", "", "", "", "", "", "")] == 200 * 2**20  # not dropped: unknown owner
+
+
+def test_slurm_allocation_without_a_process_still_holds_its_gpus(rig: Any) -> None:
+    r = rig(
+        {
+            "gpus": [{"count": 2}, {"model": "A100-SXM4-80GB", "mig": ["3g.40gb", "3g.40gb"]}],
+            "allocations": [
+                {"gpus": [1], "slurm_job": "9911", "user": "bob"},
+                {"gpus": ["2:1"], "slurm_job": "9912", "user": "cat"},
+            ],
+        }
+    )
+    state = r.poll()
+    held = owners(state)
+    assert held["1"] == [Workload(job="9911", user="bob")]
+    assert held["0"] == []
+    assert held["2:1"] == [Workload(job="9912", user="cat")]  # a MIG `gpu.gi` map file
+    holding = state.attribution.for_device(state.snapshot.mig_devices(state.snapshot.gpus[2].uuid)[1].uuid)[0]  # type: ignore[union-attr]
+    assert holding.allocated
+    assert holding.sm_util is None  # MIG cannot measure use
+
+
+def test_kubelet_socket_vanishing_falls_back_to_cgroups(rig: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="agent.attributor")
+    r = rig("demo")
+    assert owners(r.poll())["7"] == [Workload(namespace="research-cv", pod="notebook-3", container="jupyter")]
+    r.node.host.server.stop()
+    for _ in range(3):
+        state = r.poll(5)
+    assert state.attribution.kubelet_up is False
+    # pods with processes are still named, from their cgroup and the kubelet's pod log dirs
+    assert owners(state)["5"] == [Workload(namespace="research-nlp", pod="notebook-7", container="")]
+    text = r.metrics(state)
+    assert "gpuledger_kubelet_up 0.0" in text
+    down_lines = [rec for rec in caplog.records if "unavailable" in rec.getMessage()]
+    assert len(down_lines) == 1  # one line per change of state, not per poll
+
+
+def test_a_kubelet_that_never_answers_times_out_and_polling_goes_on(rig: Any) -> None:
+    r = rig("demo", kubelet_timeout_s=0.3)
+    r.poll()
+    r.node.host.server.hang(True)
+    started = time.monotonic()
+    state = r.poll(5)
+    assert time.monotonic() - started < 5
+    assert state.attribution.kubelet_up is False
+    assert state.snapshot is not None
+    assert len(state.snapshot.gpus) == 8
+    r.node.host.server.hang(False)
+    assert r.poll(5).attribution.kubelet_up is True
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "model"),
+    [
+        ("vllm serve meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 2", "meta-llama/Llama-3.1-8B-Instruct"),
+        (
+            "python3 -m vllm.entrypoints.openai.api_server --model mistralai/Mistral-7B-v0.3",
+            "mistralai/Mistral-7B-v0.3",
+        ),
+        ("text-generation-launcher --model-id bigscience/bloom-560m --port 8080", "bigscience/bloom-560m"),
+        ("tritonserver --model-repository=/models/ensemble-llm", "ensemble-llm"),
+        ("tritonserver --model-repository /models --load-model resnet50", "resnet50"),
+        ("python3 -m sglang.launch_server --model-path Qwen/Qwen2-7B-Instruct --port 30000", "Qwen/Qwen2-7B-Instruct"),
+        ("ollama run llama3.1:8b", "llama3.1:8b"),
+        ("torchrun --nproc_per_node 8 train.py --model llama-3-8b --lr 2e-5", "llama-3-8b"),
+        ("accelerate launch finetune.py --model_name_or_path google/gemma-2-9b", "google/gemma-2-9b"),
+        ("deepspeed --num_gpus 8 train.py --model-id tiiuae/falcon-7b", "tiiuae/falcon-7b"),
+        ("python run_clm.py --model_name_or_path=gpt2 --do_train", "gpt2"),
+        ("python train.py --epochs 3", None),
+        ("/usr/bin/python -m ipykernel_launcher -f kernel.json", None),
+        ("", None),
+    ],
+)
+def test_model_recognisers(cmdline: str, model: str | None) -> None:
+    assert recognise_model(cmdline.split()) == model
+    assert recognise_model([cmdline]) == model  # a cmdline given as one string
+
+
+def test_rules_first_match_wins_per_field_and_fill_groups() -> None:
+    from agent.attribution import _apply_rules  # the rule engine itself, without a host
+
+    rules = compile_rules(
+        [
+            ({"cmdline": r"--config configs/(\w+)\.yaml"}, {"model": "$1"}),
+            ({"namespace": "^research-(.*)$"}, {"team": "research-$1"}),
+            ({"namespace": "^research-"}, {"team": "never", "model": "never"}),
+            ({"env.TEAM": "(.+)"}, {"team": "$1"}),
+        ]
+    )
+    w = _apply_rules(
+        Workload(namespace="research-cv", pod="p"), ("python", "train.py", "--config", "configs/yolo.yaml"), None, rules
+    )
+    assert (w.model, w.team) == ("yolo", "research-cv")
+    plain = _apply_rules(Workload(user="ann"), ("python", "x.py", "--model", "bert-base"), None, rules)
+    assert (plain.model, plain.team) == ("bert-base", "")  # no rule: the recogniser names it
+    assert rule_env_keys(rules) == {"TEAM"}
+
+
+def write_proc(root: Path, pid: int, comm: str, start_ticks: int, cgroup: str, environ: bytes = b"") -> None:
+    """One process as procfs shows it: stat (field 22: start time), status, cmdline, cgroup, environ."""
+    proc = root / str(pid)
+    proc.mkdir(parents=True)
+    (proc / "stat").write_text(f"{pid} ({comm}) S 1 {pid} {pid} 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {start_ticks} 0 0\n")
+    (proc / "status").write_text("Name:\tpython\nUid:\t1000\t1000\t1000\t1000\n")
+    (proc / "cmdline").write_bytes(b"python\0train.py\0")
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "environ").write_bytes(environ)
+
+
+def test_the_environment_allowlist_keeps_secrets_out(tmp_path: Path) -> None:
+    environ = b"SLURM_JOB_ID=77\0HF_TOKEN=hf_secret\0AWS_SECRET_ACCESS_KEY=abc\0PATH=/bin\0"
+    write_proc(tmp_path, 42, "python (x)", 12345, "0::/user.slice/user-1000.slice/session-1.scope\n", environ)
+    procfs = ProcFS(tmp_path, env_allowlist={"SLURM_JOB_ID"})
+    facts = procfs.facts(procfs.identity(42))
+    assert facts.identity.start_ticks == 12345  # a ')' in the command name does not shift fields
+    assert facts.uid == 1000
+    assert facts.cmdline == ("python", "train.py")
+    assert facts.env == (("SLURM_JOB_ID", "77"),)
+    assert "hf_secret" not in repr(facts)
+
+
+class _NoPtrace(ProcFS):
+    """procfs as an agent without CAP_SYS_PTRACE sees it: other users' environ is denied."""
+
+    def _read(self, pid: int, name: str) -> bytes:
+        if name == "environ":
+            raise ProcessUnreadable(f"pid {pid}: permission denied")
+        return super()._read(pid, name)
+
+
+def test_without_privilege_environments_are_skipped_quietly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_proc(tmp_path, 43, "python", 500, "0::/system.slice/slurmstepd.scope/job_5/step_0/user/task_0\n")
+    caplog.set_level(logging.INFO, logger="agent.procfs")
+    procfs = _NoPtrace(tmp_path, env_allowlist={"SLURM_JOB_ID"})
+    for _ in range(3):
+        facts = procfs.facts(procfs.identity(43))
+    assert facts.env == ()
+    assert facts.cgroup.endswith("task_0\n")
+    assert len([r for r in caplog.records if "cannot read process environments" in r.getMessage()]) == 1
+
+
+CANARY = "canary-7f3a9c1e-never-leaves-the-process"
+
+
+def test_a_secret_in_a_process_environment_appears_nowhere(tmp_path: Path) -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    scenario = tmp_path / "canary.yaml"
+    scenario.write_text(
+        "gpus: [{count: 2}]\n"
+        "processes:\n"
+        "  - {pid: 300, gpus: [0], sm_util: 50, memory_mib: 1000, uid: 1000, user: ann,\n"
+        "     cmdline: 'python serve.py --model tiny-llm',\n"
+        f"     environ: {{HF_TOKEN: {CANARY}, SLURM_JOB_ID: '4242', MODEL_TEAM: {CANARY}}}}}\n"
+    )
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "attribution:\n  per_pid_series: true\n  rules:\n    - {match: {env.MODEL_TEAM: '^nomatch$'}, set: {team: x}}\n"
+    )
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "GPULEDGER_POLL_INTERVAL": "0.2s"}
+
+    sim = subprocess.run(
+        [sys.executable, "-m", "agent", "--debug", "simulate", str(scenario), "--for", "10m", "--config", str(config),
+         "--metrics-out", str(out_dir / "metrics.prom")],
+        capture_output=True, text=True, cwd=repo, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert sim.returncode == 0, sim.stderr
+    snap = subprocess.run(
+        [sys.executable, "-m", "agent", "--debug", "snapshot", "--fake", str(scenario), "--json",
+         "--config", str(config)],
+        capture_output=True, text=True, cwd=repo, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert snap.returncode == 0, snap.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_file = out_dir / "daemon.log"
+    with log_file.open("w") as log:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "agent", "--debug", "run", "--fake", str(scenario), "--config", str(config),
+             "--listen", f"127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=repo, env=env,
+        )  # fmt: skip
+        try:
+            scraped = ""
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and 'job="4242"' not in scraped:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                        scraped = response.read().decode()
+                except OSError:
+                    time.sleep(0.1)
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=15)
+    assert 'job="4242"' in scraped  # the allowlisted key did its job
+    assert 'model="tiny-llm"' in scraped
+    written = [p.read_text(errors="replace") for p in out_dir.rglob("*") if p.is_file()]
+    for name, text in [("metrics", scraped), ("simulate output", sim.stdout + sim.stderr),
+                       ("snapshot output", snap.stdout + snap.stderr), *(("file", t) for t in written)]:  # fmt: skip
+        assert CANARY not in text, f"the canary leaked into the {name}"
+    assert "HF_TOKEN" not in scraped
