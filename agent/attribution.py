@@ -11,10 +11,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from agent.cgroup import CgroupOwner, parse_cgroup
 from agent.model import Attribution, DeviceReading, Holding, ProcessFacts, Snapshot, Workload
 from agent.recognise import recognise_model
+
+# Both are pure and see the same few texts every poll: remember their answers.
+_owner_of = lru_cache(maxsize=8192)(parse_cgroup)
+_model_of = lru_cache(maxsize=8192)(recognise_model)
 
 # Fields a rule may match on, beyond `env.<KEY>` for allowlisted environment variables.
 MATCH_FIELDS = ("cmdline", "namespace", "pod", "container", "job", "user", "account")
@@ -194,7 +199,7 @@ def _process_workload(
     pods_on_device: Mapping[str, list[PodAllocation]],
     slurm_on_device: Mapping[str, SlurmAllocation],
 ) -> Workload:
-    owner: CgroupOwner | None = parse_cgroup(facts.cgroup)
+    owner: CgroupOwner | None = _owner_of(facts.cgroup)
     uid = facts.uid
     user = inputs.user_names.get(uid, str(uid)) if uid is not None else ""
     w = Workload()
@@ -267,7 +272,7 @@ def _apply_rules(
                 if name not in chosen:
                     chosen[name] = _expand(template, groups)
     if "model" not in chosen and cmdline:
-        recognised = recognise_model(cmdline)
+        recognised = _model_of(tuple(cmdline))
         if recognised:
             chosen["model"] = recognised
     return replace(w, **chosen) if chosen else w

@@ -7,6 +7,7 @@ ctypes struct or a `pynvml.NVMLError`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -39,6 +40,35 @@ _NAMES: dict[int, str] = {
 }
 _DRIVER_GONE = {"UNINITIALIZED", "DRIVER_NOT_LOADED", "LIB_RM_VERSION_MISMATCH"}
 _GPU_GONE = {"GPU_IS_LOST", "GPU_NOT_FOUND", "RESET_REQUIRED"}
+
+
+class _FieldValue(ctypes.Structure):
+    """pynvml's c_nvmlFieldValue_t layout in a plain ctypes struct.
+
+    pynvml's structs override __getattribute__/__setattr__ in Python to convert strings; for
+    the two calls that move many structs per poll (field values, process samples) that costs
+    more than the call itself, so this module hands the driver plain structs of the same layout.
+    """
+
+    _fields_ = pynvml.c_nvmlFieldValue_t._fields_
+
+
+class _ProcessSample(ctypes.Structure):
+    _fields_ = pynvml.c_nvmlProcessUtilizationSample_t._fields_
+
+
+def _raw(call: str, name: str, *args: Any) -> int:
+    """Calls the C function `name` the way pynvml's wrappers do; returns its return code."""
+    try:
+        fn = pynvml._nvmlGetFunctionPointer(name)
+    except pynvml.NVMLError as exc:
+        raise _translate(call, exc) from exc
+    return int(fn(*args))
+
+
+def _check(call: str, code: int) -> None:
+    if code != pynvml.NVML_SUCCESS:
+        raise _translate(call, pynvml.NVMLError(code))
 
 
 def error_name(code: int) -> str:
@@ -213,7 +243,14 @@ class NvmlBackend:
 
     def field_values(self, handle: Handle, fields: Sequence[int | tuple[int, int]]) -> list[FieldResult]:
         """Several readings in one call. Each result carries its own error name, or a value."""
-        values = _call("nvmlDeviceGetFieldValues", pynvml.nvmlDeviceGetFieldValues, handle, list(fields))
+        call = "nvmlDeviceGetFieldValues"
+        values = (_FieldValue * len(fields))()
+        for item, wanted in zip(values, fields, strict=True):
+            if isinstance(wanted, tuple):
+                item.fieldId, item.scopeId = wanted
+            else:
+                item.fieldId = wanted
+        _check(call, _raw(call, call, handle, ctypes.c_int32(len(fields)), ctypes.byref(values)))
         results = []
         for item in values:
             if item.nvmlReturn != pynvml.NVML_SUCCESS:
@@ -266,14 +303,20 @@ class NvmlBackend:
         raise last
 
     def process_utilization(self, handle: Handle, last_seen_us: int) -> list[tuple[int, int, int]]:
-        """(pid, timestamp_us, SM utilization percent) samples newer than `last_seen_us`; [] when none."""
-        try:
-            samples = _call(
-                "nvmlDeviceGetProcessUtilization",
-                pynvml.nvmlDeviceGetProcessUtilization,
-                handle,
-                last_seen_us,
-            )
-        except NvmlNotFound:
+        """(pid, timestamp_us, SM utilization percent) samples newer than `last_seen_us`; [] when none.
+
+        As pynvml's wrapper does: ask for the count, then for the samples."""
+        call = "nvmlDeviceGetProcessUtilization"
+        count = ctypes.c_uint(0)
+        since = ctypes.c_ulonglong(last_seen_us)
+        code = _raw(call, call, handle, None, ctypes.byref(count), since)
+        if code == pynvml.NVML_ERROR_NOT_FOUND or (code == pynvml.NVML_SUCCESS and count.value == 0):
             return []
-        return [(int(s.pid), int(s.timeStamp), int(s.smUtil)) for s in samples]
+        if code != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            _check(call, code)
+        samples = (_ProcessSample * count.value)()
+        code = _raw(call, call, handle, samples, ctypes.byref(count), since)
+        if code == pynvml.NVML_ERROR_NOT_FOUND:
+            return []
+        _check(call, code)
+        return [(s.pid, s.timeStamp, s.smUtil) for s in samples[: count.value]]

@@ -40,12 +40,13 @@ def _map_os_error(pid: int, exc: OSError) -> GpuledgerError:
 class ProcFS:
     def __init__(self, root: str | Path = "/proc", env_allowlist: Iterable[str] = ()) -> None:
         self.root = Path(root)
+        self._root = str(self.root)
         self.env_allowlist = frozenset(env_allowlist)
         self._environ_denied_logged = False
 
     def _read(self, pid: int, name: str) -> bytes:
         try:
-            with open(self.root / str(pid) / name, "rb") as f:
+            with open(f"{self._root}/{pid}/{name}", "rb") as f:
                 return f.read()
         except OSError as exc:
             raise _map_os_error(pid, exc) from exc

@@ -36,8 +36,10 @@ import pynvml
 import yaml
 
 import fake_nvml
+from agent.attributor import Attributor
 from agent.model import Snapshot
 from agent.nvml import NvmlBackend
+from agent.procfs import Passwd, ProcFS
 from agent.sampler import Sampler
 from fake_nvml.scenario import SCENARIO_DIR
 
@@ -61,7 +63,9 @@ NOTES = (
     " its clock put on the scenario's: 1 sample per process per poll; gpuledger and the floor read"
     " every sample since their previous poll (5).",
     "nvitop's time includes the psutil host-process objects Device.processes() builds (no NVML calls).",
-    "Attribution (process -> pod / job / user) is not measured: the sampler's poll ends at NVML readings.",
+    "Attribution: the whole pipeline poll (sampler + attribution) against the sampler alone. Steady: the"
+    " same 64 processes every poll, so each costs one read of /proc/<pid>/stat; cold: the process cache"
+    " emptied before every poll, so all 64 are read in full (stat, status, cmdline, cgroup, environ).",
 )
 
 
@@ -339,6 +343,42 @@ def poll_cost_section(readers: list[Reader], polls: int) -> list[str]:
     return lines
 
 
+def attribution_section(node: fake_nvml.InstalledNode, polls: int, warmup: int) -> list[str]:
+    """Per-poll cost of sampling plus attribution, with the process cache warm and cold."""
+    host = node.host
+    sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname=node.scenario.node.hostname)
+    sampler.start()
+    attributor = Attributor(
+        ProcFS(host.proc_root, env_allowlist={"SLURM_JOB_ID", "SLURM_JOB_USER", "SLURM_JOB_ACCOUNT"}),
+        Passwd(host.passwd_file),
+        slurm_map_dir=host.slurm_map_dir,
+        pod_logs_dir=host.pod_logs_dir,
+    )
+    times: dict[str, list[float]] = {"sampler only": [], "steady (cached)": [], "cold (all new)": []}
+    for i in range(warmup + polls):
+        for name, samples in times.items():
+            node.clock.advance(STEP_S)
+            if name == "cold (all new)":
+                attributor._cache.clear()
+            gc.disable()
+            started = time.perf_counter()
+            snapshot = sampler.poll()
+            if name != "sampler only":
+                attribution = attributor.attribute(snapshot)
+            elapsed = time.perf_counter() - started
+            gc.enable()
+            if i >= warmup:
+                samples.append(elapsed)
+    if {h.workload.user for h in attribution.holdings} != {str(1000 + slot) for slot in range(PROCESSES_PER_GPU)}:
+        raise SystemExit("attribution did not find the processes' users: the measurement is void")
+    base = statistics.median(times["sampler only"])
+    rows: list[tuple[str, ...]] = [("poll with attribution", "median ms/poll", "vs sampler only")]
+    for name, samples in times.items():
+        ms = statistics.median(samples)
+        rows.append((name, f"{ms * 1000:.3f}", f"{ms / base:.2f}x"))
+    return table(rows, "<>>")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--polls", type=int, default=200, help="timed polls per reader (default 200)")
@@ -352,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         readers = [gpuledger_reader(node), nvitop_reader(node), floor_reader(node)]
         run(node, readers, args.polls, args.warmup)
         problems = disagreements(readers)
+        attribution = attribution_section(node, args.polls, args.warmup)
     finally:
         fake_nvml.uninstall()
 
@@ -361,11 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sections = [
         poll_cost_section(readers, args.polls),
-        # == Attribution: a section to come ========================================================
-        # Not measured yet: the polls above end at NVML readings. Attributing each process to its
-        # pod / Slurm job / user (procfs, cgroup and allocation lookups) is the next stage of a
-        # poll; its cost goes here as one more list of lines, built like poll_cost_section's.
-        # ==========================================================================================
+        attribution,
     ]
     for section in sections:
         print()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import time
 from collections import Counter
@@ -168,11 +169,15 @@ class FakeNode:
         """
         start_epoch = self.clock.start_epoch
         newest_k = int(t // PROCESS_SAMPLE_PERIOD_S)
+        # The first sample newer than last_seen, found by arithmetic rather than by walking
+        # the whole buffer (the exact comparison below settles rounding at the edge).
+        unseen_k = math.floor((last_seen_us / 1_000_000 - start_epoch) / PROCESS_SAMPLE_PERIOD_S)
         samples: list[tuple[int, int, int]] = []
         for process in self.processes_on(gpu, None, t):
             first_k = max(
                 newest_k - PROCESS_SAMPLES_KEPT + 1,
                 int(-(-process.start_s // PROCESS_SAMPLE_PERIOD_S)),
+                unseen_k,
             )
             for k in range(max(first_k, 0), newest_k + 1):
                 at = k * PROCESS_SAMPLE_PERIOD_S
