@@ -193,3 +193,52 @@ class AgentState:
     snapshot: Snapshot | None = None
     attribution: Attribution = field(default_factory=Attribution)
     health: AgentHealth = field(default_factory=AgentHealth)
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """What one GPU costs per hour, and why that figure (shown in `snapshot`)."""
+
+    dollars_per_hour: float
+    source: str  # e.g. "config pricing.gpu_hourly", "instance p4d.24xlarge / 8 GPUs (AWS, read 2026-11-01)"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadCharge:
+    """What one workload ran up on one cost unit (a GPU or a MIG instance) over one interval."""
+
+    gpu: int  # index of the physical GPU
+    uuid: str  # the unit's uuid: the GPU's, or the MIG instance's
+    workload: Workload
+    held_s: float
+    busy_s: float
+    dollars: float
+    joules: float
+
+
+@dataclass(frozen=True, slots=True)
+class GpuCharge:
+    """What one physical GPU cost over one interval, and how much of it nobody held."""
+
+    gpu: int
+    uuid: str
+    model: str
+    dollars_per_hour: float
+    observed_s: float
+    dollars: float
+    idle_s: float  # seconds no workload held the whole GPU (MIG: weighted by unheld slices)
+    idle_dollars: float
+    unobserved_s: float  # interval too long to charge anyone (agent stopped, node suspended)
+    joules: float
+    idle_joules: float
+
+
+@dataclass(frozen=True, slots=True)
+class Charges:
+    """One interval's accounting: from `start` to `end` (backend clock, unix seconds)."""
+
+    start: float
+    end: float
+    node: str
+    workloads: tuple[WorkloadCharge, ...] = ()
+    gpus: tuple[GpuCharge, ...] = ()

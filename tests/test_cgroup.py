@@ -369,6 +369,12 @@ SHAPES = [
         CgroupOwner("user", uid=1000),
         id="user_session_hybrid",
     ),
+    # root logs in too: uid 0 is a user like any other.
+    pytest.param(
+        "0::/user.slice/user-0.slice/session-1.scope\n",
+        CgroupOwner("user", uid=0),
+        id="root_session",
+    ),
     # ... the user's manager itself (user@<uid>.service marks the user, it is no workload) ...
     pytest.param(
         "0::/user.slice/user-1001.slice/user@1001.service/init.scope\n",
@@ -438,6 +444,10 @@ def test_the_pod_uid_is_lower_case_with_dashes() -> None:
     assert parse_cgroup(text) == CgroupOwner("pod", pod_uid=POD)
 
 
+def test_a_user_manager_with_an_impossible_uid_is_neither_user_nor_service() -> None:
+    assert parse_cgroup("0::/user.slice/user@99999999999.service\n") is None
+
+
 def test_windows_line_endings_and_no_final_newline() -> None:
     assert parse_cgroup("0::/system.slice/ollama.service\r") == CgroupOwner("service", unit="ollama.service")
 
@@ -448,14 +458,21 @@ HEX64 = st.text("0123456789abcdef", min_size=64, max_size=64)
 UUID = st.uuids().map(str)
 DIGITS = st.text("0123456789", min_size=1, max_size=12)
 # Real path words, and the odd empty or dot segment, mixed with generated ids and junk.
-KEYWORDS = (
-    "kubepods kubepods.slice kubepods-burstable.slice kubepods-besteffort.slice burstable besteffort kubelet "
-    "kubelet.slice system.slice user.slice machine.slice init.scope slurm slurm_node01 slurmstepd.scope "
-    "node01_slurmstepd.scope user system docker libpod_parent .. . container session-3.scope pod job_ step_ "
-    "uid_ user-.slice"
-).split() + [""]
+KUBE_WORDS = ("kubepods", "kubepods.slice", "kubepods-burstable.slice", "burstable", "besteffort", "kubelet", "pod")
+SLURM_WORDS = (
+    "slurm",
+    "slurm_node01",
+    "slurmstepd.scope",
+    "node01_slurmstepd.scope",
+    "system",
+    "user",
+    "job_",
+    "step_",
+)
+SYSTEMD_WORDS = ("system.slice", "user.slice", "machine.slice", "init.scope", "session-3.scope", "user-.slice", "uid_")
+OTHER_WORDS = ("docker", "libpod_parent", "container", "..", ".", "")
 SEGMENT = st.one_of(
-    st.sampled_from(KEYWORDS),
+    st.sampled_from((*KUBE_WORDS, *SLURM_WORDS, *SYSTEMD_WORDS, *OTHER_WORDS)),
     UUID.map(lambda u: f"kubepods-burstable-pod{u.replace('-', '_')}.slice"),
     UUID.map(lambda u: f"kubelet-kubepods-pod{u.replace('-', '_')}.slice"),
     UUID.map(lambda u: f"pod{u}"),
