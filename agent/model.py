@@ -4,6 +4,7 @@ another stage."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -189,9 +190,48 @@ class AgentHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkloadTotals:
+    held_s: float = 0.0
+    busy_s: float = 0.0
+    dollars: float = 0.0
+    joules: float = 0.0
+    last_charged_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GpuTotals:
+    dollars: float = 0.0
+    idle_dollars: float = 0.0
+    idle_s: float = 0.0
+    observed_s: float = 0.0
+    unobserved_s: float = 0.0
+    joules: float = 0.0
+    idle_joules: float = 0.0
+
+
+@dataclass(frozen=True)
+class CostTotals:
+    """Counters since the agent started, as the exporter renders them."""
+
+    workloads: Mapping[tuple[int, str, Workload], WorkloadTotals] = field(default_factory=dict)
+    gpus: Mapping[tuple[int, str], GpuTotals] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerHealth:
+    healthy: bool
+    pending_rows: int
+    last_flush_at: float | None  # wall clock of the last successful flush
+
+
+@dataclass(frozen=True, slots=True)
 class AgentState:
     snapshot: Snapshot | None = None
     attribution: Attribution = field(default_factory=Attribution)
+    costs: CostTotals = field(default_factory=CostTotals)
+    prices: tuple[tuple[str, Price | None], ...] = ()  # GPU uuid -> price (None: no price known)
+    energy_per_kwh: float | None = None
+    ledger: LedgerHealth | None = None
     health: AgentHealth = field(default_factory=AgentHealth)
 
 

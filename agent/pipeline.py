@@ -10,20 +10,47 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from typing import Protocol
 
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from agent.accounting import account, accumulate
 from agent.attributor import Attributor
 from agent.errors import NvmlLibraryMissing
-from agent.model import AgentHealth, AgentState, Attribution, Snapshot
+from agent.model import AgentHealth, AgentState, Attribution, Charges, CostTotals, LedgerHealth, Price, Snapshot
 from agent.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
 HEALTHY_WITHIN_POLLS = 3
+
+
+class ChargeSink(Protocol):
+    """Where each interval's charges go besides the counters: the ledger."""
+
+    def add(self, charges: Charges) -> None: ...
+
+    def flush(self) -> bool: ...
+
+    def health(self) -> LedgerHealth: ...
+
+
+@dataclass(frozen=True)
+class Costing:
+    """How the pipeline prices GPU time: a price per GPU, the longest interval it will charge
+    (longer ones are unobserved time), how long finished workloads keep their series, an
+    optional energy price, and where charges are written."""
+
+    prices: Callable[[Snapshot], Mapping[str, Price | None]]
+    max_interval_s: float = 300.0
+    forget_after_s: float = 3600.0
+    energy_per_kwh: float | None = None
+    sink: ChargeSink | None = None
+    flush_interval_s: float = 60.0
 
 
 class Pipeline:
@@ -34,9 +61,14 @@ class Pipeline:
         monotonic: Callable[[], float] = time.monotonic,
         attributor: Attributor | None = None,
         kubelet_interval_s: float = 10.0,
+        costing: Costing | None = None,
     ) -> None:
         self.sampler = sampler
         self.attributor = attributor
+        self.costing = costing
+        self._previous: Snapshot | None = None
+        self._totals = CostTotals()
+        self._prices: dict[str, Price | None] = {}
         self.kubelet_interval_s = kubelet_interval_s
         self.poll_interval_s = poll_interval_s
         self._monotonic = monotonic
@@ -93,12 +125,49 @@ class Pipeline:
             nvml_errors=tuple((call, error, n) for (call, error), n in sorted(self.sampler.errors.items())),
         )
         if snapshot is not None and attribution is not None:
+            self._charge(snapshot, attribution)
             snapshot = Snapshot(snapshot.taken_at, snapshot.node, snapshot.devices, duration, snapshot.driver_up)
-            new_state = AgentState(snapshot=snapshot, attribution=attribution, health=health)
+            new_state = self._with_costs(AgentState(snapshot=snapshot, attribution=attribution, health=health))
         else:
-            new_state = AgentState(snapshot=previous.snapshot, attribution=previous.attribution, health=health)
+            new_state = self._with_costs(
+                AgentState(snapshot=previous.snapshot, attribution=previous.attribution, health=health)
+            )
         self._state = new_state  # one reference assignment: scrapes see old or new, never half
         return new_state
+
+    def _charge(self, snapshot: Snapshot, attribution: Attribution) -> None:
+        costing = self.costing
+        if costing is None:
+            return
+        if any(g.uuid not in self._prices for g in snapshot.gpus):
+            self._prices.update(costing.prices(snapshot))
+        previous, self._previous = self._previous, snapshot
+        if previous is None:
+            return
+        try:
+            charges = account(previous, snapshot, attribution, self._prices, max_interval_s=costing.max_interval_s)
+        except Exception:
+            log.exception("accounting failed for the interval ending %.0f", snapshot.taken_at)
+            return
+        self._totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
+        if costing.sink is not None:
+            costing.sink.add(charges)
+
+    def _with_costs(self, state: AgentState) -> AgentState:
+        costing = self.costing
+        if costing is None:
+            return state
+        return replace(
+            state,
+            costs=self._totals,
+            prices=tuple(sorted(self._prices.items())),
+            energy_per_kwh=costing.energy_per_kwh,
+            ledger=costing.sink.health() if costing.sink is not None else None,
+        )
+
+    def flush_ledger(self) -> None:
+        if self.costing is not None and self.costing.sink is not None:
+            self.costing.sink.flush()
 
     def _attribute(self, snapshot: Snapshot) -> Attribution:
         if self.attributor is None:
@@ -137,6 +206,15 @@ class Pipeline:
                 coalesce=True,
                 id="kubelet",
                 next_run_time=datetime.now(UTC),
+            )
+        if self.costing is not None and self.costing.sink is not None:
+            scheduler.add_job(
+                self.flush_ledger,
+                "interval",
+                seconds=self.costing.flush_interval_s,
+                max_instances=1,
+                coalesce=True,
+                id="ledger",
             )
         scheduler.start()
         self._scheduler = scheduler

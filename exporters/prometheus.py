@@ -65,6 +65,7 @@ class GpuledgerCollector(Collector):
             _workload_series(out, state, self._per_pid)
             out.add("gpuledger_poll_duration_seconds", (), snapshot.poll_duration_s)
             out.add("gpuledger_nvml_up", (), 1.0 if snapshot.driver_up else 0.0)
+        _cost_series(out, state)
         if state.attribution.kubelet_up is not None:
             out.add("gpuledger_kubelet_up", (), 1.0 if state.attribution.kubelet_up else 0.0)
         health = state.health
@@ -138,6 +139,41 @@ def _workload_series(out: _Families, state: AgentState, per_pid: bool) -> None:
                 unresolved.get(m.uuid, 0) for m in snapshot.mig_devices(device.uuid)
             )
             out.add("gpuledger_gpu_unresolved_processes", (str(device.index), device.uuid), float(count))
+
+
+JOULES_PER_KWH = 3.6e6
+
+
+def _cost_series(out: _Families, state: AgentState) -> None:
+    kwh_price = state.energy_per_kwh
+    for (gpu, uuid, workload), w in state.costs.workloads.items():
+        labels = (str(gpu), uuid, *workload.labels())
+        out.add("gpuledger_workload_gpu_seconds_total", labels, w.held_s)
+        out.add("gpuledger_workload_gpu_busy_seconds_total", labels, w.busy_s)
+        out.add("gpuledger_workload_cost_dollars_total", labels, w.dollars)
+        out.add("gpuledger_workload_energy_joules_total", labels, w.joules)
+        if kwh_price is not None:
+            out.add("gpuledger_workload_energy_cost_dollars_total", labels, w.joules / JOULES_PER_KWH * kwh_price)
+    for (gpu, uuid), g in state.costs.gpus.items():
+        ids = (str(gpu), uuid)
+        out.add("gpuledger_gpu_cost_dollars_total", ids, g.dollars)
+        out.add("gpuledger_gpu_idle_cost_dollars_total", ids, g.idle_dollars)
+        out.add("gpuledger_gpu_idle_seconds_total", ids, g.idle_s)
+        out.add("gpuledger_gpu_observed_seconds_total", ids, g.observed_s)
+        out.add("gpuledger_gpu_unobserved_seconds_total", ids, g.unobserved_s)
+        if kwh_price is not None:
+            out.add("gpuledger_gpu_energy_cost_dollars_total", ids, g.joules / JOULES_PER_KWH * kwh_price)
+    if state.snapshot is not None:
+        index = {d.uuid: d.index for d in state.snapshot.gpus}
+        for uuid, price in state.prices:
+            if price is not None and uuid in index:
+                out.add("gpuledger_gpu_price_dollars_per_hour", (str(index[uuid]), uuid), price.dollars_per_hour)
+                out.add("gpuledger_gpu_price_info", (str(index[uuid]), uuid, price.source), 1.0)
+    if state.ledger is not None:
+        out.add("gpuledger_ledger_up", (), 1.0 if state.ledger.healthy else 0.0)
+        out.add("gpuledger_ledger_pending_rows", (), float(state.ledger.pending_rows))
+        if state.ledger.last_flush_at is not None:
+            out.add("gpuledger_ledger_last_flush_timestamp_seconds", (), state.ledger.last_flush_at)
 
 
 def make_registry(state: StateSource, per_pid: bool = False) -> CollectorRegistry:

@@ -11,7 +11,7 @@ from agent.attribution import compile_rules, rule_env_keys
 from agent.attributor import Attributor, KubeletWatcher
 from agent.model import AgentState
 from agent.nvml import NvmlBackend
-from agent.pipeline import Pipeline
+from agent.pipeline import Costing, Pipeline
 from agent.procfs import Passwd, ProcFS
 from agent.sampler import Sampler
 from exporters.prometheus import make_registry
@@ -20,7 +20,14 @@ from exporters.prometheus import make_registry
 class Rig:
     """A fake node with its host files, and the agent's pipeline wired to them."""
 
-    def __init__(self, scenario: Any, rules: Any = (), per_pid: bool = False, kubelet_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        scenario: Any,
+        rules: Any = (),
+        per_pid: bool = False,
+        kubelet_timeout_s: float = 1.0,
+        costing: Costing | None = None,
+    ) -> None:
         self.node = fake_nvml.install(scenario)
         host = self.node.host
         compiled = compile_rules(list(rules))
@@ -38,7 +45,7 @@ class Rig:
         self.sampler = Sampler(NvmlBackend(clock=self.node.clock.wall_time), hostname="rig")
         self.sampler.start()
         # Poll durations pinned to 0: stable output for golden files.
-        self.pipeline = Pipeline(self.sampler, 5.0, monotonic=lambda: 0.0, attributor=self.attributor)
+        self.pipeline = Pipeline(self.sampler, 5.0, monotonic=lambda: 0.0, attributor=self.attributor, costing=costing)
         self.per_pid = per_pid
 
     def poll(self, advance_s: float = 0.0) -> AgentState:
@@ -53,3 +60,12 @@ class Rig:
     def close(self) -> None:
         self.kubelet.close()
         fake_nvml.uninstall()
+
+    def run(self, duration_s: float, step_s: float) -> AgentState:
+        """Polls every step_s over duration_s of scenario time (one poll at the start too)."""
+        state = self.poll()
+        elapsed = 0.0
+        while elapsed + step_s <= duration_s + 1e-9:
+            elapsed += step_s
+            state = self.poll(step_s)
+        return state

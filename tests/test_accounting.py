@@ -1,0 +1,303 @@
+"""Cost arithmetic: conservation under random inputs, and small scenarios worked by hand."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fake_nvml
+from agent.accounting import account, accumulate, cost_units
+from agent.model import (
+    Attribution,
+    CostTotals,
+    DeviceReading,
+    Holding,
+    NodeInfo,
+    Price,
+    Snapshot,
+    Workload,
+)
+from agent.pipeline import Costing
+from tests.helpers import Rig
+
+MAX_INTERVAL_S = 300.0
+
+# -- conservation, on random nodes ---------------------------------------------------------------
+
+workloads = st.builds(Workload, job=st.sampled_from(["1", "2", "3"]), user=st.sampled_from(["a", "b"]))
+
+
+@st.composite
+def node_interval(draw: st.DrawFn) -> tuple[Snapshot, Snapshot, Attribution, dict[str, Price | None]]:
+    """Two polls of a random node: whole and MIG GPUs, holders with and without measured use."""
+    devices_prev: list[DeviceReading] = []
+    devices: list[DeviceReading] = []
+    holdings: list[Holding] = []
+    prices: dict[str, Price | None] = {}
+    for i in range(draw(st.integers(1, 4))):
+        uuid = f"GPU-{i}"
+        up = draw(st.booleans()) or draw(st.booleans())
+        energy0 = draw(st.floats(0, 1e9))
+        energy1 = energy0 + draw(st.floats(-10, 1e6))  # a negative step: the counter restarted
+        migs = draw(st.integers(0, 3))
+        gpu_sms = 108
+        parent = DeviceReading(
+            index=i, uuid=uuid, name="NVIDIA A100-SXM4-80GB", up=up, sm_count=gpu_sms, mig_enabled=migs > 0,
+            utilization=None if migs else draw(st.none() | st.floats(0, 1)), energy_j=energy1,
+        )  # fmt: skip
+        devices_prev.append(DeviceReading(index=i, uuid=uuid, name=parent.name, up=True, energy_j=energy0))
+        devices.append(parent)
+        units = [uuid]
+        for m in range(migs):
+            mig_uuid = f"MIG-{i}-{m}"
+            devices.append(
+                DeviceReading(
+                    index=i,
+                    uuid=mig_uuid,
+                    name=parent.name,
+                    up=up,
+                    parent_uuid=uuid,
+                    mig_index=m,
+                    sm_count=draw(st.sampled_from([14, 28, 42])) if draw(st.booleans()) else None,
+                )  # fmt: skip
+            )
+            units.append(mig_uuid)
+        if migs:
+            units = units[1:]
+        prices[uuid] = draw(st.none() | st.builds(lambda p: Price(p, "test"), st.floats(0, 100)))
+        for unit in units:
+            for workload in draw(st.lists(workloads, max_size=3, unique=True)):
+                holdings.append(
+                    Holding(
+                        device_uuid=unit,
+                        workload=workload,
+                        sm_util=draw(st.none() | st.floats(0, 1)),
+                        memory_bytes=draw(st.none() | st.integers(0, 2**36)),
+                    )  # fmt: skip
+                )
+    t0 = 1_800_000_000.0
+    dt = draw(st.floats(0.001, 2 * MAX_INTERVAL_S))
+    node = NodeInfo("n")
+    return (
+        Snapshot(t0, node, tuple(devices_prev)),
+        Snapshot(t0 + dt, node, tuple(devices)),
+        Attribution(holdings=tuple(holdings)),
+        prices,
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(node_interval())
+def test_workload_plus_idle_dollars_and_joules_add_up_to_each_gpus_cost(case: Any) -> None:
+    prev, curr, attribution, prices = case
+    charges = account(prev, curr, attribution, prices, max_interval_s=MAX_INTERVAL_S)
+    dt = curr.taken_at - prev.taken_at
+    observed = dt if dt <= MAX_INTERVAL_S else 0.0
+    expected_dollars = sum(
+        (p.dollars_per_hour if (p := prices[g.uuid]) else 0.0) * observed / 3600 for g in curr.gpus
+    )  # price x weight x observed time, the weights of one GPU's units summing to 1
+    charged = sum(w.dollars for w in charges.workloads) + sum(g.idle_dollars for g in charges.gpus)
+    assert charged == pytest.approx(expected_dollars, rel=1e-9, abs=1e-12)
+    assert sum(g.dollars for g in charges.gpus) == pytest.approx(expected_dollars, rel=1e-9, abs=1e-12)
+    joules = sum(w.joules for w in charges.workloads) + sum(g.idle_joules for g in charges.gpus)
+    assert joules == pytest.approx(sum(g.joules for g in charges.gpus), rel=1e-9, abs=1e-9)
+    assert all(g.joules >= 0 for g in charges.gpus)
+    for w in charges.workloads:
+        assert 0 <= w.busy_s <= w.held_s + 1e-9
+        assert w.held_s <= observed + 1e-9
+    for g in charges.gpus:
+        assert g.observed_s + g.unobserved_s == pytest.approx(dt)
+        assert g.idle_s <= g.observed_s + 1e-9
+
+
+def test_mig_units_weigh_by_sm_share_and_the_rest_is_unassigned() -> None:
+    gpu = DeviceReading(index=0, uuid="GPU-0", name="NVIDIA A100-SXM4-80GB", up=True, sm_count=108, mig_enabled=True)
+    migs = [
+        DeviceReading(index=0, uuid=f"MIG-{m}", name=gpu.name, up=True, parent_uuid="GPU-0", mig_index=m, sm_count=42)
+        for m in range(2)
+    ]
+    units = cost_units(Snapshot(0, NodeInfo("n"), (gpu, *migs)), gpu)
+    assert [(u.uuid, round(u.weight, 6)) for u in units] == [
+        ("MIG-0", round(42 / 108, 6)),
+        ("MIG-1", round(42 / 108, 6)),
+        ("", round(24 / 108, 6)),  # SMs the 3g+3g layout leaves unassigned: nobody can hold them
+    ]
+
+
+def test_finished_workloads_are_forgotten_after_the_horizon() -> None:
+    prev = Snapshot(0.0, NodeInfo("n"), (DeviceReading(index=0, uuid="G", name="x", up=True),))
+    curr = Snapshot(10.0, NodeInfo("n"), prev.devices)
+    attribution = Attribution(holdings=(Holding("G", Workload(job="1"), sm_util=1.0),))
+    charges = account(prev, curr, attribution, {"G": Price(36.0, "t")}, max_interval_s=60)
+    totals = accumulate(CostTotals(), charges, forget_after_s=100)
+    assert totals.workloads[(0, "G", Workload(job="1"))].dollars == pytest.approx(0.1)  # 36 $/h x 10 s
+    later = account(
+        Snapshot(200.0, NodeInfo("n"), prev.devices), Snapshot(210.0, NodeInfo("n"), prev.devices),
+        Attribution(), {"G": Price(36.0, "t")}, max_interval_s=60,
+    )  # fmt: skip
+    totals = accumulate(totals, later, forget_after_s=100)
+    assert totals.workloads == {}
+    assert totals.gpus[(0, "G")].dollars == pytest.approx(0.2)
+
+
+# -- hand-computed scenarios, through the fake node and the whole pipeline ------------------------
+
+PRICE = 3.6  # $/GPU-hour: $0.001 a second, which keeps the arithmetic readable
+
+
+@pytest.fixture
+def simulate() -> Iterator[Any]:
+    rigs: list[Rig] = []
+
+    def run(scenario: dict[str, Any], duration_s: float, step_s: float, prices: Any = None, **costing: Any) -> Any:
+        price_of = prices or (lambda snapshot: {g.uuid: Price(PRICE, "test") for g in snapshot.gpus})
+        rig = Rig(scenario, costing=Costing(prices=price_of, **costing))
+        rigs.append(rig)
+        return rig.run(duration_s, step_s)
+
+    yield run
+    for rig in rigs:
+        rig.close()
+
+
+def dollars_by_workload(state: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (_gpu, _uuid, workload), totals in state.costs.workloads.items():
+        out[workload.describe()] = out.get(workload.describe(), 0.0) + totals.dollars
+    return out
+
+
+def idle_dollars(state: Any) -> float:
+    return sum(g.idle_dollars for g in state.costs.gpus.values())
+
+
+def test_a_shared_gpu_splits_60_20_by_measured_sm_use(simulate: Any) -> None:
+    state = simulate(
+        {
+            "gpus": [{"count": 1}],
+            "processes": [
+                {"pid": 1, "gpus": [0], "sm_util": 60, "memory_mib": 1000, "user": "ann", "uid": 1001},
+                {"pid": 2, "gpus": [0], "sm_util": 20, "memory_mib": 9000, "user": "bob", "uid": 1002},
+            ],
+        },
+        duration_s=3600,
+        step_s=15,
+    )
+    # One hour of one GPU at $3.60/h = $3.60, split 60:20 by SM use (memory does not matter):
+    #   ann 3.60 x 60/80 = $2.70, bob 3.60 x 20/80 = $0.90; nothing idle.
+    assert dollars_by_workload(state) == pytest.approx({"user ann": 2.70, "user bob": 0.90})
+    assert idle_dollars(state) == pytest.approx(0.0)
+    busy = {w.user: t.busy_s for (_g, _u, w), t in state.costs.workloads.items()}
+    assert busy == pytest.approx({"ann": 0.60 * 3600, "bob": 0.20 * 3600})  # held 3600 s each
+
+
+def test_a_notebook_holding_an_idle_gpu_pays_for_it_all(simulate: Any) -> None:
+    state = simulate(
+        {
+            "gpus": [{"count": 2}],
+            "allocations": [{"gpus": [0], "pod": {"namespace": "lab", "name": "nb-1", "container": "jupyter"}}],
+        },
+        duration_s=7200,
+        step_s=60,
+    )
+    # GPU 0 is allocated to the notebook, which runs nothing for 2 h: its waste, not idle cost:
+    #   nb-1 pays 2 h x $3.60 = $7.20 with 0 busy seconds.
+    # GPU 1 nobody holds: 2 h x $3.60 = $7.20 of idle cost.
+    assert dollars_by_workload(state) == pytest.approx({"lab/nb-1": 7.20})
+    assert idle_dollars(state) == pytest.approx(7.20)
+    (totals,) = state.costs.workloads.values()
+    assert (totals.held_s, totals.busy_s) == (7200, 0)
+
+
+def test_mig_3g_3g_instances_pay_their_sm_share(simulate: Any) -> None:
+    state = simulate(
+        {
+            "gpus": [{"model": "A100-SXM4-80GB", "mig": ["3g.40gb", "3g.40gb"]}],
+            "processes": [
+                {"pid": 1, "gpus": ["0:0"], "sm_util": 70, "memory_mib": 2000, "user": "ann", "uid": 1001},
+                {"pid": 2, "gpus": ["0:1"], "sm_util": 5, "memory_mib": 2000, "user": "bob", "uid": 1002},
+            ],
+        },
+        duration_s=3600,
+        step_s=30,
+    )
+    # An A100 has 108 SMs; a 3g.40gb instance has 42 (3 slices x 14). Over one hour at $3.60:
+    #   each instance holder pays 3.60 x 42/108 = $1.40, however busy (MIG cannot measure use);
+    #   the 24 SMs the layout leaves unassigned are idle: 3.60 x 24/108 = $0.80.
+    assert dollars_by_workload(state) == pytest.approx({"user ann": 1.40, "user bob": 1.40})
+    assert idle_dollars(state) == pytest.approx(0.80)
+    held = {w.user: t.held_s for (_g, _u, w), t in state.costs.workloads.items()}
+    assert held == pytest.approx({"ann": 3600 * 42 / 108, "bob": 3600 * 42 / 108})
+
+
+def test_a_price_override_changes_only_its_gpu(simulate: Any) -> None:
+    def prices(snapshot: Snapshot) -> dict[str, Price | None]:
+        # As if pricing.by_uuid gave GPU 1 its own price.
+        return {g.uuid: Price(7.2 if g.index == 1 else PRICE, "test") for g in snapshot.gpus}
+
+    state = simulate(
+        {
+            "gpus": [{"count": 2}],
+            "processes": [{"pid": 1, "gpus": [0, 1], "sm_util": 50, "memory_mib": 10, "user": "ann", "uid": 1001}],
+        },
+        duration_s=1800,
+        step_s=15,
+        prices=prices,
+    )
+    # ann holds both GPUs for half an hour: GPU 0 at $3.60/h -> $1.80, GPU 1 at $7.20/h -> $3.60.
+    per_gpu = {gpu: t.dollars for (gpu, _u, _w), t in state.costs.workloads.items()}
+    assert per_gpu == pytest.approx({0: 1.80, 1: 3.60})
+    assert idle_dollars(state) == 0
+
+
+def test_an_agent_gap_is_unobserved_and_charged_to_nobody() -> None:
+    rig = Rig(
+        {"gpus": [{"count": 1}], "processes": [{"pid": 1, "gpus": [0], "sm_util": 90, "user": "ann", "uid": 1001}]},
+        costing=Costing(prices=lambda s: {g.uuid: Price(PRICE, "test") for g in s.gpus}, max_interval_s=120),
+    )
+    try:
+        rig.run(600, 60)  # 10 min observed: ann pays 600 s x $0.001 = $0.60
+        rig.poll(3600)  # the agent was stopped for an hour: nobody pays for it
+        state = rig.run(600, 60)  # 10 more minutes observed: $0.60 more
+    finally:
+        rig.close()
+    assert dollars_by_workload(state) == pytest.approx({"user ann": 1.20})
+    (gpu,) = state.costs.gpus.values()
+    assert gpu.unobserved_s == 3600
+    assert gpu.observed_s == 1200
+    assert gpu.dollars == pytest.approx(1.20)
+
+
+def test_cost_metrics_are_exported_and_add_up(simulate: Any) -> None:
+    state = simulate(
+        {
+            "gpus": [{"count": 2}],
+            "processes": [{"pid": 1, "gpus": [0], "sm_util": 40, "memory_mib": 10, "user": "ann", "uid": 1001}],
+        },
+        duration_s=600,
+        step_s=15,
+        energy_per_kwh=0.12,
+    )
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from exporters.prometheus import make_registry
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(generate_latest(make_registry(lambda: state)).decode()):
+        for s in family.samples:
+            values[s.name] = values.get(s.name, 0.0) + s.value
+    total = values["gpuledger_gpu_cost_dollars_total"]
+    assert total == pytest.approx(2 * 600 * 0.001)
+    assert values["gpuledger_workload_cost_dollars_total"] + values["gpuledger_gpu_idle_cost_dollars_total"] == (
+        pytest.approx(total)
+    )
+    assert values["gpuledger_gpu_price_dollars_per_hour"] == pytest.approx(2 * PRICE)
+    joules = values["gpuledger_gpu_energy_joules_total"]  # the driver counters themselves
+    assert values["gpuledger_workload_energy_cost_dollars_total"] + 0 > 0
+    assert joules > 0
+    fake_nvml.uninstall()
