@@ -46,9 +46,15 @@ def node_interval(draw: st.DrawFn) -> tuple[Snapshot, Snapshot, Attribution, dic
         migs = draw(st.integers(0, 3))
         gpu_sms = 108
         parent = DeviceReading(
-            index=i, uuid=uuid, name="NVIDIA A100-SXM4-80GB", up=up, sm_count=gpu_sms, mig_enabled=migs > 0,
-            utilization=None if migs else draw(st.none() | st.floats(0, 1)), energy_j=energy1,
-        )  # fmt: skip
+            index=i,
+            uuid=uuid,
+            name="NVIDIA A100-SXM4-80GB",
+            up=up,
+            sm_count=gpu_sms,
+            mig_enabled=migs > 0,
+            utilization=None if migs else draw(st.none() | st.floats(0, 1)),
+            energy_j=energy1,
+        )
         devices_prev.append(DeviceReading(index=i, uuid=uuid, name=parent.name, up=True, energy_j=energy0))
         devices.append(parent)
         units = [uuid]
@@ -63,22 +69,22 @@ def node_interval(draw: st.DrawFn) -> tuple[Snapshot, Snapshot, Attribution, dic
                     parent_uuid=uuid,
                     mig_index=m,
                     sm_count=draw(st.sampled_from([14, 28, 42])) if draw(st.booleans()) else None,
-                )  # fmt: skip
+                )
             )
             units.append(mig_uuid)
         if migs:
             units = units[1:]
         prices[uuid] = draw(st.none() | st.builds(lambda p: Price(p, "test"), st.floats(0, 100)))
         for unit in units:
-            for workload in draw(st.lists(workloads, max_size=3, unique=True)):
-                holdings.append(
-                    Holding(
-                        device_uuid=unit,
-                        workload=workload,
-                        sm_util=draw(st.none() | st.floats(0, 1)),
-                        memory_bytes=draw(st.none() | st.integers(0, 2**36)),
-                    )  # fmt: skip
+            holdings.extend(
+                Holding(
+                    device_uuid=unit,
+                    workload=workload,
+                    sm_util=draw(st.none() | st.floats(0, 1)),
+                    memory_bytes=draw(st.none() | st.integers(0, 2**36)),
                 )
+                for workload in draw(st.lists(workloads, max_size=3, unique=True))
+            )
     t0 = 1_800_000_000.0
     dt = draw(st.floats(0.001, 2 * MAX_INTERVAL_S))
     node = NodeInfo("n")
@@ -136,9 +142,12 @@ def test_finished_workloads_are_forgotten_after_the_horizon() -> None:
     totals = accumulate(CostTotals(), charges, forget_after_s=100)
     assert totals.workloads[(0, "G", Workload(job="1"))].dollars == pytest.approx(0.1)  # 36 $/h x 10 s
     later = account(
-        Snapshot(200.0, NodeInfo("n"), prev.devices), Snapshot(210.0, NodeInfo("n"), prev.devices),
-        Attribution(), {"G": Price(36.0, "t")}, max_interval_s=60,
-    )  # fmt: skip
+        Snapshot(200.0, NodeInfo("n"), prev.devices),
+        Snapshot(210.0, NodeInfo("n"), prev.devices),
+        Attribution(),
+        {"G": Price(36.0, "t")},
+        max_interval_s=60,
+    )
     totals = accumulate(totals, later, forget_after_s=100)
     assert totals.workloads == {}
     assert totals.gpus[(0, "G")].dollars == pytest.approx(0.2)
