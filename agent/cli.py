@@ -29,6 +29,7 @@ from agent.pipeline import Pipeline
 from agent.procfs import Passwd, ProcFS
 from agent.sampler import Sampler
 from agent.units import format_duration, parse_duration
+from rules.engine import RuleSpec
 
 log = logging.getLogger("gpuledger")
 
@@ -155,6 +156,32 @@ def _parse_listen(value: str, option: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise BadInputError(f"gpuledger: {option}: expected HOST:PORT such as 0.0.0.0:9835, got {value!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def rule_specs(settings: Settings) -> list[RuleSpec]:
+    """The rule engine's specs from the config: the four defaults (unless disabled) and custom ones."""
+    r = settings.rules
+    configured: list[tuple[str, str, Any]] = [
+        ("idle", "idle", r.idle),
+        ("allocated_idle", "allocated_idle", r.allocated_idle),
+        ("underused", "underused", r.underused),
+        ("stranded_memory", "stranded_memory", r.stranded_memory),
+    ]
+    configured += [(c.name, c.condition, c) for c in r.custom]
+    return [
+        RuleSpec(
+            name,
+            condition,
+            c.utilization_below,
+            c.for_,
+            window_s=getattr(c, "window", 0.0),
+            memory_above_bytes=getattr(c, "memory_above", 0),
+            models=tuple(c.models),
+            nodes=tuple(c.nodes),
+        )
+        for name, condition, c in configured
+        if c.enabled
+    ]
 
 
 def _make_attributor(settings: Settings, node: Any) -> Attributor:

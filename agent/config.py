@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -42,7 +42,16 @@ class PricingConfig(_Section):
 
 class LedgerConfig(_Section):
     path: str = "/var/lib/gpuledger/ledger.db"
-    flush_interval: Duration = 60.0
+    flush_interval: Duration = Field(default=60.0, gt=0)
+    retention: Duration = Field(default=400 * 86400.0, gt=0)
+
+
+class AccountingConfig(_Section):
+    # An interval between two polls longer than this is charged to nobody (agent stopped,
+    # node suspended): it is counted as unobserved time instead.
+    max_interval: Duration = Field(default=300.0, gt=0)
+    # A finished workload's cost series stay exported this long after its last charge.
+    forget_after: Duration = Field(default=3600.0, gt=0)
 
 
 class AttributionRule(_Section):
@@ -82,21 +91,38 @@ class AttributionConfig(_Section):
     rules: list[AttributionRule] = []
 
 
-class IdleRule(_Section):
+class _RuleBase(_Section):
+    enabled: bool = True
+    models: list[str] = []  # only GPUs whose model matches one of these globs, e.g. "H100*"
+    nodes: list[str] = []  # only nodes whose hostname matches one of these globs
+
+
+class IdleRule(_RuleBase):
     utilization_below: Ratio = 0.05
     for_: Duration = Field(default=1800.0, alias="for")
 
 
-class UnderusedRule(_Section):
+class UnderusedRule(_RuleBase):
     utilization_below: Ratio = 0.40
-    window: Duration = 7200.0
+    window: Duration = Field(default=7200.0, gt=0)
     for_: Duration = Field(default=7200.0, alias="for")
 
 
-class StrandedMemoryRule(_Section):
+class StrandedMemoryRule(_RuleBase):
     memory_above: Size = 2**30
     utilization_below: Ratio = 0.01
     for_: Duration = Field(default=900.0, alias="for")
+
+
+class CustomRule(_RuleBase):
+    """A rule of the user's own: one of the four conditions with its own name and thresholds."""
+
+    name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
+    condition: Literal["idle", "allocated_idle", "underused", "stranded_memory"]
+    utilization_below: Ratio
+    for_: Duration = Field(alias="for")
+    window: Duration = 0.0
+    memory_above: Size = 0
 
 
 class RulesConfig(_Section):
@@ -104,6 +130,16 @@ class RulesConfig(_Section):
     allocated_idle: IdleRule = IdleRule()
     underused: UnderusedRule = UnderusedRule()
     stranded_memory: StrandedMemoryRule = StrandedMemoryRule()
+    custom: list[CustomRule] = []
+
+    @field_validator("custom")
+    @classmethod
+    def _names_unique(cls, value: list[CustomRule]) -> list[CustomRule]:
+        names = [rule.name for rule in value]
+        for name in names:
+            if name in ("idle", "allocated_idle", "underused", "stranded_memory") or names.count(name) > 1:
+                raise ValueError(f"rule name {name!r} is taken")
+        return value
 
 
 def _check_listen(value: str) -> str:
@@ -124,6 +160,7 @@ class Settings(BaseSettings):
     proc_root: str = "/proc"
     pricing: PricingConfig = PricingConfig()
     ledger: LedgerConfig = LedgerConfig()
+    accounting: AccountingConfig = AccountingConfig()
     attribution: AttributionConfig = AttributionConfig()
     rules: RulesConfig = RulesConfig()
 

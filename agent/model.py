@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +233,7 @@ class AgentState:
     prices: tuple[tuple[str, Price | None], ...] = ()  # GPU uuid -> price (None: no price known)
     energy_per_kwh: float | None = None
     ledger: LedgerHealth | None = None
+    flags: tuple[Any, ...] = ()  # rules.engine.Flag: the rules stage's output, rendered as is
     health: AgentHealth = field(default_factory=AgentHealth)
 
 

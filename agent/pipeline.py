@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Protocol
@@ -23,6 +23,8 @@ from agent.attributor import Attributor
 from agent.errors import NvmlLibraryMissing
 from agent.model import AgentHealth, AgentState, Attribution, Charges, CostTotals, LedgerHealth, Price, Snapshot
 from agent.sampler import Sampler
+from agent.units import format_duration
+from rules.engine import Flag, GpuObservation, RuleSpec, RuleState, Transition, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class Pipeline:
         attributor: Attributor | None = None,
         kubelet_interval_s: float = 10.0,
         costing: Costing | None = None,
+        rules: Sequence[RuleSpec] = (),
     ) -> None:
         self.sampler = sampler
         self.attributor = attributor
@@ -69,6 +72,9 @@ class Pipeline:
         self._previous: Snapshot | None = None
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
+        self.rules = tuple(rules)
+        self._rule_states: Mapping[tuple[str, str], RuleState] = {}
+        self._flags: tuple[Flag, ...] = ()
         self.kubelet_interval_s = kubelet_interval_s
         self.poll_interval_s = poll_interval_s
         self._monotonic = monotonic
@@ -125,7 +131,9 @@ class Pipeline:
             nvml_errors=tuple((call, error, n) for (call, error), n in sorted(self.sampler.errors.items())),
         )
         if snapshot is not None and attribution is not None:
-            self._charge(snapshot, attribution)
+            interval_s = snapshot.taken_at - self._previous.taken_at if self._previous is not None else 0.0
+            charges = self._charge(snapshot, attribution)
+            self._judge(snapshot, attribution, charges, interval_s)
             snapshot = Snapshot(snapshot.taken_at, snapshot.node, snapshot.devices, duration, snapshot.driver_up)
             new_state = self._with_costs(AgentState(snapshot=snapshot, attribution=attribution, health=health))
         else:
@@ -135,30 +143,62 @@ class Pipeline:
         self._state = new_state  # one reference assignment: scrapes see old or new, never half
         return new_state
 
-    def _charge(self, snapshot: Snapshot, attribution: Attribution) -> None:
+    def _charge(self, snapshot: Snapshot, attribution: Attribution) -> Charges | None:
+        previous, self._previous = self._previous, snapshot
         costing = self.costing
         if costing is None:
-            return
+            return None
         if any(g.uuid not in self._prices for g in snapshot.gpus):
             self._prices.update(costing.prices(snapshot))
-        previous, self._previous = self._previous, snapshot
         if previous is None:
-            return
+            return None
         try:
             charges = account(previous, snapshot, attribution, self._prices, max_interval_s=costing.max_interval_s)
         except Exception:
             log.exception("accounting failed for the interval ending %.0f", snapshot.taken_at)
-            return
+            return None
         self._totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
         if costing.sink is not None:
             costing.sink.add(charges)
+        return charges
+
+    def _judge(self, snapshot: Snapshot, attribution: Attribution, charges: Charges | None, interval_s: float) -> None:
+        if not self.rules:
+            return
+        cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
+        observations = []
+        for gpu in snapshot.gpus:
+            units = {gpu.uuid} | {m.uuid for m in snapshot.mig_devices(gpu.uuid)}
+            holders = tuple(sorted({h.workload for h in attribution.holdings if h.device_uuid in units}))
+            charge = cost.get(gpu.uuid)
+            observations.append(
+                GpuObservation(
+                    gpu=gpu.index,
+                    uuid=gpu.uuid,
+                    model=gpu.model,
+                    node=snapshot.node.hostname,
+                    up=gpu.up,
+                    utilization=gpu.utilization,
+                    memory_used_bytes=gpu.memory_used_bytes,
+                    holders=holders,
+                    interval_s=interval_s,
+                    dollars=charge.dollars if charge is not None else 0.0,
+                    idle_dollars=charge.idle_dollars if charge is not None else 0.0,
+                )
+            )
+        result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at)
+        self._rule_states = result.states
+        self._flags = result.flags
+        for t in result.transitions:
+            _log_transition(t)
 
     def _with_costs(self, state: AgentState) -> AgentState:
         costing = self.costing
         if costing is None:
-            return state
+            return replace(state, flags=self._flags)
         return replace(
             state,
+            flags=self._flags,
             costs=self._totals,
             prices=tuple(sorted(self._prices.items())),
             energy_per_kwh=costing.energy_per_kwh,
@@ -235,3 +275,27 @@ class Pipeline:
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=True)
             self._scheduler = None
+
+
+def _log_transition(t: Transition) -> None:
+    """One structured line per flag change: GPU, rule, workload, how long, what it cost so far."""
+    workloads = ", ".join(w.describe() for w in t.holders) or "(nobody)"
+    log.warning(
+        "flag %s: rule=%s gpu=%d uuid=%s workload=%s for=%s cost_so_far=$%.2f",
+        "raised" if t.raised else "cleared",
+        t.rule,
+        t.gpu,
+        t.uuid,
+        workloads,
+        format_duration(t.held_s),
+        t.dollars,
+        extra={
+            "event": "flag_raised" if t.raised else "flag_cleared",
+            "rule": t.rule,
+            "gpu": t.gpu,
+            "uuid": t.uuid,
+            "workload": workloads,
+            "held_s": t.held_s,
+            "cost_dollars": t.dollars,
+        },
+    )

@@ -192,6 +192,20 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Where the GPU's price comes from (config override, instance type, catalogue); always 1.",
         (*DEVICE, "source"),
     ),
+    MetricSpec("gpuledger_gpu_flag", Kind.GAUGE, "1 while the rule holds for the GPU, 0 otherwise.", (*DEVICE, "rule")),
+    MetricSpec(
+        "gpuledger_gpu_flag_seconds",
+        Kind.GAUGE,
+        "How long the rule's condition has held on the GPU (while the flag is raised; 0 otherwise).",
+        (*DEVICE, "rule"),
+        "seconds",
+    ),
+    MetricSpec(
+        "gpuledger_workload_flag",
+        Kind.GAUGE,
+        "1 for each workload holding a GPU flagged allocated_idle or stranded_memory: who to ask.",
+        (*WORKLOAD, "rule"),
+    ),
     MetricSpec("gpuledger_ledger_up", Kind.GAUGE, "1 while the ledger's last flush succeeded, 0 while failing.", ()),
     MetricSpec("gpuledger_ledger_pending_rows", Kind.GAUGE, "Ledger rows waiting for the next flush.", ()),
     MetricSpec(

@@ -66,6 +66,7 @@ class GpuledgerCollector(Collector):
             out.add("gpuledger_poll_duration_seconds", (), snapshot.poll_duration_s)
             out.add("gpuledger_nvml_up", (), 1.0 if snapshot.driver_up else 0.0)
         _cost_series(out, state)
+        _flag_series(out, state)
         if state.attribution.kubelet_up is not None:
             out.add("gpuledger_kubelet_up", (), 1.0 if state.attribution.kubelet_up else 0.0)
         health = state.health
@@ -139,6 +140,16 @@ def _workload_series(out: _Families, state: AgentState, per_pid: bool) -> None:
                 unresolved.get(m.uuid, 0) for m in snapshot.mig_devices(device.uuid)
             )
             out.add("gpuledger_gpu_unresolved_processes", (str(device.index), device.uuid), float(count))
+
+
+def _flag_series(out: _Families, state: AgentState) -> None:
+    for flag in state.flags:
+        ids = (str(flag.gpu), flag.uuid, flag.rule)
+        out.add("gpuledger_gpu_flag", ids, 1.0 if flag.raised else 0.0)
+        out.add("gpuledger_gpu_flag_seconds", ids, flag.held_s)
+        if flag.raised:
+            for workload in flag.holders:
+                out.add("gpuledger_workload_flag", (str(flag.gpu), flag.uuid, *workload.labels(), flag.rule), 1.0)
 
 
 JOULES_PER_KWH = 3.6e6

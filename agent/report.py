@@ -1,0 +1,287 @@
+"""`gpuledger report`: cost and usage from the ledger, grouped, as a table, CSV or JSON.
+
+Layering: this module only reads the ledger, through `exporters.ledger.read_usage` (the one module
+that talks to sqlite3); it never writes. Everything else here is pure: rows in, text out.
+
+Choices a reader of the output should know:
+- Rows are sorted by dollars, largest first (ties by the group's names). The `(idle)` row, the
+  cost of GPUs nobody held, is not a workload: it comes after them, just above TOTAL, always in
+  the same place, so neither people nor scripts have to look for it.
+- TOTAL is the sum of every workload row and the idle row: all the GPU time paid for. Its
+  dollars are summed (math.fsum, exactly rounded) from the ledger's own figures, never from the
+  rounded ones shown; its efficiency is GPU-hours used over all GPU-hours paid for.
+- The ledger keeps hours, so a range is read as whole hours: every hour that overlaps
+  [since, until) counts, and the output states the hours it covers.
+- Efficiency is used/held: a percent in the table; in CSV and JSON `efficiency_ratio`, 0-1
+  like every ratio gpuledger exports, empty / null where nothing was held.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from agent.units import parse_duration
+from exporters.ledger import HOUR_S, UsageRow, hour_start, read_usage
+
+GROUP_KEYS = ("node", "gpu", "namespace", "pod", "job", "user", "model", "team")
+FORMATS = ("table", "csv", "json")
+
+IDLE_LABEL = "(idle)"
+TOTAL_LABEL = "TOTAL"
+NONE_LABEL = "(none)"  # a workload with no value for a grouping key (a Slurm job has no namespace)
+
+
+@dataclass(frozen=True, slots=True)
+class ReportLine:
+    key: tuple[str, ...]  # the values of the report's `by` keys; () for the idle and total lines
+    dollars: float
+    held_s: float
+    busy_s: float
+
+    @property
+    def gpu_hours_held(self) -> float:
+        return self.held_s / HOUR_S
+
+    @property
+    def gpu_hours_used(self) -> float:
+        return self.busy_s / HOUR_S
+
+    @property
+    def efficiency(self) -> float | None:
+        """Used over held (0-1); None where nothing was held."""
+        return self.busy_s / self.held_s if self.held_s > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    by: tuple[str, ...]
+    lines: tuple[ReportLine, ...]  # dollars descending
+    idle: ReportLine
+    total: ReportLine
+    since: float | None = None  # start of the first hour covered; None: nothing recorded
+    until: float | None = None  # end of the last hour covered
+
+
+def parse_by(text: str) -> tuple[str, ...]:
+    """The grouping keys from a comma-separated list such as "namespace,pod"."""
+    return check_by([part.strip() for part in text.split(",") if part.strip()])
+
+
+def check_by(by: Sequence[str]) -> tuple[str, ...]:
+    keys = tuple(by)
+    if not keys:
+        raise ValueError(f"group by at least one of {', '.join(GROUP_KEYS)}")
+    for key in keys:
+        if key not in GROUP_KEYS:
+            raise ValueError(f"cannot group by {key!r}: use any of {', '.join(GROUP_KEYS)}")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"each grouping key once, got {','.join(keys)}")
+    return keys
+
+
+def _key_value(row: UsageRow, key: str) -> str:
+    if key == "node":
+        return row.node
+    if key == "gpu":
+        return str(row.gpu)
+    value: str = getattr(row.workload, key)
+    return value
+
+
+def build_report(
+    rows: Iterable[UsageRow], by: Sequence[str], *, since: float | None = None, until: float | None = None
+) -> Report:
+    """Group workload rows by `by`; idle rows make the idle line; every row counts in the total.
+
+    `since` / `until` say what the report covers; where None, the first / last hour in `rows`.
+    """
+    keys = check_by(by)
+    groups: dict[tuple[str, ...], tuple[list[float], list[float], list[float]]] = {}
+    idle: tuple[list[float], list[float], list[float]] = ([], [], [])
+    everything: tuple[list[float], list[float], list[float]] = ([], [], [])
+    hours: set[int] = set()
+    for row in rows:
+        hours.add(row.hour)
+        if row.idle:
+            sums = idle
+        else:
+            group = tuple(_key_value(row, key) for key in keys)
+            sums = groups.setdefault(group, ([], [], []))
+        for target in (sums, everything):
+            target[0].append(row.dollars)
+            target[1].append(row.held_s)
+            target[2].append(row.busy_s)
+
+    def line(key: tuple[str, ...], sums: tuple[list[float], list[float], list[float]]) -> ReportLine:
+        dollars, held, busy = sums
+        return ReportLine(key, math.fsum(dollars), math.fsum(held), math.fsum(busy))
+
+    lines = sorted((line(key, sums) for key, sums in groups.items()), key=lambda ln: (-ln.dollars, ln.key))
+    if since is None and hours:
+        since = float(min(hours))
+    if until is None and hours:
+        until = float(max(hours) + HOUR_S)
+    return Report(keys, tuple(lines), line((), idle), line((), everything), since, until)
+
+
+def report_from_ledger(
+    path: str | Path, *, by: Sequence[str], since: float | None = None, until: float | None = None
+) -> Report:
+    """Read the hours overlapping [since, until) and build the report; LedgerError if unreadable."""
+    keys = check_by(by)
+    if since is not None and until is not None and since >= until:
+        raise ValueError(f"--since ({_iso(since)}) must be before --until ({_iso(until)})")
+    rows = read_usage(path, since=since, until=until)
+    covered_since = None if since is None else float(hour_start(since))
+    covered_until = None if until is None else float(-hour_start(-until))  # rounded up to the hour
+    return build_report(rows, keys, since=covered_since, until=covered_until)
+
+
+_RELATIVE = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d|w))+")
+
+
+def parse_time(text: str, now: float) -> float:
+    """Unix seconds from an ISO date or date-time (UTC unless it has an offset), "now", or a
+    duration such as 7d, 36h, 90m meaning that long before `now`."""
+    value = text.strip()
+    if value == "now":
+        return now
+    if _RELATIVE.fullmatch(value):
+        return now - parse_duration(value)
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(
+            f"expected a time such as 2026-11-20, 2026-11-20T18:00 (UTC unless an offset is given), "
+            f"or 7d / 36h / 90m for that long ago, got {text!r}"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def render(report: Report, fmt: str = "table") -> str:
+    if fmt == "table":
+        return _render_table(report)
+    if fmt == "csv":
+        return _render_csv(report)
+    if fmt == "json":
+        return _render_json(report)
+    raise ValueError(f"unknown report format {fmt!r}: use one of {', '.join(FORMATS)}")
+
+
+# --- table: for people, finance among them ---
+
+_NUMBER_HEADERS = ("DOLLARS", "GPU-HOURS HELD", "GPU-HOURS USED", "EFFICIENCY")
+
+
+def _amount(value: float) -> str:
+    # Half a cent either way of zero is zero, not "-0.00".
+    return f"{0.0 if abs(value) < 0.005 else value:,.2f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _numbers(line: ReportLine, *, efficiency: bool = True) -> list[str]:
+    return [
+        _amount(line.dollars),
+        _amount(line.gpu_hours_held),
+        _amount(line.gpu_hours_used),
+        _percent(line.efficiency) if efficiency else "-",
+    ]
+
+
+def _span(report: Report) -> str:
+    start = "..." if report.since is None else _iso(report.since)
+    end = "..." if report.until is None else _iso(report.until)
+    if report.since is None and report.until is None:
+        return "no ledger hours recorded"
+    return f"ledger hours {start} to {end}"
+
+
+def _render_table(report: Report) -> str:
+    key_count = len(report.by)
+    header = [key.upper() for key in report.by] + list(_NUMBER_HEADERS)
+    body = [[value or NONE_LABEL for value in line.key] + _numbers(line) for line in report.lines]
+    # Nobody held the idle GPUs, so there is no used/held to speak of.
+    idle = [IDLE_LABEL] + [""] * (key_count - 1) + _numbers(report.idle, efficiency=False)
+    total = [TOTAL_LABEL] + [""] * (key_count - 1) + _numbers(report.total)
+    widths = [max(len(row[i]) for row in [header, *body, idle, total]) for i in range(len(header))]
+
+    def fmt(row: list[str]) -> str:
+        cells = [
+            cell.ljust(width) if i < key_count else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    rule = "  ".join("-" * width for width in widths)
+    out = [
+        f"GPU cost by {', '.join(report.by)}; {_span(report)}",
+        "",
+        fmt(header),
+        rule,
+        *(fmt(row) for row in body),
+        fmt(idle),
+        rule,
+        fmt(total),
+    ]
+    return "\n".join(out) + "\n"
+
+
+# --- CSV and JSON: for programs; plain numbers at full precision ---
+
+_NUMBER_FIELDS = ("dollars", "gpu_hours_held", "gpu_hours_used", "efficiency_ratio")
+
+
+def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | None]:
+    return {
+        "dollars": line.dollars,
+        "gpu_hours_held": line.gpu_hours_held,
+        "gpu_hours_used": line.gpu_hours_used,
+        "efficiency_ratio": line.efficiency if efficiency else None,
+    }
+
+
+def _render_csv(report: Report) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["kind", *report.by, *_NUMBER_FIELDS])
+
+    def numbers(line: ReportLine, *, efficiency: bool = True) -> list[str]:
+        # repr: the shortest text that reads back as the same float; no thousands separators.
+        return ["" if v is None else repr(v) for v in _figures(line, efficiency=efficiency).values()]
+
+    blank = [""] * len(report.by)
+    for line in report.lines:
+        writer.writerow(["group", *line.key, *numbers(line)])
+    writer.writerow(["idle", *blank, *numbers(report.idle, efficiency=False)])
+    writer.writerow(["total", *blank, *numbers(report.total)])
+    return out.getvalue()
+
+
+def _render_json(report: Report) -> str:
+    document: dict[str, Any] = {
+        "since": None if report.since is None else _iso(report.since),
+        "until": None if report.until is None else _iso(report.until),
+        "by": list(report.by),
+        "rows": [dict(zip(report.by, line.key, strict=True)) | _figures(line) for line in report.lines],
+        "idle": _figures(report.idle, efficiency=False),
+        "total": _figures(report.total),
+    }
+    return json.dumps(document, indent=2) + "\n"

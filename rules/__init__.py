@@ -1,0 +1,1 @@
+"""Idle and underuse detection: the rule engine and its thresholds."""

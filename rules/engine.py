@@ -1,0 +1,175 @@
+"""Idle and underused GPUs, flagged against thresholds. Pure: state in, state out, `now` given.
+
+Each rule has a condition on one GPU's poll (utilization below a threshold, with or without a
+holder, memory above a size, or a mean over a window) and a duration. A flag raises once its
+condition has held for the duration, measured on the backend clock between polls, and clears
+at the first poll where it no longer holds. A GPU that is down, or that cannot measure
+utilization (MIG), holds no condition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from agent.model import Workload
+
+CONDITIONS = ("idle", "allocated_idle", "underused", "stranded_memory")
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSpec:
+    name: str
+    condition: str  # one of CONDITIONS
+    utilization_below: float
+    for_s: float
+    window_s: float = 0.0  # underused: the mean is taken over this much of the past
+    memory_above_bytes: int = 0  # stranded_memory
+    models: tuple[str, ...] = ()  # only GPUs whose model matches one of these globs
+    nodes: tuple[str, ...] = ()  # only nodes whose hostname matches one of these globs
+
+    def applies_to(self, model: str, node: str) -> bool:
+        return (not self.models or any(fnmatchcase(model, m) for m in self.models)) and (
+            not self.nodes or any(fnmatchcase(node, n) for n in self.nodes)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GpuObservation:
+    """One GPU at one poll, as the rules see it."""
+
+    gpu: int
+    uuid: str
+    model: str
+    node: str
+    up: bool
+    utilization: float | None
+    memory_used_bytes: int | None
+    holders: tuple[Workload, ...]
+    interval_s: float  # time since the previous poll (0 at the first)
+    dollars: float = 0.0  # what the GPU cost over that interval
+    idle_dollars: float = 0.0  # of which nobody held it
+
+
+@dataclass(frozen=True, slots=True)
+class RuleState:
+    since: float | None = None  # when the condition started holding, without a break
+    raised: bool = False
+    dollars: float = 0.0  # cost while the condition has held (idle cost for `idle`)
+    window: tuple[tuple[float, float, float], ...] = ()  # underused: (end, seconds, utilization)
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    gpu: int
+    uuid: str
+    rule: str
+    raised: bool
+    held_s: float  # how long the condition has held (while raised); 0 otherwise
+    holders: tuple[Workload, ...]
+    dollars: float
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A flag raising or clearing: what the log line says."""
+
+    gpu: int
+    uuid: str
+    rule: str
+    raised: bool
+    at: float
+    held_s: float
+    holders: tuple[Workload, ...]
+    dollars: float
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    states: Mapping[tuple[str, str], RuleState]
+    flags: tuple[Flag, ...] = ()
+    transitions: tuple[Transition, ...] = field(default=())
+
+
+def _mean_over_window(window: tuple[tuple[float, float, float], ...], now: float, window_s: float) -> float | None:
+    start = now - window_s
+    seconds = weighted = 0.0
+    for end, dt, util in window:
+        overlap = min(dt, end - start)
+        if overlap <= 0:
+            continue
+        seconds += overlap
+        weighted += overlap * util
+    return weighted / seconds if seconds > 0 else None
+
+
+def _condition(spec: RuleSpec, obs: GpuObservation, window_mean: float | None) -> bool:
+    if not obs.up or obs.utilization is None:
+        return False
+    if spec.condition == "idle":
+        return not obs.holders and obs.utilization < spec.utilization_below
+    if spec.condition == "allocated_idle":
+        return bool(obs.holders) and obs.utilization < spec.utilization_below
+    if spec.condition == "underused":
+        return window_mean is not None and window_mean < spec.utilization_below
+    if spec.condition == "stranded_memory":
+        memory = obs.memory_used_bytes or 0
+        return memory > spec.memory_above_bytes and obs.utilization < spec.utilization_below
+    raise ValueError(f"unknown condition {spec.condition!r}")
+
+
+def evaluate(
+    states: Mapping[tuple[str, str], RuleState],
+    observations: Sequence[GpuObservation],
+    specs: Sequence[RuleSpec],
+    now: float,
+) -> Evaluation:
+    """One poll's worth of rule evaluation. `states` is keyed by (GPU uuid, rule name)."""
+    new_states: dict[tuple[str, str], RuleState] = {}
+    flags: list[Flag] = []
+    transitions: list[Transition] = []
+    for obs in observations:
+        for spec in specs:
+            if not spec.applies_to(obs.model, obs.node):
+                continue
+            key = (obs.uuid, spec.name)
+            old = states.get(key, RuleState())
+            window = old.window
+            mean = None
+            if spec.condition == "underused":
+                if obs.up and obs.utilization is not None and obs.interval_s > 0:
+                    window = (*window, (now, obs.interval_s, obs.utilization))
+                window = tuple(w for w in window if w[0] > now - spec.window_s)
+                mean = _mean_over_window(window, now, spec.window_s)
+            holds = _condition(spec, obs, mean)
+            if holds:
+                # The condition counts from the first poll that saw it: a flag never raises early.
+                since = old.since if old.since is not None else now
+                cost = obs.idle_dollars if spec.condition == "idle" else obs.dollars
+                dollars = old.dollars + cost if old.since is not None else 0.0
+                held_s = now - since
+                raised = held_s >= spec.for_s
+                state = RuleState(since=since, raised=raised, dollars=dollars, window=window)
+            else:
+                held_s = now - old.since if old.since is not None else 0.0
+                state = RuleState(window=window)
+                raised = False
+            if raised != old.raised:
+                dollars_so_far = state.dollars if raised else old.dollars
+                transitions.append(
+                    Transition(obs.gpu, obs.uuid, spec.name, raised, now, held_s, obs.holders, dollars_so_far)
+                )
+            new_states[key] = state
+            flags.append(
+                Flag(
+                    obs.gpu,
+                    obs.uuid,
+                    spec.name,
+                    raised,
+                    held_s if raised else 0.0,
+                    obs.holders if spec.condition in ("allocated_idle", "stranded_memory") else (),
+                    state.dollars if raised else 0.0,
+                )
+            )
+    return Evaluation(new_states, tuple(flags), tuple(transitions))
