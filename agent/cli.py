@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -23,10 +23,13 @@ from agent.attribution import compile_rules, rule_env_keys
 from agent.attributor import Attributor, KubeletWatcher
 from agent.config import Settings, check_config, load_config
 from agent.errors import BadInputError, GpuledgerError, NvmlLibraryMissing
-from agent.model import AgentState, Attribution, DeviceReading, Snapshot
+from agent.hostfiles import detect_instance_type
+from agent.model import AgentState, Attribution, DeviceReading, Price, Snapshot
 from agent.nvml import NvmlBackend
-from agent.pipeline import Pipeline
+from agent.pipeline import Costing, Pipeline
+from agent.pricing import load_catalogue, resolve_price
 from agent.procfs import Passwd, ProcFS
+from agent.report import GROUP_KEYS, parse_by, parse_time, render, report_from_ledger
 from agent.sampler import Sampler
 from agent.units import format_duration, parse_duration
 from rules.engine import RuleSpec
@@ -60,6 +63,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--fake-speed", type=float, default=1.0, metavar="N", help="scenario seconds per real second (with --fake)"
     )
     run.add_argument("--listen", metavar="HOST:PORT", help="address to serve on (default 0.0.0.0:9835)")
+    run.add_argument(
+        "--ledger", metavar="FILE", help="ledger file (default: ledger.path; with --fake, no ledger unless given)"
+    )
 
     snap = sub.add_parser("snapshot", help="poll once and print each GPU")
     snap.add_argument("--config", help="YAML config file")
@@ -81,6 +87,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--config", help="YAML config file")
     sim.add_argument("--metrics-out", metavar="FILE", help="write the final /metrics text here (default: stdout)")
+    sim.add_argument("--ledger", metavar="FILE", help="write the charges to this ledger file")
+
+    rep = sub.add_parser("report", help="cost and usage from the ledger")
+    rep.add_argument("--ledger", metavar="FILE", help="ledger file (default: ledger.path)")
+    rep.add_argument("--config", help="YAML config file")
+    rep.add_argument("--since", metavar="T", help="ISO date/time (UTC) or e.g. 7d for seven days ago")
+    rep.add_argument("--until", metavar="T", help="ISO date/time (UTC) or e.g. 1d")
+    rep.add_argument("--by", default="namespace,job", metavar="KEYS", help=f"group by any of: {', '.join(GROUP_KEYS)}")
+    rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file", help="YAML config file")
@@ -209,6 +224,44 @@ def _make_attributor(settings: Settings, node: Any) -> Attributor:
     )
 
 
+def _make_costing(settings: Settings, node: Any, ledger_path: str | None, clock: Callable[[], float]) -> Costing:
+    """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger."""
+    from exporters.ledger_sink import LedgerSink
+
+    catalogue = load_catalogue()
+    pricing = settings.pricing
+    instance_type = node.scenario.node.instance_type if node is not None else detect_instance_type()
+
+    def prices(snapshot: Snapshot) -> dict[str, Price | None]:
+        gpus = snapshot.gpus
+        found = {
+            g.uuid: resolve_price(
+                model=g.model,
+                uuid=g.uuid,
+                gpu_count=len(gpus),
+                instance_type=instance_type,
+                pricing=pricing,
+                catalogue=catalogue,
+            )
+            for g in gpus
+            if g.name
+        }
+        for g in gpus:
+            if g.name and found.get(g.uuid) is None:
+                log.warning("no price for GPU %d (%s): set pricing.by_model or pricing.gpu_hourly", g.index, g.model)
+        return found
+
+    sink = LedgerSink(ledger_path, retention_s=settings.ledger.retention, clock=clock) if ledger_path else None
+    return Costing(
+        prices=prices,
+        max_interval_s=settings.accounting.max_interval,
+        forget_after_s=settings.accounting.forget_after,
+        energy_per_kwh=pricing.energy_per_kwh,
+        sink=sink,
+        flush_interval_s=settings.ledger.flush_interval,
+    )
+
+
 def _make_backend(fake: str | None, speed: float) -> tuple[NvmlBackend, Any]:
     """The NVML backend, and the fake node when running on one."""
     if fake is None:
@@ -234,8 +287,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sampler = Sampler(backend, hostname=hostname)
     sampler.start()
     attributor = _make_attributor(settings, node)
+    ledger_path = args.ledger or (None if node is not None else settings.ledger.path)
+    costing = _make_costing(settings, node, ledger_path, time.time)
     pipeline = Pipeline(
-        sampler, settings.poll_interval, attributor=attributor, kubelet_interval_s=settings.attribution.kubelet_interval
+        sampler,
+        settings.poll_interval,
+        attributor=attributor,
+        kubelet_interval_s=settings.attribution.kubelet_interval,
+        costing=costing,
+        rules=rule_specs(settings),
     )
     per_pid = settings.attribution.per_pid_series
     try:
@@ -263,6 +323,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     stop.wait()
     pipeline.stop()
+    if costing.sink is not None:
+        costing.sink.close()  # the last charges reach the ledger before we exit
     server.stop()
     sampler.close()
     if node is not None:
@@ -276,17 +338,26 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
     settings = _settings(args.config)
     at = _duration_arg(args.at, "--at")
     backend, node = _make_backend(args.fake, 0.0)
-    if node is not None and at:
-        node.clock.advance(at)
     sampler = Sampler(backend, hostname=node.scenario.node.hostname if node is not None else None)
     sampler.start()
-    pipeline = Pipeline(sampler, poll_interval_s=5.0, attributor=_make_attributor(settings, node))
+    clock = node.clock.wall_time if node is not None else time.time
+    pipeline = Pipeline(
+        sampler,
+        poll_interval_s=5.0,
+        attributor=_make_attributor(settings, node),
+        costing=_make_costing(settings, node, None, clock),
+        rules=rule_specs(settings),
+    )
     pipeline.refresh_allocations()
     if node is not None:
-        # Per-process utilization is the mean of the samples between two polls: take a first
-        # poll a few seconds earlier so the reading covers a real interval.
+        # A fake node can show what a daemon running since t=0 would show at --at: flags need
+        # their durations, costs their history. Poll each minute up to 5 s before --at, then at
+        # --at (per-process utilization is the mean over the samples between two polls).
+        while node.clock.now() + 60 <= at - 5:
+            pipeline.poll_once()
+            node.clock.advance(60)
         pipeline.poll_once()
-        node.clock.advance(5.0)
+        node.clock.advance(max(0.0, at - node.clock.now()) if at >= 5 else 5.0)
     state = pipeline.poll_once()
     sampler.close()
     if node is not None:
@@ -296,13 +367,20 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
     if state.snapshot is None:
         raise GpuledgerError("the poll read nothing")
     if args.json:
-        print(json.dumps(_snapshot_json(state.snapshot, state.attribution), indent=2))
+        print(json.dumps(_snapshot_json(state), indent=2))
     else:
-        print(render_table(state.snapshot, state.attribution))
+        print(render_table(state))
     return EXIT_OK
 
 
-def _snapshot_json(snapshot: Snapshot, attribution: Attribution) -> dict[str, Any]:
+def _snapshot_json(state: AgentState) -> dict[str, Any]:
+    snapshot, attribution = state.snapshot, state.attribution
+    assert snapshot is not None
+    prices = dict(state.prices)
+    flags: dict[str, list[str]] = {}
+    for flag in state.flags:
+        if flag.raised:
+            flags.setdefault(flag.uuid, []).append(flag.rule)
     data = asdict(snapshot)
     data["devices"] = [
         dict(
@@ -313,6 +391,8 @@ def _snapshot_json(snapshot: Snapshot, attribution: Attribution) -> dict[str, An
                 dict(asdict(h.workload), pids=list(h.pids), allocated=h.allocated, sm_util=h.sm_util)
                 for h in attribution.for_device(d.uuid)
             ],
+            price=asdict(price) if (price := prices.get(d.uuid)) is not None else None,
+            flags=flags.get(d.uuid, []),
         )
         for d in snapshot.devices
     ]
@@ -323,15 +403,33 @@ def _fmt(value: float | None, fmt: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, fmt)
 
 
-def render_table(snapshot: Snapshot, attribution: Attribution) -> str:
-    header = ("GPU", "MODEL", "UP", "UTIL", "MEM USED/TOTAL GiB", "TEMP", "POWER W", "PROCS", "NVLINK DOWN", "OWNERS")
+def render_table(state: AgentState) -> str:
+    snapshot, attribution = state.snapshot, state.attribution
+    assert snapshot is not None
+    prices = dict(state.prices)
+    flags: dict[str, list[str]] = {}
+    for flag in state.flags:
+        if flag.raised:
+            flags.setdefault(flag.uuid, []).append(f"{flag.rule} {format_duration(flag.held_s)}")
+    header = (
+        "GPU", "MODEL", "UP", "UTIL", "MEM USED/TOTAL GiB", "TEMP", "POWER W", "PROCS", "NVLINK DOWN",
+        "$/H", "FLAGS", "OWNERS",
+    )  # fmt: skip
     rows: list[tuple[str, ...]] = [header]
-    rows.extend((*_row(d), _owners(attribution, d)) for d in snapshot.devices)
+    for d in snapshot.devices:
+        price = prices.get(d.uuid)
+        hourly = f"{price.dollars_per_hour:.2f}" if price is not None else ("-" if d.is_mig else "?")
+        rows.append((*_row(d), hourly, ", ".join(flags.get(d.uuid, [])) or "-", _owners(attribution, d)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(snapshot.taken_at))
     title = f"{snapshot.node.hostname}  driver {snapshot.node.driver_version}  at {when}"
-    return "\n".join([title, *lines])
+    sources: dict[str, list[str]] = {}
+    for d in snapshot.gpus:
+        price = prices.get(d.uuid)
+        sources.setdefault(price.source if price is not None else "no price known", []).append(str(d.index))
+    notes = [f"$/H for GPU {','.join(gpus)}: {source}" for source, gpus in sources.items()]
+    return "\n".join([title, *lines, "", *notes])
 
 
 def _owners(attribution: Attribution, d: DeviceReading) -> str:
@@ -384,22 +482,38 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     step = _duration_arg(args.step, "--step")
     if step <= 0:
         raise BadInputError("gpuledger: --step: must be above 0")
-    if args.metrics_out:
-        out_dir = Path(args.metrics_out).parent
-        if not out_dir.is_dir():
-            raise BadInputError(f"gpuledger: --metrics-out: no such directory {out_dir}")
+    for option, target in (("--metrics-out", args.metrics_out), ("--ledger", args.ledger)):
+        if target and not Path(target).parent.is_dir():
+            raise BadInputError(f"gpuledger: {option}: no such directory {Path(target).parent}")
     backend, node = _make_backend(args.scenario, 0.0)
     sampler = Sampler(backend, hostname=node.scenario.node.hostname)
     sampler.start()
-    pipeline = Pipeline(sampler, poll_interval_s=step, attributor=_make_attributor(settings, node))
+    costing = _make_costing(settings, node, args.ledger, node.clock.wall_time)
+    # Polls --step apart are this run's normal rhythm: never count them as a gap.
+    costing = replace(costing, max_interval_s=max(costing.max_interval_s, step))
+    pipeline = Pipeline(
+        sampler,
+        poll_interval_s=step,
+        attributor=_make_attributor(settings, node),
+        costing=costing,
+        rules=rule_specs(settings),
+    )
     pipeline.refresh_allocations()
     state: AgentState = pipeline.poll_once()
-    elapsed = 0.0
+    elapsed = since_flush = 0.0
     while elapsed + step <= duration + 1e-9:
         node.clock.advance(step)
         elapsed += step
+        since_flush += step
         pipeline.refresh_allocations()
         state = pipeline.poll_once()
+        if since_flush >= costing.flush_interval_s:
+            pipeline.flush_ledger()
+            since_flush = 0.0
+    if costing.sink is not None:
+        costing.sink.close()
+        if not costing.sink.health().healthy:
+            raise GpuledgerError(f"the ledger {args.ledger} could not be written (see the log)")
     sampler.close()
     import fake_nvml
 
@@ -419,6 +533,23 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    settings = _settings(args.config)
+    path = args.ledger or settings.ledger.path
+    if not Path(path).exists():
+        raise BadInputError(f"gpuledger: --ledger: no such ledger file {path}")
+    now = time.time()
+    try:
+        by = parse_by(args.by)
+        since = parse_time(args.since, now) if args.since else None
+        until = parse_time(args.until, now) if args.until else None
+        report = report_from_ledger(path, by=by, since=since, until=until)
+    except ValueError as exc:
+        raise BadInputError(f"gpuledger: report: {exc}") from None
+    sys.stdout.write(render(report, args.format))
+    return EXIT_OK
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     _settings_obj, problems = check_config(args.file)
     if problems:
@@ -434,4 +565,5 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "snapshot": _cmd_snapshot,
     "simulate": _cmd_simulate,
     "check-config": _cmd_check_config,
+    "report": _cmd_report,
 }

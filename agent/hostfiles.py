@@ -66,3 +66,17 @@ def read_pod_log_dirs(directory: str | Path) -> dict[str, tuple[str, str]]:
         if match:
             pods[match.group(3)] = (match.group(1), match.group(2))
     return pods
+
+
+_AWS_INSTANCE = re.compile(r"^[a-z][a-z0-9-]*\.[0-9]*[a-z0-9]+$")
+
+
+def detect_instance_type(dmi_dir: str | Path = "/sys/devices/virtual/dmi/id") -> str | None:
+    """The cloud instance type, where the firmware says it without asking the network: EC2
+    writes it as the DMI product name (e.g. "p4d.24xlarge"). Elsewhere: None (set
+    pricing.instance_type)."""
+    try:
+        product = (Path(dmi_dir) / "product_name").read_text().strip()
+    except OSError:
+        return None
+    return product if _AWS_INSTANCE.match(product) else None

@@ -15,6 +15,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+# gRPC's C core logs connection events (a kubelet restarting sends GOAWAY) straight to stderr
+# at INFO; the agent reports the kubelet's state itself, once per change.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import grpc
 
 from agent.errors import GpuledgerError

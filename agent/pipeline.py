@@ -40,6 +40,8 @@ class ChargeSink(Protocol):
 
     def health(self) -> LedgerHealth: ...
 
+    def close(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class Costing:

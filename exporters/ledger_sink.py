@@ -19,9 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class LedgerSink:
-    def __init__(
-        self, path: str | Path, *, retention_s: float | None, clock: Callable[[], float] = time.time
-    ) -> None:
+    def __init__(self, path: str | Path, *, retention_s: float | None, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
         self.retention_s = retention_s
         self.clock = clock
@@ -64,7 +62,9 @@ class LedgerSink:
         ledger = self._ledger
         if ledger is None:
             return LedgerHealth(healthy=False, pending_rows=len(self._waiting), last_flush_at=None)
-        return LedgerHealth(healthy=ledger.healthy, pending_rows=ledger.pending_rows, last_flush_at=ledger.last_flush_at)
+        return LedgerHealth(
+            healthy=ledger.healthy, pending_rows=ledger.pending_rows, last_flush_at=ledger.last_flush_at
+        )
 
     def close(self) -> None:
         ledger = self._open()

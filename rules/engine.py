@@ -112,7 +112,8 @@ def _condition(spec: RuleSpec, obs: GpuObservation, window_mean: float | None) -
     if spec.condition == "allocated_idle":
         return bool(obs.holders) and obs.utilization < spec.utilization_below
     if spec.condition == "underused":
-        return window_mean is not None and window_mean < spec.utilization_below
+        # Underuse is a holder's: a GPU nobody holds is `idle`, and flagging it twice is noise.
+        return bool(obs.holders) and window_mean is not None and window_mean < spec.utilization_below
     if spec.condition == "stranded_memory":
         memory = obs.memory_used_bytes or 0
         return memory > spec.memory_above_bytes and obs.utilization < spec.utilization_below

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -15,6 +16,7 @@ from agent.pipeline import Costing, Pipeline
 from agent.procfs import Passwd, ProcFS
 from agent.sampler import Sampler
 from exporters.prometheus import make_registry
+from rules.engine import RuleSpec
 
 
 class Rig:
@@ -27,6 +29,7 @@ class Rig:
         per_pid: bool = False,
         kubelet_timeout_s: float = 1.0,
         costing: Costing | None = None,
+        flag_rules: Sequence[RuleSpec] = (),
     ) -> None:
         self.node = fake_nvml.install(scenario)
         host = self.node.host
@@ -45,7 +48,9 @@ class Rig:
         self.sampler = Sampler(NvmlBackend(clock=self.node.clock.wall_time), hostname="rig")
         self.sampler.start()
         # Poll durations pinned to 0: stable output for golden files.
-        self.pipeline = Pipeline(self.sampler, 5.0, monotonic=lambda: 0.0, attributor=self.attributor, costing=costing)
+        self.pipeline = Pipeline(
+            self.sampler, 5.0, monotonic=lambda: 0.0, attributor=self.attributor, costing=costing, rules=flag_rules
+        )
         self.per_pid = per_pid
 
     def poll(self, advance_s: float = 0.0) -> AgentState:

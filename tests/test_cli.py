@@ -190,7 +190,8 @@ def test_snapshot_prints_a_table_of_the_demo_node() -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("gpu-node-01")
-    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    table = lines[2 : lines.index("")]
+    rows = {line.split()[0]: line.split() for line in table}
     assert set(rows) == {str(i) for i in range(8)}
     assert rows["0"][3] == "92%"
     assert rows["5"][3] == "0%"

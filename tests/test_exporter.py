@@ -13,7 +13,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fake_nvml
-from agent.model import AgentState
+from agent.cli import rule_specs
+from agent.config import Settings
+from agent.model import AgentState, Price
+from agent.pipeline import Costing
+from exporters.ledger_sink import LedgerSink
 from exporters.catalogue import BY_NAME, CATALOGUE, Kind
 from exporters.prometheus import make_registry
 from tests.helpers import Rig
@@ -22,12 +26,26 @@ GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("GPULEDGER_UPDATE_GOLDEN") == "1"  # GPULEDGER_UPDATE_GOLDEN=1 pytest ... rewrites
 
 
-def simulate(scenario: object, at_s: float) -> AgentState:
-    """Polls `scenario` at at_s - 5 and at_s, with attribution, as the daemon would."""
-    rig = Rig(scenario, rules=[({"namespace": "^research-"}, {"team": "research"})])
-    rig.poll(at_s - 5)
-    state = rig.poll(5)
+PRICE = Price(2.745, "test price")
+
+
+def simulate(scenario: object, at_s: float, tmp_path: Path, flush: bool = False) -> AgentState:
+    """The whole pipeline (attribution, cost, the default rules, a ledger) polling `scenario`
+    every minute up to at_s - 5, then at at_s, as the daemon would have since t=0."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    ledger = LedgerSink(tmp_path / "ledger.db", retention_s=None, clock=lambda: 1_795_300_000.0)
+    rig = Rig(
+        scenario,
+        rules=[({"namespace": "^research-"}, {"team": "research"})],
+        costing=Costing(prices=lambda s: {g.uuid: PRICE for g in s.gpus}, energy_per_kwh=0.12, sink=ledger),
+        flag_rules=rule_specs(Settings()),
+    )
+    rig.run(at_s - 5, 60)
+    if flush:
+        rig.pipeline.flush_ledger()
+    state = rig.poll(at_s - rig.node.clock.now())
     rig.kubelet.close()
+    ledger.close()
     return state
 
 
@@ -41,8 +59,8 @@ def exposition(state: AgentState) -> str:
     return generate_latest(make_registry(lambda: state)).decode()
 
 
-def test_demo_exposition_matches_the_golden_file() -> None:
-    text = exposition(simulate("demo", 7200))
+def test_demo_exposition_matches_the_golden_file(tmp_path: Path) -> None:
+    text = exposition(simulate("demo", 7200, tmp_path))
     golden = GOLDEN / "demo.prom"
     if UPDATE or not golden.exists():
         golden.parent.mkdir(exist_ok=True)
@@ -68,10 +86,10 @@ def _emitted(states: list[AgentState]) -> dict[str, set[str]]:
     return seen
 
 
-def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted() -> None:
+def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(tmp_path: Path) -> None:
     states = [
-        simulate("demo", 3600),
-        simulate("mig", 600),
+        simulate("demo", 3600, tmp_path / "demo", flush=True),
+        simulate("mig", 600, tmp_path / "mig"),
         simulate(
             {
                 "gpus": [{"count": 2, "nvlink_links": 2}],
@@ -81,6 +99,7 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
                 ],
             },
             30,
+            tmp_path / "lost",
         ),
     ]
     emitted = _emitted(states)
@@ -101,8 +120,8 @@ def test_catalogue_names_follow_prometheus_conventions() -> None:
         assert spec.help.endswith(".")
 
 
-def test_lost_gpu_keeps_its_identity_series_and_drops_readings() -> None:
-    state = simulate("gpu-lost", 900)
+def test_lost_gpu_keeps_its_identity_series_and_drops_readings(tmp_path: Path) -> None:
+    state = simulate("gpu-lost", 900, tmp_path)
     samples = {
         (s.name, s.labels.get("gpu")): s.value
         for family in text_string_to_metric_families(exposition(state))
@@ -115,8 +134,8 @@ def test_lost_gpu_keeps_its_identity_series_and_drops_readings() -> None:
     assert ("gpuledger_gpu_info", "1") in samples
 
 
-def test_scrape_makes_no_nvml_call() -> None:
-    state = simulate("demo", 60)
+def test_scrape_makes_no_nvml_call(tmp_path: Path) -> None:
+    state = simulate("demo", 60, tmp_path)
     node = fake_nvml.installed()
     assert node is not None
     before = sum(node.calls.values())

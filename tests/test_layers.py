@@ -33,7 +33,20 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "agent.model",
         "agent.procfs",
     ),
-    "agent.pipeline": ("agent.errors", "agent.model", "agent.sampler", "agent.attributor"),
+    "agent.pricing": ("agent.model", "agent.yamlfile"),
+    "agent.accounting": ("agent.model",),
+    # the report reads the ledger file through the ledger module: read-only, at the edge
+    "agent.report": ("agent.model", "agent.units", "exporters.ledger"),
+    "agent.pipeline": (
+        "agent.errors",
+        "agent.model",
+        "agent.sampler",
+        "agent.attributor",
+        "agent.accounting",
+        "agent.units",
+        "rules",
+    ),
+    "rules": ("agent.model", "rules"),
     "exporters": ("agent.model", "agent.__init__", "agent", "exporters"),
     # The fake serves the kubelet API from the same generated stubs the agent's client uses.
     "fake_nvml": ("fake_nvml", "agent.units", "agent.yamlfile", "agent.podresources"),
