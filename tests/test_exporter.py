@@ -17,8 +17,8 @@ from agent.cli import rule_specs
 from agent.config import Settings
 from agent.model import AgentState, Price
 from agent.pipeline import Costing
-from exporters.ledger_sink import LedgerSink
 from exporters.catalogue import BY_NAME, CATALOGUE, Kind
+from exporters.ledger_sink import LedgerSink
 from exporters.prometheus import make_registry
 from tests.helpers import Rig
 
