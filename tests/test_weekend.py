@@ -1,0 +1,124 @@
+"""The idle weekend, end to end: flags at the right moments, and the ledger's dollars to match.
+Also: `report` on a week of the demo node agrees with the exporter's counters in every format."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.cli import _make_costing, rule_specs
+from agent.config import Settings
+from agent.pricing import load_catalogue
+from tests.helpers import Rig
+
+REPO = Path(__file__).resolve().parent.parent
+HOUR = 3600.0
+# p4d.24xlarge from the shipped catalogue, per GPU: what the weekend-idle node's GPUs cost.
+P4D = load_catalogue().instance_types["p4d.24xlarge"]
+PRICE = P4D.dollars_per_hour / P4D.gpus
+
+
+def gpuledger(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=REPO, env=dict(os.environ),
+        timeout=600, check=False,
+    )  # fmt: skip
+
+
+def test_the_idle_weekend_is_flagged_and_priced(tmp_path: Path) -> None:
+    step = 60.0
+    ledger_path = tmp_path / "weekend.db"
+    settings = Settings()
+    rig = Rig("weekend-idle", flag_rules=rule_specs(settings), costing=None)
+    costing = _make_costing(settings, rig.node, str(ledger_path), rig.node.clock.wall_time)
+    rig.pipeline.costing = costing
+    transitions: list[tuple[float, int, bool]] = []
+    try:
+        previous: dict[tuple[int, str], bool] = {}
+        state = rig.poll()
+        while rig.node.clock.now() < 4 * 86400:
+            state = rig.poll(step)
+            for flag in state.flags:
+                if flag.rule == "idle" and previous.get((flag.gpu, flag.rule), False) != flag.raised:
+                    transitions.append((rig.node.clock.now(), flag.gpu, flag.raised))
+                previous[(flag.gpu, flag.rule)] = flag.raised
+        costing.sink.close()  # type: ignore[union-attr]
+    finally:
+        rig.close()
+    raised = sorted({t for t, _gpu, up in transitions if up})
+    cleared = sorted({t for t, _gpu, up in transitions if not up})
+    # The job dies at 4 h (Friday 22:00); the first poll that sees its GPUs idle is at 4 h, so
+    # `idle` raises on all eight 30 minutes later, stays up all weekend, and clears at the first
+    # poll after Monday's job starts at 63 h (Monday 09:00).
+    assert raised == [4 * HOUR + 1800]
+    assert cleared == [63 * HOUR]
+    assert sorted(gpu for _t, gpu, up in transitions if up) == list(range(8))
+    assert not any(f.raised for f in state.flags if f.rule == "idle")  # Monday: busy again
+
+    # The ledger: over Saturday and Sunday (2026-11-21T00:00Z to 11-23T00:00Z) all 8 GPUs sat
+    # idle, 48 h each.
+    result = gpuledger(
+        "report", "--ledger", str(ledger_path), "--by", "job", "--format", "json",
+        "--since", "2026-11-21T00:00", "--until", "2026-11-23T00:00",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["idle"]["dollars"] == pytest.approx(PRICE * 8 * 48, rel=1e-9)
+    assert report["idle"]["gpu_hours_held"] == pytest.approx(8 * 48)
+    assert report["rows"] == []  # nobody held a GPU all weekend
+    assert (sat, mon) == (
+        datetime(2026, 11, 21, tzinfo=UTC).timestamp(),
+        datetime(2026, 11, 23, tzinfo=UTC).timestamp(),
+    )
+    whole = json.loads(gpuledger("report", "--ledger", str(ledger_path), "--by", "job", "--format", "json").stdout)
+    # Friday 22:00 to Monday 09:00 is 59 idle hours on each GPU.
+    assert whole["idle"]["dollars"] == pytest.approx(PRICE * 8 * 59, rel=1e-9)
+
+
+def prom_values(text: str) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            sums[s.name] = sums.get(s.name, 0.0) + s.value
+    return sums
+
+
+def test_report_on_a_week_of_the_demo_node_matches_the_counters(tmp_path: Path) -> None:
+    ledger, metrics = tmp_path / "demo.db", tmp_path / "demo.prom"
+    sim = gpuledger(
+        "simulate", "demo", "--for", "7d", "--step", "5m", "--ledger", str(ledger), "--metrics-out", str(metrics)
+    )
+    assert sim.returncode == 0, sim.stderr
+    counters = prom_values(metrics.read_text())
+    total = counters["gpuledger_gpu_cost_dollars_total"]
+    assert total == pytest.approx(PRICE * 8 * 7 * 24, rel=1e-9)  # 8 GPUs, a week, every hour priced
+    workloads, idle = (
+        counters["gpuledger_workload_cost_dollars_total"],
+        counters["gpuledger_gpu_idle_cost_dollars_total"],
+    )
+    assert workloads + idle == pytest.approx(total, rel=1e-9)
+
+    reports: dict[str, Any] = {}
+    for fmt in ("table", "csv", "json"):
+        result = gpuledger("report", "--ledger", str(ledger), "--by", "namespace,pod,job", "--format", fmt)
+        assert result.returncode == 0, result.stderr
+        reports[fmt] = result.stdout
+    as_json = json.loads(reports["json"])
+    assert as_json["total"]["dollars"] == pytest.approx(total, rel=1e-9)
+    assert as_json["idle"]["dollars"] == pytest.approx(idle, rel=1e-9)
+    assert sum(row["dollars"] for row in as_json["rows"]) == pytest.approx(workloads, rel=1e-9)
+    rows = list(csv.DictReader(io.StringIO(reports["csv"])))
+    assert float(next(r for r in rows if r["kind"] == "total")["dollars"]) == pytest.approx(total, rel=1e-9)
+    assert float(next(r for r in rows if r["kind"] == "idle")["dollars"]) == pytest.approx(idle, rel=1e-9)
+    total_line = next(line for line in reports["table"].splitlines() if line.startswith("TOTAL"))
+    shown = float(next(cell for cell in total_line.split()[1:] if "." in cell).replace(",", ""))
+    assert shown == pytest.approx(total, abs=0.005)  # the table rounds to cents
