@@ -75,10 +75,6 @@ def test_the_idle_weekend_is_flagged_and_priced(tmp_path: Path) -> None:
     assert report["idle"]["dollars"] == pytest.approx(PRICE * 8 * 48, rel=1e-9)
     assert report["idle"]["gpu_hours_held"] == pytest.approx(8 * 48)
     assert report["rows"] == []  # nobody held a GPU all weekend
-    assert (sat, mon) == (
-        datetime(2026, 11, 21, tzinfo=UTC).timestamp(),
-        datetime(2026, 11, 23, tzinfo=UTC).timestamp(),
-    )
     whole = json.loads(gpuledger("report", "--ledger", str(ledger_path), "--by", "job", "--format", "json").stdout)
     # Friday 22:00 to Monday 09:00 is 59 idle hours on each GPU.
     assert whole["idle"]["dollars"] == pytest.approx(PRICE * 8 * 59, rel=1e-9)
