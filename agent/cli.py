@@ -500,12 +500,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     )
     pipeline.refresh_allocations()
     state: AgentState = pipeline.poll_once()
-    elapsed = since_flush = 0.0
+    elapsed = since_flush = since_kubelet = 0.0
     while elapsed + step <= duration + 1e-9:
         node.clock.advance(step)
         elapsed += step
         since_flush += step
-        pipeline.refresh_allocations()
+        since_kubelet += step
+        if since_kubelet >= settings.attribution.kubelet_interval:  # as often as the daemon asks
+            pipeline.refresh_allocations()
+            since_kubelet = 0.0
         state = pipeline.poll_once()
         if since_flush >= costing.flush_interval_s:
             pipeline.flush_ledger()

@@ -58,6 +58,8 @@ class RuleState:
     raised: bool = False
     dollars: float = 0.0  # cost while the condition has held (idle cost for `idle`)
     window: tuple[tuple[float, float, float], ...] = ()  # underused: (end, seconds, utilization)
+    window_seconds: float = 0.0  # sums over `window`, kept so the mean costs O(1) per poll
+    window_weighted: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +94,33 @@ class Evaluation:
     transitions: tuple[Transition, ...] = field(default=())
 
 
-def _mean_over_window(window: tuple[tuple[float, float, float], ...], now: float, window_s: float) -> float | None:
+def _slide(
+    state: RuleState, sample: tuple[float, float, float] | None, now: float, window_s: float
+) -> tuple[tuple[tuple[float, float, float], ...], float, float, float | None]:
+    """The window after adding `sample` and dropping what ended before now - window_s, its
+    running sums, and the time-weighted mean over exactly the last window_s seconds."""
+    window, seconds, weighted = state.window, state.window_seconds, state.window_weighted
+    if sample is not None:
+        window = (*window, sample)
+        seconds += sample[1]
+        weighted += sample[1] * sample[2]
     start = now - window_s
-    seconds = weighted = 0.0
+    drop = 0
     for end, dt, util in window:
-        overlap = min(dt, end - start)
-        if overlap <= 0:
-            continue
-        seconds += overlap
-        weighted += overlap * util
-    return weighted / seconds if seconds > 0 else None
+        if end > start:
+            break
+        drop += 1
+        seconds -= dt
+        weighted -= dt * util
+    if drop:
+        window = window[drop:]
+    if not window:
+        return (), 0.0, 0.0, None
+    first_end, first_dt, first_util = window[0]
+    excess = max(0.0, first_dt - (first_end - start))  # the part of the oldest sample before the window
+    covered = seconds - excess
+    mean = (weighted - excess * first_util) / covered if covered > 0 else None
+    return window, seconds, weighted, mean
 
 
 def _condition(spec: RuleSpec, obs: GpuObservation, window_mean: float | None) -> bool:
@@ -136,13 +155,12 @@ def evaluate(
                 continue
             key = (obs.uuid, spec.name)
             old = states.get(key, RuleState())
-            window = old.window
-            mean = None
+            window, w_seconds, w_weighted, mean = old.window, 0.0, 0.0, None
             if spec.condition == "underused":
+                sample = None
                 if obs.up and obs.utilization is not None and obs.interval_s > 0:
-                    window = (*window, (now, obs.interval_s, obs.utilization))
-                window = tuple(w for w in window if w[0] > now - spec.window_s)
-                mean = _mean_over_window(window, now, spec.window_s)
+                    sample = (now, obs.interval_s, obs.utilization)
+                window, w_seconds, w_weighted, mean = _slide(old, sample, now, spec.window_s)
             holds = _condition(spec, obs, mean)
             if holds:
                 # The condition counts from the first poll that saw it: a flag never raises early.
@@ -151,10 +169,10 @@ def evaluate(
                 dollars = old.dollars + cost if old.since is not None else 0.0
                 held_s = now - since
                 raised = held_s >= spec.for_s
-                state = RuleState(since=since, raised=raised, dollars=dollars, window=window)
+                state = RuleState(since, raised, dollars, window, w_seconds, w_weighted)
             else:
                 held_s = now - old.since if old.since is not None else 0.0
-                state = RuleState(window=window)
+                state = RuleState(window=window, window_seconds=w_seconds, window_weighted=w_weighted)
                 raised = False
             if raised != old.raised:
                 dollars_so_far = state.dollars if raised else old.dollars

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.model import Workload
-from rules.engine import Evaluation, GpuObservation, RuleSpec, RuleState, evaluate
+from rules.engine import Evaluation, GpuObservation, RuleSpec, RuleState, _slide, evaluate
 
 IDLE = RuleSpec("idle", "idle", 0.05, 1800)
 ALLOCATED_IDLE = RuleSpec("allocated_idle", "allocated_idle", 0.05, 1800)
@@ -143,3 +145,26 @@ def test_flags_name_the_holders_and_count_the_cost_while_they_hold() -> None:
     assert flag.dollars == pytest.approx((polls(1800) + 40) * STEP * 0.001)
     idle_flag = run([obs(0.0)] * (polls(1800) + 1), [IDLE])[-1][1].flags[0]
     assert idle_flag.holders == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(1, 900), st.floats(0, 1)), min_size=1, max_size=60),
+    st.floats(60, 7200),
+)
+def test_the_running_window_mean_equals_the_mean_recomputed_from_scratch(
+    samples: list[tuple[float, float]], window_s: float
+) -> None:
+    state = RuleState()
+    now = 0.0
+    seen: list[tuple[float, float, float]] = []
+    for dt, util in samples:
+        now += dt
+        seen.append((now, dt, util))
+        window, seconds, weighted, mean = _slide(state, (now, dt, util), now, window_s)
+        state = RuleState(window=window, window_seconds=seconds, window_weighted=weighted)
+        # from scratch: each sample's overlap with (now - window_s, now]
+        start = now - window_s
+        overlaps = [(min(d, end - start), u) for end, d, u in seen if end > start]
+        expected = sum(o * u for o, u in overlaps) / sum(o for o, _ in overlaps)
+        assert mean == pytest.approx(expected, rel=1e-9, abs=1e-12)
