@@ -19,6 +19,10 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+# gRPC's C core logs connection events straight to stderr at INFO; keep the fake as quiet as
+# the agent's client (agent/kubelet.py sets the same).
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import grpc
 
 from agent.podresources import api_pb2, api_pb2_grpc

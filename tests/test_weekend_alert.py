@@ -1,0 +1,125 @@
+"""The idle weekend reaches a human: the agent's own metrics from a simulation of the
+`weekend-idle` node, fed to `promtool test rules` with the shipped rules, fire
+`GPUClusterIdleWeekend` on Saturday with the dollars wasted in its annotation."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.cli import _make_costing, rule_specs
+from agent.config import Settings
+from agent.pricing import load_catalogue
+from exporters.prometheus import make_registry
+from tests.helpers import Rig
+
+RULES = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
+STEP_S = 60
+# promtool's clock starts at 1970-01-01T00:00Z, a Thursday; the scenario starts on a Friday at
+# 18:00, so its t=0 is promtool's 1d18h and its weekend falls on promtool's Saturday and Sunday.
+OFFSET_MIN = (24 + 18) * 60
+KEEP = ("gpuledger_gpu_flag", "gpuledger_gpu_up", "gpuledger_gpu_idle_cost_dollars_total")
+TARGET = {"cluster": "sim", "instance": "gpu-node-07:9835", "job": "gpuledger"}
+P4D = load_catalogue().instance_types["p4d.24xlarge"]
+BURN = P4D.dollars_per_hour  # all eight GPUs idle: the whole instance's price per hour
+
+
+def simulate_series(hours: float) -> dict[str, list[float]]:
+    """Each kept series of the agent's /metrics, once per simulated minute from t=0."""
+    rig = Rig("weekend-idle", flag_rules=rule_specs(Settings()))
+    rig.pipeline.costing = _make_costing(Settings(), rig.node, None, rig.node.clock.wall_time)
+    series: dict[str, list[float]] = {}
+    try:
+        for i in range(int(hours * 3600 / STEP_S) + 1):
+            state = rig.poll(STEP_S if i else 0)
+            text = generate_latest(make_registry(lambda s=state: s)).decode()
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    if s.name in KEEP:
+                        labels = {**s.labels, **TARGET}
+                        key = s.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+                        series.setdefault(key, [float("nan")] * i).append(s.value)
+    finally:
+        rig.close()
+    return series
+
+
+def promtool_values(values: list[float]) -> str:
+    """promtool's expanding notation, one `a+bxn` run per stretch of constant increment."""
+    missing = next((i for i, v in enumerate(values) if not math.isnan(v)), len(values))  # NaN: not yet exported
+    parts = [f"_x{OFFSET_MIN + missing}"]
+    values = values[missing:]
+    i = 0
+    while i < len(values):
+        j = i + 1
+        step = values[j] - values[i] if j < len(values) else 0.0
+        while j + 1 < len(values) and abs((values[j + 1] - values[j]) - step) <= 1e-9 * max(1.0, abs(values[j])):
+            j += 1
+        runs = j - i if j < len(values) else 0
+        parts.append(f"{values[i]!r}+{step!r}x{runs}" if runs else repr(values[i]))
+        i = j + 1 if runs else j
+    return " ".join(parts)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (scripts/check installs it)")
+def test_the_weekend_idle_simulation_fires_the_weekend_alert_with_its_dollars(tmp_path: Path) -> None:
+    series = simulate_series(hours=24)  # Friday 18:00 to Saturday 18:00
+    idle_flags = [k for k in series if k.startswith("gpuledger_gpu_flag") and 'rule="idle"' in k]
+    assert len(idle_flags) == 8
+    saturday_18 = f"{2 * 24 + 18}h"  # promtool time of the scenario's Saturday 18:00
+    weekend_dollars = BURN * 18  # Saturday 00:00 to 18:00, all eight GPUs idle
+    last_4h = BURN * 4
+    description = (
+        "8 of 8 GPUs in cluster sim are idle with no workload, and most have been for 4h or more this weekend. "
+        f"Idle cost this weekend so far (since Saturday 00:00 UTC): ${weekend_dollars:.2f}; over the last 4h: "
+        f"${last_4h:.2f}; burning ${BURN:.2f}/h now. Scale the node pool down or give the GPUs to a batch queue."
+    )
+    test = {
+        "rule_files": [str(RULES / "gpuledger-recording.rules.yml"), str(RULES / "gpuledger-alerts.rules.yml")],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": k, "values": promtool_values(v)} for k, v in sorted(series.items())],
+                "alert_rule_test": [
+                    # Friday 23:30: every GPU has been idle 1 h, but it is a weekday.
+                    {"eval_time": f"{24 + 23}h30m", "alertname": "GPUClusterIdleWeekend", "exp_alerts": []},
+                    # Saturday 03:00: weekend, all idle, but not yet for the alert's 4 h of weekend.
+                    {"eval_time": f"{2 * 24 + 3}h", "alertname": "GPUClusterIdleWeekend", "exp_alerts": []},
+                    {
+                        "eval_time": saturday_18,
+                        "alertname": "GPUClusterIdleWeekend",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {"severity": "warning", "cluster": "sim"},
+                                "exp_annotations": {
+                                    "summary": (
+                                        "100% of the GPUs in cluster sim have sat idle for 4h or more this weekend"
+                                    ),
+                                    "description": description,
+                                },
+                            }
+                        ],
+                    },
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": "cluster:gpuledger_gpus_idle:ratio",
+                        "eval_time": saturday_18,
+                        "exp_samples": [{"labels": 'cluster:gpuledger_gpus_idle:ratio{cluster="sim"}', "value": 1}],
+                    }
+                ],
+            }
+        ],
+    }
+    test_file = tmp_path / "weekend.test.yml"
+    test_file.write_text(yaml.safe_dump(test, width=1 << 20))
+    result = subprocess.run(["promtool", "test", "rules", str(test_file)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
