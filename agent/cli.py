@@ -66,6 +66,11 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--ledger", metavar="FILE", help="ledger file (default: ledger.path; with --fake, no ledger unless given)"
     )
+    run.add_argument(
+        "--web-config",
+        metavar="FILE",
+        help="TLS and basic auth for /metrics, exporter-toolkit web-config format (default: web_config_file)",
+    )
 
     snap = sub.add_parser("snapshot", help="poll once and print each GPU")
     snap.add_argument("--config", help="YAML config file")
@@ -262,6 +267,13 @@ def _make_costing(settings: Settings, node: Any, ledger_path: str | None, clock:
     )
 
 
+def _node_name(settings: Settings, node: Any) -> str | None:
+    """node_name from the config, else the fake node's hostname, else (None) the host's."""
+    if settings.node_name:
+        return settings.node_name
+    return str(node.scenario.node.hostname) if node is not None else None
+
+
 def _make_backend(fake: str | None, speed: float) -> tuple[NvmlBackend, Any]:
     """The NVML backend, and the fake node when running on one."""
     if fake is None:
@@ -273,8 +285,12 @@ def _make_backend(fake: str | None, speed: float) -> tuple[NvmlBackend, Any]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from prometheus_client import generate_latest
+
     from exporters.http import MetricsServer
     from exporters.prometheus import make_registry
+    from exporters.textfile import TextfileWriter
+    from exporters.webconfig import load_web_config
 
     settings = _settings(args.config)
     if args.fake is None and args.fake_speed != 1.0:
@@ -282,9 +298,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.fake_speed <= 0:
         raise BadInputError(f"gpuledger: --fake-speed: must be above 0, got {args.fake_speed:g}")
     host, port = _parse_listen(args.listen or settings.listen, "--listen" if args.listen else "listen")
+    web_config_file = args.web_config or settings.web_config_file
+    web = load_web_config(web_config_file) if web_config_file else None  # ConfigError: exit 2
+    textfile_path = settings.exporters.textfile_path
+    if textfile_path and not Path(textfile_path).parent.is_dir():
+        raise BadInputError(f"gpuledger: exporters.textfile_path: no such directory {Path(textfile_path).parent}")
     backend, node = _make_backend(args.fake, args.fake_speed)
-    hostname = node.scenario.node.hostname if node is not None else None
-    sampler = Sampler(backend, hostname=hostname)
+    sampler = Sampler(backend, hostname=_node_name(settings, node))
     sampler.start()
     attributor = _make_attributor(settings, node)
     ledger_path = args.ledger or (None if node is not None else settings.ledger.path)
@@ -298,10 +318,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
         rules=rule_specs(settings),
     )
     per_pid = settings.attribution.per_pid_series
+    dcgm_compat = settings.exporters.dcgm_compat
+    registry = make_registry(lambda: pipeline.state, per_pid, dcgm_compat=dcgm_compat)
     try:
-        server = MetricsServer(host, port, make_registry(lambda: pipeline.state, per_pid), pipeline.healthy)
+        server = MetricsServer(host, port, registry, pipeline.healthy, web=web)
     except OSError as exc:
         raise BadInputError(f"gpuledger: listen {host}:{port}: {exc.strerror or exc}") from None
+    textfile = (
+        TextfileWriter(
+            textfile_path,
+            lambda: pipeline.state,
+            lambda state: generate_latest(make_registry(lambda: state, per_pid, dcgm_compat=dcgm_compat)),
+        )
+        if textfile_path
+        else None
+    )
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -312,10 +343,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     server.start()
     pipeline.start()
+    if textfile is not None:
+        textfile.start(settings.poll_interval)
     where = f"fake node {node.scenario.name!r} at {args.fake_speed:g}x" if node is not None else "NVML"
     log.info(
-        "gpuledger %s serving http://%s:%d/metrics, polling %s every %s",
+        "gpuledger %s serving %s://%s:%d/metrics, polling %s every %s",
         __version__,
+        server.scheme,
         host,
         server.port,
         where,
@@ -323,6 +357,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     stop.wait()
     pipeline.stop()
+    if textfile is not None:
+        textfile.stop()  # the last poll reaches the file too
     if costing.sink is not None:
         costing.sink.close()  # the last charges reach the ledger before we exit
     server.stop()
@@ -338,7 +374,7 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
     settings = _settings(args.config)
     at = _duration_arg(args.at, "--at")
     backend, node = _make_backend(args.fake, 0.0)
-    sampler = Sampler(backend, hostname=node.scenario.node.hostname if node is not None else None)
+    sampler = Sampler(backend, hostname=_node_name(settings, node))
     sampler.start()
     clock = node.clock.wall_time if node is not None else time.time
     pipeline = Pipeline(
@@ -486,7 +522,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if target and not Path(target).parent.is_dir():
             raise BadInputError(f"gpuledger: {option}: no such directory {Path(target).parent}")
     backend, node = _make_backend(args.scenario, 0.0)
-    sampler = Sampler(backend, hostname=node.scenario.node.hostname)
+    sampler = Sampler(backend, hostname=_node_name(settings, node))
     sampler.start()
     costing = _make_costing(settings, node, args.ledger, node.clock.wall_time)
     # Polls --step apart are this run's normal rhythm: never count them as a gap.

@@ -142,6 +142,22 @@ class RulesConfig(_Section):
         return value
 
 
+class ExportersConfig(_Section):
+    # Also emit dcgm-exporter's names and labels (DCGM_FI_DEV_*), so dashboards and alerts
+    # written for it keep working (exporters/dcgm.py).
+    dcgm_compat: bool = False
+    # node_exporter textfile-collector output: the full exposition, rewritten atomically after
+    # each poll. node_exporter reads only *.prom files.
+    textfile_path: str | None = None
+
+    @field_validator("textfile_path")
+    @classmethod
+    def _prom_suffix(cls, value: str | None) -> str | None:
+        if value is not None and not value.endswith(".prom"):
+            raise ValueError(f"node_exporter's textfile collector reads only *.prom files, got {value!r}")
+        return value
+
+
 def _check_listen(value: str) -> str:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
@@ -155,6 +171,9 @@ class Settings(BaseSettings):
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, populate_by_name=True
     )
 
+    # The node's name in the ledger, logs and rule selectors; default the hostname (in a pod,
+    # set it from the downward API's spec.nodeName: the chart does).
+    node_name: str | None = None
     poll_interval: Duration = Field(default=5.0, gt=0)
     listen: Annotated[str, BeforeValidator(_check_listen)] = "0.0.0.0:9835"
     proc_root: str = "/proc"
@@ -163,6 +182,10 @@ class Settings(BaseSettings):
     accounting: AccountingConfig = AccountingConfig()
     attribution: AttributionConfig = AttributionConfig()
     rules: RulesConfig = RulesConfig()
+    exporters: ExportersConfig = ExportersConfig()
+    # TLS and basic auth for the HTTP endpoint, in the exporter-toolkit web-config format
+    # (like exporters' --web.config.file); read by exporters/webconfig.py when `run` starts.
+    web_config_file: str | None = None
 
     @classmethod
     def settings_customise_sources(

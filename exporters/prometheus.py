@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from agent import __version__
 from agent.model import AgentState, DeviceReading
 from exporters.catalogue import BY_NAME, Kind
+from exporters.dcgm import DcgmCollector
 
 StateSource = Callable[[], AgentState]
 
@@ -187,8 +188,11 @@ def _cost_series(out: _Families, state: AgentState) -> None:
             out.add("gpuledger_ledger_last_flush_timestamp_seconds", (), state.ledger.last_flush_at)
 
 
-def make_registry(state: StateSource, per_pid: bool = False) -> CollectorRegistry:
-    """A registry holding only gpuledger's collector (no process/platform defaults)."""
+def make_registry(state: StateSource, per_pid: bool = False, dcgm_compat: bool = False) -> CollectorRegistry:
+    """A registry holding only gpuledger's collector (no process/platform defaults), and with
+    `dcgm_compat` also dcgm-exporter's series rendered from the same state (exporters/dcgm.py)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(GpuledgerCollector(state, per_pid))
+    if dcgm_compat:
+        registry.register(DcgmCollector(state))
     return registry

@@ -1,0 +1,174 @@
+"""dcgm-exporter compatibility: the DCGM_FI_DEV_* series dashboards and alerts written for
+NVIDIA's dcgm-exporter query, rendered from the same `AgentState` as gpuledger's own series.
+
+Switched on by `exporters.dcgm_compat`. Only the fields gpuledger reads are emitted; a reading
+the GPU does not have (None) emits nothing, as dcgm-exporter skips blank DCGM values. Where the
+names, help texts, units and labels come from (NVIDIA/dcgm-exporter):
+
+- names, units and HELP: `etc/default-counters.csv` (also `etc/dcp-metrics-included.csv`,
+  which adds `DCGM_FI_DRIVER_VERSION` as a label on every series);
+- label set and order: `internal/pkg/rendermetrics/render_metrics.go` (gpuMetricsFormat):
+  `gpu`, `UUID`, `pci_bus_id`, `device` ("nvidia<index>"), `modelName` (the NVML name),
+  `GPU_I_PROFILE` and `GPU_I_ID` on MIG instances, `Hostname`, then the label fields;
+- `namespace`, `pod`, `container`: `internal/pkg/transformation/kubernetes.go` (set only
+  when a pod holds the device; absent otherwise).
+
+Decisions where gpuledger and dcgm-exporter differ:
+
+- One series per device, always. When several pods hold one GPU (time-slicing, or a pod
+  beside its sidecar), the pod the kubelet allocated the GPU to wins over one that only runs
+  a process there, then the first by namespace/pod/container. dcgm-exporter without
+  virtual-GPU mode keeps whichever pod the kubelet listed last; its virtual-GPU mode
+  duplicates the series per pod, which makes `sum()` over GPUs count a GPU twice.
+- `DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION` is typed `gauge`, not `counter`. dcgm-exporter
+  declares it a counter without the `_total` suffix; OpenMetrics forbids that and
+  prometheus_client renders such a family with a TYPE line naming `..._total`, so the sample
+  would lose its metadata. The type is metadata only: `rate()` and `increase()` over it give
+  the same numbers either way.
+- MIG: a partitioned GPU's framebuffer series are per MIG instance (with `GPU_I_PROFILE`,
+  `GPU_I_ID`; `gpu` and `UUID` are the parent's, as dcgm-exporter prints them), and its
+  temperature, power and energy are one series for the whole GPU, so sums over a node never
+  count a board twice.
+- Not emitted: `DCGM_FI_DEV_XID_ERRORS` and `DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL` (gpuledger
+  reads neither), and the DCP `DCGM_FI_PROF_*` fields (NVML has no equivalent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from agent.model import AgentState, DeviceReading, Holding
+from exporters.catalogue import Kind, MetricSpec
+
+StateSource = Callable[[], AgentState]
+
+MIB = 2**20
+
+# The labels on every series, in dcgm-exporter's order; MIG and pod labels only where they apply.
+IDENTITY = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION")
+MIG_LABELS = ("GPU_I_PROFILE", "GPU_I_ID")
+POD_LABELS = ("container", "namespace", "pod")
+
+DCGM_CATALOGUE: tuple[MetricSpec, ...] = (
+    MetricSpec("DCGM_FI_DEV_GPU_UTIL", Kind.GAUGE, "GPU utilization (in %).", IDENTITY, "percent", POD_LABELS),
+    MetricSpec(
+        "DCGM_FI_DEV_FB_FREE",
+        Kind.GAUGE,
+        "Framebuffer memory free (in MiB).",
+        IDENTITY,
+        "mebibytes",
+        (*MIG_LABELS, *POD_LABELS),
+    ),
+    MetricSpec(
+        "DCGM_FI_DEV_FB_USED",
+        Kind.GAUGE,
+        "Framebuffer memory used (in MiB).",
+        IDENTITY,
+        "mebibytes",
+        (*MIG_LABELS, *POD_LABELS),
+    ),
+    MetricSpec("DCGM_FI_DEV_GPU_TEMP", Kind.GAUGE, "GPU temperature (in C).", IDENTITY, "celsius", POD_LABELS),
+    MetricSpec("DCGM_FI_DEV_POWER_USAGE", Kind.GAUGE, "Power draw (in W).", IDENTITY, "watts", POD_LABELS),
+    MetricSpec(
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        Kind.GAUGE,  # a counter in dcgm-exporter: see the module docstring
+        "Total energy consumption since boot (in mJ).",
+        IDENTITY,
+        "millijoules",
+        POD_LABELS,
+    ),
+)
+
+DCGM_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in DCGM_CATALOGUE}
+
+
+class DcgmCollector(Collector):
+    """dcgm-exporter's series for every GPU (and MIG instance) of the latest snapshot."""
+
+    def __init__(self, state: StateSource) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        families = {spec.name: Metric(spec.name, spec.help, spec.kind.value) for spec in DCGM_CATALOGUE}
+        state = self._state()
+        snapshot = state.snapshot
+        if snapshot is not None:
+            node = snapshot.node
+            for gpu in snapshot.gpus:
+                if not gpu.up:
+                    continue  # dcgm-exporter skips blank values; a lost GPU has none
+                labels = _identity(gpu, node.hostname, node.driver_version)
+                board = {**labels, **_pod_labels(state, gpu.uuid)}
+                if gpu.utilization is not None:
+                    _add(families, "DCGM_FI_DEV_GPU_UTIL", board, round(gpu.utilization * 100))
+                if gpu.temperature_c is not None:
+                    _add(families, "DCGM_FI_DEV_GPU_TEMP", board, gpu.temperature_c)
+                if gpu.power_w is not None:
+                    _add(families, "DCGM_FI_DEV_POWER_USAGE", board, gpu.power_w)
+                if gpu.energy_j is not None:
+                    _add(families, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", board, round(gpu.energy_j * 1000))
+                instances = snapshot.mig_devices(gpu.uuid)
+                if not instances:
+                    _framebuffer(families, board, gpu)
+                for mig in instances:
+                    mig_labels = {
+                        **labels,
+                        "GPU_I_PROFILE": mig_profile(mig),
+                        "GPU_I_ID": "" if mig.gpu_instance_id is None else str(mig.gpu_instance_id),
+                        **_pod_labels(state, mig.uuid),
+                    }
+                    _framebuffer(families, mig_labels, mig)
+        yield from (family for family in families.values() if family.samples)
+
+
+def mig_profile(device: DeviceReading) -> str:
+    """The MIG profile as DCGM names it ("3g.40gb"): the NVML name after " MIG "."""
+    return device.name.split(" MIG ")[-1] if " MIG " in device.name else ""
+
+
+def _identity(gpu: DeviceReading, hostname: str, driver_version: str) -> dict[str, str]:
+    labels = {
+        "gpu": str(gpu.index),
+        "UUID": gpu.uuid,
+        "pci_bus_id": gpu.pci_bus_id,
+        "device": f"nvidia{gpu.index}",
+        "modelName": gpu.name,
+    }
+    if hostname:  # dcgm-exporter leaves Hostname out when it has none
+        labels["Hostname"] = hostname
+    if driver_version:
+        labels["DCGM_FI_DRIVER_VERSION"] = driver_version
+    return labels
+
+
+def _pod_labels(state: AgentState, device_uuid: str) -> dict[str, str]:
+    """namespace/pod/container of the pod holding the device, or nothing (one series per device)."""
+    pods = [h for h in state.attribution.for_device(device_uuid) if h.workload.pod]
+    if not pods:
+        return {}
+    chosen = min(pods, key=_pod_rank)
+    w = chosen.workload
+    return {"container": w.container, "namespace": w.namespace, "pod": w.pod}
+
+
+def _pod_rank(holding: Holding) -> tuple[bool, str, str, str]:
+    # The kubelet's allocation first (it is what dcgm-exporter's pod mapper reads), then by name,
+    # so the label does not flip between scrapes as load moves.
+    w = holding.workload
+    return (not holding.allocated, w.namespace, w.pod, w.container)
+
+
+def _framebuffer(families: dict[str, Metric], labels: dict[str, str], device: DeviceReading) -> None:
+    # DCGM reports whole MiB (the driver's bytes divided down), so these are integers too.
+    used, total = device.memory_used_bytes, device.memory_total_bytes
+    if used is not None:
+        _add(families, "DCGM_FI_DEV_FB_USED", labels, used // MIB)
+        if total is not None:
+            _add(families, "DCGM_FI_DEV_FB_FREE", labels, max(0, total - used) // MIB)
+
+
+def _add(families: dict[str, Metric], name: str, labels: dict[str, str], value: float) -> None:
+    families[name].add_sample(name, labels, float(value))

@@ -1,0 +1,280 @@
+"""dcgm-exporter compatibility: the DCGM_FI_DEV_* series carry the same readings as gpuledger's
+own series for the same GPU, under dcgm-exporter's names, units, help texts and labels."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+import fake_nvml
+from agent.config import Settings
+from agent.model import AgentState, Attribution, DeviceReading, Holding, NodeInfo, Snapshot, Workload
+from exporters.dcgm import DCGM_BY_NAME, DCGM_CATALOGUE
+from exporters.prometheus import make_registry
+from tests.helpers import Rig
+from tests.test_cli import Daemon, value
+
+MIB = 2**20
+
+# dcgm-exporter's HELP texts, verbatim from NVIDIA/dcgm-exporter etc/default-counters.csv
+# (also etc/dcp-metrics-included.csv, the container image's default).
+DCGM_HELP = {
+    "DCGM_FI_DEV_GPU_TEMP": "GPU temperature (in C).",
+    "DCGM_FI_DEV_POWER_USAGE": "Power draw (in W).",
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": "Total energy consumption since boot (in mJ).",
+    "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %).",
+    "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",
+    "DCGM_FI_DEV_FB_USED": "Framebuffer memory used (in MiB).",
+}
+# The label set of internal/pkg/rendermetrics/render_metrics.go (gpuMetricsFormat) with the
+# DCGM_FI_DRIVER_VERSION label field of dcp-metrics-included.csv.
+IDENTITY = {"gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION"}
+POD = {"namespace", "pod", "container"}
+MIG = {"GPU_I_PROFILE", "GPU_I_ID"}
+
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+@pytest.fixture(autouse=True)
+def _uninstall() -> Iterator[None]:
+    yield
+    fake_nvml.uninstall()
+
+
+def run_rig(scenario: Any, duration_s: float = 120, step_s: float = 15) -> AgentState:
+    rig = Rig(scenario)
+    try:
+        return rig.run(duration_s, step_s)
+    finally:
+        rig.close()
+
+
+def exposition(state: AgentState, dcgm_compat: bool = True) -> str:
+    return generate_latest(make_registry(lambda: state, dcgm_compat=dcgm_compat)).decode()
+
+
+def parse(text: str) -> Samples:
+    return [(s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def find(samples: Samples, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+    return [(lab, v) for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items())]
+
+
+def one(samples: Samples, name: str, **labels: str) -> tuple[dict[str, str], float]:
+    found = find(samples, name, **labels)
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def demo() -> Samples:
+    state = run_rig("demo")
+    fake_nvml.uninstall()
+    return parse(exposition(state))
+
+
+def test_each_dcgm_reading_equals_gpuledgers_reading_of_the_same_gpu(demo: Samples) -> None:
+    gpus = find(demo, "gpuledger_gpu_info")
+    assert len(gpus) == 8
+    for info, _ in gpus:
+        ids = {"gpu": info["gpu"], "UUID": info["uuid"]}
+        ours = {"gpu": info["gpu"], "uuid": info["uuid"]}
+
+        def gpuledger(name: str) -> float:
+            return one(demo, name, **ours)[1]  # noqa: B023 - called inside this iteration only
+
+        util_labels, util = one(demo, "DCGM_FI_DEV_GPU_UTIL", **ids)
+        assert util == pytest.approx(100 * gpuledger("gpuledger_gpu_utilization_ratio"))
+        used = gpuledger("gpuledger_gpu_memory_used_bytes")
+        total = gpuledger("gpuledger_gpu_memory_total_bytes")
+        assert one(demo, "DCGM_FI_DEV_FB_USED", **ids)[1] == used // MIB
+        assert one(demo, "DCGM_FI_DEV_FB_FREE", **ids)[1] == (total - used) // MIB
+        assert one(demo, "DCGM_FI_DEV_GPU_TEMP", **ids)[1] == gpuledger("gpuledger_gpu_temperature_celsius")
+        assert one(demo, "DCGM_FI_DEV_POWER_USAGE", **ids)[1] == pytest.approx(gpuledger("gpuledger_gpu_power_watts"))
+        energy_mj = one(demo, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", **ids)[1]
+        assert energy_mj == pytest.approx(1000 * gpuledger("gpuledger_gpu_energy_joules_total"))
+
+        # Identity labels as dcgm-exporter prints them, from the same facts as gpuledger_gpu_info.
+        assert util_labels["device"] == f"nvidia{info['gpu']}"
+        assert util_labels["modelName"] == info["model_name"] == "NVIDIA A100-SXM4-80GB"
+        assert util_labels["pci_bus_id"] == info["pci_bus_id"]
+        assert util_labels["DCGM_FI_DRIVER_VERSION"] == info["driver_version"] == "550.54.15"
+        assert util_labels["Hostname"] == "rig"  # the hostname tests.helpers.Rig gives the sampler
+
+
+def test_demo_values_are_the_scenarios_figures(demo: Samples) -> None:
+    # GPU 0: the training rank at 92% holding 61000 MiB of 81920; GPU 6: idle at 32 C and 55 W.
+    assert one(demo, "DCGM_FI_DEV_GPU_UTIL", gpu="0")[1] == 92
+    assert one(demo, "DCGM_FI_DEV_FB_USED", gpu="0")[1] == 61000
+    assert one(demo, "DCGM_FI_DEV_FB_FREE", gpu="0")[1] == 81920 - 61000
+    assert one(demo, "DCGM_FI_DEV_GPU_UTIL", gpu="6")[1] == 0
+    assert one(demo, "DCGM_FI_DEV_GPU_TEMP", gpu="6")[1] == 32
+    assert one(demo, "DCGM_FI_DEV_POWER_USAGE", gpu="6")[1] == 55
+
+
+def test_pods_label_the_gpus_they_hold_and_nothing_else(demo: Samples) -> None:
+    expected = {
+        "4": ("serving", "vllm-llama-0", "vllm"),  # shared with a plain container: the pod names it
+        "5": ("research-nlp", "notebook-7", "jupyter"),
+        "7": ("research-cv", "notebook-3", "jupyter"),  # allocated, no process: still its pod
+    }
+    for name in DCGM_HELP:
+        for labels, _ in find(demo, name):
+            pod = expected.get(labels["gpu"])
+            if pod is None:  # the Slurm job's GPUs 0-3 and idle GPU 6
+                assert POD.isdisjoint(labels), (name, labels)
+            else:
+                assert (labels["namespace"], labels["pod"], labels["container"]) == pod
+
+
+def test_every_series_carries_the_dcgm_label_set_and_one_series_per_gpu(demo: Samples) -> None:
+    for name in DCGM_HELP:
+        series = find(demo, name)
+        assert sorted(labels["gpu"] for labels, _ in series) == [str(i) for i in range(8)], name
+        for labels, _ in series:
+            assert IDENTITY <= set(labels) <= IDENTITY | POD, (name, labels)
+
+
+def gpu(index: int, uuid: str, **readings: Any) -> DeviceReading:
+    return DeviceReading(
+        index, uuid, "NVIDIA H100 80GB HBM3", True, pci_bus_id=f"00000000:{index:02x}:00.0", **readings
+    )
+
+
+def test_a_shared_gpu_is_one_series_named_for_the_allocated_pod_then_by_name() -> None:
+    snapshot = Snapshot(
+        1.0, NodeInfo("node-9", "560.35.03"), (gpu(0, "GPU-a", utilization=0.5), gpu(1, "GPU-b", utilization=0.25))
+    )
+    sidecar = Workload(namespace="alpha", pod="sidecar", container="probe")
+    main = Workload(namespace="zeta", pod="main", container="trainer")
+    holdings = (
+        Holding("GPU-a", sidecar, pids=(10,), sm_util=0.4),  # runs there, not allocated to it
+        Holding("GPU-a", main, pids=(11,), sm_util=0.1, allocated=True),
+        Holding("GPU-b", Workload(namespace="ml", pod="b-pod", container="c"), pids=(12,), allocated=True),
+        Holding("GPU-b", Workload(namespace="ml", pod="a-pod", container="c"), pids=(13,), allocated=True),
+        Holding("GPU-b", Workload(job="8812", user="alice"), pids=(14,)),
+    )
+    state = AgentState(snapshot=snapshot, attribution=Attribution(holdings=holdings))
+    samples = parse(exposition(state))
+    (a_labels, a_util), (b_labels, b_util) = (one(samples, "DCGM_FI_DEV_GPU_UTIL", gpu=g) for g in ("0", "1"))
+    assert (a_labels["namespace"], a_labels["pod"], a_labels["container"], a_util) == ("zeta", "main", "trainer", 50)
+    assert (b_labels["namespace"], b_labels["pod"], b_util) == ("ml", "a-pod", 25)
+    assert a_labels["Hostname"] == "node-9"
+    assert a_labels["modelName"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_mig_framebuffer_is_per_instance_and_board_readings_are_per_gpu() -> None:
+    samples = parse(exposition(run_rig("mig")))
+    parent = one(samples, "gpuledger_gpu_info", gpu="0")[0]["uuid"]
+    instances = find(samples, "gpuledger_mig_info", gpu="0")
+    assert len(instances) == 2
+    for info, _ in instances:
+        labels, used_mib = one(samples, "DCGM_FI_DEV_FB_USED", gpu="0", GPU_I_ID=info["gpu_instance_id"])
+        assert labels["GPU_I_PROFILE"] == info["profile"] == "3g.40gb"
+        assert labels["UUID"] == parent  # the parent GPU's, as dcgm-exporter prints it
+        mig = {"gpu": "0", "mig": info["mig"]}
+        assert used_mib == one(samples, "gpuledger_mig_memory_used_bytes", **mig)[1] // MIB
+        total = one(samples, "gpuledger_mig_memory_total_bytes", **mig)[1]
+        free_mib = one(samples, "DCGM_FI_DEV_FB_FREE", gpu="0", GPU_I_ID=info["gpu_instance_id"])[1]
+        assert free_mib == (total - used_mib * MIB) // MIB
+    # 20000 and 8000 MiB held on the two instances (fake_nvml/scenarios/mig.yaml)
+    assert sorted(v for _, v in find(samples, "DCGM_FI_DEV_FB_USED", gpu="0")) == [8000, 20000]
+    # Board readings once per GPU, without instance labels; no whole-GPU framebuffer beside the
+    # instances' (a sum over the node would count it twice); MIG GPUs report no utilization.
+    for name in ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"):
+        labels, _ = one(samples, name, gpu="0")
+        assert MIG.isdisjoint(labels)
+    assert all(set(labels) >= MIG for labels, _ in find(samples, "DCGM_FI_DEV_FB_USED", gpu="0"))
+    assert find(samples, "DCGM_FI_DEV_GPU_UTIL", gpu="0") == []
+    assert one(samples, "DCGM_FI_DEV_GPU_UTIL", gpu="1")[1] == 40
+    assert MIG.isdisjoint(one(samples, "DCGM_FI_DEV_FB_USED", gpu="1")[0])
+
+
+def test_a_lost_gpu_has_no_dcgm_readings() -> None:
+    samples = parse(exposition(run_rig("gpu-lost", duration_s=900, step_s=60)))
+    assert one(samples, "gpuledger_gpu_up", gpu="1")[1] == 0
+    for name in DCGM_HELP:
+        assert find(samples, name, gpu="1") == [], name
+        assert len(find(samples, name, gpu="0")) == 1, name
+
+
+def test_help_and_type_lines_are_dcgm_exporters() -> None:
+    text = exposition(run_rig("demo", duration_s=15))
+    for name, help_text in DCGM_HELP.items():
+        assert f"# HELP {name} {help_text}\n" in text
+        # All gauges; dcgm-exporter types the energy field a counter without `_total`, which
+        # prometheus_client and OpenMetrics cannot express (see exporters/dcgm.py).
+        assert f"# TYPE {name} gauge\n" in text
+
+
+def test_the_catalogue_holds_exactly_what_is_emitted() -> None:
+    emitted: dict[str, set[str]] = {}
+    for scenario in ("demo", "mig"):
+        for name, labels, _ in parse(exposition(run_rig(scenario, duration_s=15))):
+            if name.startswith("DCGM_"):
+                emitted.setdefault(name, set()).update(labels)
+    assert set(emitted) == {spec.name for spec in DCGM_CATALOGUE} == set(DCGM_HELP)
+    for name, labels in emitted.items():
+        spec = DCGM_BY_NAME[name]
+        assert spec.help == DCGM_HELP[name]
+        assert labels <= {*spec.labels, *spec.optional_labels}, name
+
+
+def test_off_by_default_and_switched_on_by_config_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = run_rig("demo", duration_s=15)
+    assert "DCGM_" not in exposition(state, dcgm_compat=False)
+    assert Settings().exporters.dcgm_compat is False
+    assert Settings(exporters={"dcgm_compat": True}).exporters.dcgm_compat is True
+    monkeypatch.setenv("GPULEDGER_EXPORTERS__DCGM_COMPAT", "true")
+    assert Settings().exporters.dcgm_compat is True
+
+
+def test_openmetrics_output_with_dcgm_series_parses() -> None:
+    # Prometheus asks for OpenMetrics first; a counter without `_total` would fail the scrape.
+    state = run_rig("demo", duration_s=15)
+    text = generate_openmetrics(make_registry(lambda: state, dcgm_compat=True)).decode()
+    names = {f.name for f in parse_openmetrics(text)}
+    assert set(DCGM_HELP) <= names
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (scripts/check installs it)")
+def test_promtool_finds_only_dcgm_exporters_own_label_names() -> None:
+    state = run_rig("mig", duration_s=15)
+
+    def promtool(text: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False)
+
+    ours = promtool(exposition(state, dcgm_compat=False))
+    assert ours.returncode == 0, ours.stdout + ours.stderr
+    assert (ours.stdout + ours.stderr).strip() == ""
+    combined = promtool(exposition(state))
+    # Exit 3 is "lint findings" (a parse error is 1). dcgm-exporter's own output draws the same
+    # finding: its `modelName` label is camelCase. Nothing else may be found.
+    assert combined.returncode == 3, combined.stdout + combined.stderr
+    findings = (combined.stdout + combined.stderr).strip().splitlines()
+    camel = re.compile(r"^DCGM_FI_DEV_\w+ label names should be written in 'snake_case' not 'camelCase'$")
+    assert findings
+    assert all(camel.match(line) for line in findings), findings
+
+
+def test_run_serves_dcgm_series_when_the_environment_switches_them_on(tmp_path: Any) -> None:
+    daemon = Daemon(
+        tmp_path, "--fake", env={"GPULEDGER_POLL_INTERVAL": "0.2s", "GPULEDGER_EXPORTERS__DCGM_COMPAT": "1"}
+    )
+    try:
+        text = daemon.wait_for(lambda t: "DCGM_FI_DEV_GPU_UTIL" in t)
+        assert value(text, "DCGM_FI_DEV_GPU_UTIL", gpu="0", device="nvidia0") == 92
+        assert value(text, "DCGM_FI_DEV_FB_USED", gpu="5", pod="notebook-7") == 30000
+        assert value(text, "gpuledger_gpu_utilization_ratio", gpu="0") == pytest.approx(0.92)
+    finally:
+        assert daemon.stop() == 0

@@ -1,0 +1,243 @@
+"""node_exporter textfile-collector output: one atomic rewrite per poll, off the scrape path."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import exporters.textfile
+import fake_nvml
+from agent.config import check_config
+from agent.model import AgentHealth, AgentState
+from exporters.http import MetricsServer
+from exporters.prometheus import make_registry
+from exporters.textfile import TextfileWriter, write_atomic
+from tests.helpers import Rig
+from tests.test_cli import Daemon, gpuledger, value
+
+
+@pytest.fixture(autouse=True)
+def _uninstall() -> Iterator[None]:
+    yield
+    fake_nvml.uninstall()
+
+
+@pytest.fixture(scope="module")
+def demo_states() -> list[AgentState]:
+    """Three successive polls of the demo node, a minute apart."""
+    rig = Rig("demo")
+    try:
+        return [rig.poll(), rig.poll(60), rig.poll(60)]
+    finally:
+        rig.close()
+
+
+def render(state: AgentState) -> bytes:
+    return generate_latest(make_registry(lambda: state))
+
+
+class Source:
+    """A pipeline stand-in: `state` is swapped for a new object at each "poll"."""
+
+    def __init__(self, state: AgentState) -> None:
+        self.state = state
+
+    def __call__(self) -> AgentState:
+        return self.state
+
+
+def test_the_file_is_the_whole_exposition_and_promtool_accepts_it(
+    tmp_path: Path, demo_states: list[AgentState]
+) -> None:
+    path = tmp_path / "gpuledger.prom"
+    writer = TextfileWriter(path, Source(demo_states[0]), render)
+    assert writer.write_if_new()
+    assert path.read_bytes() == render(demo_states[0])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # node_exporter runs as another user
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpuledger.prom"]  # no temp file left behind
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool not installed (scripts/check installs it)")
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=path.read_text(), capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (result.stdout + result.stderr).strip() == ""
+
+
+def test_each_poll_is_written_once_and_nothing_before_the_first(tmp_path: Path, demo_states: list[AgentState]) -> None:
+    path = tmp_path / "gpuledger.prom"
+    source = Source(AgentState())  # the pipeline's state before its first poll
+    writer = TextfileWriter(path, source, render)
+    assert not writer.write_if_new()
+    assert not path.exists()
+    for state in demo_states:
+        source.state = state
+        assert writer.write_if_new()
+        assert not writer.write_if_new()  # the same poll again: no rewrite
+        assert path.read_bytes() == render(state)
+    assert writer.writes == len(demo_states)
+
+
+def test_a_reader_never_sees_a_partial_file(tmp_path: Path, demo_states: list[AgentState]) -> None:
+    path = tmp_path / "gpuledger.prom"
+    versions = [render(state) for state in demo_states]
+    assert len(set(versions)) == len(versions)
+    write_atomic(path, versions[0])
+    done = threading.Event()
+    bad: list[str] = []
+    reads = 0
+
+    def reader() -> None:
+        nonlocal reads
+        while not done.is_set():
+            data = path.read_bytes()
+            reads += 1
+            if data not in versions:
+                bad.append(f"read {len(data)} bytes matching no complete version")
+                return
+            list(text_string_to_metric_families(data.decode()))  # every read parses
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for i in range(300):
+            write_atomic(path, versions[i % len(versions)])
+    finally:
+        done.set()
+        thread.join()
+    assert bad == []
+    assert reads > 50  # the reader really ran alongside the writes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpuledger.prom"]
+
+
+def scrape(server: MetricsServer) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def test_scrapes_never_write_the_file(
+    tmp_path: Path, demo_states: list[AgentState], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writing_threads: list[str] = []
+    real_write = exporters.textfile.write_atomic
+
+    def recording_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+        writing_threads.append(threading.current_thread().name)
+        real_write(path, data, mode)
+
+    monkeypatch.setattr(exporters.textfile, "write_atomic", recording_write)
+    path = tmp_path / "gpuledger.prom"
+    source = Source(demo_states[0])
+    server = MetricsServer("127.0.0.1", 0, make_registry(source), healthy=lambda: True)
+    writer = TextfileWriter(path, source, render)
+    server.start()
+    try:
+        # A scrape renders the state; with the writer not running, nothing is written at all.
+        for _ in range(10):
+            assert "gpuledger_gpu_info" in scrape(server)
+        assert not path.exists()
+        assert writing_threads == []
+
+        writer.start(poll_interval_s=0.2)  # checks every 50 ms
+        for state in demo_states:
+            source.state = state
+            deadline = time.monotonic() + 10
+            while not path.exists() or path.read_bytes() != render(state):
+                assert time.monotonic() < deadline, "the writer never wrote the new poll"
+                scrape(server)
+                time.sleep(0.01)
+        written = writer.writes
+        inode = path.stat().st_ino
+        for _ in range(20):  # scrapes of an unchanged state: no rewrite
+            scrape(server)
+        time.sleep(0.2)
+        assert writer.writes == written == len(demo_states)
+        assert path.stat().st_ino == inode
+    finally:
+        writer.stop()
+        server.stop()
+    # Every write ran on the writer's schedule thread, none in an HTTP request thread.
+    assert len(writing_threads) == written
+    assert not any("process_request" in name or name == "metrics-http" for name in writing_threads)
+
+
+def test_a_failed_write_is_logged_once_and_retried(
+    tmp_path: Path, demo_states: list[AgentState], caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = tmp_path / "collector"
+    path = directory / "gpuledger.prom"
+    source = Source(demo_states[0])
+    writer = TextfileWriter(path, source, render)
+    with caplog.at_level(logging.WARNING, logger="exporters.textfile"):
+        assert not writer.write_if_new()  # the directory does not exist (yet)
+        source.state = demo_states[1]
+        assert not writer.write_if_new()
+    assert writer.failures == 2
+    assert len([r for r in caplog.records if "textfile not written" in r.getMessage()]) == 1
+    directory.mkdir()
+    assert writer.write_if_new()
+    assert path.read_bytes() == render(demo_states[1])
+
+
+def test_the_daemon_rewrites_the_file_after_polls(tmp_path: Path) -> None:
+    path = tmp_path / "node-exporter" / "gpuledger.prom"
+    path.parent.mkdir()
+    env = {"GPULEDGER_POLL_INTERVAL": "0.2s", "GPULEDGER_EXPORTERS__TEXTFILE_PATH": str(path)}
+    daemon = Daemon(tmp_path, "--fake", env=env)
+    try:
+        deadline = time.monotonic() + 30
+        polls: list[float] = []
+        while len(set(polls)) < 3:
+            assert time.monotonic() < deadline, daemon.output()
+            if path.exists():
+                polls.append(value(path.read_text(), "gpuledger_polls_total"))
+            time.sleep(0.1)
+        assert polls == sorted(polls)  # each version is a later poll
+        assert value(path.read_text(), "gpuledger_gpu_utilization_ratio", gpu="0") == pytest.approx(0.92)
+    finally:
+        assert daemon.stop() == 0
+    assert [p.name for p in path.parent.iterdir()] == ["gpuledger.prom"]
+
+
+def test_textfile_path_must_be_a_prom_file_in_an_existing_directory(tmp_path: Path) -> None:
+    config = tmp_path / "gpuledger.yaml"
+    config.write_text("exporters: {textfile_path: /var/lib/node_exporter/gpuledger.txt}\n")
+    _settings, problems = check_config(config)
+    assert len(problems) == 1
+    assert "exporters.textfile_path" in problems[0]
+    assert "*.prom" in problems[0]
+    missing = tmp_path / "no-such-dir" / "gpuledger.prom"
+    result = gpuledger(
+        "run", "--fake", "--listen", "127.0.0.1:0", env={"GPULEDGER_EXPORTERS__TEXTFILE_PATH": str(missing)}
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"gpuledger: exporters.textfile_path: no such directory {missing.parent}"
+    ]
+
+
+def test_health_counters_alone_make_a_new_version(tmp_path: Path, demo_states: list[AgentState]) -> None:
+    # A failed poll keeps the last snapshot but swaps in new counters: that is a new version too.
+    path = tmp_path / "gpuledger.prom"
+    source = Source(demo_states[0])
+    writer = TextfileWriter(path, source, render)
+    assert writer.write_if_new()
+    failed = replace(demo_states[0], health=replace(demo_states[0].health, polls_failed=1))
+    assert isinstance(failed.health, AgentHealth)
+    source.state = failed
+    assert writer.write_if_new()
+    assert value(path.read_text(), "gpuledger_poll_failures_total") == 1
+    assert os.path.getsize(path) == len(render(failed))
