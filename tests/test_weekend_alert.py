@@ -84,6 +84,16 @@ def test_the_weekend_idle_simulation_fires_the_weekend_alert_with_its_dollars(tm
     test = {
         "rule_files": [str(RULES / "gpuledger-recording.rules.yml"), str(RULES / "gpuledger-alerts.rules.yml")],
         "evaluation_interval": "1m",
+        # Recording rules before the alerts that read them: promtool's order is otherwise not
+        # fixed, and the alert's annotation could read a result one evaluation old.
+        "group_eval_order": [
+            "gpuledger-fleet",
+            "gpuledger-cost",
+            "gpuledger-waste",
+            "gpuledger-gpu-alerts",
+            "gpuledger-cluster-alerts",
+            "gpuledger-health-alerts",
+        ],
         "tests": [
             {
                 "interval": "1m",
