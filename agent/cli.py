@@ -309,6 +309,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     attributor = _make_attributor(settings, node)
     ledger_path = args.ledger or (None if node is not None else settings.ledger.path)
     costing = _make_costing(settings, node, ledger_path, time.time)
+    if node is not None:
+        # At --fake-speed N one poll interval spans N times as much scenario time: that is the
+        # run's normal rhythm, not a gap to leave uncharged.
+        rhythm = settings.poll_interval * args.fake_speed
+        costing = replace(costing, max_interval_s=max(costing.max_interval_s, 3 * rhythm))
     pipeline = Pipeline(
         sampler,
         settings.poll_interval,

@@ -147,7 +147,7 @@ def test_run_fake_serves_demo_metrics_and_health_over_http(daemon: type[Daemon])
 
 def test_fake_speed_makes_energy_grow_at_the_simulated_rate(daemon: type[Daemon]) -> None:
     d = daemon("--fake", "--fake-speed", "3600", env={"GPULEDGER_POLL_INTERVAL": "0.2s"})  # type: ignore[call-arg]
-    first = d.wait_for(polls_at_least(1))
+    first = d.wait_for(polls_at_least(2))  # cost counters start with the second poll's interval
     t0 = time.monotonic()
     start_polls = value(first, "gpuledger_polls_total")
     second = d.wait_for(polls_at_least(start_polls + 5))
@@ -162,6 +162,12 @@ def test_fake_speed_makes_energy_grow_at_the_simulated_rate(daemon: type[Daemon]
     assert scenario_elapsed > 100 * real_elapsed * 0.5
     # GPU 0 draws 55 + 345 * 0.92 = 372.4 W in the first three hours of the demo
     assert energy / scenario_elapsed == pytest.approx(372.4, rel=0.01)
+    # and costs its price for every scenario hour: fast polls are the run's rhythm, not gaps
+    price = value(second, "gpuledger_gpu_price_dollars_per_hour", gpu="0")
+    cost = value(second, "gpuledger_gpu_cost_dollars_total", gpu="0") - value(
+        first, "gpuledger_gpu_cost_dollars_total", gpu="0"
+    )
+    assert cost == pytest.approx(price * scenario_elapsed / 3600, rel=0.01)
 
 
 def test_healthz_is_503_while_no_poll_succeeds(daemon: type[Daemon], tmp_path: Path) -> None:
