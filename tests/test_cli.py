@@ -145,6 +145,32 @@ def test_run_fake_serves_demo_metrics_and_health_over_http(daemon: type[Daemon])
     assert d.stop() == 0
 
 
+def test_run_fake_names_every_demo_workload_over_http(daemon: type[Daemon], tmp_path: Path) -> None:
+    config = tmp_path / "teams.yaml"
+    config.write_text(
+        "attribution:\n  rules:\n"
+        "    - {match: {namespace: '^research-'}, set: {team: research}}\n"
+        "    - {match: {account: '^nlp$'}, set: {team: nlp}}\n"
+    )
+    d = daemon("--fake", "--config", str(config), env={"GPULEDGER_POLL_INTERVAL": "0.2s"})  # type: ignore[call-arg]
+    text = d.wait_for(polls_at_least(3))
+    keys = ("gpu", "namespace", "pod", "container", "job", "user", "model", "team")
+    held = {
+        tuple(dict(labels)[k] for k in keys)
+        for (name, labels) in samples(text)
+        if name == "gpuledger_workload_gpu_processes"
+    }
+    job = ("", "", "", "8812", "alice", "llama-3-8b", "nlp")
+    assert held == {
+        *((str(gpu), *job) for gpu in range(4)),
+        ("4", "serving", "vllm-llama-0", "vllm", "", "", "meta-llama/Llama-3.1-8B-Instruct", ""),
+        ("4", "", "", "9f2b7c1d4e5a", "", "carol", "BAAI/bge-large-en-v1.5", ""),
+        ("5", "research-nlp", "notebook-7", "jupyter", "", "", "", "research"),
+        ("7", "research-cv", "notebook-3", "jupyter", "", "", "", "research"),
+    }
+    assert all("pid" not in dict(labels) for (_name, labels) in samples(text))
+
+
 def test_fake_speed_makes_energy_grow_at_the_simulated_rate(daemon: type[Daemon]) -> None:
     d = daemon("--fake", "--fake-speed", "3600", env={"GPULEDGER_POLL_INTERVAL": "0.2s"})  # type: ignore[call-arg]
     first = d.wait_for(polls_at_least(2))  # cost counters start with the second poll's interval
