@@ -310,3 +310,67 @@ def test_cost_metrics_are_exported_and_add_up(simulate: Any) -> None:
     assert values["gpuledger_workload_energy_cost_dollars_total"] + 0 > 0
     assert joules > 0
     fake_nvml.uninstall()
+
+
+# -- conservation, through the whole pipeline on random fake nodes --------------------------------
+
+
+@st.composite
+def random_node(draw: st.DrawFn) -> tuple[dict[str, Any], list[float]]:
+    """A random fake node: whole and MIG GPUs, processes coming and going, shared GPUs,
+    allocations without processes; and the gaps between polls, some too long to charge."""
+    gpus: list[dict[str, Any]] = []
+    refs: list[str] = []
+    for i in range(draw(st.integers(1, 3))):
+        layout = draw(st.sampled_from([[], [], ["3g.40gb", "3g.40gb"], ["1g.10gb", "2g.20gb", "4g.40gb"]]))
+        gpus.append({"model": "A100-SXM4-80GB", "mig": layout} if layout else {"model": "A100-SXM4-80GB"})
+        refs += [f"{i}:{m}" for m in range(len(layout))] if layout else [str(i)]
+    minutes = st.integers(0, 120).map(lambda m: f"{m}m")
+    processes = []
+    for pid in range(1, draw(st.integers(0, 5)) + 1):
+        start = draw(st.integers(0, 100))
+        processes.append(
+            {
+                "pid": 1000 + pid,
+                "gpus": [draw(st.sampled_from(refs))],
+                "start": f"{start}m",
+                "end": f"{start + draw(st.integers(1, 60))}m",
+                "sm_util": draw(st.integers(0, 100)),
+                "memory_mib": draw(st.integers(0, 8000)),
+                "uid": 1000 + draw(st.integers(0, 2)),
+                "user": draw(st.sampled_from(["ann", "bob"])),
+            }
+        )
+    allocations = [
+        {"gpus": [draw(st.sampled_from(refs))], "slurm_job": str(job), "start": draw(minutes)}
+        for job in range(draw(st.integers(0, 2)))
+    ]
+    gaps = draw(st.lists(st.sampled_from([15.0, 60.0, 60.0, 400.0]), min_size=3, max_size=40))
+    return {"gpus": gpus, "processes": processes, "allocations": allocations}, gaps
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_node())
+def test_random_nodes_conserve_dollars_and_joules_through_the_pipeline(case: Any) -> None:
+    scenario, gaps = case
+    price = 2.5
+    # Finished workloads must not be forgotten here: the totals are what is being added up.
+    costing = Costing(prices=lambda s: {g.uuid: Price(price, "test") for g in s.gpus}, forget_after_s=1e9)
+    rig = Rig(scenario, costing=costing)
+    try:
+        state = rig.poll()
+        for gap in gaps:
+            state = rig.poll(gap)
+    finally:
+        rig.close()
+    gpus = state.costs.gpus.values()
+    observed = sum(g.observed_s for g in gpus)
+    charged = sum(w.dollars for w in state.costs.workloads.values()) + sum(g.idle_dollars for g in gpus)
+    assert charged == pytest.approx(price * observed / 3600, rel=1e-9, abs=1e-12)
+    joules = sum(w.joules for w in state.costs.workloads.values()) + sum(g.idle_joules for g in gpus)
+    assert joules == pytest.approx(sum(g.joules for g in gpus), rel=1e-9, abs=1e-9)
+    for g in gpus:
+        assert g.observed_s + g.unobserved_s == pytest.approx(sum(gaps))
+    for w in state.costs.workloads.values():
+        assert w.held_s <= max(g.observed_s for g in gpus) + 1e-9
+        assert 0 <= w.busy_s <= w.held_s + 1e-9
