@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from exporters.catalogue import CATALOGUE
+from tests.promql import metric_names
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA_DIR = ROOT / "deploy" / "grafana"
@@ -105,33 +106,6 @@ def label_values_query(query: str) -> tuple[str, str]:
     if not match:
         raise ValueError(f"not a label_values() query: {query!r}")
     return (match.group(1) or "").strip(), match.group(2)
-
-
-# --- metric names in PromQL -------------------------------------------------------------------
-
-_STRINGS = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`')
-_MATCHERS = re.compile(r"\{[^{}]*\}")
-_RANGES = re.compile(r"\[[^\[\]]*\]")
-_LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
-_NAMES = re.compile(r"(?<![\w:.])[A-Za-z_:][\w:]*")
-_KEYWORDS = frozenset(
-    {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
-    | {"atan2", "inf", "nan", "Inf", "NaN"}
-)
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects (function names, labels and keywords left out)."""
-    text = _STRINGS.sub('""', expr)
-    text = _MATCHERS.sub(" ", text)
-    text = _RANGES.sub(" ", text)
-    text = _LABEL_LISTS.sub(" ", text)
-    names = set()
-    for match in _NAMES.finditer(text):
-        rest = text[match.end() :].lstrip()
-        if match.group() not in _KEYWORDS and not rest.startswith("("):
-            names.add(match.group())
-    return names
 
 
 def recorded_names() -> set[str]:

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from exporters.catalogue import CATALOGUE
+from tests.promql import metric_names
 
 PROMETHEUS_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
 RECORDING_RULES = PROMETHEUS_DIR / "gpuledger-recording.rules.yml"
@@ -64,38 +65,6 @@ def alerts() -> list[dict[str, Any]]:
 
 def recorded_names() -> set[str]:
     return {rule["record"] for path in RULE_FILES for rule in rules(path) if "record" in rule}
-
-
-# --- metric names in PromQL -------------------------------------------------------------------
-
-_STRINGS = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`')
-_MATCHERS = re.compile(r"\{[^{}]*\}")
-_RANGES = re.compile(r"\[[^\[\]]*\]")
-_LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
-# Not preceded by a name character, a digit or a dot: "5m" and "1e3" hold no name.
-_NAMES = re.compile(r"(?<![A-Za-z0-9_:.])[A-Za-z_:][A-Za-z0-9_:]*")
-_KEYWORDS = frozenset(
-    {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
-    | {"atan2", "inf", "nan", "Inf", "NaN"}
-)
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects (by plain name; no __name__ matchers here).
-
-    Strings, label matchers, ranges and label lists are cut out first; of what is left, a name
-    followed by "(" is a function or an aggregation, and the operators are keywords."""
-    text = _STRINGS.sub('""', expr)
-    text = _LABEL_LISTS.sub(" ", text)
-    text = _MATCHERS.sub(" ", text)
-    text = _RANGES.sub(" ", text)
-    names = set()
-    for match in _NAMES.finditer(text):
-        rest = text[match.end() :].lstrip()
-        if match.group() in _KEYWORDS or rest.startswith("("):
-            continue
-        names.add(match.group())
-    return names
 
 
 # The queries alert annotations run: raw (backquoted) Go template strings handed to printf.
