@@ -116,7 +116,22 @@ def account(
         price = prices.get(gpu.uuid)
         hourly = price.dollars_per_hour if price is not None else 0.0
         if dt > max_interval_s:
-            gpus.append(GpuCharge(gpu.index, gpu.uuid, gpu.model, hourly, 0.0, 0.0, 0.0, 0.0, dt, 0.0, 0.0))
+            gpus.append(
+                GpuCharge(
+                    gpu.index,
+                    gpu.uuid,
+                    gpu.model,
+                    hourly,
+                    0.0,
+                    0.0,
+                    0.0,
+                    0.0,
+                    dt,
+                    0.0,
+                    0.0,
+                    unobserved_dollars=hourly * dt / 3600,
+                )
+            )
             continue
         gpu_dollars = hourly * dt / 3600
         gpu_joules = _energy_delta(previous.get(gpu.uuid), gpu) if gpu.up else 0.0
@@ -190,5 +205,6 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
             old_gpu.unobserved_s + g.unobserved_s,
             old_gpu.joules + g.joules,
             old_gpu.idle_joules + g.idle_joules,
+            old_gpu.unobserved_dollars + g.unobserved_dollars,
         )
     return CostTotals(workloads, gpus)

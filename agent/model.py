@@ -208,6 +208,7 @@ class GpuTotals:
     unobserved_s: float = 0.0
     joules: float = 0.0
     idle_joules: float = 0.0
+    unobserved_dollars: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -273,6 +274,7 @@ class GpuCharge:
     unobserved_s: float  # interval too long to charge anyone (agent stopped, node suspended)
     joules: float
     idle_joules: float
+    unobserved_dollars: float = 0.0  # what the GPU cost over unobserved time, charged to nobody
 
 
 @dataclass(frozen=True, slots=True)

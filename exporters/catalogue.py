@@ -179,6 +179,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "seconds",
     ),
     MetricSpec(
+        "gpuledger_gpu_unobserved_cost_dollars_total",
+        Kind.COUNTER,
+        "What the GPU cost while unobserved (price x unobserved time): charged to no workload.",
+        DEVICE,
+        "dollars",
+    ),
+    MetricSpec(
         "gpuledger_gpu_energy_cost_dollars_total",
         Kind.COUNTER,
         "The GPU's energy at pricing.energy_per_kwh (only when that is set).",

@@ -12,7 +12,8 @@ Schema (version 1; `schema_version` holds one row per applied version):
     workload_hours  hour, node, gpu, uuid, namespace, pod, container, job, user, model, team
                     | held_s, busy_s, dollars, joules
     gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour (latest seen in the hour),
-                    observed_s, dollars, idle_s, idle_dollars, unobserved_s, joules, idle_joules
+                    observed_s, dollars, idle_s, idle_dollars, unobserved_s, unobserved_dollars, joules,
+                    idle_joules
 
 `hour` is the unix time of the start of the UTC hour. Both tables are WITHOUT ROWID with a primary
 key that starts with `hour`: the table itself is the index that reports scan by time range and
@@ -54,7 +55,9 @@ _WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", "namespace", "pod", "container"
 _WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules")
 _GPU_KEYS = ("hour", "node", "uuid")
 _GPU_ATTRIBUTES = ("gpu", "model", "dollars_per_hour")
-_GPU_MEASURES = ("observed_s", "dollars", "idle_s", "idle_dollars", "unobserved_s", "joules", "idle_joules")
+_GPU_MEASURES = (
+    "observed_s", "dollars", "idle_s", "idle_dollars", "unobserved_s", "unobserved_dollars", "joules", "idle_joules",
+)  # fmt: skip
 
 _SCHEMA_V1 = (
     """CREATE TABLE workload_hours (
@@ -68,7 +71,7 @@ _SCHEMA_V1 = (
         hour INTEGER NOT NULL, node TEXT NOT NULL, uuid TEXT NOT NULL,
         gpu INTEGER NOT NULL, model TEXT NOT NULL, dollars_per_hour REAL NOT NULL,
         observed_s REAL NOT NULL, dollars REAL NOT NULL, idle_s REAL NOT NULL, idle_dollars REAL NOT NULL,
-        unobserved_s REAL NOT NULL, joules REAL NOT NULL, idle_joules REAL NOT NULL,
+        unobserved_s REAL NOT NULL, unobserved_dollars REAL NOT NULL, joules REAL NOT NULL, idle_joules REAL NOT NULL,
         PRIMARY KEY (hour, node, uuid)
     ) WITHOUT ROWID""",
 )

@@ -173,6 +173,7 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_gpu_idle_seconds_total", ids, g.idle_s)
         out.add("gpuledger_gpu_observed_seconds_total", ids, g.observed_s)
         out.add("gpuledger_gpu_unobserved_seconds_total", ids, g.unobserved_s)
+        out.add("gpuledger_gpu_unobserved_cost_dollars_total", ids, g.unobserved_dollars)
         if kwh_price is not None:
             out.add("gpuledger_gpu_energy_cost_dollars_total", ids, g.joules / JOULES_PER_KWH * kwh_price)
     if state.snapshot is not None:

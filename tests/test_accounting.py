@@ -277,6 +277,7 @@ def test_an_agent_gap_is_unobserved_and_charged_to_nobody() -> None:
     assert dollars_by_workload(state) == pytest.approx({"user ann": 1.20})
     (gpu,) = state.costs.gpus.values()
     assert gpu.unobserved_s == 3600
+    assert gpu.unobserved_dollars == pytest.approx(3.60)  # an hour at $3.60/h, charged to nobody
     assert gpu.observed_s == 1200
     assert gpu.dollars == pytest.approx(1.20)
 
