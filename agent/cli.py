@@ -414,14 +414,21 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _raised_flags(state: AgentState, with_duration: bool) -> dict[str, list[str]]:
+    """GPU uuid -> the rules raised on it, e.g. ["idle 2h"] (or ["idle"])."""
+    flags: dict[str, list[str]] = {}
+    for flag in state.flags:
+        if flag.raised:
+            text = f"{flag.rule} {format_duration(flag.held_s)}" if with_duration else flag.rule
+            flags.setdefault(flag.uuid, []).append(text)
+    return flags
+
+
 def _snapshot_json(state: AgentState) -> dict[str, Any]:
     snapshot, attribution = state.snapshot, state.attribution
     assert snapshot is not None
     prices = dict(state.prices)
-    flags: dict[str, list[str]] = {}
-    for flag in state.flags:
-        if flag.raised:
-            flags.setdefault(flag.uuid, []).append(flag.rule)
+    flags = _raised_flags(state, with_duration=False)
     data = asdict(snapshot)
     data["devices"] = [
         dict(
@@ -448,10 +455,7 @@ def render_table(state: AgentState) -> str:
     snapshot, attribution = state.snapshot, state.attribution
     assert snapshot is not None
     prices = dict(state.prices)
-    flags: dict[str, list[str]] = {}
-    for flag in state.flags:
-        if flag.raised:
-            flags.setdefault(flag.uuid, []).append(f"{flag.rule} {format_duration(flag.held_s)}")
+    flags = _raised_flags(state, with_duration=True)
     header = (
         "GPU", "MODEL", "UP", "UTIL", "MEM USED/TOTAL GiB", "TEMP", "POWER W", "PROCS", "NVLINK DOWN",
         "$/H", "FLAGS", "OWNERS",

@@ -14,9 +14,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from agent.units import parse_duration
+from agent.yamlfile import YamlFileError, read_yaml
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 
@@ -635,16 +634,9 @@ def load_scenario(spec: str | Path | Mapping[str, Any]) -> Scenario:
             )
         path = builtin
     try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(f"{path}: no such scenario file") from None
-    except OSError as exc:
-        raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ScenarioError(f"{path}:{where}: {problem}") from None
+        raw = read_yaml(path, "scenario")
+    except YamlFileError as exc:
+        raise ScenarioError(str(exc)) from None
     name = path.stem if path.parent == SCENARIO_DIR else str(path)
     scenario = parse_scenario(raw, path.name)
     if "name" not in scenario.raw:
