@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from agent.errors import (
     NvmlDriverUnavailable,
@@ -40,10 +40,6 @@ T = TypeVar("T")
 
 REINIT_BACKOFF_FIRST_S = 5.0
 REINIT_BACKOFF_MAX_S = 300.0
-
-
-class Clock(Protocol):
-    def __call__(self) -> float: ...
 
 
 @dataclass

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fake_nvml.scenario import Fault, Gpu, GpuRef, Process, Scenario
+from fake_nvml.scenario import Fault, Gpu, Process, Scenario
 
 # How often the fake driver records a per-process utilization sample, in scenario seconds,
 # and how many it keeps per process (the real driver keeps a short ring buffer too).
@@ -229,6 +229,3 @@ class FakeNode:
 
     def gpu(self, index: int) -> Gpu:
         return self.scenario.gpus[index]
-
-    def ref_exists(self, ref: GpuRef) -> bool:
-        return ref.gpu < len(self.scenario.gpus) and (ref.mig is None or ref.mig < len(self.scenario.gpus[ref.gpu].mig))
