@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from agent.cli import main
+from agent.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

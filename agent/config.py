@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from agent.attribution import MATCH_FIELDS, SET_FIELDS
+from agent.attribution.resolve import MATCH_FIELDS, SET_FIELDS
 from agent.errors import ConfigError
 from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml

@@ -18,11 +18,11 @@ from typing import Protocol
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from agent.accounting import account, accumulate
-from agent.attributor import Attributor
+from agent.accounting.cost import account, accumulate
+from agent.attribution.gather import Attributor
+from agent.devices.sampler import Sampler
 from agent.errors import NvmlLibraryMissing
 from agent.model import AgentHealth, AgentState, Attribution, Charges, CostTotals, LedgerHealth, Price, Snapshot
-from agent.sampler import Sampler
 from agent.units import format_duration
 from rules.engine import Flag, GpuObservation, RuleSpec, RuleState, Transition, evaluate
 

@@ -36,11 +36,11 @@ import pynvml
 import yaml
 
 import fake_nvml
-from agent.attributor import Attributor
+from agent.attribution.gather import Attributor
+from agent.attribution.sources.procfs import Passwd, ProcFS
+from agent.devices.nvml import NvmlBackend
+from agent.devices.sampler import Sampler
 from agent.model import Snapshot
-from agent.nvml import NvmlBackend
-from agent.procfs import Passwd, ProcFS
-from agent.sampler import Sampler
 from fake_nvml.scenario import SCENARIO_DIR
 
 GPUS = 8

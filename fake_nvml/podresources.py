@@ -1,6 +1,6 @@
 """A fake kubelet: the pod-resources v1 API served by a real gRPC server on a unix socket.
 
-The agent's production client (`agent.kubelet.PodResourcesClient`) talks to it exactly as it
+The agent's production client (`agent.attribution.sources.kubelet.PodResourcesClient`) talks to it exactly as it
 talks to ``/var/lib/kubelet/pod-resources/kubelet.sock``: same service, same messages, same
 transport. The allocations come from a callable, so they follow the scenario clock.
 
@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 # gRPC's C core logs connection events straight to stderr at INFO; keep the fake as quiet as
-# the agent's client (agent/kubelet.py sets the same).
+# the agent's client (agent/attribution/sources/kubelet.py sets the same).
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import grpc
 
-from agent.podresources import api_pb2, api_pb2_grpc
+from agent.attribution.sources.podresources import api_pb2, api_pb2_grpc
 
 # (namespace, pod, container, resource_name, device_ids)
 AllocationRow = tuple[str, str, str, str, list[str]]

@@ -8,13 +8,13 @@ from typing import Any
 from prometheus_client import generate_latest
 
 import fake_nvml
-from agent.attribution import compile_rules, rule_env_keys
-from agent.attributor import Attributor, KubeletWatcher
+from agent.attribution.gather import Attributor, KubeletWatcher
+from agent.attribution.resolve import compile_rules, rule_env_keys
+from agent.attribution.sources.procfs import Passwd, ProcFS
+from agent.devices.nvml import NvmlBackend
+from agent.devices.sampler import Sampler
 from agent.model import AgentState
-from agent.nvml import NvmlBackend
 from agent.pipeline import Costing, Pipeline
-from agent.procfs import Passwd, ProcFS
-from agent.sampler import Sampler
 from exporters.prometheus import make_registry
 from rules.engine import RuleSpec
 

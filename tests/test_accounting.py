@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fake_nvml
-from agent.accounting import account, accumulate, cost_units
+from agent.accounting.cost import account, accumulate, cost_units
 from agent.model import (
     Attribution,
     CostTotals,

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.attribution import compile_rules, rule_env_keys
+from agent.attribution.recognise import recognise_model
+from agent.attribution.resolve import compile_rules, rule_env_keys
+from agent.attribution.sources.procfs import ProcessUnreadable, ProcFS
 from agent.model import AgentState, Workload
-from agent.procfs import ProcessUnreadable, ProcFS
-from agent.recognise import recognise_model
 from tests.helpers import Rig
 
 DEMO_RULES = [
@@ -183,7 +183,7 @@ def test_slurm_allocation_without_a_process_still_holds_its_gpus(rig: Any) -> No
 
 
 def test_kubelet_socket_vanishing_falls_back_to_cgroups(rig: Any, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="agent.attributor")
+    caplog.set_level(logging.INFO, logger="agent.attribution.gather")
     r = rig("demo")
     assert owners(r.poll())["7"] == [Workload(namespace="research-cv", pod="notebook-3", container="jupyter")]
     r.node.host.server.stop()
@@ -240,7 +240,7 @@ def test_model_recognisers(cmdline: str, model: str | None) -> None:
 
 
 def test_rules_first_match_wins_per_field_and_fill_groups() -> None:
-    from agent.attribution import _apply_rules  # the rule engine itself, without a host
+    from agent.attribution.resolve import _apply_rules  # the rule engine itself, without a host
 
     rules = compile_rules(
         [
@@ -293,7 +293,7 @@ class _NoPtrace(ProcFS):
 
 def test_without_privilege_environments_are_skipped_quietly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     write_proc(tmp_path, 43, "python", 500, "0::/system.slice/slurmstepd.scope/job_5/step_0/user/task_0\n")
-    caplog.set_level(logging.INFO, logger="agent.procfs")
+    caplog.set_level(logging.INFO, logger="agent.attribution.sources.procfs")
     procfs = _NoPtrace(tmp_path, env_allowlist={"SLURM_JOB_ID"})
     for _ in range(3):
         facts = procfs.facts(procfs.identity(43))

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.cgroup import CgroupOwner, parse_cgroup
+from agent.attribution.cgroup import CgroupOwner, parse_cgroup
 
 POD = "8604b74f-c233-425a-b081-ed0ec7a31fc9"
 POD_ = POD.replace("-", "_")  # how the kubelet's systemd driver escapes it in a slice name

@@ -13,12 +13,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fake_nvml
-from agent.cli import rule_specs
+from agent.cli.wiring import rule_specs
 from agent.config import Settings
+from agent.ledger.sink import LedgerSink
 from agent.model import AgentState, Price
 from agent.pipeline import Costing
 from exporters.catalogue import BY_NAME, CATALOGUE, Kind
-from exporters.ledger_sink import LedgerSink
 from exporters.prometheus import make_registry
 from tests.helpers import Rig
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 
 import fake_nvml
+from agent.devices.nvml import NvmlBackend
+from agent.devices.sampler import Sampler
 from agent.model import Snapshot
-from agent.nvml import NvmlBackend
-from agent.sampler import Sampler
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Data flows one way. Each module may import only the layers below it, and only
-agent/nvml.py imports pynvml."""
+agent/devices/nvml.py imports pynvml."""
 
 from __future__ import annotations
 
@@ -14,42 +14,43 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "agent.errors": (),
     "agent.model": (),
     "agent.yamlfile": (),
-    "agent.cgroup": (),
-    "agent.recognise": (),
-    "agent.hostfiles": (),
-    "agent.podresources": ("agent.podresources",),
-    "agent.config": ("agent.errors", "agent.units", "agent.yamlfile", "agent.attribution"),
-    "agent.nvml": ("agent.errors",),
-    "agent.procfs": ("agent.errors", "agent.model"),
-    "agent.kubelet": ("agent.errors", "agent.podresources"),
-    "agent.sampler": ("agent.errors", "agent.model", "agent.nvml"),
+    "agent.attribution.cgroup": (),
+    "agent.attribution.recognise": (),
+    "agent.attribution.sources.slurm": (),
+    "agent.attribution.sources.podlogs": (),
+    "agent.accounting.instance": (),
+    "agent.attribution.sources.podresources": ("agent.attribution.sources.podresources",),
+    "agent.config": ("agent.errors", "agent.units", "agent.yamlfile", "agent.attribution.resolve"),
+    "agent.devices.nvml": ("agent.errors",),
+    "agent.attribution.sources.procfs": ("agent.errors", "agent.model"),
+    "agent.attribution.sources.kubelet": ("agent.errors", "agent.attribution.sources.podresources"),
+    "agent.devices.sampler": ("agent.errors", "agent.model", "agent.devices.nvml"),
     # attribution is pure: the model, the cgroup parser and the recognisers, nothing that reads
-    "agent.attribution": ("agent.model", "agent.cgroup", "agent.recognise"),
-    "agent.attributor": (
-        "agent.attribution",
+    "agent.attribution.resolve": ("agent.model", "agent.attribution.cgroup", "agent.attribution.recognise"),
+    "agent.attribution.gather": (
+        "agent.attribution.resolve",
+        "agent.attribution.sources",
         "agent.errors",
-        "agent.hostfiles",
-        "agent.kubelet",
         "agent.model",
-        "agent.procfs",
     ),
-    "agent.pricing": ("agent.model", "agent.yamlfile"),
-    "agent.accounting": ("agent.model",),
-    # the report reads the ledger file through the ledger module: read-only, at the edge
-    "agent.report": ("agent.model", "agent.units", "exporters.ledger"),
+    "agent.accounting.pricing": ("agent.model", "agent.yamlfile"),
+    "agent.accounting.cost": ("agent.model",),
+    "agent.ledger.store": ("agent.errors", "agent.model"),
+    "agent.ledger.sink": ("agent.model", "agent.ledger.store"),
+    "agent.ledger.report": ("agent.model", "agent.units", "agent.ledger.store"),
     "agent.pipeline": (
         "agent.errors",
         "agent.model",
-        "agent.sampler",
-        "agent.attributor",
-        "agent.accounting",
+        "agent.devices.sampler",
+        "agent.attribution.gather",
+        "agent.accounting.cost",
         "agent.units",
         "rules",
     ),
     "rules": ("agent.model", "rules"),
     "exporters": ("agent.model", "agent.__init__", "agent", "exporters"),
     # The fake serves the kubelet API from the same generated stubs the agent's client uses.
-    "fake_nvml": ("fake_nvml", "agent.units", "agent.yamlfile", "agent.podresources"),
+    "fake_nvml": ("fake_nvml", "agent.units", "agent.yamlfile", "agent.attribution.sources.podresources"),
 }
 PROJECT = ("agent", "exporters", "fake_nvml", "rules")
 
@@ -103,4 +104,4 @@ def test_only_the_nvml_boundary_imports_pynvml() -> None:
         for path in (ROOT / package).rglob("*.py")
         if any(name == "pynvml" or name.startswith("pynvml.") for name in imports_of(path))
     )
-    assert importers == ["agent.nvml"]
+    assert importers == ["agent.devices.nvml"]

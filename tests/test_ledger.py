@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.ledger.store import Ledger, LedgerError, hour_shares, read_usage
 from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
-from exporters.ledger import Ledger, LedgerError, hour_shares, read_usage
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -330,7 +330,7 @@ def test_report_can_read_while_the_agent_holds_the_write_lock(tmp_path: Path) ->
 CHILD = r"""
 import random, sys
 from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
-from exporters.ledger import Ledger
+from agent.ledger.store import Ledger
 
 path, seed, t = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 rng = random.Random(seed)

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from agent.ledger.sink import LedgerSink
 from agent.model import Price
 from agent.pipeline import Costing
-from exporters.ledger_sink import LedgerSink
 from tests.helpers import Rig
 
 
 def test_a_ledger_that_cannot_open_keeps_charges_until_it_can(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="exporters.ledger_sink")
+    caplog.set_level(logging.WARNING, logger="agent.ledger.sink")
     blocker = tmp_path / "state"
     blocker.write_text("a file where the ledger's directory should be")
     sink = LedgerSink(blocker / "ledger.db", retention_s=None)

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 import fake_nvml
+from agent.devices.nvml import NvmlBackend
+from agent.devices.sampler import Sampler
 from agent.model import Snapshot
-from agent.nvml import NvmlBackend
 from agent.pipeline import Pipeline
-from agent.sampler import Sampler
 
 
 class ManualClock:

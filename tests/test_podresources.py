@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.kubelet import KubeletUnavailable, PodDeviceAllocation, PodResourcesClient
-from agent.podresources import api_pb2
+from agent.attribution.sources.kubelet import KubeletUnavailable, PodDeviceAllocation, PodResourcesClient
+from agent.attribution.sources.podresources import api_pb2
 from fake_nvml.podresources import AllocationRow, FakePodResourcesServer, pod_resources
 
 GPU0 = "GPU-5d2c6a1e-0000-4000-8000-000000000000"

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from agent.accounting.pricing import Catalogue, load_catalogue, resolve_price
 from agent.config import PricingConfig
 from agent.model import Price
-from agent.pricing import Catalogue, load_catalogue, resolve_price
 
 REQUIRED_MODELS = [
     "Tesla T4",

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
-from agent.report import (
+from agent.ledger.report import (
     GROUP_KEYS,
     Report,
     ReportLine,
@@ -23,7 +22,8 @@ from agent.report import (
     render,
     report_from_ledger,
 )
-from exporters.ledger import Ledger, LedgerError, read_usage
+from agent.ledger.store import Ledger, LedgerError, read_usage
+from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
 
 H = 3600.0
 T0 = 1_795_802_400.0  # 2026-11-27T18:00:00Z, a Friday evening

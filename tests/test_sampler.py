@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 import fake_nvml
+from agent.devices.nvml import NvmlBackend
+from agent.devices.sampler import REINIT_BACKOFF_FIRST_S, Sampler
 from agent.errors import NvmlLibraryMissing
 from agent.model import Snapshot
-from agent.nvml import NvmlBackend
-from agent.sampler import REINIT_BACKOFF_FIRST_S, Sampler
 
 MiB = 2**20
 
@@ -135,7 +135,7 @@ def test_unsupported_temperature_is_absent_and_logged_once(install: Any, caplog:
             "faults": [{"gpu": 1, "call": "nvmlDeviceGetTemperature", "error": "NOT_SUPPORTED"}],
         }
     )
-    caplog.set_level(logging.INFO, logger="agent.sampler")
+    caplog.set_level(logging.INFO, logger="agent.devices.sampler")
     temperature_calls = []
     for _ in range(20):
         before = node.calls.copy()

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.cli import _make_costing, rule_specs
+from agent.accounting.pricing import load_catalogue
+from agent.cli.wiring import make_costing, rule_specs
 from agent.config import Settings
-from agent.pricing import load_catalogue
 from tests.helpers import Rig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def test_the_idle_weekend_is_flagged_and_priced(tmp_path: Path) -> None:
     ledger_path = tmp_path / "weekend.db"
     settings = Settings()
     rig = Rig("weekend-idle", flag_rules=rule_specs(settings), costing=None)
-    costing = _make_costing(settings, rig.node, str(ledger_path), rig.node.clock.wall_time)
+    costing = make_costing(settings, rig.node, str(ledger_path), rig.node.clock.wall_time)
     rig.pipeline.costing = costing
     transitions: list[tuple[float, int, bool]] = []
     try:

@@ -14,9 +14,9 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.cli import _make_costing, rule_specs
+from agent.accounting.pricing import load_catalogue
+from agent.cli.wiring import make_costing, rule_specs
 from agent.config import Settings
-from agent.pricing import load_catalogue
 from exporters.prometheus import make_registry
 from tests.helpers import Rig
 
@@ -34,7 +34,7 @@ BURN = P4D.dollars_per_hour  # all eight GPUs idle: the whole instance's price p
 def simulate_series(hours: float) -> dict[str, list[float]]:
     """Each kept series of the agent's /metrics, once per simulated minute from t=0."""
     rig = Rig("weekend-idle", flag_rules=rule_specs(Settings()))
-    rig.pipeline.costing = _make_costing(Settings(), rig.node, None, rig.node.clock.wall_time)
+    rig.pipeline.costing = make_costing(Settings(), rig.node, None, rig.node.clock.wall_time)
     series: dict[str, list[float]] = {}
     try:
         for i in range(int(hours * 3600 / STEP_S) + 1):

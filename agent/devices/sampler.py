@@ -1,6 +1,6 @@
 """Reads every device once per poll into an immutable `Snapshot`.
 
-Policy lives here, calls live in `agent.nvml`: a reading a device does not have is learned once
+Policy lives here, calls live in `agent.devices.nvml`: a reading a device does not have is learned once
 per (device, field), logged once and skipped from then on; one GPU failing never fails the
 others; a driver that goes away is re-initialised with exponential backoff on the backend clock.
 """
@@ -15,16 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
-from agent.errors import (
-    NvmlDriverUnavailable,
-    NvmlError,
-    NvmlFunctionMissing,
-    NvmlGpuLost,
-    NvmlLibraryMissing,
-    NvmlNotSupported,
-)
-from agent.model import DeviceReading, NodeInfo, NvLinkReading, ProcessReading, Snapshot
-from agent.nvml import (
+from agent.devices.nvml import (
     FI_NVLINK_GET_STATE,
     FI_NVLINK_LINK_COUNT,
     FI_POWER_INSTANT,
@@ -34,6 +25,15 @@ from agent.nvml import (
     Handle,
     NvmlBackend,
 )
+from agent.errors import (
+    NvmlDriverUnavailable,
+    NvmlError,
+    NvmlFunctionMissing,
+    NvmlGpuLost,
+    NvmlLibraryMissing,
+    NvmlNotSupported,
+)
+from agent.model import DeviceReading, NodeInfo, NvLinkReading, ProcessReading, Snapshot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from agent.ledger.store import Ledger, LedgerError
 from agent.model import Charges, LedgerHealth
-from exporters.ledger import Ledger, LedgerError
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import grpc
 
+from agent.attribution.sources.podresources import api_pb2, api_pb2_grpc
 from agent.errors import GpuledgerError
-from agent.podresources import api_pb2, api_pb2_grpc
 
 NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
 

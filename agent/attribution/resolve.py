@@ -1,6 +1,6 @@
 """Who holds each GPU: processes and scheduler allocations turned into workloads. Pure.
 
-Inputs are plain data gathered by `agent.attributor` (procfs facts, pod names, kubelet and
+Inputs are plain data gathered by `agent.attribution.gather` (procfs facts, pod names, kubelet and
 Slurm allocations, user names); the output is an `Attribution` with one `Holding` per
 (device, workload). Label cardinality is bounded by workloads, not processes: pids appear
 only when per-pid series are switched on.
@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from agent.cgroup import CgroupOwner, parse_cgroup
+from agent.attribution.cgroup import CgroupOwner, parse_cgroup
+from agent.attribution.recognise import recognise_model
 from agent.model import Attribution, DeviceReading, Holding, ProcessFacts, Snapshot, Workload
-from agent.recognise import recognise_model
 
 # Both are pure and see the same few texts every poll: remember their answers.
 _owner_of = lru_cache(maxsize=8192)(parse_cgroup)

@@ -1,5 +1,5 @@
-"""Files the schedulers leave on the host: Slurm's GPU mapping directory and the kubelet's
-per-pod log directories. Missing directories are normal (not every node runs both)."""
+"""Slurm's GPU mapping directory, as a prolog writes it and an epilog removes it: one file per
+GPU index (or MIG `gpu.gi`) holding `JOBID [USER]`. A missing directory is a node without Slurm."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
-_POD_DIR = re.compile(r"^([a-z0-9][a-z0-9-]*)_([a-z0-9][a-z0-9.-]*)_([0-9a-f-]{36})$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,31 +51,3 @@ def read_slurm_map(directory: str | Path) -> list[SlurmGpuAllocation]:
             )
         )
     return found
-
-
-def read_pod_log_dirs(directory: str | Path) -> dict[str, tuple[str, str]]:
-    """pod UID -> (namespace, pod name), from the kubelet's `<namespace>_<pod>_<uid>` directories."""
-    try:
-        names = [entry.name for entry in Path(directory).iterdir()]
-    except OSError:
-        return {}
-    pods: dict[str, tuple[str, str]] = {}
-    for name in names:
-        match = _POD_DIR.match(name)
-        if match:
-            pods[match.group(3)] = (match.group(1), match.group(2))
-    return pods
-
-
-_AWS_INSTANCE = re.compile(r"^[a-z][a-z0-9-]*\.[0-9]*[a-z0-9]+$")
-
-
-def detect_instance_type(dmi_dir: str | Path = "/sys/devices/virtual/dmi/id") -> str | None:
-    """The cloud instance type, where the firmware says it without asking the network: EC2
-    writes it as the DMI product name (e.g. "p4d.24xlarge"). Elsewhere: None (set
-    pricing.instance_type)."""
-    try:
-        product = (Path(dmi_dir) / "product_name").read_text().strip()
-    except OSError:
-        return None
-    return product if _AWS_INSTANCE.match(product) else None

@@ -1,6 +1,6 @@
 """`gpuledger report`: cost and usage from the ledger, grouped, as a table, CSV or JSON.
 
-Layering: this module only reads the ledger, through `exporters.ledger.read_usage` (the one module
+Layering: this module only reads the ledger, through `agent.ledger.store.read_usage` (the one module
 that talks to sqlite3); it never writes. Everything else here is pure: rows in, text out.
 
 Choices a reader of the output should know:
@@ -29,8 +29,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from agent.ledger.store import HOUR_S, UsageRow, hour_start, read_usage
 from agent.units import parse_duration
-from exporters.ledger import HOUR_S, UsageRow, hour_start, read_usage
 
 GROUP_KEYS = ("node", "gpu", "namespace", "pod", "job", "user", "model", "team")
 FORMATS = ("table", "csv", "json")

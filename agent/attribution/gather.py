@@ -13,12 +13,13 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.attribution import Inputs, PodAllocation, Rule, SlurmAllocation, attribute
+from agent.attribution.resolve import Inputs, PodAllocation, Rule, SlurmAllocation, attribute
+from agent.attribution.sources.kubelet import KubeletUnavailable, PodResourcesClient
+from agent.attribution.sources.podlogs import read_pod_log_dirs
+from agent.attribution.sources.procfs import Passwd, ProcFS
+from agent.attribution.sources.slurm import read_slurm_map
 from agent.errors import GpuledgerError
-from agent.hostfiles import read_pod_log_dirs, read_slurm_map
-from agent.kubelet import KubeletUnavailable, PodResourcesClient
 from agent.model import Attribution, ProcessFacts, ProcessIdentity, Snapshot
-from agent.procfs import Passwd, ProcFS
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,318 @@
+"""The `gpuledger` command: the composition root, and the only code that reads configuration.
+
+Exit codes: 0 ok, 2 bad input (config, scenario, arguments), 1 any other failure. Errors are
+one line on stderr naming what was wrong and where; --debug adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import NoReturn
+
+from agent import __version__
+from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen
+from agent.cli.render import render_table, snapshot_json
+from agent.cli.simulate import cmd_simulate
+from agent.cli.wiring import make_attributor, make_backend, make_costing, node_name, rule_specs
+from agent.config import check_config, load_config
+from agent.devices.sampler import Sampler
+from agent.errors import BadInputError, GpuledgerError, NvmlLibraryMissing
+from agent.ledger.report import GROUP_KEYS, parse_by, parse_time, render, report_from_ledger
+from agent.pipeline import Pipeline
+from agent.units import format_duration
+
+log = logging.getLogger("gpuledger")
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so errors stay one line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise BadInputError(f"{self.prog}: {message}")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(prog="gpuledger", description="GPU monitoring agent: usage, owners and cost per GPU.")
+    parser.add_argument("--version", action="version", version=f"gpuledger {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+
+    run = sub.add_parser("run", help="run the daemon: poll NVML and serve /metrics")
+    run.add_argument("--config", help="YAML config file")
+    run.add_argument(
+        "--fake", nargs="?", const="demo", metavar="SCENARIO", help="run on a fake node (default scenario: demo)"
+    )
+    run.add_argument(
+        "--fake-speed", type=float, default=1.0, metavar="N", help="scenario seconds per real second (with --fake)"
+    )
+    run.add_argument("--listen", metavar="HOST:PORT", help="address to serve on (default 0.0.0.0:9835)")
+    run.add_argument(
+        "--ledger", metavar="FILE", help="ledger file (default: ledger.path; with --fake, no ledger unless given)"
+    )
+    run.add_argument(
+        "--web-config",
+        metavar="FILE",
+        help="TLS and basic auth for /metrics, exporter-toolkit web-config format (default: web_config_file)",
+    )
+
+    snap = sub.add_parser("snapshot", help="poll once and print each GPU")
+    snap.add_argument("--config", help="YAML config file")
+    snap.add_argument(
+        "--fake", nargs="?", const="demo", metavar="SCENARIO", help="read a fake node (default scenario: demo)"
+    )
+    snap.add_argument(
+        "--at", default="0s", metavar="DURATION", help="with --fake: scenario time to read at (default 0s)"
+    )
+    snap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    sim = sub.add_parser("simulate", help="run the pipeline over scenario time without sleeping")
+    sim.add_argument("scenario", help="built-in scenario name or YAML file")
+    sim.add_argument(
+        "--for", dest="duration", required=True, metavar="DURATION", help="scenario time to cover, e.g. 3d"
+    )
+    sim.add_argument(
+        "--step", default="15s", metavar="DURATION", help="poll every this much scenario time (default 15s)"
+    )
+    sim.add_argument("--config", help="YAML config file")
+    sim.add_argument("--metrics-out", metavar="FILE", help="write the final /metrics text here (default: stdout)")
+    sim.add_argument("--ledger", metavar="FILE", help="write the charges to this ledger file")
+
+    rep = sub.add_parser("report", help="cost and usage from the ledger")
+    rep.add_argument("--ledger", metavar="FILE", help="ledger file (default: ledger.path)")
+    rep.add_argument("--config", help="YAML config file")
+    rep.add_argument("--since", metavar="T", help="ISO date/time (UTC) or e.g. 7d for seven days ago")
+    rep.add_argument("--until", metavar="T", help="ISO date/time (UTC) or e.g. 1d")
+    rep.add_argument("--by", default="namespace,job", metavar="KEYS", help=f"group by any of: {', '.join(GROUP_KEYS)}")
+    rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
+
+    check = sub.add_parser("check-config", help="validate a config file")
+    check.add_argument("file", help="YAML config file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args_list
+    _setup_logging(debug)
+    try:
+        args = _build_parser().parse_args(args_list)
+        handler: Callable[[argparse.Namespace], int] = _COMMANDS[args.command]
+        return handler(args)
+    except BadInputError as exc:
+        return _fail(str(exc), EXIT_BAD_INPUT, debug)
+    except NvmlLibraryMissing:
+        return _fail(
+            "gpuledger: cannot load the NVML library (libnvidia-ml.so.1): is the NVIDIA driver installed? "
+            "(use --fake to run on a simulated node)",
+            EXIT_FAILURE,
+            debug,
+        )
+    except GpuledgerError as exc:
+        return _fail(f"gpuledger: {exc}", EXIT_FAILURE, debug)
+    except _scenario_error() as exc:
+        return _fail(f"gpuledger: scenario {exc}", EXIT_BAD_INPUT, debug)
+    except KeyboardInterrupt:
+        return EXIT_FAILURE
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        return _fail(f"gpuledger:{where}: {exc.strerror or exc}", EXIT_FAILURE, debug)
+
+
+def _scenario_error() -> type[Exception]:
+    # Imported lazily: the fake is only loaded when a command asks for it.
+    from fake_nvml.scenario import ScenarioError
+
+    return ScenarioError
+
+
+def _fail(message: str, code: int, debug: bool) -> int:
+    if debug:
+        logging.getLogger("gpuledger").exception(message)
+    print(message.splitlines()[0] if message else "gpuledger: failed", file=sys.stderr)
+    return code
+
+
+def _setup_logging(debug: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    # APScheduler logs every job run at INFO; that is noise at a 5 s interval.
+    logging.getLogger("apscheduler").setLevel(logging.DEBUG if debug else logging.WARNING)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from prometheus_client import generate_latest
+
+    from exporters.http import MetricsServer
+    from exporters.prometheus import make_registry
+    from exporters.textfile import TextfileWriter
+    from exporters.webconfig import load_web_config
+
+    settings = load_config(args.config)
+    if args.fake is None and args.fake_speed != 1.0:
+        raise BadInputError("gpuledger: --fake-speed: only meaningful with --fake")
+    if args.fake_speed <= 0:
+        raise BadInputError(f"gpuledger: --fake-speed: must be above 0, got {args.fake_speed:g}")
+    host, port = parse_listen(args.listen or settings.listen, "--listen" if args.listen else "listen")
+    web_config_file = args.web_config or settings.web_config_file
+    web = load_web_config(web_config_file) if web_config_file else None  # ConfigError: exit 2
+    textfile_path = settings.exporters.textfile_path
+    if textfile_path and not Path(textfile_path).parent.is_dir():
+        raise BadInputError(f"gpuledger: exporters.textfile_path: no such directory {Path(textfile_path).parent}")
+    backend, node = make_backend(args.fake, args.fake_speed)
+    sampler = Sampler(backend, hostname=node_name(settings, node))
+    sampler.start()
+    attributor = make_attributor(settings, node)
+    ledger_path = args.ledger or (None if node is not None else settings.ledger.path)
+    costing = make_costing(settings, node, ledger_path, time.time)
+    if node is not None:
+        # At --fake-speed N one poll interval spans N times as much scenario time: that is the
+        # run's normal rhythm, not a gap to leave uncharged.
+        rhythm = settings.poll_interval * args.fake_speed
+        costing = replace(costing, max_interval_s=max(costing.max_interval_s, 3 * rhythm))
+    pipeline = Pipeline(
+        sampler,
+        settings.poll_interval,
+        attributor=attributor,
+        kubelet_interval_s=settings.attribution.kubelet_interval,
+        costing=costing,
+        rules=rule_specs(settings),
+    )
+    per_pid = settings.attribution.per_pid_series
+    dcgm_compat = settings.exporters.dcgm_compat
+    registry = make_registry(lambda: pipeline.state, per_pid, dcgm_compat=dcgm_compat)
+    try:
+        server = MetricsServer(host, port, registry, pipeline.healthy, web=web)
+    except OSError as exc:
+        raise BadInputError(f"gpuledger: listen {host}:{port}: {exc.strerror or exc}") from None
+    textfile = (
+        TextfileWriter(
+            textfile_path,
+            lambda: pipeline.state,
+            lambda state: generate_latest(make_registry(lambda: state, per_pid, dcgm_compat=dcgm_compat)),
+        )
+        if textfile_path
+        else None
+    )
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("received signal %d, shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    server.start()
+    pipeline.start()
+    if textfile is not None:
+        textfile.start(settings.poll_interval)
+    where = f"fake node {node.scenario.name!r} at {args.fake_speed:g}x" if node is not None else "NVML"
+    log.info(
+        "gpuledger %s serving %s://%s:%d/metrics, polling %s every %s",
+        __version__,
+        server.scheme,
+        host,
+        server.port,
+        where,
+        format_duration(settings.poll_interval),
+    )
+    stop.wait()
+    pipeline.stop()
+    if textfile is not None:
+        textfile.stop()  # the last poll reaches the file too
+    if costing.sink is not None:
+        costing.sink.close()  # the last charges reach the ledger before we exit
+    server.stop()
+    sampler.close()
+    if node is not None:
+        import fake_nvml
+
+        fake_nvml.uninstall()
+    return EXIT_OK
+
+
+def _cmd_snapshot(args: argparse.Namespace) -> int:
+    settings = load_config(args.config)
+    at = duration_arg(args.at, "--at")
+    backend, node = make_backend(args.fake, 0.0)
+    sampler = Sampler(backend, hostname=node_name(settings, node))
+    sampler.start()
+    clock = node.clock.wall_time if node is not None else time.time
+    pipeline = Pipeline(
+        sampler,
+        poll_interval_s=5.0,
+        attributor=make_attributor(settings, node),
+        costing=make_costing(settings, node, None, clock),
+        rules=rule_specs(settings),
+    )
+    pipeline.refresh_allocations()
+    if node is not None:
+        # A fake node can show what a daemon running since t=0 would show at --at: flags need
+        # their durations, costs their history. Poll each minute up to 5 s before --at, then at
+        # --at (per-process utilization is the mean over the samples between two polls).
+        while node.clock.now() + 60 <= at - 5:
+            pipeline.poll_once()
+            node.clock.advance(60)
+        pipeline.poll_once()
+        node.clock.advance(max(0.0, at - node.clock.now()) if at >= 5 else 5.0)
+    state = pipeline.poll_once()
+    sampler.close()
+    if node is not None:
+        import fake_nvml
+
+        fake_nvml.uninstall()
+    if state.snapshot is None:
+        raise GpuledgerError("the poll read nothing")
+    if args.json:
+        print(json.dumps(snapshot_json(state), indent=2))
+    else:
+        print(render_table(state))
+    return EXIT_OK
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    settings = load_config(args.config)
+    path = args.ledger or settings.ledger.path
+    if not Path(path).exists():
+        raise BadInputError(f"gpuledger: --ledger: no such ledger file {path}")
+    now = time.time()
+    try:
+        by = parse_by(args.by)
+        since = parse_time(args.since, now) if args.since else None
+        until = parse_time(args.until, now) if args.until else None
+        report = report_from_ledger(path, by=by, since=since, until=until)
+    except ValueError as exc:
+        raise BadInputError(f"gpuledger: report: {exc}") from None
+    sys.stdout.write(render(report, args.format))
+    return EXIT_OK
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    _settings_obj, problems = check_config(args.file)
+    if problems:
+        for line in problems:
+            print(line, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"{args.file}: ok")
+    return EXIT_OK
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _cmd_run,
+    "snapshot": _cmd_snapshot,
+    "simulate": cmd_simulate,
+    "check-config": _cmd_check_config,
+    "report": _cmd_report,
+}
