@@ -1,7 +1,8 @@
-"""Scenario files: the YAML that describes a fake node, parsed and validated into frozen data.
+"""The scenario reader: YAML as loaded, checked key by key into the frozen model.
 
 Every problem is reported as one `ScenarioError` line naming the file, the key path and the
-entry, e.g. ``demo.yaml: processes[2].gpus: GPU 9 does not exist (the node has 8)``.
+entry, e.g. ``demo.yaml: processes[2].gpus: GPU 9 does not exist (the node has 8)``, so that
+a bad scenario fails at load and never as a puzzling reading halfway through a run.
 """
 
 from __future__ import annotations
@@ -9,221 +10,24 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from agent.units import parse_duration
-from agent.yamlfile import YamlFileError, read_yaml
-
-SCENARIO_DIR = Path(__file__).parent / "scenarios"
-
-# NVML return-code names without the NVML_ERROR_ prefix, as scenarios write them.
-ERROR_CODES: dict[str, int] = {
-    "UNINITIALIZED": 1,
-    "INVALID_ARGUMENT": 2,
-    "NOT_SUPPORTED": 3,
-    "NO_PERMISSION": 4,
-    "ALREADY_INITIALIZED": 5,
-    "NOT_FOUND": 6,
-    "INSUFFICIENT_SIZE": 7,
-    "INSUFFICIENT_POWER": 8,
-    "DRIVER_NOT_LOADED": 9,
-    "TIMEOUT": 10,
-    "IRQ_ISSUE": 11,
-    "LIBRARY_NOT_FOUND": 12,
-    "FUNCTION_NOT_FOUND": 13,
-    "CORRUPTED_INFOROM": 14,
-    "GPU_IS_LOST": 15,
-    "RESET_REQUIRED": 16,
-    "OPERATING_SYSTEM": 17,
-    "LIB_RM_VERSION_MISMATCH": 18,
-    "IN_USE": 19,
-    "MEMORY": 20,
-    "NO_DATA": 21,
-    "INSUFFICIENT_RESOURCES": 23,
-    "ARGUMENT_VERSION_MISMATCH": 25,
-    "NOT_READY": 27,
-    "GPU_NOT_FOUND": 28,
-    "INVALID_STATE": 29,
-    "UNKNOWN": 999,
-}
-
-
-@dataclass(frozen=True)
-class GpuModelFacts:
-    """What a GPU model looks like to NVML: SMs, and how MIG carves them up."""
-
-    sm_count: int
-    mig_slices: int  # compute slices a full MIG layout has; 0 when the model has no MIG
-    sms_per_slice: int
-    memory_total_mib: int
-    power_limit_w: int
-    idle_power_w: int
-    pci_device_id: int
-
-
-# Public spec-sheet facts (NVIDIA data sheets and the MIG user guide's profile tables).
-MODEL_FACTS: dict[str, GpuModelFacts] = {
-    "A100-SXM4-80GB": GpuModelFacts(108, 7, 14, 81920, 400, 55, 0x20B210DE),
-    "A100-SXM4-40GB": GpuModelFacts(108, 7, 14, 40960, 400, 52, 0x20B010DE),
-    "A100-PCIE-40GB": GpuModelFacts(108, 7, 14, 40960, 250, 35, 0x20F110DE),
-    "A100 80GB PCIe": GpuModelFacts(108, 7, 14, 81920, 300, 45, 0x20B510DE),
-    "H100 80GB HBM3": GpuModelFacts(132, 7, 16, 81559, 700, 70, 0x233010DE),
-    "H100-SXM5-80GB": GpuModelFacts(132, 7, 16, 81559, 700, 70, 0x233010DE),
-    "H100 PCIe": GpuModelFacts(114, 7, 14, 81559, 350, 50, 0x233110DE),
-    "H200": GpuModelFacts(132, 7, 16, 143771, 700, 75, 0x233510DE),
-    "B200": GpuModelFacts(148, 7, 18, 183359, 1000, 110, 0x290110DE),
-    "A30": GpuModelFacts(56, 4, 14, 24576, 165, 30, 0x20B710DE),
-    "L40S": GpuModelFacts(142, 0, 0, 46068, 350, 35, 0x26B910DE),
-    "L4": GpuModelFacts(58, 0, 0, 23034, 72, 16, 0x27B810DE),
-    "A10G": GpuModelFacts(80, 0, 0, 23028, 300, 25, 0x223710DE),
-    "T4": GpuModelFacts(40, 0, 0, 15360, 70, 10, 0x1EB810DE),
-}
-_DEFAULT_FACTS = GpuModelFacts(108, 7, 14, 81920, 400, 55, 0x20B210DE)
-
-_MIG_PROFILE = re.compile(r"^(\d)g\.(\d+)gb$")
-
-
-class ScenarioError(ValueError):
-    """A scenario that cannot be loaded; the message is one line naming the key and entry."""
-
-
-@dataclass(frozen=True)
-class GpuRef:
-    """A whole GPU (`mig` None) or one MIG instance of it (`mig` = position in its `mig:` list)."""
-
-    gpu: int
-    mig: int | None = None
-
-    def __str__(self) -> str:
-        return str(self.gpu) if self.mig is None else f"{self.gpu}:{self.mig}"
-
-
-@dataclass(frozen=True)
-class MigInstance:
-    profile: str
-    slices: int
-    memory_total_mib: int
-    sm_count: int
-    gpu_instance_id: int
-    uuid: str
-
-
-@dataclass(frozen=True)
-class Gpu:
-    index: int
-    model: str
-    uuid: str
-    pci_bus_id: str
-    pci_device_id: int
-    memory_total_mib: int
-    power_limit_w: float
-    idle_power_w: float
-    idle_temp_c: float
-    max_temp_c: float
-    nvlink_links: int
-    sm_count: int
-    mig: tuple[MigInstance, ...]
-
-    @property
-    def name(self) -> str:
-        return "NVIDIA " + self.model
-
-
-@dataclass(frozen=True)
-class UtilSegment:
-    at_s: float
-    sm_util: float
-
-
-@dataclass(frozen=True)
-class PodRef:
-    namespace: str
-    name: str
-    container: str
-    uid: str
-
-
-@dataclass(frozen=True)
-class Process:
-    pid: int
-    gpus: tuple[GpuRef, ...]
-    start_s: float
-    end_s: float | None
-    segments: tuple[UtilSegment, ...]
-    memory_mib: int
-    uid: int
-    user: str | None
-    cmdline: str
-    environ: Mapping[str, str]
-    cgroup: str | None
-    pod: PodRef | None
-    slurm_job: str | None
-    container_id: str | None
-
-    def running_at(self, t: float) -> bool:
-        return self.start_s <= t and (self.end_s is None or t < self.end_s)
-
-    def sm_util_at(self, t: float) -> float:
-        util = 0.0
-        for segment in self.segments:
-            if segment.at_s <= t:
-                util = segment.sm_util
-            else:
-                break
-        return util
-
-
-@dataclass(frozen=True)
-class Allocation:
-    gpus: tuple[GpuRef, ...]
-    start_s: float
-    end_s: float | None
-    pod: PodRef | None
-    slurm_job: str | None
-    user: str | None
-
-
-@dataclass(frozen=True)
-class Fault:
-    at_s: float
-    until_s: float | None
-    gpu: int | None
-    call: str | None
-    error: str | None
-    nvlink_down: tuple[int, ...]
-    xid: int | None
-    latency_ms: float
-
-    def active(self, t: float) -> bool:
-        return self.at_s <= t and (self.until_s is None or t < self.until_s)
-
-
-@dataclass(frozen=True)
-class NodeFacts:
-    hostname: str
-    driver_version: str
-    cuda_driver_version: int
-    instance_type: str | None
-    missing_functions: frozenset[str]
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    start: datetime
-    node: NodeFacts
-    gpus: tuple[Gpu, ...]
-    processes: tuple[Process, ...]
-    allocations: tuple[Allocation, ...]
-    faults: tuple[Fault, ...]
-    raw: Mapping[str, Any] = field(repr=False, compare=False)
-
-    @property
-    def start_epoch(self) -> float:
-        return self.start.timestamp()
+from fake_nvml.scenario.facts import DEFAULT_FACTS, ERROR_CODES, MIG_PROFILE, MODEL_FACTS, GpuModelFacts
+from fake_nvml.scenario.model import (
+    Allocation,
+    Fault,
+    Gpu,
+    GpuRef,
+    MigInstance,
+    NodeFacts,
+    PodRef,
+    Process,
+    Scenario,
+    ScenarioError,
+    UtilSegment,
+)
 
 
 class _Reader:
@@ -326,7 +130,7 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
             ]
         )  # fmt: skip
         model = r.str_("model", "A100-SXM4-80GB") or "A100-SXM4-80GB"
-        facts = MODEL_FACTS.get(model, _DEFAULT_FACTS)
+        facts = MODEL_FACTS.get(model, DEFAULT_FACTS)
         count = r.int_("count", 1, minimum=1) or 1
         memory_total_mib = r.int_("memory_total_mib", minimum=1) or facts.memory_total_mib
         power_limit_w = r.num("power_limit_w", facts.power_limit_w) or float(facts.power_limit_w)
@@ -375,7 +179,7 @@ def _parse_mig(
     instances: list[MigInstance] = []
     used_slices = 0
     for j, profile in enumerate(profiles):
-        match = _MIG_PROFILE.match(str(profile))
+        match = MIG_PROFILE.match(str(profile))
         if not match:
             raise r.fail(f"mig[{j}]", f"expected a profile like 3g.40gb, got {profile!r}")
         slices, memory_gb = int(match.group(1)), int(match.group(2))
@@ -614,34 +418,3 @@ def parse_scenario(data: object, source: str = "scenario") -> Scenario:
         faults=_parse_faults(top, gpus),
         raw=top.data,
     )
-
-
-def builtin_names() -> list[str]:
-    return sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
-
-
-def load_scenario(spec: str | Path | Mapping[str, Any]) -> Scenario:
-    """A scenario from a mapping, a built-in name (``demo``) or a path to a YAML file."""
-    if isinstance(spec, Mapping):
-        return parse_scenario(spec, "scenario")
-    text = str(spec)
-    path = Path(text)
-    if not path.suffix and "/" not in text:
-        builtin = SCENARIO_DIR / f"{text}.yaml"
-        if not builtin.exists():
-            raise ScenarioError(
-                f"{text}: no such built-in scenario (built-in: {', '.join(builtin_names())}) and no such file"
-            )
-        path = builtin
-    try:
-        raw = read_yaml(path, "scenario")
-    except YamlFileError as exc:
-        raise ScenarioError(str(exc)) from None
-    name = path.stem if path.parent == SCENARIO_DIR else str(path)
-    scenario = parse_scenario(raw, path.name)
-    if "name" not in scenario.raw:
-        scenario = Scenario(
-            name, scenario.start, scenario.node, scenario.gpus, scenario.processes,
-            scenario.allocations, scenario.faults, scenario.raw,
-        )  # fmt: skip
-    return scenario

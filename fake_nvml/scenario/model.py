@@ -1,0 +1,153 @@
+"""A scenario once validated: frozen data the fake node reads on every call and never re-checks.
+
+Kept apart from the YAML reader: the code that consults a scenario on every NVML call (the
+node, the library, the host files) is written against these shapes alone, whatever the file
+looked like, and the defaults and checks stay in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be loaded; the message is one line naming the key and entry."""
+
+
+@dataclass(frozen=True)
+class GpuRef:
+    """A whole GPU (`mig` None) or one MIG instance of it (`mig` = position in its `mig:` list)."""
+
+    gpu: int
+    mig: int | None = None
+
+    def __str__(self) -> str:
+        return str(self.gpu) if self.mig is None else f"{self.gpu}:{self.mig}"
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    profile: str
+    slices: int
+    memory_total_mib: int
+    sm_count: int
+    gpu_instance_id: int
+    uuid: str
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    model: str
+    uuid: str
+    pci_bus_id: str
+    pci_device_id: int
+    memory_total_mib: int
+    power_limit_w: float
+    idle_power_w: float
+    idle_temp_c: float
+    max_temp_c: float
+    nvlink_links: int
+    sm_count: int
+    mig: tuple[MigInstance, ...]
+
+    @property
+    def name(self) -> str:
+        return "NVIDIA " + self.model
+
+
+@dataclass(frozen=True)
+class UtilSegment:
+    at_s: float
+    sm_util: float
+
+
+@dataclass(frozen=True)
+class PodRef:
+    namespace: str
+    name: str
+    container: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    gpus: tuple[GpuRef, ...]
+    start_s: float
+    end_s: float | None
+    segments: tuple[UtilSegment, ...]
+    memory_mib: int
+    uid: int
+    user: str | None
+    cmdline: str
+    environ: Mapping[str, str]
+    cgroup: str | None
+    pod: PodRef | None
+    slurm_job: str | None
+    container_id: str | None
+
+    def running_at(self, t: float) -> bool:
+        return self.start_s <= t and (self.end_s is None or t < self.end_s)
+
+    def sm_util_at(self, t: float) -> float:
+        util = 0.0
+        for segment in self.segments:
+            if segment.at_s <= t:
+                util = segment.sm_util
+            else:
+                break
+        return util
+
+
+@dataclass(frozen=True)
+class Allocation:
+    gpus: tuple[GpuRef, ...]
+    start_s: float
+    end_s: float | None
+    pod: PodRef | None
+    slurm_job: str | None
+    user: str | None
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float
+    until_s: float | None
+    gpu: int | None
+    call: str | None
+    error: str | None
+    nvlink_down: tuple[int, ...]
+    xid: int | None
+    latency_ms: float
+
+    def active(self, t: float) -> bool:
+        return self.at_s <= t and (self.until_s is None or t < self.until_s)
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    hostname: str
+    driver_version: str
+    cuda_driver_version: int
+    instance_type: str | None
+    missing_functions: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    start: datetime
+    node: NodeFacts
+    gpus: tuple[Gpu, ...]
+    processes: tuple[Process, ...]
+    allocations: tuple[Allocation, ...]
+    faults: tuple[Fault, ...]
+    raw: Mapping[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def start_epoch(self) -> float:
+        return self.start.timestamp()
