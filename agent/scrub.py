@@ -1,0 +1,97 @@
+"""Text that leaves the agent never carries a credential or forges a line.
+
+Command lines and environments hold secrets: a model given as
+``https://user:pass@hub.example/m?token=abc``, ``--hf-token=hf_...``, ``Authorization: Bearer ...``.
+Every value that becomes a label, a log line, a ledger row or a report cell passes through
+`scrub` (or `scrub_label` / `escape_control` as the output needs), so one function decides what
+"looks like a credential" for all of them.
+
+What is removed, and why each:
+  - URL userinfo (``scheme://user:pass@host``): the classic leak through a model or repo URL.
+  - URL query strings and fragments: signed URLs (S3, GCS, Azure SAS) carry their keys there.
+  - ``name=value`` / ``name: value`` / ``--name value`` where the name says token, key, secret,
+    password, credential or auth: the value goes, the name stays so a reader knows why.
+  - ``Bearer``/``Basic`` authorization values.
+  - Strings shaped like well-known token formats (Hugging Face, GitHub, OpenAI, Slack, AWS access
+    key ids, JWTs), wherever they appear: a bare token needs no name to be a secret.
+A false positive costs a label its detail; a false negative costs a customer a key, so the
+patterns lean towards removing.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+REDACTED = "[redacted]"
+
+# Names that mark the value after them as secret, matched as whole segments of a longer name
+# (HF_TOKEN, --hf-token, aws_secret_access_key, db-password, x-api-key) so that --tokenizer,
+# author= or max_tokens= keep their values.
+_SECRET_WORD = (
+    r"(?:token|secret|password|passwd|pwd|pass|apikey|api[_-]key|access[_-]key|private[_-]key|key|credentials?|auth)"
+)
+# The name's segments: any before the secret word, the word, any after; never inside a word.
+_NAME_BODY = rf"(?:[A-Za-z0-9]+[_.-])*{_SECRET_WORD}(?:[_.-][A-Za-z0-9]+)*(?![A-Za-z0-9])"
+_SECRET_NAME = rf"(?<![A-Za-z0-9]){_NAME_BODY}"
+
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@?#]*@")
+# A query string or fragment belongs to the URL it follows: from "?" or "#" to the next space.
+_URL_QUERY = re.compile(r"(?P<url>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s?#]*)[?#]\S*")
+# name=value or name: value (the value runs to whitespace, a quote, "&" or ";").
+_NAMED_VALUE = re.compile(rf"(?P<name>{_SECRET_NAME})(?P<sep>\s*[=:]\s*)(?P<value>[^\s&;'\"]+)", re.IGNORECASE)
+# --name value (a command-line flag whose next word is the secret).
+_FLAG_VALUE = re.compile(rf"(?P<flag>--?{_NAME_BODY})(?P<sep>\s+)(?P<value>[^\s-][^\s]*)", re.IGNORECASE)
+_AUTH_SCHEME = re.compile(
+    r"\b(?P<scheme>Bearer|Basic|Token)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=-]{8,})", re.IGNORECASE
+)
+_TOKEN_SHAPES = re.compile(
+    r"\b(?:"
+    r"hf_[A-Za-z0-9]{20,}"  # Hugging Face
+    r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub
+    r"|github_pat_[A-Za-z0-9_]{20,}"
+    r"|sk-[A-Za-z0-9_-]{20,}"  # OpenAI and look-alikes
+    r"|xox[abposr]-[A-Za-z0-9-]{10,}"  # Slack
+    r"|(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids
+    r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"  # JWT
+    r")"
+)
+# C0 and C1 control characters and DEL. A newline in a value would start a forged log line;
+# an escape sequence would repaint a terminal.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _control_escape(match: re.Match[str]) -> str:
+    char = match.group()
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(char, f"\\x{ord(char):02x}")
+
+
+def escape_control(text: str) -> str:
+    """Control characters as visible escapes (``\\n``, ``\\x1b``): one value stays one line."""
+    return _CONTROL.sub(_control_escape, text) if _CONTROL.search(text) else text
+
+
+@lru_cache(maxsize=16384)
+def scrub(text: str) -> str:
+    """`text` with everything that looks like a credential removed (see the module docstring).
+
+    Idempotent, and cached: labels repeat every poll, so each distinct value is scrubbed once.
+    """
+    if not text:
+        return text
+    out = _URL_USERINFO.sub(r"\g<scheme>", text)
+    out = _URL_QUERY.sub(r"\g<url>", out)
+    out = _AUTH_SCHEME.sub(rf"\g<scheme>\g<sep>{REDACTED}", out)
+    out = _NAMED_VALUE.sub(lambda m: m["name"] + m["sep"] + _keep_redacted(m["value"]), out)
+    out = _FLAG_VALUE.sub(lambda m: m["flag"] + m["sep"] + _keep_redacted(m["value"]), out)
+    return _TOKEN_SHAPES.sub(REDACTED, out)
+
+
+def _keep_redacted(value: str) -> str:
+    # A value already redacted by an earlier pattern stays as it is (idempotence).
+    return value if value == REDACTED else REDACTED
+
+
+def scrub_label(text: str) -> str:
+    """A label value, ledger field or table cell: no credential, no control character."""
+    return escape_control(scrub(text))

@@ -1,0 +1,100 @@
+"""Credentials never leave the agent through a label, a log line, a ledger row or a report."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.scrub import REDACTED, escape_control, scrub, scrub_label
+
+CANARY = "canary7Q2x9"
+
+# Each shape a secret takes in a command line or a model argument, with the canary as the secret.
+SECRET_SHAPES = [
+    f"https://alice:{CANARY}@hub.example.com/org/model",
+    f"https://{CANARY}@github.com/org/repo.git",
+    f"s3://bucket/weights.safetensors?X-Amz-Signature={CANARY}&X-Amz-Expires=60",
+    f"https://hub.example.com/m?token={CANARY}",
+    f"https://hub.example.com/m#access_token={CANARY}",
+    f"--hf-token={CANARY}",
+    f"--hf-token {CANARY}",
+    f"--api-key {CANARY}",
+    f"HF_TOKEN={CANARY}",
+    f"aws_secret_access_key={CANARY}",
+    f"password: {CANARY}",
+    f"db_password={CANARY};other=1",
+    f"Authorization: Bearer {CANARY}abcdef",
+    f"hf_{CANARY}abcdefghijklmnopqrstuv",
+    f"ghp_{CANARY}abcdefghijklmnopqrstuv",
+    f"sk-{CANARY}abcdefghijklmnopqrstuv",
+    "AKIA" + CANARY.upper()[:8] + "ABCDEFGH",
+]
+
+
+@pytest.mark.parametrize("shape", SECRET_SHAPES)
+def test_every_secret_shape_is_removed(shape: str) -> None:
+    out = scrub(shape)
+    secret = "AKIA" + CANARY.upper()[:8] + "ABCDEFGH" if shape.startswith("AKIA") else CANARY
+    assert secret not in out
+    assert secret.lower() not in out.lower()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # The URL keeps host and path; only its userinfo and query go.
+        ("https://user:pass@hub.example.com/org/m?token=abc", "https://hub.example.com/org/m"),
+        # The name stays so a reader sees that something was removed and why.
+        ("--hf-token=abc123", f"--hf-token={REDACTED}"),
+        ("HF_TOKEN=abc123 python train.py", f"HF_TOKEN={REDACTED} python train.py"),
+        ("Authorization: Bearer abcdefghijk", f"Authorization: Bearer {REDACTED}"),
+    ],
+)
+def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
+    assert scrub(text) == expected
+
+
+@pytest.mark.parametrize(
+    "benign",
+    [
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "BAAI/bge-large-en-v1.5",
+        "llama-3-8b",
+        "--tokenizer bert-base-uncased",  # "token" inside a longer word is no secret name
+        "max_tokens=512",
+        "author=alice",
+        "https://hub.example.com/org/model",
+        "/models/llama/7b",
+        "nginx.service",
+        "",
+    ],
+)
+def test_ordinary_names_are_untouched(benign: str) -> None:
+    assert scrub_label(benign) == benign
+
+
+def test_control_characters_cannot_forge_a_second_line() -> None:
+    forged = "job-1\n2026-11-23 07:00:00 WARNING gpuledger: flag cleared\x1b[2J"
+    out = escape_control(forged)
+    assert "\n" not in out
+    assert "\x1b" not in out
+    assert out == "job-1\\n2026-11-23 07:00:00 WARNING gpuledger: flag cleared\\x1b[2J"
+
+
+texts = st.text(alphabet=st.characters(codec="utf-8"), max_size=80)
+
+
+@given(prefix=texts, suffix=texts, shape=st.sampled_from(SECRET_SHAPES))
+def test_a_secret_anywhere_in_any_text_is_removed(prefix: str, suffix: str, shape: str) -> None:
+    # Surrounded by spaces, as a secret is in a command line; the text around it is arbitrary.
+    out = scrub_label(f"{prefix} {shape} {suffix}")
+    if CANARY not in prefix + suffix:
+        assert CANARY not in out
+
+
+@given(texts)
+def test_scrubbing_is_idempotent_and_leaves_no_control_character(text: str) -> None:
+    once = scrub_label(text)
+    assert scrub_label(once) == once
+    assert not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in once)
