@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 import fake_nvml
+from agent.devices.backend import DriverLibraryMissing
 from agent.devices.nvml import NvmlBackend
 from agent.devices.sampler import REINIT_BACKOFF_FIRST_S, Sampler
-from agent.errors import NvmlLibraryMissing
 from agent.model import Snapshot
 
 MiB = 2**20
@@ -279,8 +279,8 @@ def test_transient_errors_are_counted_and_leave_the_reading_absent(install: Any)
     assert [p.pid for p in after.processes] == [5]  # TIMEOUT was not learned as unsupported
 
 
-def test_no_nvml_library_raises_library_missing() -> None:
+def test_no_nvml_library_raises_driver_library_missing() -> None:
     fake_nvml.uninstall()
     sampler = Sampler(NvmlBackend(clock=lambda: 0.0))
-    with pytest.raises(NvmlLibraryMissing):
+    with pytest.raises(DriverLibraryMissing):
         sampler.start()
