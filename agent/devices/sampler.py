@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -473,18 +473,14 @@ class Sampler:
         )
         if samples is None:
             return None
-        sums: dict[int, int] = {}
-        counts: dict[int, int] = {}
-        newest = since
+        # A busy GPU gives thousands of samples a poll: one dict lookup per sample.
+        by_pid: defaultdict[int, list[int]] = defaultdict(list)
         for pid, stamp_us, util in samples:
-            if stamp_us <= since:
-                continue
-            sums[pid] = sums.get(pid, 0) + util
-            counts[pid] = counts.get(pid, 0) + 1
-            newest = max(newest, stamp_us)
-        gpu.last_seen_us = newest
+            if stamp_us > since:
+                by_pid[pid].append(util)
+        gpu.last_seen_us = max(since, max((stamp_us for _pid, stamp_us, _util in samples), default=since))
         # Sum whole percents and divide once, so a steady 92% reads 0.92, not 0.9200000000000002.
-        return {pid: sums[pid] / counts[pid] / 100 for pid in sums}
+        return {pid: sum(utils) / len(utils) / 100 for pid, utils in by_pid.items()}
 
 
 def _readings(infos: Sequence[ProcessInfo]) -> tuple[ProcessReading, ...]:
