@@ -16,6 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from agent.attribution.resolve import MATCH_FIELDS, SET_FIELDS
+from agent.devices import backend_names
 from agent.errors import ConfigError
 from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
@@ -174,6 +175,8 @@ class Settings(BaseSettings):
     # The node's name in the ledger, logs and rule selectors; default the hostname (in a pod,
     # set it from the downward API's spec.nodeName: the chart does).
     node_name: str | None = None
+    # Which device backend reads the GPUs (agent/devices/__init__.py registers them).
+    backend: str = "nvml"
     poll_interval: Duration = Field(default=5.0, gt=0)
     listen: Annotated[str, BeforeValidator(_check_listen)] = "0.0.0.0:9835"
     proc_root: str = "/proc"
@@ -186,6 +189,13 @@ class Settings(BaseSettings):
     # TLS and basic auth for the HTTP endpoint, in the exporter-toolkit web-config format
     # (like exporters' --web.config.file); read by exporters/webconfig.py when `run` starts.
     web_config_file: str | None = None
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in backend_names():
+            raise ValueError(f"unknown device backend {value!r} (known: {', '.join(backend_names())})")
+        return value
 
     @classmethod
     def settings_customise_sources(

@@ -39,6 +39,7 @@ class DeviceReading:
     up: bool
     parent_uuid: str | None = None
     mig_index: int | None = None
+    mig_profile: str = ""  # a MIG instance's profile as the MIG user guide names it, e.g. "3g.40gb"
     gpu_instance_id: int | None = None
     pci_bus_id: str = ""
     down_reason: str | None = None
@@ -56,8 +57,10 @@ class DeviceReading:
 
     @property
     def model(self) -> str:
-        """The GPU model as scenarios and pricing name it: the NVML name minus "NVIDIA "."""
-        return self.name.removeprefix("NVIDIA ").split(" MIG ")[0]
+        """The GPU model as scenarios and pricing name it: the name minus "NVIDIA " (and, for a
+        MIG instance, minus the " MIG <profile>" the driver appends)."""
+        model = self.name.removeprefix("NVIDIA ")
+        return model.removesuffix(f" MIG {self.mig_profile}") if self.mig_profile else model
 
     @property
     def is_mig(self) -> bool:

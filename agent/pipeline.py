@@ -20,8 +20,8 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from agent.accounting.cost import account, accumulate
 from agent.attribution.gather import Attributor
+from agent.devices.backend import DriverLibraryMissing
 from agent.devices.sampler import Sampler
-from agent.errors import NvmlLibraryMissing
 from agent.model import AgentHealth, AgentState, Attribution, Charges, CostTotals, LedgerHealth, Price, Snapshot
 from agent.units import format_duration
 from rules.engine import Flag, GpuObservation, RuleSpec, RuleState, Transition, evaluate
@@ -103,7 +103,7 @@ class Pipeline:
         snapshot: Snapshot | None = None
         try:
             snapshot = self.sampler.poll()
-        except NvmlLibraryMissing:
+        except DriverLibraryMissing:
             raise
         except Exception:
             # A bug in one poll must not stop the daemon: count it, keep the last good snapshot.
@@ -264,7 +264,7 @@ class Pipeline:
     def _scheduled_poll(self) -> None:
         try:
             self.poll_once()
-        except NvmlLibraryMissing as exc:
+        except DriverLibraryMissing as exc:
             log.error("%s", exc)
 
     def _on_missed(self, event: JobExecutionEvent) -> None:

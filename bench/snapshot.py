@@ -1,6 +1,6 @@
 """What one poll costs: gpuledger's sampler against nvitop and against bare pynvml calls.
 
-    python bench/snapshot.py [--polls N] [--warmup N]
+    python bench/snapshot.py [--polls N] [--warmup N] [--scale-polls N]
 
 All three read the same fake node (the built-in `demo` node, scaled to 8 GPUs x 64 processes,
 no faults and so no injected latency) through the same real `pynvml` module:
@@ -9,6 +9,14 @@ no faults and so no injected latency) through the same real `pynvml` module:
   nvitop     nvitop's Device API, one fresh read of every field per poll.
   floor      bare pynvml wrapper calls, one call per reading, handles obtained once: the least
              a poll of these fields can cost.
+
+A scale section then polls two large nodes, each with the sampler alone and with attribution
+(`Attributor` as the CLI wires it: procfs, passwd, Slurm map files, pod log directories), and
+prints each figure beside its target:
+
+  56 MIG     8 A100-SXM4-80GB x 7 MIG 1g.10gb instances, 1000 processes, one Slurm job per
+             instance (the issue's "MIG x 1000" node)
+  2048 proc  the demo node's 8 whole GPUs with 2048 processes, 256 per GPU, one Slurm job per GPU
 
 Each round moves the fake clock 5 s, then polls all three (in a rotating order, so that no
 reader always runs first or last) at the same scenario instant; every reader sees new
@@ -54,6 +62,8 @@ PID_BASE = 5_000_000
 TARGET_TIME_VS_NVITOP = 0.5
 TARGET_TIME_VS_FLOOR = 1.3
 TARGET_CALLS_VS_FLOOR = 1.0
+TARGET_SCALE_CALLS_PER_GPU = 10.0
+TARGET_MIG_SAMPLER_AND_ATTRIBUTION_MS = 50.0
 
 
 NOTES = (
@@ -66,6 +76,9 @@ NOTES = (
     "Attribution: the whole pipeline poll (sampler + attribution) against the sampler alone. Steady: the"
     " same 64 processes every poll, so each costs one read of /proc/<pid>/stat; cold: the process cache"
     " emptied before every poll, so all 64 are read in full (stat, status, cmdline, cgroup, environ).",
+    "Scale: medians over --scale-polls polls; attribution steady (process cache warm), each device allocated to"
+    " one Slurm job. Calls are per physical GPU (a MIG GPU's instances count toward their GPU); us/process is"
+    " the sampler's time over the node's processes: flat from 512 to 2048 processes means linear growth.",
 )
 
 
@@ -91,6 +104,45 @@ def scaled_demo() -> dict[str, Any]:
                 }
             )
     return {"start": demo["start"], "node": demo["node"], "gpus": demo["gpus"], "processes": processes}
+
+
+def scale_node(*, mig: bool, processes: int) -> dict[str, Any]:
+    """The demo node's 8 GPUs, whole or each cut into 7 x 1g.10gb, with `processes` spread
+    round-robin over the devices; each device is allocated to one Slurm job that its
+    processes belong to, as on a batch node."""
+    demo = yaml.safe_load((SCENARIO_DIR / "demo.yaml").read_text())
+    if mig:
+        gpus: list[dict[str, Any]] = [{"model": "A100-SXM4-80GB", "count": GPUS, "mig": ["1g.10gb"] * 7}]
+        devices = [f"{g}:{m}" for g in range(GPUS) for m in range(7)]
+    else:
+        gpus = demo["gpus"]
+        devices = [str(g) for g in range(GPUS)]
+    jobs = {device: str(70000 + n) for n, device in enumerate(devices)}
+    return {
+        "start": demo["start"],
+        "node": demo["node"],
+        "gpus": gpus,
+        "processes": [
+            {
+                "pid": PID_BASE + n,
+                "gpus": [_ref(devices[n % len(devices)])],
+                "sm_util": 1 + (7 * n) % 19,
+                "memory_mib": 16 + n % 8,  # 256 processes of at most 23 MiB fit a 10 GB instance
+                "uid": 1000 + n % 16,
+                "cmdline": f"python worker.py --rank {n}",
+                "slurm_job": jobs[devices[n % len(devices)]],
+            }
+            for n in range(processes)
+        ],
+        "allocations": [
+            {"gpus": [_ref(device)], "slurm_job": job, "user": f"user{n % 16}"}
+            for n, (device, job) in enumerate(jobs.items())
+        ],
+    }
+
+
+def _ref(device: str) -> int | str:
+    return device if ":" in device else int(device)
 
 
 # -- the readers ----------------------------------------------------------------------------------
@@ -379,14 +431,112 @@ def attribution_section(node: fake_nvml.InstalledNode, polls: int, warmup: int) 
     return table(rows, "<>>")
 
 
+@dataclass
+class ScaleCase:
+    name: str
+    scenario: dict[str, Any]
+    target_ms: float | None  # sampler + attribution
+
+
+SCALE_CASES = (
+    ScaleCase("56 MIG x 1000 processes", scale_node(mig=True, processes=1000), TARGET_MIG_SAMPLER_AND_ATTRIBUTION_MS),
+    ScaleCase("8 GPUs x 512 processes", scale_node(mig=False, processes=512), None),
+    ScaleCase("8 GPUs x 2048 processes", scale_node(mig=False, processes=2048), None),
+)
+
+
+def measure_scale(case: ScaleCase, polls: int, warmup: int) -> tuple[float, float, float]:
+    """Median ms of the sampler's poll, median ms of poll + attribution (process cache warm),
+    and NVML calls per physical GPU per poll."""
+    node = fake_nvml.install(case.scenario)
+    try:
+        host = node.host
+        sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname=node.scenario.node.hostname)
+        sampler.start()
+        attributor = Attributor(
+            ProcFS(host.proc_root, env_allowlist={"SLURM_JOB_ID", "SLURM_JOB_USER", "SLURM_JOB_ACCOUNT"}),
+            Passwd(host.passwd_file),
+            slurm_map_dir=host.slurm_map_dir,
+            pod_logs_dir=host.pod_logs_dir,
+        )
+        sampler_s: list[float] = []
+        both_s: list[float] = []
+        calls = 0
+        gc.collect()
+        for i in range(warmup + polls):
+            node.clock.advance(STEP_S)
+            node.sync_host(node.now())  # the host's files move with the clock, outside the timing
+            before = sum(node.calls.values())
+            gc.disable()
+            started = time.perf_counter()
+            sampler.poll()
+            elapsed = time.perf_counter() - started
+            gc.enable()
+            if i >= warmup:
+                sampler_s.append(elapsed)
+                calls += sum(node.calls.values()) - before
+            node.clock.advance(STEP_S)
+            node.sync_host(node.now())
+            gc.disable()
+            started = time.perf_counter()
+            attribution = attributor.attribute(sampler.poll())
+            elapsed = time.perf_counter() - started
+            gc.enable()
+            if i >= warmup:
+                both_s.append(elapsed)
+        held = {h.device_uuid for h in attribution.holdings if h.allocated and h.workload.job}
+        devices = [d for d in sampler.poll().devices if d.processes]
+        if len(held) != len(devices):
+            raise SystemExit(f"{case.name}: attribution found {len(held)} Slurm jobs for {len(devices)} devices")
+    finally:
+        fake_nvml.uninstall()
+    return statistics.median(sampler_s) * 1000, statistics.median(both_s) * 1000, calls / polls / GPUS
+
+
+def scale_section(polls: int, warmup: int) -> list[str]:
+    rows: list[tuple[str, ...]] = [
+        (
+            "scale",
+            "sampler ms",
+            "us/process",
+            "sampler+attribution ms",
+            "target",
+            "NVML calls/GPU/poll",
+            "target",
+            "result",
+        )
+    ]
+    for case in SCALE_CASES:
+        sampler_ms, both_ms, per_gpu = measure_scale(case, polls, warmup)
+        ok = per_gpu <= TARGET_SCALE_CALLS_PER_GPU and (case.target_ms is None or both_ms <= case.target_ms)
+        rows.append(
+            (
+                case.name,
+                f"{sampler_ms:.2f}",
+                f"{sampler_ms * 1000 / len(case.scenario['processes']):.1f}",
+                f"{both_ms:.2f}",
+                "-" if case.target_ms is None else f"<= {case.target_ms:g}",
+                f"{per_gpu:.1f}",
+                f"<= {TARGET_SCALE_CALLS_PER_GPU:g}",
+                "PASS" if ok else "MISS",
+            )
+        )
+    return table(rows, "<>>>>>>>")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--polls", type=int, default=200, help="timed polls per reader (default 200)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed polls first (default 20)")
+    parser.add_argument("--scale-polls", type=int, default=30, help="timed polls per scale case (default 30)")
+    parser.add_argument("--scale-only", action="store_true", help="run only the scale section")
     args = parser.parse_args(argv)
     if args.polls < 1 or args.warmup < 1:
         parser.error("--polls and --warmup must be at least 1")
 
+    if args.scale_only:
+        print("\n".join(scale_section(args.scale_polls, warmup=3)))
+        return 0
     node = fake_nvml.install(scaled_demo())
     try:
         readers = [gpuledger_reader(node), nvitop_reader(node), floor_reader(node)]
@@ -395,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         attribution = attribution_section(node, args.polls, args.warmup)
     finally:
         fake_nvml.uninstall()
+    scale = scale_section(args.scale_polls, warmup=3)
 
     print(
         f"One poll of {GPUS} GPUs x {GPUS * PROCESSES_PER_GPU} processes (the demo node, scaled; no faults), "
@@ -403,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = [
         poll_cost_section(readers, args.polls),
         attribution,
+        scale,
     ]
     for section in sections:
         print()

@@ -116,17 +116,12 @@ class DcgmCollector(Collector):
                 for mig in instances:
                     mig_labels = {
                         **labels,
-                        "GPU_I_PROFILE": mig_profile(mig),
+                        "GPU_I_PROFILE": mig.mig_profile,
                         "GPU_I_ID": "" if mig.gpu_instance_id is None else str(mig.gpu_instance_id),
                         **_pod_labels(state, mig.uuid),
                     }
                     _framebuffer(families, mig_labels, mig)
         yield from (family for family in families.values() if family.samples)
-
-
-def mig_profile(device: DeviceReading) -> str:
-    """The MIG profile as DCGM names it ("3g.40gb"): the NVML name after " MIG "."""
-    return device.name.split(" MIG ")[-1] if " MIG " in device.name else ""
 
 
 def _identity(gpu: DeviceReading, hostname: str, driver_version: str) -> dict[str, str]:

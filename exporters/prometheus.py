@@ -108,9 +108,8 @@ def _gpu_series(out: _Families, d: DeviceReading, driver_version: str, processes
 def _mig_series(out: _Families, d: DeviceReading) -> None:
     parent_uuid = d.parent_uuid or ""
     ids = (str(d.index), parent_uuid, str(d.mig_index))
-    profile = d.name.split(" MIG ")[-1] if " MIG " in d.name else ""
     gi = "" if d.gpu_instance_id is None else str(d.gpu_instance_id)
-    out.add("gpuledger_mig_info", (*ids, d.uuid, gi, profile), 1.0)
+    out.add("gpuledger_mig_info", (*ids, d.uuid, gi, d.mig_profile), 1.0)
     if d.memory_used_bytes is not None:
         out.add("gpuledger_mig_memory_used_bytes", ids, float(d.memory_used_bytes))
     if d.memory_total_bytes is not None:

@@ -20,11 +20,15 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "agent.attribution.sources.podlogs": (),
     "agent.accounting.instance": (),
     "agent.attribution.sources.podresources": ("agent.attribution.sources.podresources",),
-    "agent.config": ("agent.errors", "agent.units", "agent.yamlfile", "agent.attribution.resolve"),
-    "agent.devices.nvml": ("agent.errors",),
+    "agent.config": ("agent.errors", "agent.units", "agent.yamlfile", "agent.attribution.resolve", "agent.devices"),
+    # The registry: backends are imported only when chosen.
+    "agent.devices": ("agent.errors", "agent.devices.backend", "agent.devices.nvml"),
+    "agent.devices.backend": ("agent.errors",),
+    "agent.devices.nvml": ("agent.errors", "agent.devices.backend"),
     "agent.attribution.sources.procfs": ("agent.errors", "agent.model"),
     "agent.attribution.sources.kubelet": ("agent.errors", "agent.attribution.sources.podresources"),
-    "agent.devices.sampler": ("agent.errors", "agent.model", "agent.devices.nvml"),
+    # The sampler knows the backend protocol, never a backend.
+    "agent.devices.sampler": ("agent.errors", "agent.model", "agent.devices.backend"),
     # attribution is pure: the model, the cgroup parser and the recognisers, nothing that reads
     "agent.attribution.resolve": ("agent.model", "agent.attribution.cgroup", "agent.attribution.recognise"),
     "agent.attribution.gather": (
@@ -40,6 +44,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "agent.ledger.report": ("agent.model", "agent.units", "agent.ledger.store"),
     "agent.pipeline": (
         "agent.errors",
+        "agent.devices.backend",
         "agent.model",
         "agent.devices.sampler",
         "agent.attribution.gather",

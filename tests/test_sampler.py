@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 import fake_nvml
+from agent.devices.backend import DriverLibraryMissing
 from agent.devices.nvml import NvmlBackend
 from agent.devices.sampler import REINIT_BACKOFF_FIRST_S, Sampler
-from agent.errors import NvmlLibraryMissing
 from agent.model import Snapshot
 
 MiB = 2**20
@@ -279,8 +279,87 @@ def test_transient_errors_are_counted_and_leave_the_reading_absent(install: Any)
     assert [p.pid for p in after.processes] == [5]  # TIMEOUT was not learned as unsupported
 
 
-def test_no_nvml_library_raises_library_missing() -> None:
+def test_no_nvml_library_raises_driver_library_missing() -> None:
     fake_nvml.uninstall()
     sampler = Sampler(NvmlBackend(clock=lambda: 0.0))
-    with pytest.raises(NvmlLibraryMissing):
+    with pytest.raises(DriverLibraryMissing):
         sampler.start()
+
+
+@pytest.mark.parametrize("error", ["GPU_IS_LOST", "RESET_REQUIRED"])
+@pytest.mark.parametrize(
+    "call",
+    [None, "nvmlDeviceGetPowerUsage"],
+    ids=["every call", "power, read in the field-values batch"],
+)
+def test_a_gpu_that_needs_a_reset_is_down_like_a_lost_one(install: Any, error: str, call: str | None) -> None:
+    fault: dict[str, Any] = {"at": "1m", "gpu": 1, "error": error}
+    if call is not None:
+        fault["call"] = call
+    node, sampler = install({"gpus": [{"count": 2}], "faults": [fault]})
+    assert by_label(sampler.poll())["1"].up
+    node.clock.advance(61)
+    after = by_label(sampler.poll())
+    assert not after["1"].up
+    assert after["1"].down_reason == error
+    assert after["0"].up
+    assert after["0"].power_w is not None
+
+
+def test_a_fully_split_mig_gpu_costs_at_most_ten_calls_a_poll(install: Any) -> None:
+    node, sampler = install(
+        {
+            "gpus": [{"model": "A100-SXM4-80GB", "mig": ["1g.10gb"] * 7, "nvlink_links": 12}],
+            "processes": [
+                {"pid": 900 + m, "gpus": [f"0:{m}"], "sm_util": 30, "memory_mib": 1000 + m} for m in range(7)
+            ],
+        }
+    )
+    sampler.poll()
+    node.clock.advance(5)
+    before = node.calls.copy()
+    snapshot = sampler.poll()
+    calls = node.calls - before
+    # temperature, field values (power, energy, 12 NVLinks), the GPU's process list, and
+    # one memory reading per MIG device: 3 + 7
+    assert sum(calls.values()) <= 10
+    assert calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 1
+    parent = snapshot.gpus[0]
+    instances = snapshot.mig_devices(parent.uuid)
+    assert [[p.pid for p in d.processes] for d in instances] == [[900 + m] for m in range(7)]
+    assert [d.memory_used_bytes for d in instances] == [(1000 + m) * MiB for m in range(7)]
+    assert parent.memory_used_bytes == sum(1000 + m for m in range(7)) * MiB
+    assert parent.memory_total_bytes == 81920 * MiB
+    assert len(parent.nvlinks) == 12
+
+
+def test_the_mig_profile_is_carried_on_each_instance(install: Any) -> None:
+    _node, sampler = install("mig")
+    snapshot = sampler.poll()
+    parent = snapshot.gpus[0]
+    instances = snapshot.mig_devices(parent.uuid)
+    assert [(d.name, d.mig_profile, d.model) for d in instances] == [
+        ("NVIDIA A100-SXM4-80GB MIG 3g.40gb", "3g.40gb", "A100-SXM4-80GB")
+    ] * 2
+    assert (parent.mig_profile, parent.model) == ("", "A100-SXM4-80GB")
+
+
+def test_a_long_process_list_is_read_in_one_call_once_the_buffer_fits(install: Any) -> None:
+    node, sampler = install(
+        {
+            "gpus": [{"count": 1}],
+            "processes": [{"pid": 1000 + n, "gpus": [0], "sm_util": 1 + n % 50, "memory_mib": 10} for n in range(100)],
+        }
+    )
+    for _ in range(2):  # the first polls grow the buffers: 100 processes, then 5 s of their samples
+        sampler.poll()
+        node.clock.advance(5)
+    before = node.calls.copy()
+    reading = by_label(sampler.poll())["0"]
+    calls = node.calls - before
+    assert [p.pid for p in reading.processes] == list(range(1000, 1100))
+    assert [p.sm_util for p in reading.processes] == [pytest.approx((1 + n % 50) / 100) for n in range(100)]
+    assert calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 1
+    assert calls["nvmlDeviceGetProcessUtilization"] == 1
+    # memory, utilization, temperature, field values, processes, process samples
+    assert sum(calls.values()) == 6

@@ -24,8 +24,9 @@ from agent.cli.render import render_table, snapshot_json
 from agent.cli.simulate import cmd_simulate
 from agent.cli.wiring import make_attributor, make_backend, make_costing, node_name, rule_specs
 from agent.config import check_config, load_config
+from agent.devices.backend import DriverLibraryMissing
 from agent.devices.sampler import Sampler
-from agent.errors import BadInputError, GpuledgerError, NvmlLibraryMissing
+from agent.errors import BadInputError, GpuledgerError
 from agent.ledger.report import GROUP_KEYS, parse_by, parse_time, render, report_from_ledger
 from agent.pipeline import Pipeline
 from agent.units import format_duration
@@ -109,12 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except BadInputError as exc:
         return _fail(str(exc), EXIT_BAD_INPUT, debug)
-    except NvmlLibraryMissing:
+    except DriverLibraryMissing as exc:
         return _fail(
-            "gpuledger: cannot load the NVML library (libnvidia-ml.so.1): is the NVIDIA driver installed? "
-            "(use --fake to run on a simulated node)",
-            EXIT_FAILURE,
-            debug,
+            f"gpuledger: cannot load {exc.detail} (use --fake to run on a simulated node)", EXIT_FAILURE, debug
         )
     except GpuledgerError as exc:
         return _fail(f"gpuledger: {exc}", EXIT_FAILURE, debug)
@@ -171,7 +169,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     textfile_path = settings.exporters.textfile_path
     if textfile_path and not Path(textfile_path).parent.is_dir():
         raise BadInputError(f"gpuledger: exporters.textfile_path: no such directory {Path(textfile_path).parent}")
-    backend, node = make_backend(args.fake, args.fake_speed)
+    backend, node = make_backend(args.fake, args.fake_speed, settings.backend)
     sampler = Sampler(backend, hostname=node_name(settings, node))
     sampler.start()
     attributor = make_attributor(settings, node)
@@ -246,7 +244,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_snapshot(args: argparse.Namespace) -> int:
     settings = load_config(args.config)
     at = duration_arg(args.at, "--at")
-    backend, node = make_backend(args.fake, 0.0)
+    backend, node = make_backend(args.fake, 0.0, settings.backend)
     sampler = Sampler(backend, hostname=node_name(settings, node))
     sampler.start()
     clock = node.clock.wall_time if node is not None else time.time

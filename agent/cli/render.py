@@ -99,7 +99,7 @@ def _row(d: DeviceReading) -> tuple[str, ...]:
         else f"{_fmt(d.memory_used_bytes, '.1f', gib)}/{_fmt(d.memory_total_bytes, '.0f', gib)}"
     )
     down_links = [str(link.link) for link in d.nvlinks if not link.up]
-    model = d.model if not d.is_mig else "  " + d.name.split(" MIG ")[-1]
+    model = d.model if not d.is_mig else "  " + d.mig_profile
     return (
         d.label,
         model,

@@ -14,7 +14,8 @@ from agent.attribution.gather import Attributor, KubeletWatcher
 from agent.attribution.resolve import compile_rules, rule_env_keys
 from agent.attribution.sources.procfs import Passwd, ProcFS
 from agent.config import Settings
-from agent.devices.nvml import NvmlBackend
+from agent.devices import create_backend
+from agent.devices.backend import DeviceBackend
 from agent.model import Price, Snapshot
 from agent.pipeline import Costing
 from rules.engine import RuleSpec
@@ -118,11 +119,12 @@ def node_name(settings: Settings, node: Any) -> str | None:
     return str(node.scenario.node.hostname) if node is not None else None
 
 
-def make_backend(fake: str | None, speed: float) -> tuple[NvmlBackend, Any]:
-    """The NVML backend, and the fake node when running on one."""
+def make_backend(fake: str | None, speed: float, backend: str = "nvml") -> tuple[DeviceBackend, Any]:
+    """The device backend named `backend`, and the fake node when running on one (a fake node
+    stands in for NVML's library, so it is always read through the nvml backend)."""
     if fake is None:
-        return NvmlBackend(clock=time.time), None
+        return create_backend(backend, time.time), None
     import fake_nvml
 
     node = fake_nvml.install(fake, speed=speed)
-    return NvmlBackend(clock=node.clock.wall_time), node
+    return create_backend("nvml", node.clock.wall_time), node

@@ -1,37 +1,59 @@
-"""The one module that talks to pynvml. Calls are thin; pynvml's exceptions become the agent's.
+"""The NVIDIA backend: the one module that talks to pynvml.
 
-Everything above this module sees plain Python values and `agent.errors` exceptions, never a
-ctypes struct or a `pynvml.NVMLError`.
+It implements `agent.devices.backend.DeviceBackend`. Everything above it sees plain Python
+values in SI units and the backend's neutral exceptions, never a ctypes struct or a
+`pynvml.NVMLError`. How readings are fetched is decided here, out of the sampler's sight:
+
+- power, energy and NVLink states go in one `nvmlDeviceGetFieldValues` call per device; a
+  field the batch lacks (R470 has no instant-power field) is read by its single call instead;
+- process lists and process samples are read in one call into a buffer sized from the
+  previous poll, not pynvml's two (ask the count, then the data);
+- versioned calls are tried newest first and the first the driver has is remembered, so an old
+  driver costs one FUNCTION_NOT_FOUND per call family, not one per poll.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pynvml
 
-from agent.errors import (
-    NvmlDriverUnavailable,
-    NvmlError,
-    NvmlFunctionMissing,
-    NvmlGpuLost,
-    NvmlLibraryMissing,
-    NvmlNotFound,
-    NvmlNotSupported,
+from agent.devices.backend import (
+    DeviceError,
+    DeviceLost,
+    DriverLibraryMissing,
+    DriverUnavailable,
+    Handle,
+    PermissionDenied,
+    ProcessInfo,
+    ProcessSample,
+    Quantity,
+    ReadingKey,
+    ReadingNotSupported,
+    ReadResult,
 )
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
-Handle = Any  # a pynvml c_nvmlDevice_t; opaque above this module
 
-FI_TOTAL_ENERGY_CONSUMPTION = pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
-FI_POWER_INSTANT = getattr(pynvml, "NVML_FI_DEV_POWER_INSTANT", 186)
-FI_NVLINK_GET_STATE = getattr(pynvml, "NVML_FI_DEV_NVLINK_GET_STATE", 165)
-FI_NVLINK_LINK_COUNT = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
-MAX_NVLINKS = getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)
+_FI_TOTAL_ENERGY_CONSUMPTION = pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
+_FI_POWER_INSTANT = getattr(pynvml, "NVML_FI_DEV_POWER_INSTANT", 186)
+_FI_NVLINK_GET_STATE = getattr(pynvml, "NVML_FI_DEV_NVLINK_GET_STATE", 165)
+_FI_NVLINK_LINK_COUNT = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
+_MAX_NVLINKS = getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)
+# The quantities the field-values call can batch, by field id.
+_FIELD_IDS = {
+    Quantity.POWER: _FI_POWER_INSTANT,
+    Quantity.ENERGY: _FI_TOTAL_ENERGY_CONSUMPTION,
+    Quantity.NVLINK_UP: _FI_NVLINK_GET_STATE,
+}
+_MEMORY = (Quantity.MEMORY_USED, Quantity.MEMORY_TOTAL)
+_NOT_AVAILABLE_U64 = 0xFFFFFFFFFFFFFFFF  # usedGpuMemory where the driver cannot tell (WDDM)
+_NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a process outside MIG
 
 _NAMES: dict[int, str] = {
     value: name.removeprefix("NVML_ERROR_")
@@ -39,15 +61,77 @@ _NAMES: dict[int, str] = {
     if name.startswith("NVML_ERROR_") and isinstance(value, int)
 }
 _DRIVER_GONE = {"UNINITIALIZED", "DRIVER_NOT_LOADED", "LIB_RM_VERSION_MISMATCH"}
+# The one definition of a lost GPU: every path (single calls, field values, discovery) that
+# sees one of these marks the GPU down.
 _GPU_GONE = {"GPU_IS_LOST", "GPU_NOT_FOUND", "RESET_REQUIRED"}
+
+
+class _FunctionMissing(ReadingNotSupported):
+    """The driver is older than the call. Above this module it is one more reading the device
+    does not have; here it means: try the older variant."""
+
+
+class _NotFound(DeviceError):
+    """NVML's NOT_FOUND: nothing to report (an empty MIG slot, no samples yet)."""
+
+
+def _from_milli(value: float) -> float:
+    """NVML reports power in milliwatts and energy in millijoules; the seam carries W and J."""
+    return float(value) / 1000
+
+
+def _error_name(code: int) -> str:
+    return _NAMES.get(code, f"ERROR_{code}")
+
+
+def _error(call: str, code: int) -> DeviceError:
+    """The neutral exception for an NVML return code."""
+    name = _error_name(code)
+    if name == "NOT_SUPPORTED":
+        return ReadingNotSupported(call, name)
+    if name == "FUNCTION_NOT_FOUND":
+        return _FunctionMissing(call, name)
+    if name == "NOT_FOUND":
+        return _NotFound(call, name)
+    if name == "NO_PERMISSION":
+        return PermissionDenied(call, name)
+    if name in _GPU_GONE:
+        return DeviceLost(call, name)
+    if name in _DRIVER_GONE:
+        return DriverUnavailable(call, name)
+    if name == "LIBRARY_NOT_FOUND":
+        return DriverLibraryMissing(call, name, "the NVML library, libnvidia-ml.so.1: is the NVIDIA driver installed?")
+    return DeviceError(call, name)
+
+
+def _call(call: str, fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return fn(*args)
+    except pynvml.NVMLError as exc:
+        raise _error(call, exc.value) from exc
+
+
+def _function(call: str, name: str) -> Callable[..., int]:
+    """The C function `name`, looked up the way pynvml's wrappers do."""
+    try:
+        fn: Callable[..., int] = pynvml._nvmlGetFunctionPointer(name)
+    except pynvml.NVMLError as exc:
+        raise _error(call, exc.value) from exc
+    return fn
+
+
+def _check(call: str, code: int) -> None:
+    if code != pynvml.NVML_SUCCESS:
+        raise _error(call, code)
 
 
 class _FieldValue(ctypes.Structure):
     """pynvml's c_nvmlFieldValue_t layout in a plain ctypes struct.
 
     pynvml's structs override __getattribute__/__setattr__ in Python to convert strings; for
-    the two calls that move many structs per poll (field values, process samples) that costs
-    more than the call itself, so this module hands the driver plain structs of the same layout.
+    the calls that move many structs per poll (field values, processes, process samples) that
+    costs more than the call itself, so this module hands the driver plain structs of the
+    same layout.
     """
 
     _fields_ = pynvml.c_nvmlFieldValue_t._fields_
@@ -57,75 +141,41 @@ class _ProcessSample(ctypes.Structure):
     _fields_ = pynvml.c_nvmlProcessUtilizationSample_t._fields_
 
 
-def _raw(call: str, name: str, *args: Any) -> int:
-    """Calls the C function `name` the way pynvml's wrappers do; returns its return code."""
-    try:
-        fn = pynvml._nvmlGetFunctionPointer(name)
-    except pynvml.NVMLError as exc:
-        raise _translate(call, exc) from exc
-    return int(fn(*args))
+class _ProcessInfo(ctypes.Structure):
+    # nvmlProcessInfo_v2_t; v3 of the call returns the same struct.
+    _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
 
 
-def _check(call: str, code: int) -> None:
-    if code != pynvml.NVML_SUCCESS:
-        raise _translate(call, pynvml.NVMLError(code))
+class _Device:
+    """A handle plus what this module has learned about reading that device."""
+
+    __slots__ = ("handle", "processes", "samples", "unbatched")
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        # Quantities the field-values call lacks on this device, but a single call may have.
+        self.unbatched: set[Quantity] = set()
+        # Reused result buffers, grown when the driver says they are too small.
+        self.processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 32)()
+        self.samples: ctypes.Array[_ProcessSample] = (_ProcessSample * 64)()
 
 
-def error_name(code: int) -> str:
-    return _NAMES.get(code, f"ERROR_{code}")
-
-
-def _translate(call: str, exc: pynvml.NVMLError) -> NvmlError:
-    name = error_name(exc.value)
-    if name == "NOT_SUPPORTED":
-        return NvmlNotSupported(call, name)
-    if name == "FUNCTION_NOT_FOUND":
-        return NvmlFunctionMissing(call, name)
-    if name == "NOT_FOUND":
-        return NvmlNotFound(call, name)
-    if name in _GPU_GONE:
-        return NvmlGpuLost(call, name)
-    if name in _DRIVER_GONE:
-        return NvmlDriverUnavailable(call, name)
-    if name == "LIBRARY_NOT_FOUND":
-        return NvmlLibraryMissing(call, name, "libnvidia-ml.so.1 could not be loaded: is the NVIDIA driver installed?")
-    return NvmlError(call, name)
-
-
-def _call(call: str, fn: Callable[..., T], *args: Any) -> T:
-    try:
-        return fn(*args)
-    except pynvml.NVMLError as exc:
-        raise _translate(call, exc) from exc
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessInfo:
-    pid: int
-    used_memory_bytes: int | None
-    gpu_instance_id: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class FieldResult:
-    field_id: int
-    scope_id: int
-    value: float | None
-    error: str | None
+def mig_profile_from_name(name: str) -> str:
+    """NVML names a MIG device after its GPU and its profile: "NVIDIA A100-SXM4-80GB MIG 3g.40gb"
+    -> "3g.40gb" (also "1c.3g.40gb" for a compute instance smaller than its GPU instance)."""
+    _, sep, profile = name.rpartition(" MIG ")
+    return profile if sep else ""
 
 
 class NvmlBackend:
-    """NVML as the sampler uses it. `clock` is the backend's clock in unix seconds.
-
-    Versioned calls are tried newest first; the first that the driver has is remembered, so an
-    old driver costs one FunctionNotFound per call family, not one per poll.
-    """
+    """NVML as the sampler uses it. `clock` is the backend's clock in unix seconds."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self._memory_v2: bool | None = None
         self._temperature_v: bool | None = None
-        self._processes_variant: str | None = None
+        self._processes_fn: str | None = None
+        self._field_values = True
 
     # -- library ------------------------------------------------------------------------------
 
@@ -147,114 +197,211 @@ class NvmlBackend:
         return int(_call("nvmlDeviceGetCount", pynvml.nvmlDeviceGetCount))
 
     def handle_by_index(self, index: int) -> Handle:
-        return _call("nvmlDeviceGetHandleByIndex", pynvml.nvmlDeviceGetHandleByIndex, index)
+        return _Device(_call("nvmlDeviceGetHandleByIndex", pynvml.nvmlDeviceGetHandleByIndex, index))
 
     # -- identity -----------------------------------------------------------------------------
 
     def name(self, handle: Handle) -> str:
-        return str(_call("nvmlDeviceGetName", pynvml.nvmlDeviceGetName, handle))
+        return str(_call("nvmlDeviceGetName", pynvml.nvmlDeviceGetName, handle.handle))
 
     def uuid(self, handle: Handle) -> str:
-        return str(_call("nvmlDeviceGetUUID", pynvml.nvmlDeviceGetUUID, handle))
+        return str(_call("nvmlDeviceGetUUID", pynvml.nvmlDeviceGetUUID, handle.handle))
 
     def pci_bus_id(self, handle: Handle) -> str:
-        info = _call("nvmlDeviceGetPciInfo", pynvml.nvmlDeviceGetPciInfo, handle)
+        info = _call("nvmlDeviceGetPciInfo", pynvml.nvmlDeviceGetPciInfo, handle.handle)
         bus_id = info.busId
         return bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
 
     def power_limit_w(self, handle: Handle) -> float:
-        return float(_call("nvmlDeviceGetEnforcedPowerLimit", pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)) / 1000
+        call = "nvmlDeviceGetEnforcedPowerLimit"
+        return _from_milli(_call(call, pynvml.nvmlDeviceGetEnforcedPowerLimit, handle.handle))
 
     def sm_count(self, handle: Handle) -> int:
-        return int(_call("nvmlDeviceGetAttributes", pynvml.nvmlDeviceGetAttributes, handle).multiprocessorCount)
+        return int(_call("nvmlDeviceGetAttributes", pynvml.nvmlDeviceGetAttributes, handle.handle).multiprocessorCount)
+
+    def nvlink_count(self, handle: Handle) -> int:
+        """The link-count field where the driver has it, else the links that answer a state query."""
+        with contextlib.suppress(ReadingNotSupported):
+            value, code = self._fields(handle, [(_FI_NVLINK_LINK_COUNT, 0)])[0]
+            if code is None:
+                return int(value)
+        links = 0
+        for link in range(_MAX_NVLINKS):
+            try:
+                self._nvlink_up(handle, link)
+            except DeviceError:
+                break
+            links += 1
+        return links
 
     def mig_enabled(self, handle: Handle) -> bool:
-        current, _pending = _call("nvmlDeviceGetMigMode", pynvml.nvmlDeviceGetMigMode, handle)
+        current, _pending = _call("nvmlDeviceGetMigMode", pynvml.nvmlDeviceGetMigMode, handle.handle)
         return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
 
     def mig_handles(self, handle: Handle) -> list[tuple[int, Handle]]:
-        """(slot, handle) of each MIG device the GPU has now."""
-        count = _call("nvmlDeviceGetMaxMigDeviceCount", pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)
+        count = _call("nvmlDeviceGetMaxMigDeviceCount", pynvml.nvmlDeviceGetMaxMigDeviceCount, handle.handle)
         found = []
         for slot in range(count):
             try:
-                found.append(
-                    (
-                        slot,
-                        _call(
-                            "nvmlDeviceGetMigDeviceHandleByIndex",
-                            pynvml.nvmlDeviceGetMigDeviceHandleByIndex,
-                            handle,
-                            slot,
-                        ),
-                    )
+                mig = _call(
+                    "nvmlDeviceGetMigDeviceHandleByIndex",
+                    pynvml.nvmlDeviceGetMigDeviceHandleByIndex,
+                    handle.handle,
+                    slot,
                 )
-            except NvmlNotFound:
+            except _NotFound:
                 continue  # an empty slot: MIG devices need not be contiguous
+            found.append((slot, _Device(mig)))
         return found
 
+    def mig_profile(self, handle: Handle) -> str:
+        return mig_profile_from_name(self.name(handle))
+
     def gpu_instance_id(self, handle: Handle) -> int:
-        return int(_call("nvmlDeviceGetGpuInstanceId", pynvml.nvmlDeviceGetGpuInstanceId, handle))
+        return int(_call("nvmlDeviceGetGpuInstanceId", pynvml.nvmlDeviceGetGpuInstanceId, handle.handle))
+
+    def compute_instance_id(self, handle: Handle) -> int:
+        return int(_call("nvmlDeviceGetComputeInstanceId", pynvml.nvmlDeviceGetComputeInstanceId, handle.handle))
 
     # -- readings -----------------------------------------------------------------------------
 
-    def utilization(self, handle: Handle) -> float:
-        rates = _call("nvmlDeviceGetUtilizationRates", pynvml.nvmlDeviceGetUtilizationRates, handle)
-        return float(rates.gpu) / 100
+    def read(self, handle: Handle, keys: Sequence[ReadingKey]) -> ReadResult:
+        values: dict[ReadingKey, float] = {}
+        errors: dict[ReadingKey, DeviceError] = {}
+        batched: list[ReadingKey] = []
+        single: list[ReadingKey] = []
+        for key in keys:
+            batchable = self._field_values and key.quantity in _FIELD_IDS and key.quantity not in handle.unbatched
+            (batched if batchable else single).append(key)
+        self._read_singles(handle, single, values, errors)
+        if batched:
+            self._read_singles(handle, self._read_batched(handle, batched, values, errors), values, errors)
+        return ReadResult(values, errors)
 
-    def memory(self, handle: Handle) -> tuple[int, int]:
+    def _read_singles(
+        self,
+        handle: _Device,
+        keys: list[ReadingKey],
+        values: dict[ReadingKey, float],
+        errors: dict[ReadingKey, DeviceError],
+    ) -> None:
+        """One call per key (memory used and total share theirs), in the order given."""
+        memory: tuple[int, int] | DeviceError | None = None
+        for key in keys:
+            try:
+                if key.quantity in _MEMORY:
+                    if memory is None:
+                        try:
+                            memory = self._memory(handle)
+                        except (DeviceLost, DriverUnavailable):
+                            raise
+                        except DeviceError as exc:
+                            memory = exc
+                    if isinstance(memory, DeviceError):
+                        errors[key] = memory
+                        continue
+                    values[key] = float(memory[0] if key.quantity is Quantity.MEMORY_USED else memory[1])
+                else:
+                    values[key] = self._single(handle, key)
+            except (DeviceLost, DriverUnavailable):
+                raise
+            except DeviceError as exc:
+                errors[key] = exc
+
+    def _read_batched(
+        self,
+        handle: _Device,
+        keys: list[ReadingKey],
+        values: dict[ReadingKey, float],
+        errors: dict[ReadingKey, DeviceError],
+    ) -> list[ReadingKey]:
+        """Reads `keys` in one field-values call into `values`/`errors`; returns the keys left
+        for single calls."""
+        call = "nvmlDeviceGetFieldValues"
+        try:
+            results = self._fields(handle, [(_FIELD_IDS[k.quantity], k.link or 0) for k in keys])
+        except ReadingNotSupported as exc:
+            log.info("field values are not available (%s): reading one call per value", exc.error)
+            self._field_values = False
+            return keys
+        except (DeviceLost, DriverUnavailable):
+            raise
+        except DeviceError as exc:
+            errors.update(dict.fromkeys(keys, exc))
+            return []
+        left: list[ReadingKey] = []
+        for key, (value, code) in zip(keys, results, strict=True):
+            if code is None:
+                values[key] = float(bool(value)) if key.quantity is Quantity.NVLINK_UP else _from_milli(value)
+                continue
+            failure = _error(call, code)
+            if isinstance(failure, (DeviceLost, DriverUnavailable)):
+                raise failure
+            if failure.error in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
+                # The batch lacks it; the single call may still have it (older drivers).
+                handle.unbatched.add(key.quantity)
+                left.append(key)
+            else:
+                errors[key] = failure
+        return left
+
+    def _single(self, handle: _Device, key: ReadingKey) -> float:
+        h = handle.handle
+        quantity = key.quantity
+        if quantity is Quantity.UTILIZATION:
+            rates = _call("nvmlDeviceGetUtilizationRates", pynvml.nvmlDeviceGetUtilizationRates, h)
+            return float(rates.gpu) / 100
+        if quantity is Quantity.TEMPERATURE:
+            return self._temperature_c(handle)
+        if quantity is Quantity.POWER:
+            return _from_milli(_call("nvmlDeviceGetPowerUsage", pynvml.nvmlDeviceGetPowerUsage, h))
+        if quantity is Quantity.ENERGY:
+            call = "nvmlDeviceGetTotalEnergyConsumption"
+            return _from_milli(_call(call, pynvml.nvmlDeviceGetTotalEnergyConsumption, h))
+        if quantity is Quantity.NVLINK_UP:
+            return float(self._nvlink_up(handle, key.link or 0))
+        raise ValueError(f"NVML has no single call for {key}")
+
+    def _memory(self, handle: _Device) -> tuple[int, int]:
         """(used, total) bytes. The v2 call counts driver-reserved memory apart, as `used` should."""
+        call = "nvmlDeviceGetMemoryInfo"
         if self._memory_v2 is not False:
             try:
-                info = _call(
-                    "nvmlDeviceGetMemoryInfo",
-                    pynvml.nvmlDeviceGetMemoryInfo,
-                    handle,
-                    pynvml.nvmlMemory_v2,
-                )
+                info = _call(call, pynvml.nvmlDeviceGetMemoryInfo, handle.handle, pynvml.nvmlMemory_v2)
                 self._memory_v2 = True
                 return int(info.used), int(info.total)
-            except NvmlFunctionMissing:
+            except _FunctionMissing:
                 self._memory_v2 = False
-        info = _call("nvmlDeviceGetMemoryInfo", pynvml.nvmlDeviceGetMemoryInfo, handle)
+        info = _call(call, pynvml.nvmlDeviceGetMemoryInfo, handle.handle)
         return int(info.used), int(info.total)
 
-    def temperature_c(self, handle: Handle) -> float:
+    def _temperature_c(self, handle: _Device) -> float:
+        call = "nvmlDeviceGetTemperature"
         sensor = pynvml.NVML_TEMPERATURE_GPU
         if self._temperature_v is not False and hasattr(pynvml, "nvmlDeviceGetTemperatureV"):
             try:
-                value = _call("nvmlDeviceGetTemperature", pynvml.nvmlDeviceGetTemperatureV, handle, sensor)
+                value = _call(call, pynvml.nvmlDeviceGetTemperatureV, handle.handle, sensor)
                 self._temperature_v = True
                 return float(value)
-            except NvmlFunctionMissing:
+            except _FunctionMissing:
                 self._temperature_v = False
-        return float(_call("nvmlDeviceGetTemperature", pynvml.nvmlDeviceGetTemperature, handle, sensor))
+        return float(_call(call, pynvml.nvmlDeviceGetTemperature, handle.handle, sensor))
 
-    def power_w(self, handle: Handle) -> float:
-        return float(_call("nvmlDeviceGetPowerUsage", pynvml.nvmlDeviceGetPowerUsage, handle)) / 1000
-
-    def energy_j(self, handle: Handle) -> float:
-        millijoules = _call("nvmlDeviceGetTotalEnergyConsumption", pynvml.nvmlDeviceGetTotalEnergyConsumption, handle)
-        return float(millijoules) / 1000
-
-    def nvlink_up(self, handle: Handle, link: int) -> bool:
-        state = _call("nvmlDeviceGetNvLinkState", pynvml.nvmlDeviceGetNvLinkState, handle, link)
+    def _nvlink_up(self, handle: _Device, link: int) -> bool:
+        state = _call("nvmlDeviceGetNvLinkState", pynvml.nvmlDeviceGetNvLinkState, handle.handle, link)
         return bool(state == pynvml.NVML_FEATURE_ENABLED)
 
-    def field_values(self, handle: Handle, fields: Sequence[int | tuple[int, int]]) -> list[FieldResult]:
-        """Several readings in one call. Each result carries its own error name, or a value."""
+    def _fields(self, handle: _Device, fields: Sequence[tuple[int, int]]) -> list[tuple[float, int | None]]:
+        """One field-values call: per field (value, None), or (0.0, its NVML return code)."""
         call = "nvmlDeviceGetFieldValues"
         values = (_FieldValue * len(fields))()
-        for item, wanted in zip(values, fields, strict=True):
-            if isinstance(wanted, tuple):
-                item.fieldId, item.scopeId = wanted
-            else:
-                item.fieldId = wanted
-        _check(call, _raw(call, call, handle, ctypes.c_int32(len(fields)), ctypes.byref(values)))
-        results = []
+        for item, (field_id, scope_id) in zip(values, fields, strict=True):
+            item.fieldId, item.scopeId = field_id, scope_id
+        _check(call, _function(call, call)(handle.handle, ctypes.c_int32(len(fields)), ctypes.byref(values)))
+        results: list[tuple[float, int | None]] = []
         for item in values:
             if item.nvmlReturn != pynvml.NVML_SUCCESS:
-                results.append(FieldResult(item.fieldId, item.scopeId, None, error_name(item.nvmlReturn)))
+                results.append((0.0, item.nvmlReturn))
                 continue
             value_type = item.valueType
             raw: float
@@ -270,53 +417,66 @@ class NvmlBackend:
                 raw = item.value.siVal
             else:
                 raw = item.value.ullVal
-            results.append(FieldResult(item.fieldId, item.scopeId, float(raw), None))
+            results.append((float(raw), None))
         return results
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
-        """Compute processes with their memory, newest struct version the driver has."""
-        variants: list[tuple[str, Callable[[Handle], Any]]] = [
-            ("v3", pynvml.nvmlDeviceGetComputeRunningProcesses_v3),
-            ("v2", pynvml.nvmlDeviceGetComputeRunningProcesses_v2),
-        ]
-        if self._processes_variant is not None:
-            variants = [v for v in variants if v[0] == self._processes_variant]
-        last: NvmlFunctionMissing | None = None
-        for variant, fn in variants:
+        """Compute processes with their memory, through the newest call version the driver has."""
+        variants: tuple[str, ...] = (
+            ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
+            if self._processes_fn is None
+            else (self._processes_fn,)
+        )
+        missing: _FunctionMissing | None = None
+        for variant in variants:
             try:
-                infos = _call("nvmlDeviceGetComputeRunningProcesses", fn, handle)
-            except NvmlFunctionMissing as exc:
-                last = exc
+                infos = self._process_infos(handle, variant)
+            except _FunctionMissing as exc:
+                missing = exc
                 continue
-            self._processes_variant = variant
+            self._processes_fn = variant
+            return infos
+        assert missing is not None
+        raise missing
+
+    def _process_infos(self, handle: _Device, variant: str) -> list[ProcessInfo]:
+        call = "nvmlDeviceGetComputeRunningProcesses"
+        fn = _function(call, variant)
+        count = ctypes.c_uint(0)
+        # Processes may start between a too-small call and the next: try a few times.
+        for _attempt in range(3):
+            buffer = handle.processes
+            count.value = len(buffer)
+            code = fn(handle.handle, ctypes.byref(count), buffer)
+            if code == pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                handle.processes = (_ProcessInfo * (count.value * 2 + 5))()
+                continue
+            _check(call, code)
             return [
                 ProcessInfo(
-                    pid=int(info.pid),
-                    used_memory_bytes=None if info.usedGpuMemory is None else int(info.usedGpuMemory),
-                    gpu_instance_id=(
-                        None if getattr(info, "gpuInstanceId", 0xFFFFFFFF) == 0xFFFFFFFF else int(info.gpuInstanceId)
-                    ),
+                    pid=info.pid,
+                    used_memory_bytes=None if info.usedGpuMemory == _NOT_AVAILABLE_U64 else info.usedGpuMemory,
+                    gpu_instance_id=None if info.gpuInstanceId == _NO_INSTANCE else info.gpuInstanceId,
+                    compute_instance_id=None if info.computeInstanceId == _NO_INSTANCE else info.computeInstanceId,
                 )
-                for info in infos
+                for info in buffer[: count.value]
             ]
-        assert last is not None
-        raise last
+        raise DeviceError(call, "INSUFFICIENT_SIZE", "the process list kept growing while it was read")
 
-    def process_utilization(self, handle: Handle, last_seen_us: int) -> list[tuple[int, int, int]]:
-        """(pid, timestamp_us, SM utilization percent) samples newer than `last_seen_us`; [] when none.
-
-        As pynvml's wrapper does: ask for the count, then for the samples."""
+    def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:
         call = "nvmlDeviceGetProcessUtilization"
+        fn = _function(call, call)
         count = ctypes.c_uint(0)
-        since = ctypes.c_ulonglong(last_seen_us)
-        code = _raw(call, call, handle, None, ctypes.byref(count), since)
-        if code == pynvml.NVML_ERROR_NOT_FOUND or (code == pynvml.NVML_SUCCESS and count.value == 0):
-            return []
-        if code != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+        since = ctypes.c_ulonglong(since_us)
+        for _attempt in range(3):
+            buffer = handle.samples
+            count.value = len(buffer)
+            code = fn(handle.handle, buffer, ctypes.byref(count), since)
+            if code == pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                handle.samples = (_ProcessSample * (count.value * 2 + 5))()
+                continue
+            if code == pynvml.NVML_ERROR_NOT_FOUND:
+                return []
             _check(call, code)
-        samples = (_ProcessSample * count.value)()
-        code = _raw(call, call, handle, samples, ctypes.byref(count), since)
-        if code == pynvml.NVML_ERROR_NOT_FOUND:
-            return []
-        _check(call, code)
-        return [(s.pid, s.timeStamp, s.smUtil) for s in samples[: count.value]]
+            return [(s.pid, s.timeStamp, s.smUtil) for s in buffer[: count.value]]
+        raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")

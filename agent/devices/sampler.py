@@ -1,37 +1,31 @@
 """Reads every device once per poll into an immutable `Snapshot`.
 
-Policy lives here, calls live in `agent.devices.nvml`: a reading a device does not have is learned once
-per (device, field), logged once and skipped from then on; one GPU failing never fails the
-others; a driver that goes away is re-initialised with exponential backoff on the backend clock.
+Policy lives here, library calls live behind `agent.devices.backend.DeviceBackend`; the
+sampler never names a vendor library. See `Sampler` for the policy.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
-from agent.devices.nvml import (
-    FI_NVLINK_GET_STATE,
-    FI_NVLINK_LINK_COUNT,
-    FI_POWER_INSTANT,
-    FI_TOTAL_ENERGY_CONSUMPTION,
-    MAX_NVLINKS,
-    FieldResult,
+from agent.devices.backend import (
+    DeviceBackend,
+    DeviceError,
+    DeviceLost,
+    DriverLibraryMissing,
+    DriverUnavailable,
     Handle,
-    NvmlBackend,
-)
-from agent.errors import (
-    NvmlDriverUnavailable,
-    NvmlError,
-    NvmlFunctionMissing,
-    NvmlGpuLost,
-    NvmlLibraryMissing,
-    NvmlNotSupported,
+    PermissionDenied,
+    ProcessInfo,
+    Quantity,
+    ReadingKey,
+    ReadingNotSupported,
 )
 from agent.model import DeviceReading, NodeInfo, NvLinkReading, ProcessReading, Snapshot
 
@@ -41,6 +35,17 @@ T = TypeVar("T")
 REINIT_BACKOFF_FIRST_S = 5.0
 REINIT_BACKOFF_MAX_S = 300.0
 
+_UTILIZATION = ReadingKey(Quantity.UTILIZATION)
+_MEMORY_USED = ReadingKey(Quantity.MEMORY_USED)
+_MEMORY_TOTAL = ReadingKey(Quantity.MEMORY_TOTAL)
+_TEMPERATURE = ReadingKey(Quantity.TEMPERATURE)
+_POWER = ReadingKey(Quantity.POWER)
+_ENERGY = ReadingKey(Quantity.ENERGY)
+_MEMORY = (_MEMORY_USED, _MEMORY_TOTAL)
+
+# Learned per device: reading keys and call names ("processes", "process utilization").
+Unsupported = set[ReadingKey | str]
+
 
 @dataclass
 class _Mig:
@@ -48,8 +53,11 @@ class _Mig:
     handle: Handle
     uuid: str
     name: str
+    profile: str
     gpu_instance_id: int | None
+    compute_instance_id: int | None
     sm_count: int | None
+    unsupported: Unsupported = field(default_factory=set)
 
 
 @dataclass
@@ -58,26 +66,52 @@ class _Gpu:
     handle: Handle
     uuid: str
     name: str
-    pci_bus_id: str
-    power_limit_w: float | None
-    sm_count: int | None
-    mig_enabled: bool
-    nvlinks: int
+    pci_bus_id: str = ""
+    power_limit_w: float | None = None
+    sm_count: int | None = None
+    mig_enabled: bool = False
+    # What one poll asks `read` for (minus what the GPU has shown it does not have).
+    keys: tuple[ReadingKey, ...] = ()
     migs: list[_Mig] = field(default_factory=list)
+    # MIG-enabled GPUs: the GPU's memory total (read at discovery; `used` is the instances' sum)
+    # and which MIG device a process runs on, by (GPU instance, compute instance) id. None: the
+    # parent's process list cannot be split, so each MIG device's list is read.
+    memory_total_bytes: int | None = None
+    mig_by_instance: dict[tuple[int, int], _Mig] | None = None
     last_seen_us: int = 0
-    # Readings this GPU has shown it does not have.
-    unsupported: set[str] = field(default_factory=set)
-    # Readings the batched field-values call cannot give but a single call can.
-    unbatched: set[str] = field(default_factory=set)
+    unsupported: Unsupported = field(default_factory=set)
     lost_reason: str | None = None
     retry_at: float = 0.0
     retry_backoff_s: float = REINIT_BACKOFF_FIRST_S
 
 
 class Sampler:
-    """Polls NVML through `backend`. Not thread-safe: the scheduler runs one poll at a time."""
+    """Polls every device through a `DeviceBackend` into one `Snapshot` per `poll()`.
 
-    def __init__(self, backend: NvmlBackend, hostname: str | None = None) -> None:
+    The policy, in the order it matters:
+
+    - A reading a device does not have (`ReadingNotSupported`) is learned once per (device,
+      reading), logged once at info, and never asked for again. Absent readings are None,
+      never 0.
+    - Any other failed reading is counted in `errors` by (call, error) and leaves that reading
+      absent for this poll only; it is asked for again next poll.
+    - A lost device (`DeviceLost`) is reported down with the reason, and retried with
+      exponential backoff on the backend's clock; the other devices are read as usual.
+    - A driver that goes away (`DriverUnavailable`) makes the whole poll a down snapshot; the
+      library is re-initialised with exponential backoff. A missing library
+      (`DriverLibraryMissing`) is raised: nothing can be sampled on this host.
+    - Static facts (name, uuid, PCI bus, power limit, SMs, NVLink count, MIG layout) are read
+      at discovery, not every poll.
+    - A MIG-enabled GPU is read as itself (temperature, power, energy, NVLink) plus one memory
+      reading per MIG device; its processes come from one read of the GPU's process list,
+      split over the MIG devices by instance ids, so a fully split GPU costs about as many
+      calls as a whole one. Its memory is the sum of its MIG devices' (NVML documents the
+      GPU's own figure in MIG mode as that aggregate).
+
+    Not thread-safe: the scheduler runs one poll at a time.
+    """
+
+    def __init__(self, backend: DeviceBackend, hostname: str | None = None) -> None:
         self.backend = backend
         self.hostname = hostname or socket.gethostname()
         self.errors: Counter[tuple[str, str]] = Counter()
@@ -89,12 +123,12 @@ class Sampler:
         self._init_backoff_s = REINIT_BACKOFF_FIRST_S
         self._driver_version = ""
         self._cuda_version: int | None = None
-        self._use_field_values = True
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Initialise NVML and discover devices. Raises NvmlLibraryMissing when there is no NVML.
+        """Initialise the library and discover devices. Raises DriverLibraryMissing when there
+        is no library.
 
         A driver that is installed but not answering yet (still loading, mid-upgrade) is not
         fatal: polls report it down and initialisation is retried with backoff.
@@ -102,11 +136,11 @@ class Sampler:
         now = self.backend.clock()
         try:
             self._init(now)
-        except NvmlLibraryMissing:
+        except DriverLibraryMissing:
             raise
-        except NvmlError as exc:
+        except DeviceError as exc:
             self._count(exc)
-            log.error("nvml is not answering (%s); retrying with backoff", exc.error)
+            log.error("the GPU driver is not answering (%s); retrying with backoff", exc.error)
             self._schedule_reinit(now)
 
     def close(self) -> None:
@@ -121,89 +155,72 @@ class Sampler:
             self._driver_version = self.backend.driver_version()
             self._cuda_version = self._optional("", "cuda_version", self.backend.cuda_driver_version)
             self._gpus = [self._discover(i) for i in range(self.backend.device_count())]
-        except NvmlDriverUnavailable:
+        except DeviceError:
+            # Half a discovery is no discovery: the next attempt starts from scratch.
             self._initialised = False
             raise
         self._init_backoff_s = REINIT_BACKOFF_FIRST_S
         log.info(
-            "nvml initialised: driver %s, %d GPU(s)",
+            "GPU driver initialised: driver %s, %d GPU(s)",
             self._driver_version,
             len(self._gpus),
             extra={"driver_version": self._driver_version, "gpus": len(self._gpus)},
         )
 
     def _discover(self, index: int) -> _Gpu:
+        b = self.backend
         try:
-            handle = self.backend.handle_by_index(index)
-            uuid = self.backend.uuid(handle)
-            name = self.backend.name(handle)
-        except NvmlGpuLost as exc:
+            handle = b.handle_by_index(index)
+            uuid = b.uuid(handle)
+            name = b.name(handle)
+        except DeviceLost as exc:
             self._count(exc)
-            gpu = _Gpu(
-                index,
-                None,
-                self._known_uuids.get(index, ""),
-                self._known_names.get(index, ""),
-                "",
-                None,
-                None,
-                False,
-                0,
-            )
+            gpu = _Gpu(index, None, self._known_uuids.get(index, ""), self._known_names.get(index, ""))
             gpu.lost_reason = exc.error
             return gpu
         self._known_uuids[index], self._known_names[index] = uuid, name
-        key = uuid
-        pci = self._optional(key, "pci", lambda: self.backend.pci_bus_id(handle)) or ""
         gpu = _Gpu(
             index=index,
             handle=handle,
             uuid=uuid,
             name=name,
-            pci_bus_id=pci,
-            power_limit_w=self._optional(key, "power_limit", lambda: self.backend.power_limit_w(handle)),
-            sm_count=self._optional(key, "sm_count", lambda: self.backend.sm_count(handle)),
-            mig_enabled=bool(self._optional(key, "mig_mode", lambda: self.backend.mig_enabled(handle))),
-            nvlinks=self._count_nvlinks(key, handle),
+            pci_bus_id=self._optional(uuid, "pci", lambda: b.pci_bus_id(handle)) or "",
+            power_limit_w=self._optional(uuid, "power_limit", lambda: b.power_limit_w(handle)),
+            sm_count=self._optional(uuid, "sm_count", lambda: b.sm_count(handle)),
+            mig_enabled=bool(self._optional(uuid, "mig_mode", lambda: b.mig_enabled(handle))),
         )
+        nvlinks = self._optional(uuid, "nvlink_count", lambda: b.nvlink_count(handle)) or 0
+        links = tuple(ReadingKey(Quantity.NVLINK_UP, link) for link in range(nvlinks))
         if gpu.mig_enabled:
-            for slot, mig_handle in self.backend.mig_handles(handle):
-                mig_uuid = self.backend.uuid(mig_handle)
-                gpu.migs.append(
-                    _Mig(
-                        slot=slot,
-                        handle=mig_handle,
-                        uuid=mig_uuid,
-                        name=self._optional(mig_uuid, "name", partial(self.backend.name, mig_handle)) or name,
-                        gpu_instance_id=self._optional(
-                            mig_uuid, "gi", partial(self.backend.gpu_instance_id, mig_handle)
-                        ),
-                        sm_count=self._optional(mig_uuid, "sm_count", partial(self.backend.sm_count, mig_handle)),
-                    )
-                )
+            gpu.migs = [self._discover_mig(gpu, slot, mig_handle) for slot, mig_handle in b.mig_handles(handle)]
+        if gpu.migs:
+            total = self._optional(uuid, "memory", lambda: b.read(handle, [_MEMORY_TOTAL]).values.get(_MEMORY_TOTAL))
+            gpu.memory_total_bytes = None if total is None else int(total)
+            gpu.keys = (_UTILIZATION, _TEMPERATURE, _POWER, _ENERGY, *links)
+            gpu.mig_by_instance = _by_instance(gpu.migs)
+        else:
+            gpu.keys = (*_MEMORY, _UTILIZATION, _TEMPERATURE, _POWER, _ENERGY, *links)
         return gpu
 
-    def _count_nvlinks(self, key: str, handle: Handle) -> int:
-        try:
-            result = self.backend.field_values(handle, [FI_NVLINK_LINK_COUNT])[0]
-            if result.value is not None:
-                return int(result.value)
-        except (NvmlNotSupported, NvmlFunctionMissing):
-            pass
-        links = 0
-        for link in range(MAX_NVLINKS):
-            try:
-                self.backend.nvlink_up(handle, link)
-            except NvmlError:
-                break
-            links += 1
-        return links
+    def _discover_mig(self, gpu: _Gpu, slot: int, handle: Handle) -> _Mig:
+        b = self.backend
+        uuid = b.uuid(handle)
+        return _Mig(
+            slot=slot,
+            handle=handle,
+            uuid=uuid,
+            name=self._optional(uuid, "name", lambda: b.name(handle)) or gpu.name,
+            profile=self._optional(uuid, "profile", lambda: b.mig_profile(handle)) or "",
+            gpu_instance_id=self._optional(uuid, "gpu instance", lambda: b.gpu_instance_id(handle)),
+            compute_instance_id=self._optional(uuid, "compute instance", lambda: b.compute_instance_id(handle)),
+            sm_count=self._optional(uuid, "sm_count", lambda: b.sm_count(handle)),
+        )
 
     def _optional(self, key: str, what: str, read: Callable[[], T]) -> T | None:
         """A discovery-time reading the device may not have: None, logged once, when it doesn't."""
         try:
             return read()
-        except (NvmlNotSupported, NvmlFunctionMissing):
+        except ReadingNotSupported:
             log.info("%s: %s not supported", key or "node", what)
             return None
 
@@ -216,10 +233,10 @@ class Sampler:
                 return self._down_snapshot(now, "driver unavailable")
             try:
                 self._init(now)
-                log.warning("nvml is back after re-initialisation")
-            except NvmlLibraryMissing:
+                log.warning("the GPU driver is back after re-initialisation")
+            except DriverLibraryMissing:
                 raise
-            except NvmlError as exc:
+            except DeviceError as exc:
                 self._count(exc)
                 self._schedule_reinit(now)
                 return self._down_snapshot(now, exc.error)
@@ -227,20 +244,18 @@ class Sampler:
         for gpu in self._gpus:
             try:
                 devices.extend(self._read_gpu(gpu, now))
-            except NvmlDriverUnavailable as exc:
+            except DriverUnavailable as exc:
                 self._count(exc)
-                log.error("nvml went away (%s); re-initialising with backoff", exc.error)
+                log.error("the GPU driver went away (%s); re-initialising with backoff", exc.error)
                 self.backend.shutdown()
                 self._initialised = False
                 self._schedule_reinit(now)
                 return self._down_snapshot(now, exc.error)
-        taken = Snapshot(
+        return Snapshot(
             taken_at=now,
             node=NodeInfo(self.hostname, self._driver_version, self._cuda_version),
             devices=tuple(devices),
-            poll_duration_s=0.0,
         )
-        return taken
 
     def _schedule_reinit(self, now: float) -> None:
         self._next_init_at = now + self._init_backoff_s
@@ -251,7 +266,7 @@ class Sampler:
         node = NodeInfo(self.hostname, self._driver_version, self._cuda_version)
         return Snapshot(now, node, devices, driver_up=False)
 
-    def _count(self, exc: NvmlError) -> None:
+    def _count(self, exc: DeviceError) -> None:
         self.errors[(exc.call, exc.error)] += 1
 
     @staticmethod
@@ -259,7 +274,7 @@ class Sampler:
         gpu.retry_at = now + gpu.retry_backoff_s
         gpu.retry_backoff_s = min(gpu.retry_backoff_s * 2, REINIT_BACKOFF_MAX_S)
 
-    def _lost(self, gpu: _Gpu, now: float, exc: NvmlError) -> DeviceReading:
+    def _lost(self, gpu: _Gpu, now: float, exc: DeviceError) -> DeviceReading:
         if gpu.lost_reason is None:
             log.error(
                 "GPU %d (%s) is lost: %s", gpu.index, gpu.uuid, exc.error, extra={"gpu": gpu.index, "uuid": gpu.uuid}
@@ -284,7 +299,7 @@ class Sampler:
                 self._gpus[gpu.index] = gpu = rediscovered
         try:
             readings = self._read_healthy(gpu)
-        except NvmlGpuLost as exc:
+        except DeviceLost as exc:
             return [self._lost(gpu, now, exc)]
         if gpu.lost_reason is not None:
             log.warning("GPU %d (%s) is readable again", gpu.index, gpu.uuid)
@@ -292,36 +307,63 @@ class Sampler:
             gpu.retry_backoff_s = REINIT_BACKOFF_FIRST_S
         return readings
 
-    def _reading(self, gpu_key: str, unsupported: set[str], what: str, read: Callable[[], T]) -> T | None:
-        """One reading, or None. NotSupported is learned (never asked again); a GPU that is lost
+    def _read(
+        self, where: str, unsupported: Unsupported, handle: Handle, keys: Sequence[ReadingKey]
+    ) -> Mapping[ReadingKey, float]:
+        """The readings of `keys` the device has and gave this poll; learns and counts the rest."""
+        wanted = [k for k in keys if k not in unsupported]
+        if not wanted:
+            return {}
+        try:
+            result = self.backend.read(handle, wanted)
+        except (DeviceLost, DriverUnavailable):
+            raise
+        except DeviceError as exc:
+            self._count(exc)
+            return {}
+        counted: set[int] = set()
+        for key, failure in result.errors.items():
+            if isinstance(failure, ReadingNotSupported):
+                unsupported.add(key)
+                log.info("%s: %s is not supported (%s); not asking again", where, key, failure.error)
+            elif id(failure) not in counted:  # one failed call answering several keys counts once
+                counted.add(id(failure))
+                self._count(failure)
+                log.debug("%s: reading %s failed: %s", where, key, failure)
+        return result.values
+
+    def _call(self, where: str, unsupported: Unsupported, what: str, call: Callable[[], T]) -> T | None:
+        """One call's result, or None. Unsupported is learned (never asked again); a lost device
         or a driver that went away propagates; any other error counts and leaves this poll's
-        reading absent."""
+        result absent."""
         if what in unsupported:
             return None
         try:
-            return read()
-        except (NvmlNotSupported, NvmlFunctionMissing) as exc:
+            return call()
+        except ReadingNotSupported as exc:
             unsupported.add(what)
-            log.info("%s: %s is not supported (%s); not asking again", gpu_key, what, exc.error)
+            log.info("%s: %s is not supported (%s); not asking again", where, what, exc.error)
             return None
-        except (NvmlGpuLost, NvmlDriverUnavailable):
+        except (DeviceLost, DriverUnavailable):
             raise
-        except NvmlError as exc:
+        except DeviceError as exc:
             self._count(exc)
-            log.debug("%s: reading %s failed: %s", gpu_key, what, exc)
+            log.debug("%s: reading %s failed: %s", where, what, exc)
             return None
 
     def _read_healthy(self, gpu: _Gpu) -> list[DeviceReading]:
-        b = self.backend
-        h = gpu.handle
-        u = gpu.unsupported
-        key = f"GPU {gpu.index} ({gpu.uuid})"
-        memory = self._reading(key, u, "memory", lambda: b.memory(h))
-        utilization = self._reading(key, u, "utilization", lambda: b.utilization(h))
-        temperature = self._reading(key, u, "temperature", lambda: b.temperature_c(h))
-        power, energy, links = self._read_power_energy_links(gpu, key)
-        processes = self._read_processes(gpu, key, h, u, per_process_util=True) or ()
-        readings = [
+        where = f"GPU {gpu.index} ({gpu.uuid})"
+        values = self._read(where, gpu.unsupported, gpu.handle, gpu.keys)
+        links = tuple(
+            NvLinkReading(key.link, bool(values[key]))
+            for key in gpu.keys
+            if key.quantity is Quantity.NVLINK_UP and key.link is not None and key in values
+        )
+        if gpu.migs:
+            return self._read_mig_gpu(gpu, where, values, links)
+        memory_used = values.get(_MEMORY_USED)
+        memory_total = values.get(_MEMORY_TOTAL)
+        return [
             DeviceReading(
                 index=gpu.index,
                 uuid=gpu.uuid,
@@ -330,22 +372,58 @@ class Sampler:
                 pci_bus_id=gpu.pci_bus_id,
                 mig_enabled=gpu.mig_enabled,
                 sm_count=gpu.sm_count,
-                utilization=utilization,
-                memory_used_bytes=memory[0] if memory else None,
-                memory_total_bytes=memory[1] if memory else None,
-                temperature_c=temperature,
-                power_w=power,
+                utilization=values.get(_UTILIZATION),
+                memory_used_bytes=None if memory_used is None else int(memory_used),
+                memory_total_bytes=None if memory_total is None else int(memory_total),
+                temperature_c=values.get(_TEMPERATURE),
+                power_w=values.get(_POWER),
                 power_limit_w=gpu.power_limit_w,
-                energy_j=energy,
+                energy_j=values.get(_ENERGY),
                 nvlinks=links,
-                processes=processes if not gpu.migs else (),
+                processes=self._whole_gpu_processes(gpu, where),
             )
         ]
-        for mig in gpu.migs:
-            mig_u = gpu.unsupported
-            mig_key = f"{key} MIG {mig.slot}"
-            mig_memory = self._reading(mig_key, mig_u, f"mig{mig.slot}.memory", partial(b.memory, mig.handle))
-            mig_processes = self._read_processes(gpu, mig_key, mig.handle, mig_u, per_process_util=False, slot=mig.slot)
+
+    def _whole_gpu_processes(self, gpu: _Gpu, where: str) -> tuple[ProcessReading, ...]:
+        infos = self._call(where, gpu.unsupported, "processes", lambda: self.backend.running_processes(gpu.handle))
+        if not infos:
+            return ()
+        utils = self._process_utils(gpu, where)
+        if utils is None:
+            return tuple(ProcessReading(i.pid, i.used_memory_bytes, None, i.gpu_instance_id) for i in infos)
+        # A process with no sample since the last poll did no work: the driver only reports
+        # processes with non-zero utilization.
+        return tuple(
+            ProcessReading(i.pid, i.used_memory_bytes, utils.get(i.pid, 0.0), i.gpu_instance_id) for i in infos
+        )
+
+    def _read_mig_gpu(
+        self, gpu: _Gpu, where: str, values: Mapping[ReadingKey, float], links: tuple[NvLinkReading, ...]
+    ) -> list[DeviceReading]:
+        memory = [self._read(f"{where} MIG {m.slot}", m.unsupported, m.handle, _MEMORY) for m in gpu.migs]
+        processes = self._mig_processes(gpu, where)
+        used = [m.get(_MEMORY_USED) for m in memory]
+        parent = DeviceReading(
+            index=gpu.index,
+            uuid=gpu.uuid,
+            name=gpu.name,
+            up=True,
+            pci_bus_id=gpu.pci_bus_id,
+            mig_enabled=True,
+            sm_count=gpu.sm_count,
+            utilization=values.get(_UTILIZATION),
+            memory_used_bytes=None if None in used else int(sum(u for u in used if u is not None)),
+            memory_total_bytes=gpu.memory_total_bytes,
+            temperature_c=values.get(_TEMPERATURE),
+            power_w=values.get(_POWER),
+            power_limit_w=gpu.power_limit_w,
+            energy_j=values.get(_ENERGY),
+            nvlinks=links,
+        )
+        readings = [parent]
+        for mig, mig_memory in zip(gpu.migs, memory, strict=True):
+            mig_used = mig_memory.get(_MEMORY_USED)
+            mig_total = mig_memory.get(_MEMORY_TOTAL)
             readings.append(
                 DeviceReading(
                     index=gpu.index,
@@ -354,126 +432,84 @@ class Sampler:
                     up=True,
                     parent_uuid=gpu.uuid,
                     mig_index=mig.slot,
+                    mig_profile=mig.profile,
                     gpu_instance_id=mig.gpu_instance_id,
                     pci_bus_id=gpu.pci_bus_id,
                     sm_count=mig.sm_count,
-                    memory_used_bytes=mig_memory[0] if mig_memory else None,
-                    memory_total_bytes=mig_memory[1] if mig_memory else None,
-                    processes=mig_processes or (),
+                    memory_used_bytes=None if mig_used is None else int(mig_used),
+                    memory_total_bytes=None if mig_total is None else int(mig_total),
+                    processes=processes.get(mig.slot, ()),
                 )
             )
         return readings
 
-    def _read_power_energy_links(
-        self, gpu: _Gpu, key: str
-    ) -> tuple[float | None, float | None, tuple[NvLinkReading, ...]]:
-        """Power, energy and NVLink states, batched into one field-values call where it can be."""
-        b = self.backend
-        h = gpu.handle
-        u = gpu.unsupported
-        power: float | None = None
-        energy: float | None = None
-        link_states: dict[int, bool] = {}
-        wanted: list[int | tuple[int, int]] = []
-        if self._use_field_values:
-            if "power" not in u and "power" not in gpu.unbatched:
-                wanted.append(FI_POWER_INSTANT)
-            if "energy" not in u and "energy" not in gpu.unbatched:
-                wanted.append(FI_TOTAL_ENERGY_CONSUMPTION)
-            if "nvlink" not in u and "nvlink" not in gpu.unbatched:
-                wanted.extend((FI_NVLINK_GET_STATE, link) for link in range(gpu.nvlinks))
-        results: list[FieldResult] = []
-        if wanted:
+    def _mig_processes(self, gpu: _Gpu, where: str) -> dict[int, tuple[ProcessReading, ...]]:
+        """Processes per MIG slot: the GPU's list split by instance ids where that works, else
+        each MIG device's own list. SM utilization is None: NVML cannot sample it under MIG."""
+        if gpu.mig_by_instance is not None:
             try:
-                results = b.field_values(h, wanted)
-            except (NvmlNotSupported, NvmlFunctionMissing) as exc:
-                log.info("field values are not available (%s): reading one call per value", exc.error)
-                self._use_field_values = False
-            except (NvmlGpuLost, NvmlDriverUnavailable):
+                infos = self.backend.running_processes(gpu.handle)
+            except (ReadingNotSupported, PermissionDenied) as exc:
+                log.info("%s: cannot list the MIG devices' processes at once (%s): asking each", where, exc.error)
+                gpu.mig_by_instance = None
+            except (DeviceLost, DriverUnavailable):
                 raise
-            except NvmlError as exc:
+            except DeviceError as exc:
                 self._count(exc)
-            for result in results:
-                what = {FI_POWER_INSTANT: "power", FI_TOTAL_ENERGY_CONSUMPTION: "energy"}.get(result.field_id, "nvlink")
-                if result.error is not None:
-                    # The batch lacks it; the single call may still have it (older drivers).
-                    if result.error in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
-                        gpu.unbatched.add(what)
-                    elif result.error in ("GPU_IS_LOST", "GPU_NOT_FOUND"):
-                        raise NvmlGpuLost("nvmlDeviceGetFieldValues", result.error)
-                    else:
-                        self.errors[("nvmlDeviceGetFieldValues", result.error)] += 1
-                    continue
-                if what == "power":
-                    power = result.value / 1000 if result.value is not None else None
-                elif what == "energy":
-                    energy = result.value / 1000 if result.value is not None else None
-                else:
-                    link_states[result.scope_id] = bool(result.value)
-        if power is None and (not self._use_field_values or "power" in gpu.unbatched):
-            power = self._reading(key, u, "power", lambda: b.power_w(h))
-        if energy is None and (not self._use_field_values or "energy" in gpu.unbatched):
-            energy = self._reading(key, u, "energy", lambda: b.energy_j(h))
-        if gpu.nvlinks and (not self._use_field_values or "nvlink" in gpu.unbatched) and "nvlink" not in u:
-            for link in range(gpu.nvlinks):
-                state = self._reading(key, u, "nvlink", partial(b.nvlink_up, h, link))
-                if state is not None:
-                    link_states[link] = state
-        return (
-            power,
-            energy,
-            tuple(NvLinkReading(link, up) for link, up in sorted(link_states.items())),
-        )
+                return {}
+            else:
+                return _split_by_instance(infos, gpu.mig_by_instance)
+        found: dict[int, tuple[ProcessReading, ...]] = {}
+        for mig in gpu.migs:
+            read = partial(self.backend.running_processes, mig.handle)
+            found[mig.slot] = _readings(self._call(f"{where} MIG {mig.slot}", mig.unsupported, "processes", read) or ())
+        return found
 
-    def _read_processes(
-        self,
-        gpu: _Gpu,
-        key: str,
-        handle: Handle,
-        unsupported: set[str],
-        *,
-        per_process_util: bool,
-        slot: int | None = None,
-    ) -> tuple[ProcessReading, ...] | None:
-        tag = "processes" if slot is None else f"mig{slot}.processes"
-        infos = self._reading(key, unsupported, tag, lambda: self.backend.running_processes(handle))
-        if infos is None:
-            return None
-        utils: dict[int, float] | None = None
-        if per_process_util and infos:
-            utils = self._process_utils(gpu, key)
-        return tuple(
-            ProcessReading(
-                pid=info.pid,
-                used_memory_bytes=info.used_memory_bytes,
-                sm_util=None if utils is None else utils.get(info.pid, 0.0),
-                gpu_instance_id=info.gpu_instance_id,
-            )
-            for info in infos
-        )
-
-    def _process_utils(self, gpu: _Gpu, key: str) -> dict[int, float] | None:
+    def _process_utils(self, gpu: _Gpu, where: str) -> dict[int, float] | None:
         """Mean SM utilization per pid over the samples since the previous poll."""
-        samples = self._reading(
-            key,
-            gpu.unsupported,
-            "process utilization",
-            lambda: self.backend.process_utilization(gpu.handle, gpu.last_seen_us),
+        since = gpu.last_seen_us
+        samples = self._call(
+            where, gpu.unsupported, "process utilization", lambda: self.backend.process_utilization(gpu.handle, since)
         )
         if samples is None:
             return None
-        sums: dict[int, int] = {}
-        counts: dict[int, int] = {}
-        newest = gpu.last_seen_us
+        # A busy GPU gives thousands of samples a poll: one dict lookup per sample.
+        by_pid: defaultdict[int, list[int]] = defaultdict(list)
         for pid, stamp_us, util in samples:
-            if stamp_us <= gpu.last_seen_us:
-                continue
-            sums[pid] = sums.get(pid, 0) + util
-            counts[pid] = counts.get(pid, 0) + 1
-            newest = max(newest, stamp_us)
-        gpu.last_seen_us = newest
+            if stamp_us > since:
+                by_pid[pid].append(util)
+        gpu.last_seen_us = max(since, max((stamp_us for _pid, stamp_us, _util in samples), default=since))
         # Sum whole percents and divide once, so a steady 92% reads 0.92, not 0.9200000000000002.
-        return {pid: sums[pid] / counts[pid] / 100 for pid in sums}
+        return {pid: sum(utils) / len(utils) / 100 for pid, utils in by_pid.items()}
+
+
+def _readings(infos: Sequence[ProcessInfo]) -> tuple[ProcessReading, ...]:
+    """Processes on a device that cannot sample per-process utilization: sm_util None."""
+    return tuple(ProcessReading(i.pid, i.used_memory_bytes, None, i.gpu_instance_id) for i in infos)
+
+
+def _by_instance(migs: Sequence[_Mig]) -> dict[tuple[int, int], _Mig] | None:
+    """MIG devices by (GPU instance, compute instance) id; None when some id is unknown."""
+    found: dict[tuple[int, int], _Mig] = {}
+    for mig in migs:
+        if mig.gpu_instance_id is None or mig.compute_instance_id is None:
+            return None
+        found[(mig.gpu_instance_id, mig.compute_instance_id)] = mig
+    return found if len(found) == len(migs) else None
+
+
+def _split_by_instance(
+    infos: Sequence[ProcessInfo], migs: Mapping[tuple[int, int], _Mig]
+) -> dict[int, tuple[ProcessReading, ...]]:
+    found: dict[int, list[ProcessReading]] = {mig.slot: [] for mig in migs.values()}
+    for info in infos:
+        if info.gpu_instance_id is None or info.compute_instance_id is None:
+            continue
+        mig = migs.get((info.gpu_instance_id, info.compute_instance_id))
+        # A process on an instance created since discovery has no MIG device here to show it on.
+        if mig is not None:
+            found[mig.slot].append(ProcessReading(info.pid, info.used_memory_bytes, None, info.gpu_instance_id))
+    return {slot: tuple(readings) for slot, readings in found.items()}
 
 
 def _down(gpu: _Gpu, reason: str) -> DeviceReading:

@@ -1,0 +1,169 @@
+"""The seam between the sampler and a vendor's GPU management library.
+
+`Sampler` (agent/devices/sampler.py) talks to a `DeviceBackend` and nothing else: it decides
+what to read and what to do when a read fails; the backend decides how to read it. A backend
+module (agent/devices/nvml.py for NVIDIA) is the only place that imports its vendor library,
+and it maps that library's errors to the ones below with ``raise ... from``:
+
+    GpuledgerError                      (agent.errors)
+    └── DeviceError                     a call into the driver failed; .call and .error name it
+        ├── DriverLibraryMissing        the vendor library cannot be loaded (no driver on this host)
+        ├── DriverUnavailable           the driver is not loaded / went away: re-initialise later
+        ├── ReadingNotSupported         this device has no such reading: learned once, then skipped
+        ├── PermissionDenied            the agent may not read this (e.g. MIG aggregates, unprivileged)
+        └── DeviceLost                  the device fell off the bus or needs a reset
+
+Readings cross the seam in SI units (watts, joules, bytes, degrees Celsius, fractions 0-1):
+a backend converts its library's units once, where it reads them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agent.errors import GpuledgerError
+
+# A device as the backend knows it: opaque to everything above the backend, which only hands
+# it back. The backend may keep its per-device memos on it.
+Handle = Any
+
+
+class DeviceError(GpuledgerError):
+    """A call into the device library failed. `call` names the library call, `error` the
+    library's error name (e.g. "TIMEOUT"): both are exported as labels, so keep them stable.
+    `detail` is for a person (for DriverLibraryMissing: which library, and what to check)."""
+
+    def __init__(self, call: str, error: str, detail: str = "") -> None:
+        self.call = call
+        self.error = error
+        self.detail = detail
+        super().__init__(f"{call}: {error}" + (f" ({detail})" if detail else ""))
+
+
+class DriverLibraryMissing(DeviceError):
+    pass
+
+
+class DriverUnavailable(DeviceError):
+    pass
+
+
+class ReadingNotSupported(DeviceError):
+    pass
+
+
+class PermissionDenied(DeviceError):
+    pass
+
+
+class DeviceLost(DeviceError):
+    pass
+
+
+class Quantity(enum.Enum):
+    """What `DeviceBackend.read` can be asked for, each in the unit its name says."""
+
+    UTILIZATION = "utilization"  # fraction of time the device was busy, 0-1
+    MEMORY_USED = "memory used"  # bytes
+    MEMORY_TOTAL = "memory total"  # bytes
+    TEMPERATURE = "temperature"  # degrees Celsius
+    POWER = "power"  # watts, instantaneous
+    ENERGY = "energy"  # joules since the driver loaded
+    NVLINK_UP = "nvlink"  # 1.0 when the link (ReadingKey.link) is up, 0.0 when down
+
+
+@dataclass(frozen=True, slots=True)
+class ReadingKey:
+    """One reading of one device: a quantity, and the link for per-link quantities."""
+
+    quantity: Quantity
+    link: int | None = None
+
+    def __str__(self) -> str:
+        return self.quantity.value if self.link is None else f"{self.quantity.value} {self.link}"
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """The answer to one `DeviceBackend.read`: each key asked for is in exactly one mapping.
+
+    An error is per key: `ReadingNotSupported` means the device has no such reading (the
+    sampler stops asking), anything else failed this once (the sampler counts it). The same
+    exception object under several keys is one failed call."""
+
+    values: Mapping[ReadingKey, float]
+    errors: Mapping[ReadingKey, DeviceError]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """A compute process on a device. On a MIG-enabled GPU the instance ids say which MIG
+    device it runs on; None where the library does not say."""
+
+    pid: int
+    used_memory_bytes: int | None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+
+# (pid, timestamp in microseconds, SM utilization in whole percent): a tuple, not a class,
+# because a busy node yields tens of thousands of samples a poll.
+ProcessSample = tuple[int, int, int]
+
+
+class DeviceBackend(Protocol):
+    """A GPU management library as the sampler uses it.
+
+    Every method raises only `DeviceError`s. `DeviceLost` and `DriverUnavailable` are always
+    raised (they end the device's poll, or the whole poll); `read` returns other per-key
+    failures in its result. Discovery methods (`name` .. `compute_instance_id`) are called
+    once per device when the sampler (re)discovers devices; `read`, `running_processes` and
+    `process_utilization` every poll, so those are the ones to make cheap: batch, pre-size
+    buffers, remember which call variant the driver has.
+    """
+
+    clock: Callable[[], float]  # the backend's clock, unix seconds: snapshots are stamped with it
+
+    # -- library ------------------------------------------------------------------------------
+    def init(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def driver_version(self) -> str: ...
+    def cuda_driver_version(self) -> int: ...
+    def device_count(self) -> int: ...
+    def handle_by_index(self, index: int) -> Handle: ...
+
+    # -- identity, read at discovery ----------------------------------------------------------
+    def name(self, handle: Handle) -> str: ...
+    def uuid(self, handle: Handle) -> str: ...
+    def pci_bus_id(self, handle: Handle) -> str: ...
+    def power_limit_w(self, handle: Handle) -> float: ...
+    def sm_count(self, handle: Handle) -> int: ...
+    def nvlink_count(self, handle: Handle) -> int: ...
+    def mig_enabled(self, handle: Handle) -> bool: ...
+    def mig_handles(self, handle: Handle) -> list[tuple[int, Handle]]:
+        """(slot, handle) of each MIG device the GPU has now; slots need not be contiguous."""
+        ...
+
+    def mig_profile(self, handle: Handle) -> str:
+        """A MIG device's profile as the MIG user guide names it, e.g. "3g.40gb"."""
+        ...
+
+    def gpu_instance_id(self, handle: Handle) -> int: ...
+    def compute_instance_id(self, handle: Handle) -> int: ...
+
+    # -- readings, every poll -----------------------------------------------------------------
+    def read(self, handle: Handle, keys: Sequence[ReadingKey]) -> ReadResult:
+        """The readings `keys` name, in as few library calls as the backend can manage."""
+        ...
+
+    def running_processes(self, handle: Handle) -> list[ProcessInfo]:
+        """Compute processes on the device. On a MIG-enabled GPU: every process on any of its
+        MIG devices, with instance ids (PermissionDenied where that needs privileges)."""
+        ...
+
+    def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:
+        """Per-process SM utilization samples stamped after `since_us`; [] when there are none."""
+        ...
