@@ -28,7 +28,7 @@ MAX_INTERVAL_S = 300.0
 
 # -- conservation, on random nodes ---------------------------------------------------------------
 
-workloads = st.builds(Workload, job=st.sampled_from(["1", "2", "3"]), user=st.sampled_from(["a", "b"]))
+workloads = st.builds(Workload, hpc_job=st.sampled_from(["1", "2", "3"]), user=st.sampled_from(["a", "b"]))
 
 
 @st.composite
@@ -137,10 +137,10 @@ def test_mig_units_weigh_by_sm_share_and_the_rest_is_unassigned() -> None:
 def test_finished_workloads_are_forgotten_after_the_horizon() -> None:
     prev = Snapshot(0.0, NodeInfo("n"), (DeviceReading(index=0, uuid="G", name="x", up=True),))
     curr = Snapshot(10.0, NodeInfo("n"), prev.devices)
-    attribution = Attribution(holdings=(Holding("G", Workload(job="1"), sm_util=1.0),))
+    attribution = Attribution(holdings=(Holding("G", Workload(hpc_job="1"), sm_util=1.0),))
     charges = account(prev, curr, attribution, {"G": Price(36.0, "t")}, max_interval_s=60)
     totals = accumulate(CostTotals(), charges, forget_after_s=100)
-    assert totals.workloads[(0, "G", Workload(job="1"))].dollars == pytest.approx(0.1)  # 36 $/h x 10 s
+    assert totals.workloads[(0, "G", Workload(hpc_job="1"))].dollars == pytest.approx(0.1)  # 36 $/h x 10 s
     later = account(
         Snapshot(200.0, NodeInfo("n"), prev.devices),
         Snapshot(210.0, NodeInfo("n"), prev.devices),

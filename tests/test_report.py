@@ -30,7 +30,7 @@ T0 = 1_795_802_400.0  # 2026-11-27T18:00:00Z, a Friday evening
 
 VLLM = Workload(namespace="serving", pod="vllm-llama-0", container="vllm", model="llama-3.1-8b", team="inference")
 NOTEBOOK = Workload(namespace="research", pod="notebook-7", container="jupyter", user="carol", team="research")
-TRAIN = Workload(job="8812", user="alice", model="llama-3-8b", team="research")
+TRAIN = Workload(hpc_job="8812", user="alice", model="llama-3-8b", team="research")
 
 # The weekend: (node, gpu, workload or None for idle, dollars, held hours, busy hours) per hour, for
 # hours 0..5 after T0. Dollars with a tenth of a cent in them, so that how they are summed matters.
@@ -196,7 +196,10 @@ def test_efficiency_is_a_dash_when_nothing_was_held() -> None:
 def test_csv_reads_back_to_the_same_numbers(weekend_ledger: Path) -> None:
     report = report_from_ledger(weekend_ledger, by=["node", "pod"])
     rows = list(csv.DictReader(io.StringIO(render(report, "csv"))))
-    assert list(rows[0]) == ["kind", "node", "pod", "dollars", "gpu_hours_held", "gpu_hours_used", "efficiency_ratio"]
+    assert list(rows[0]) == [
+        "kind", "node", "pod", "dollars", "gpu_hours_held", "gpu_hours_used", "efficiency_ratio", "energy_kwh",
+        "energy_dollars",
+    ]  # fmt: skip
     assert [r["kind"] for r in rows] == ["group"] * len(report.lines) + ["idle", "total"]
     for r, line in zip(rows, [*report.lines, report.idle, report.total], strict=True):
         assert (r["node"], r["pod"]) == (line.key or ("", ""))
