@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.cli.main import main
 from agent.ledger.report import (
     GROUP_KEYS,
     Report,
@@ -148,6 +149,24 @@ def test_bad_grouping_keys_are_named() -> None:
     with pytest.raises(ValueError, match="at least one"):
         parse_by(" , ")
     assert parse_by("namespace, pod") == ("namespace", "pod")
+
+
+def test_by_job_is_by_hpc_job_and_the_default_is_namespace_and_hpc_job(
+    weekend_ledger: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def report(*by: str) -> str:
+        assert main(["report", "--ledger", str(weekend_ledger), *by, "--format", "json"]) == 0
+        return capsys.readouterr().out
+
+    by_alias, by_name, by_default = report("--by", "job"), report("--by", "hpc_job"), report()
+    assert by_alias == by_name
+    assert json.loads(by_alias)["by"] == ["hpc_job"]
+    # job 8812 on two GPUs for six hours at $3.333: 12 x 3.333 = $39.996
+    assert {r["hpc_job"]: r["dollars"] for r in json.loads(by_name)["rows"]}["8812"] == pytest.approx(39.996)
+    assert json.loads(by_default)["by"] == ["namespace", "hpc_job"]
+    assert parse_by("namespace,job") == ("namespace", "hpc_job")
+    with pytest.raises(ValueError, match="each grouping key once"):
+        parse_by("job,hpc_job")  # the alias and its name are one key
 
 
 def test_missing_ledger_is_a_ledger_error(tmp_path: Path) -> None:
