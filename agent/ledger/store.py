@@ -39,11 +39,13 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import closing, suppress
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
 from agent.errors import GpuledgerError
 from agent.model import WORKLOAD_LABELS, Charges, Workload
@@ -189,8 +191,7 @@ class UsageRow:
     idle: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class _WorkloadHour:
+class _WorkloadHour(NamedTuple):
     """The key of a pending workload row."""
 
     hour: int
@@ -203,8 +204,7 @@ class _WorkloadHour:
         return {"hour": self.hour, "node": self.node, "gpu": self.gpu, "uuid": self.uuid, **self.workload.label_dict()}
 
 
-@dataclass(frozen=True, slots=True)
-class _GpuHour:
+class _GpuHour(NamedTuple):
     """The key of a pending GPU row."""
 
     hour: int
@@ -219,12 +219,17 @@ class _GpuHour:
 _Sums = dict[str, float | None]
 
 
-def _add_sums(sums: _Sums, measures: Mapping[str, float | None], share: float = 1.0) -> None:
-    for name, value in measures.items():
+def _add_sums(sums: _Sums, names: Iterable[str], values: Iterable[float | None], share: float = 1.0) -> None:
+    for name, value in zip(names, values, strict=True):
         if value is None:
             continue
         old = sums.get(name)
         sums[name] = value * share if old is None else old + value * share
+
+
+# The measures of a charge, in the order of the names above (attrgetter: this runs every poll).
+_workload_measures = attrgetter(*_WORKLOAD_MEASURES)
+_gpu_measures = attrgetter(*_GPU_MEASURES)
 
 
 @dataclass(slots=True)
@@ -261,7 +266,7 @@ def hour_shares(start: float, end: float) -> list[tuple[int, float]]:
     return shares
 
 
-def _finite(values: Iterable[float | None]) -> bool:
+def _finite(values: Sequence[float | None]) -> bool:
     return all(v is None or math.isfinite(v) for v in values)
 
 
@@ -332,16 +337,16 @@ class Ledger:
             if self._closed:
                 raise LedgerError(f"ledger {self._path}: closed")
             for wc in charges.workloads:
-                measures: dict[str, float | None] = {name: getattr(wc, name) for name in _WORKLOAD_MEASURES}
-                if not _finite(measures.values()):
+                measures: tuple[float | None, ...] = _workload_measures(wc)
+                if not _finite(measures):
                     self._reject(f"workload charge {wc.workload.describe()} on {wc.uuid}: {measures}")
                     continue
                 for hour, share in shares:
                     key = _WorkloadHour(hour, node, wc.gpu, wc.uuid, wc.workload)
-                    _add_sums(self._workload_rows.setdefault(key, {}), measures, share)
+                    _add_sums(self._workload_rows.setdefault(key, {}), _WORKLOAD_MEASURES, measures, share)
             for gc in charges.gpus:
-                gpu_measures: dict[str, float | None] = {name: getattr(gc, name) for name in _GPU_MEASURES}
-                if not _finite((*gpu_measures.values(), gc.dollars_per_hour)):
+                gpu_measures: tuple[float | None, ...] = _gpu_measures(gc)
+                if not _finite((*gpu_measures, gc.dollars_per_hour)):
                     self._reject(f"GPU charge on {gc.uuid}: {gpu_measures}")
                     continue
                 for hour, share in shares:
@@ -351,7 +356,7 @@ class Ledger:
                         pending = self._gpu_rows[gpu_key] = _PendingGpu(gc.gpu, gc.model, gc.dollars_per_hour)
                     else:
                         pending.gpu, pending.model, pending.dollars_per_hour = gc.gpu, gc.model, gc.dollars_per_hour
-                    _add_sums(pending.sums, gpu_measures, share)
+                    _add_sums(pending.sums, _GPU_MEASURES, gpu_measures, share)
 
     def flush(self) -> bool:
         """Write every pending row and apply retention in one transaction.
@@ -477,14 +482,14 @@ class Ledger:
                 if old is None:
                     workload_rows[key] = sums
                 else:
-                    _add_sums(old, sums)
+                    _add_sums(old, sums.keys(), sums.values())
             for gpu_key, newer in self._gpu_rows.items():
                 older = gpu_rows.get(gpu_key)
                 if older is None:
                     gpu_rows[gpu_key] = newer
                 else:
                     older.gpu, older.model, older.dollars_per_hour = newer.gpu, newer.model, newer.dollars_per_hour
-                    _add_sums(older.sums, newer.sums)
+                    _add_sums(older.sums, newer.sums.keys(), newer.sums.values())
             self._workload_rows, self._gpu_rows = workload_rows, gpu_rows
 
 
