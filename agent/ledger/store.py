@@ -105,8 +105,10 @@ _SCHEMA_V2 = (
         energy_dollars REAL,
         PRIMARY KEY (hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team)
     ) WITHOUT ROWID""",
-    # Version 1 wrote a Slurm job id and a systemd unit name into the same `job` column. GROUP BY
-    # sums rows whose new keys coincide, so no hour is lost to a primary-key conflict.
+    # Version 1 wrote a Slurm job id and a systemd unit name into the same `job` column; each value
+    # goes to one of the two new ones. That split is one-to-one, so no two rows meet here; the
+    # GROUP BY states the rule for every step that changes the key: rows whose new keys are equal
+    # are summed, never dropped or refused by the primary key.
     """INSERT INTO workload_hours_v2 (
         hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
         held_s, busy_s, dollars, joules, energy_dollars
