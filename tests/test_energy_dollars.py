@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 import fake_nvml
-from agent.cli.main import main
 from agent.ledger.report import render, report_from_ledger
 from agent.ledger.sink import LedgerSink
 from agent.model import AgentState, Price, Workload
 from agent.pipeline import Costing
 from exporters.prometheus import make_registry
 from tests.helpers import Rig
+from tests.test_cli import gpuledger
 
 # One A100 from 18:00 UTC for an hour, ann's process keeping it 50% busy: the fake's power is
 # idle + (limit - idle) x utilization = 100 + 300 x 0.5 = 250 W, so the energy counter grows
@@ -56,9 +56,7 @@ def an_hour(tmp_path: Path) -> tuple[AgentState, Path]:
     return state, path
 
 
-def test_metrics_ledger_and_report_show_the_same_energy_dollars(
-    an_hour: tuple[AgentState, Path], capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_metrics_ledger_and_report_show_the_same_energy_dollars(an_hour: tuple[AgentState, Path]) -> None:
     state, path = an_hour
     assert state.snapshot is not None
     uuid = state.snapshot.gpus[0].uuid
@@ -80,8 +78,9 @@ def test_metrics_ledger_and_report_show_the_same_energy_dollars(
     report = report_from_ledger(path, by=["user"])
     (line,) = report.lines
     assert line.key == ("ann",)
-    assert main(["report", "--ledger", str(path), "--by", "user", "--format", "json"]) == 0
-    as_json = json.loads(capsys.readouterr().out)
+    result = gpuledger("report", "--ledger", str(path), "--by", "user", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    as_json = json.loads(result.stdout)
 
     # The ledger and report add up sixty one-minute charges, /metrics prices the hour's joules:
     # the same figure, to rounding.

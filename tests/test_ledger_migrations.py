@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli.main import main
 from agent.ledger.report import report_from_ledger
 from agent.ledger.store import SCHEMA_VERSION, Ledger, LedgerError, read_usage
 from agent.model import WORKLOAD_LABELS, Charges, GpuCharge, Workload, WorkloadCharge
+from tests.test_cli import gpuledger
 
 H = 3600
 H0 = 1_795_802_400  # 2026-11-27T18:00:00Z
@@ -202,9 +202,7 @@ def test_the_latest_schema_has_a_column_for_every_workload_label(tmp_path: Path)
     ]
 
 
-def test_a_ledger_from_a_newer_gpuledger_is_refused_in_one_line(
-    v1_ledger: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_ledger_from_a_newer_gpuledger_is_refused_in_one_line(v1_ledger: Path) -> None:
     Ledger(v1_ledger).close()
     newer = SCHEMA_VERSION + 1
     with sqlite3.connect(v1_ledger) as conn:
@@ -219,8 +217,8 @@ def test_a_ledger_from_a_newer_gpuledger_is_refused_in_one_line(
     with pytest.raises(LedgerError) as read:
         read_usage(v1_ledger)
     assert str(read.value) == expected
-    assert main(["report", "--ledger", str(v1_ledger)]) == 1
-    assert capsys.readouterr().err == f"gpuledger: {expected}\n"
+    result = gpuledger("report", "--ledger", str(v1_ledger))
+    assert (result.returncode, result.stderr) == (1, f"gpuledger: {expected}\n")
 
 
 def test_report_by_job_is_report_by_hpc_job(v1_ledger: Path) -> None:

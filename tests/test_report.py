@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli.main import main
 from agent.ledger.report import (
     GROUP_KEYS,
     Report,
@@ -25,6 +24,7 @@ from agent.ledger.report import (
 )
 from agent.ledger.store import Ledger, LedgerError, read_usage
 from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
+from tests.test_cli import gpuledger
 
 H = 3600.0
 T0 = 1_795_802_400.0  # 2026-11-27T18:00:00Z, a Friday evening
@@ -151,12 +151,11 @@ def test_bad_grouping_keys_are_named() -> None:
     assert parse_by("namespace, pod") == ("namespace", "pod")
 
 
-def test_by_job_is_by_hpc_job_and_the_default_is_namespace_and_hpc_job(
-    weekend_ledger: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_by_job_is_by_hpc_job_and_the_default_is_namespace_and_hpc_job(weekend_ledger: Path) -> None:
     def report(*by: str) -> str:
-        assert main(["report", "--ledger", str(weekend_ledger), *by, "--format", "json"]) == 0
-        return capsys.readouterr().out
+        result = gpuledger("report", "--ledger", str(weekend_ledger), *by, "--format", "json")
+        assert result.returncode == 0, result.stderr
+        return result.stdout
 
     by_alias, by_name, by_default = report("--by", "job"), report("--by", "hpc_job"), report()
     assert by_alias == by_name
