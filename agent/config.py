@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from agent.attribution.resolve import MATCH_FIELDS, SET_FIELDS
+from agent.attribution.resolve import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
 from agent.units import parse_duration, parse_size_bytes
@@ -63,7 +63,7 @@ class AttributionRule(_Section):
     @classmethod
     def _patterns_compile(cls, value: dict[str, str]) -> dict[str, str]:
         for key, pattern in value.items():
-            if key not in MATCH_FIELDS and not key.startswith("env."):
+            if key not in MATCH_FIELDS and key not in MATCH_ALIASES and not key.startswith("env."):
                 raise ValueError(f"{key}: unknown field (use {', '.join(MATCH_FIELDS)} or env.KEY)")
             try:
                 re.compile(pattern)

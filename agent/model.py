@@ -5,8 +5,9 @@ another stage."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,39 +125,64 @@ class ProcessFacts:
         return None
 
 
-WORKLOAD_LABELS = ("namespace", "pod", "container", "job", "user", "model", "team")
+class _ByName(Protocol):
+    def __getitem__(self, name: str, /) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Workload:
     """Who holds a GPU, as the workload labels name it; empty strings where unknown.
 
-    A pod sets namespace/pod/container, a Slurm job sets `job` to its id, a systemd service
-    sets `job` to its unit name, a plain container sets `container`.
+    A pod sets namespace/pod/container, a Slurm job sets `hpc_job` to its id (dcgm-exporter's
+    name: a label called `job` would clash with Prometheus's own target label), a systemd service
+    sets `unit`, a plain container sets `container`. The field order is the label order of every
+    output (`WORKLOAD_LABELS`, below), so a new label is one new field here.
     """
 
     namespace: str = ""
     pod: str = ""
     container: str = ""
-    job: str = ""
+    hpc_job: str = ""  # a Slurm (or other batch scheduler) job id
+    unit: str = ""  # a systemd unit (service) name
     user: str = ""
     model: str = ""
     team: str = ""
 
     def labels(self) -> tuple[str, ...]:
-        return (self.namespace, self.pod, self.container, self.job, self.user, self.model, self.team)
+        """The label values in `WORKLOAD_LABELS` order."""
+        values: tuple[str, ...] = _label_values(self)
+        return values
+
+    def label_dict(self) -> dict[str, str]:
+        """Label name -> value, every label present (empty where unknown)."""
+        return dict(zip(WORKLOAD_LABELS, _label_values(self), strict=True))
+
+    @classmethod
+    def from_labels(cls, values: Mapping[str, str] | _ByName) -> Workload:
+        """The workload whose labels are `values`: anything indexed by label name (a dict, a
+        sqlite3.Row) that holds every one."""
+        return cls(**{name: values[name] for name in WORKLOAD_LABELS})
 
     def describe(self) -> str:
-        """A short human name: "serving/vllm-llama-0", "job 8812", "container 9f2b7c1d4e5a"."""
+        """A short human name: "serving/vllm-llama-0", "job 8812", "nginx.service",
+        "container 9f2b7c1d4e5a", "user alice"."""
         if self.pod:
             return f"{self.namespace}/{self.pod}"
-        if self.job:
-            return f"job {self.job}" if self.job[0].isdigit() else self.job
+        if self.hpc_job:
+            return f"job {self.hpc_job}"
+        if self.unit:
+            return self.unit
         if self.container:
             return f"container {self.container}"
         if self.user:
             return f"user {self.user}"
         return "(unknown)"
+
+
+# The workload label names, in order: every exporter, the ledger, the report and the rules
+# read them from here, never from a list of their own.
+WORKLOAD_LABELS: tuple[str, ...] = tuple(f.name for f in fields(Workload))
+_label_values = attrgetter(*WORKLOAD_LABELS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +226,7 @@ class WorkloadTotals:
     dollars: float = 0.0
     joules: float = 0.0
     last_charged_at: float = 0.0
+    energy_dollars: float | None = None  # None where no energy price is set
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +239,8 @@ class GpuTotals:
     joules: float = 0.0
     idle_joules: float = 0.0
     unobserved_dollars: float = 0.0
+    energy_dollars: float | None = None  # None where no energy price is set
+    idle_energy_dollars: float | None = None
 
 
 @dataclass(frozen=True)
@@ -235,7 +264,6 @@ class AgentState:
     attribution: Attribution = field(default_factory=Attribution)
     costs: CostTotals = field(default_factory=CostTotals)
     prices: tuple[tuple[str, Price | None], ...] = ()  # GPU uuid -> price (None: no price known)
-    energy_per_kwh: float | None = None
     ledger: LedgerHealth | None = None
     flags: tuple[Any, ...] = ()  # rules.engine.Flag: the rules stage's output, rendered as is
     health: AgentHealth = field(default_factory=AgentHealth)
@@ -260,6 +288,7 @@ class WorkloadCharge:
     busy_s: float
     dollars: float
     joules: float
+    energy_dollars: float | None = None  # joules at the energy price; None where none is set
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +307,8 @@ class GpuCharge:
     joules: float
     idle_joules: float
     unobserved_dollars: float = 0.0  # what the GPU cost over unobserved time, charged to nobody
+    energy_dollars: float | None = None  # joules at the energy price; None where none is set
+    idle_energy_dollars: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,3 +320,4 @@ class Charges:
     node: str
     workloads: tuple[WorkloadCharge, ...] = ()
     gpus: tuple[GpuCharge, ...] = ()
+    energy_per_kwh: float | None = None  # the price the charges' energy dollars are at

@@ -155,7 +155,14 @@ class Pipeline:
         if previous is None:
             return None
         try:
-            charges = account(previous, snapshot, attribution, self._prices, max_interval_s=costing.max_interval_s)
+            charges = account(
+                previous,
+                snapshot,
+                attribution,
+                self._prices,
+                max_interval_s=costing.max_interval_s,
+                energy_per_kwh=costing.energy_per_kwh,
+            )
         except Exception:
             log.exception("accounting failed for the interval ending %.0f", snapshot.taken_at)
             return None
@@ -203,7 +210,6 @@ class Pipeline:
             flags=self._flags,
             costs=self._totals,
             prices=tuple(sorted(self._prices.items())),
-            energy_per_kwh=costing.energy_per_kwh,
             ledger=costing.sink.health() if costing.sink is not None else None,
         )
 

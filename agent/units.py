@@ -1,4 +1,5 @@
-"""Durations and sizes as people write them in configs and scenarios ("90s", "1h30m", "1GiB")."""
+"""Durations and sizes as people write them in configs and scenarios ("90s", "1h30m", "1GiB"),
+and the kilowatt-hours energy is priced in."""
 
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ def parse_size_bytes(value: object) -> int:
         unit = (match.group(2) or "b").lower()
         return int(float(match.group(1)) * _SIZE_FACTOR[unit])
     raise ValueError(f"expected a size like 1GiB or 512MiB, got {value!r}")
+
+
+JOULES_PER_KWH = 3.6e6  # 1 kWh = 1000 W x 3600 s
+
+
+def joules_to_kwh(joules: float) -> float:
+    return joules / JOULES_PER_KWH
 
 
 def format_duration(seconds: float) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from agent.model import WORKLOAD_LABELS
+
 
 class Kind(Enum):
     GAUGE = "gauge"
@@ -33,7 +35,7 @@ class MetricSpec:
 
 
 DEVICE = ("gpu", "uuid")
-WORKLOAD = (*DEVICE, "namespace", "pod", "container", "job", "user", "model", "team")
+WORKLOAD = (*DEVICE, *WORKLOAD_LABELS)
 
 CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(

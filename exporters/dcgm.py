@@ -11,7 +11,12 @@ names, help texts, units and labels come from (NVIDIA/dcgm-exporter):
   `gpu`, `UUID`, `pci_bus_id`, `device` ("nvidia<index>"), `modelName` (the NVML name),
   `GPU_I_PROFILE` and `GPU_I_ID` on MIG instances, `Hostname`, then the label fields;
 - `namespace`, `pod`, `container`: `internal/pkg/transformation/kubernetes.go` (set only
-  when a pod holds the device; absent otherwise).
+  when a pod holds the device; absent otherwise);
+- `hpc_job`: `internal/pkg/transformation/hpc.go` (the HPC job mapping files; set only when a
+  batch job holds the device). gpuledger's own series use the same name, so dashboards written
+  for either carry over;
+- these attributes come after the identity labels in name order, as the Go template's `range`
+  over a map renders them.
 
 Decisions where gpuledger and dcgm-exporter differ:
 
@@ -19,7 +24,9 @@ Decisions where gpuledger and dcgm-exporter differ:
   beside its sidecar), the pod the kubelet allocated the GPU to wins over one that only runs
   a process there, then the first by namespace/pod/container. dcgm-exporter without
   virtual-GPU mode keeps whichever pod the kubelet listed last; its virtual-GPU mode
-  duplicates the series per pod, which makes `sum()` over GPUs count a GPU twice.
+  duplicates the series per pod, which makes `sum()` over GPUs count a GPU twice. The same
+  for `hpc_job`: the allocated job, then the first by id, where dcgm-exporter repeats the series
+  for each job its mapping file lists.
 - `DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION` is typed `gauge`, not `counter`. dcgm-exporter
   declares it a counter without the `_total` suffix; OpenMetrics forbids that and
   prometheus_client renders such a family with a TYPE line naming `..._total`, so the sample
@@ -50,17 +57,18 @@ MIB = 2**20
 # The labels on every series, in dcgm-exporter's order; MIG and pod labels only where they apply.
 IDENTITY = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION")
 MIG_LABELS = ("GPU_I_PROFILE", "GPU_I_ID")
-POD_LABELS = ("container", "namespace", "pod")
+# What dcgm-exporter calls the attributes of the workload holding a device, in its render order.
+WORKLOAD_ATTRIBUTES = ("container", "hpc_job", "namespace", "pod")
 
 DCGM_CATALOGUE: tuple[MetricSpec, ...] = (
-    MetricSpec("DCGM_FI_DEV_GPU_UTIL", Kind.GAUGE, "GPU utilization (in %).", IDENTITY, "percent", POD_LABELS),
+    MetricSpec("DCGM_FI_DEV_GPU_UTIL", Kind.GAUGE, "GPU utilization (in %).", IDENTITY, "percent", WORKLOAD_ATTRIBUTES),
     MetricSpec(
         "DCGM_FI_DEV_FB_FREE",
         Kind.GAUGE,
         "Framebuffer memory free (in MiB).",
         IDENTITY,
         "mebibytes",
-        (*MIG_LABELS, *POD_LABELS),
+        (*MIG_LABELS, *WORKLOAD_ATTRIBUTES),
     ),
     MetricSpec(
         "DCGM_FI_DEV_FB_USED",
@@ -68,17 +76,17 @@ DCGM_CATALOGUE: tuple[MetricSpec, ...] = (
         "Framebuffer memory used (in MiB).",
         IDENTITY,
         "mebibytes",
-        (*MIG_LABELS, *POD_LABELS),
+        (*MIG_LABELS, *WORKLOAD_ATTRIBUTES),
     ),
-    MetricSpec("DCGM_FI_DEV_GPU_TEMP", Kind.GAUGE, "GPU temperature (in C).", IDENTITY, "celsius", POD_LABELS),
-    MetricSpec("DCGM_FI_DEV_POWER_USAGE", Kind.GAUGE, "Power draw (in W).", IDENTITY, "watts", POD_LABELS),
+    MetricSpec("DCGM_FI_DEV_GPU_TEMP", Kind.GAUGE, "GPU temperature (in C).", IDENTITY, "celsius", WORKLOAD_ATTRIBUTES),
+    MetricSpec("DCGM_FI_DEV_POWER_USAGE", Kind.GAUGE, "Power draw (in W).", IDENTITY, "watts", WORKLOAD_ATTRIBUTES),
     MetricSpec(
         "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
         Kind.GAUGE,  # a counter in dcgm-exporter: see the module docstring
         "Total energy consumption since boot (in mJ).",
         IDENTITY,
         "millijoules",
-        POD_LABELS,
+        WORKLOAD_ATTRIBUTES,
     ),
 )
 
@@ -101,7 +109,7 @@ class DcgmCollector(Collector):
                 if not gpu.up:
                     continue  # dcgm-exporter skips blank values; a lost GPU has none
                 labels = _identity(gpu, node.hostname, node.driver_version)
-                board = {**labels, **_pod_labels(state, gpu.uuid)}
+                board = {**labels, **_workload_attributes(state, gpu.uuid)}
                 if gpu.utilization is not None:
                     _add(families, "DCGM_FI_DEV_GPU_UTIL", board, round(gpu.utilization * 100))
                 if gpu.temperature_c is not None:
@@ -118,7 +126,7 @@ class DcgmCollector(Collector):
                         **labels,
                         "GPU_I_PROFILE": mig.mig_profile,
                         "GPU_I_ID": "" if mig.gpu_instance_id is None else str(mig.gpu_instance_id),
-                        **_pod_labels(state, mig.uuid),
+                        **_workload_attributes(state, mig.uuid),
                     }
                     _framebuffer(families, mig_labels, mig)
         yield from (family for family in families.values() if family.samples)
@@ -139,21 +147,30 @@ def _identity(gpu: DeviceReading, hostname: str, driver_version: str) -> dict[st
     return labels
 
 
-def _pod_labels(state: AgentState, device_uuid: str) -> dict[str, str]:
-    """namespace/pod/container of the pod holding the device, or nothing (one series per device)."""
-    pods = [h for h in state.attribution.for_device(device_uuid) if h.workload.pod]
-    if not pods:
-        return {}
-    chosen = min(pods, key=_pod_rank)
-    w = chosen.workload
-    return {"container": w.container, "namespace": w.namespace, "pod": w.pod}
+def _workload_attributes(state: AgentState, device_uuid: str) -> dict[str, str]:
+    """namespace/pod/container of the pod holding the device and `hpc_job` of the batch job
+    holding it, each only where there is one (one series per device), in render order."""
+    holders = state.attribution.for_device(device_uuid)
+    attributes: dict[str, str] = {}
+    pods = [h for h in holders if h.workload.pod]
+    if pods:
+        w = min(pods, key=_pod_rank).workload
+        attributes.update(container=w.container, namespace=w.namespace, pod=w.pod)
+    jobs = [h for h in holders if h.workload.hpc_job]
+    if jobs:
+        attributes["hpc_job"] = min(jobs, key=_job_rank).workload.hpc_job
+    return {name: attributes[name] for name in WORKLOAD_ATTRIBUTES if name in attributes}
 
 
+# The scheduler's allocation first (it is what dcgm-exporter's pod and HPC mappers read), then by
+# name, so the labels do not flip between scrapes as load moves.
 def _pod_rank(holding: Holding) -> tuple[bool, str, str, str]:
-    # The kubelet's allocation first (it is what dcgm-exporter's pod mapper reads), then by name,
-    # so the label does not flip between scrapes as load moves.
     w = holding.workload
     return (not holding.allocated, w.namespace, w.pod, w.container)
+
+
+def _job_rank(holding: Holding) -> tuple[bool, str]:
+    return (not holding.allocated, holding.workload.hpc_job)
 
 
 def _framebuffer(families: dict[str, Metric], labels: dict[str, str], device: DeviceReading) -> None:

@@ -152,19 +152,17 @@ def _flag_series(out: _Families, state: AgentState) -> None:
                 out.add("gpuledger_workload_flag", (str(flag.gpu), flag.uuid, *workload.labels(), flag.rule), 1.0)
 
 
-JOULES_PER_KWH = 3.6e6
-
-
 def _cost_series(out: _Families, state: AgentState) -> None:
-    kwh_price = state.energy_per_kwh
+    # Energy dollars come priced from accounting (None where no price per kWh is set), so
+    # /metrics shows the very figures the ledger and `report` sum.
     for (gpu, uuid, workload), w in state.costs.workloads.items():
         labels = (str(gpu), uuid, *workload.labels())
         out.add("gpuledger_workload_gpu_seconds_total", labels, w.held_s)
         out.add("gpuledger_workload_gpu_busy_seconds_total", labels, w.busy_s)
         out.add("gpuledger_workload_cost_dollars_total", labels, w.dollars)
         out.add("gpuledger_workload_energy_joules_total", labels, w.joules)
-        if kwh_price is not None:
-            out.add("gpuledger_workload_energy_cost_dollars_total", labels, w.joules / JOULES_PER_KWH * kwh_price)
+        if w.energy_dollars is not None:
+            out.add("gpuledger_workload_energy_cost_dollars_total", labels, w.energy_dollars)
     for (gpu, uuid), g in state.costs.gpus.items():
         ids = (str(gpu), uuid)
         out.add("gpuledger_gpu_cost_dollars_total", ids, g.dollars)
@@ -173,8 +171,8 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_gpu_observed_seconds_total", ids, g.observed_s)
         out.add("gpuledger_gpu_unobserved_seconds_total", ids, g.unobserved_s)
         out.add("gpuledger_gpu_unobserved_cost_dollars_total", ids, g.unobserved_dollars)
-        if kwh_price is not None:
-            out.add("gpuledger_gpu_energy_cost_dollars_total", ids, g.joules / JOULES_PER_KWH * kwh_price)
+        if g.energy_dollars is not None:
+            out.add("gpuledger_gpu_energy_cost_dollars_total", ids, g.energy_dollars)
     if state.snapshot is not None:
         index = {d.uuid: d.index for d in state.snapshot.gpus}
         for uuid, price in state.prices:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fake_nvml
-from agent.accounting.cost import account, accumulate, cost_units
+from agent.accounting.cost import account, accumulate, cost_units, energy_dollars
 from agent.model import (
     Attribution,
     CostTotals,
@@ -28,7 +28,7 @@ MAX_INTERVAL_S = 300.0
 
 # -- conservation, on random nodes ---------------------------------------------------------------
 
-workloads = st.builds(Workload, job=st.sampled_from(["1", "2", "3"]), user=st.sampled_from(["a", "b"]))
+workloads = st.builds(Workload, hpc_job=st.sampled_from(["1", "2", "3"]), user=st.sampled_from(["a", "b"]))
 
 
 @st.composite
@@ -100,7 +100,8 @@ def node_interval(draw: st.DrawFn) -> tuple[Snapshot, Snapshot, Attribution, dic
 @given(node_interval())
 def test_workload_plus_idle_dollars_and_joules_add_up_to_each_gpus_cost(case: Any) -> None:
     prev, curr, attribution, prices = case
-    charges = account(prev, curr, attribution, prices, max_interval_s=MAX_INTERVAL_S)
+    per_kwh = 0.15
+    charges = account(prev, curr, attribution, prices, max_interval_s=MAX_INTERVAL_S, energy_per_kwh=per_kwh)
     dt = curr.taken_at - prev.taken_at
     observed = dt if dt <= MAX_INTERVAL_S else 0.0
     expected_dollars = sum(
@@ -112,6 +113,16 @@ def test_workload_plus_idle_dollars_and_joules_add_up_to_each_gpus_cost(case: An
     joules = sum(w.joules for w in charges.workloads) + sum(g.idle_joules for g in charges.gpus)
     assert joules == pytest.approx(sum(g.joules for g in charges.gpus), rel=1e-9, abs=1e-9)
     assert all(g.joules >= 0 for g in charges.gpus)
+    # Energy dollars: each figure is its joules at the price, so they add up like the joules.
+    for g in charges.gpus:
+        assert g.energy_dollars == energy_dollars(g.joules, per_kwh)
+        assert g.idle_energy_dollars == energy_dollars(g.idle_joules, per_kwh)
+    for w in charges.workloads:
+        assert w.energy_dollars == energy_dollars(w.joules, per_kwh)
+    energy = sum(w.energy_dollars or 0.0 for w in charges.workloads) + sum(
+        g.idle_energy_dollars or 0.0 for g in charges.gpus
+    )
+    assert energy == pytest.approx(sum(g.energy_dollars or 0.0 for g in charges.gpus), rel=1e-9, abs=1e-12)
     for w in charges.workloads:
         assert 0 <= w.busy_s <= w.held_s + 1e-9
         assert w.held_s <= observed + 1e-9
@@ -134,13 +145,37 @@ def test_mig_units_weigh_by_sm_share_and_the_rest_is_unassigned() -> None:
     ]
 
 
+def test_energy_is_priced_once_at_the_price_per_kwh_and_unpriced_without_one() -> None:
+    gpu0 = DeviceReading(index=0, uuid="G", name="x", up=True, energy_j=1_000_000.0)
+    gpu1 = DeviceReading(index=0, uuid="G", name="x", up=True, energy_j=1_000_000.0 + 720_000.0)
+    prev, curr = Snapshot(0.0, NodeInfo("n"), (gpu0,)), Snapshot(60.0, NodeInfo("n"), (gpu1,))
+    # ann uses 3/4 of the GPU, bob 1/4: they split its 720 kJ (0.2 kWh) 540 kJ / 180 kJ.
+    attribution = Attribution(
+        holdings=(Holding("G", Workload(user="ann"), sm_util=0.75), Holding("G", Workload(user="bob"), sm_util=0.25))
+    )
+    prices = {"G": Price(3.6, "t")}
+    priced = account(prev, curr, attribution, prices, max_interval_s=MAX_INTERVAL_S, energy_per_kwh=0.25)
+    # 540 kJ = 0.15 kWh x $0.25 = $0.0375; 180 kJ = 0.05 kWh x $0.25 = $0.0125; the GPU $0.05.
+    assert {w.workload.user: w.energy_dollars for w in priced.workloads} == pytest.approx(
+        {"ann": 0.0375, "bob": 0.0125}, rel=1e-12
+    )
+    (gpu,) = priced.gpus
+    assert (gpu.energy_dollars, gpu.idle_energy_dollars) == (pytest.approx(0.05, rel=1e-12), 0.0)
+    totals = accumulate(accumulate(CostTotals(), priced, forget_after_s=1e9), priced, forget_after_s=1e9)
+    assert totals.gpus[(0, "G")].energy_dollars == pytest.approx(0.10, rel=1e-12)  # two such intervals
+    unpriced = account(prev, curr, attribution, prices, max_interval_s=MAX_INTERVAL_S)
+    assert [w.energy_dollars for w in unpriced.workloads] == [None, None]
+    assert (unpriced.gpus[0].energy_dollars, unpriced.gpus[0].idle_energy_dollars) == (None, None)
+    assert accumulate(CostTotals(), unpriced, forget_after_s=1e9).gpus[(0, "G")].energy_dollars is None
+
+
 def test_finished_workloads_are_forgotten_after_the_horizon() -> None:
     prev = Snapshot(0.0, NodeInfo("n"), (DeviceReading(index=0, uuid="G", name="x", up=True),))
     curr = Snapshot(10.0, NodeInfo("n"), prev.devices)
-    attribution = Attribution(holdings=(Holding("G", Workload(job="1"), sm_util=1.0),))
+    attribution = Attribution(holdings=(Holding("G", Workload(hpc_job="1"), sm_util=1.0),))
     charges = account(prev, curr, attribution, {"G": Price(36.0, "t")}, max_interval_s=60)
     totals = accumulate(CostTotals(), charges, forget_after_s=100)
-    assert totals.workloads[(0, "G", Workload(job="1"))].dollars == pytest.approx(0.1)  # 36 $/h x 10 s
+    assert totals.workloads[(0, "G", Workload(hpc_job="1"))].dollars == pytest.approx(0.1)  # 36 $/h x 10 s
     later = account(
         Snapshot(200.0, NodeInfo("n"), prev.devices),
         Snapshot(210.0, NodeInfo("n"), prev.devices),

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.attribution.recognise import recognise_model
 from agent.attribution.resolve import compile_rules, rule_env_keys
 from agent.attribution.sources.procfs import ProcessUnreadable, ProcFS
-from agent.model import AgentState, Workload
+from agent.model import WORKLOAD_LABELS, AgentState, Workload
 from tests.helpers import Rig
 
 DEMO_RULES = [
@@ -45,7 +45,7 @@ def owners(state: AgentState) -> dict[str, list[Workload]]:
 
 
 def workload_series(text: str, name: str) -> dict[tuple[str, ...], float]:
-    keys = ("gpu", "namespace", "pod", "container", "job", "user", "model", "team")
+    keys = ("gpu", *WORKLOAD_LABELS)
     return {
         tuple(s.labels[k] for k in keys): s.value
         for family in text_string_to_metric_families(text)
@@ -61,25 +61,25 @@ def test_demo_metrics_name_every_workload(rig: Any) -> None:
     util = workload_series(text, "gpuledger_workload_gpu_utilization_ratio")
     llama = "llama-3-8b"
     expected = {
-        ("0", "", "", "", "8812", "alice", llama, "nlp"): 0.92,
-        ("1", "", "", "", "8812", "alice", llama, "nlp"): 0.92,
-        ("2", "", "", "", "8812", "alice", llama, "nlp"): 0.92,
-        ("3", "", "", "", "8812", "alice", llama, "nlp"): 0.92,
-        ("4", "serving", "vllm-llama-0", "vllm", "", "", "meta-llama/Llama-3.1-8B-Instruct", "inference"): 0.55,
-        ("4", "", "", "9f2b7c1d4e5a", "", "carol", "BAAI/bge-large-en-v1.5", ""): 0.20,
-        ("5", "research-nlp", "notebook-7", "jupyter", "", "", "", "research"): 0.0,
-        ("7", "research-cv", "notebook-3", "jupyter", "", "", "", "research"): 0.0,
+        ("0", "", "", "", "8812", "", "alice", llama, "nlp"): 0.92,
+        ("1", "", "", "", "8812", "", "alice", llama, "nlp"): 0.92,
+        ("2", "", "", "", "8812", "", "alice", llama, "nlp"): 0.92,
+        ("3", "", "", "", "8812", "", "alice", llama, "nlp"): 0.92,
+        ("4", "serving", "vllm-llama-0", "vllm", "", "", "", "meta-llama/Llama-3.1-8B-Instruct", "inference"): 0.55,
+        ("4", "", "", "9f2b7c1d4e5a", "", "", "carol", "BAAI/bge-large-en-v1.5", ""): 0.20,
+        ("5", "research-nlp", "notebook-7", "jupyter", "", "", "", "", "research"): 0.0,
+        ("7", "research-cv", "notebook-3", "jupyter", "", "", "", "", "research"): 0.0,
     }
     assert util == pytest.approx(expected)
     memory = workload_series(text, "gpuledger_workload_gpu_memory_used_bytes")
-    assert memory[("5", "research-nlp", "notebook-7", "jupyter", "", "", "", "research")] == 30000 * 2**20
+    assert memory[("5", "research-nlp", "notebook-7", "jupyter", "", "", "", "", "research")] == 30000 * 2**20
     processes = workload_series(text, "gpuledger_workload_gpu_processes")
     allocated = workload_series(text, "gpuledger_workload_gpu_allocated")
-    notebook3 = ("7", "research-cv", "notebook-3", "jupyter", "", "", "", "research")
+    notebook3 = ("7", "research-cv", "notebook-3", "jupyter", "", "", "", "", "research")
     assert processes[notebook3] == 0  # allocated, runs nothing: still holds the GPU
     assert allocated[notebook3] == 1
-    assert allocated[("0", "", "", "", "8812", "alice", llama, "nlp")] == 1  # the Slurm map file
-    assert allocated[("4", "", "", "9f2b7c1d4e5a", "", "carol", "BAAI/bge-large-en-v1.5", "")] == 0
+    assert allocated[("0", "", "", "", "8812", "", "alice", llama, "nlp")] == 1  # the Slurm map file
+    assert allocated[("4", "", "", "9f2b7c1d4e5a", "", "", "carol", "BAAI/bge-large-en-v1.5", "")] == 0
     assert "pid=" not in text
     assert "gpuledger_kubelet_up 1.0" in text
 
@@ -115,7 +115,7 @@ def test_a_reused_pid_is_reported_with_its_new_owner_from_the_next_poll(rig: Any
         }
     )
     first = owners(r.poll(5))["0"]
-    assert first == [Workload(job="41", user="ann")]
+    assert first == [Workload(hpc_job="41", user="ann")]
     reads = r.attributor.full_reads
     r.poll(60)
     assert r.attributor.full_reads == reads  # same process: served from the cache
@@ -159,7 +159,7 @@ def test_unresolvable_pids_are_counted_and_attributed_as_unknown(rig: Any) -> No
     }
     assert unresolved == {"0": 0.0, "1": 1.0}
     memory = workload_series(text, "gpuledger_workload_gpu_memory_used_bytes")
-    assert memory[("1", "", "", "", "", "", "", "")] == 200 * 2**20  # not dropped: unknown owner
+    assert memory[("1", "", "", "", "", "", "", "", "")] == 200 * 2**20  # not dropped: unknown owner
 
 
 def test_slurm_allocation_without_a_process_still_holds_its_gpus(rig: Any) -> None:
@@ -174,9 +174,9 @@ def test_slurm_allocation_without_a_process_still_holds_its_gpus(rig: Any) -> No
     )
     state = r.poll()
     held = owners(state)
-    assert held["1"] == [Workload(job="9911", user="bob")]
+    assert held["1"] == [Workload(hpc_job="9911", user="bob")]
     assert held["0"] == []
-    assert held["2:1"] == [Workload(job="9912", user="cat")]  # a MIG `gpu.gi` map file
+    assert held["2:1"] == [Workload(hpc_job="9912", user="cat")]  # a MIG `gpu.gi` map file
     holding = state.attribution.for_device(state.snapshot.mig_devices(state.snapshot.gpus[2].uuid)[1].uuid)[0]  # type: ignore[union-attr]
     assert holding.allocated
     assert holding.sm_util is None  # MIG cannot measure use
@@ -355,7 +355,7 @@ def test_a_secret_in_a_process_environment_appears_nowhere(tmp_path: Path) -> No
         try:
             scraped = ""
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and 'job="4242"' not in scraped:
+            while time.monotonic() < deadline and 'hpc_job="4242"' not in scraped:
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
                         scraped = response.read().decode()
@@ -364,7 +364,7 @@ def test_a_secret_in_a_process_environment_appears_nowhere(tmp_path: Path) -> No
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(timeout=15)
-    assert 'job="4242"' in scraped  # the allowlisted key did its job
+    assert 'hpc_job="4242"' in scraped  # the allowlisted key did its job
     assert 'model="tiny-llm"' in scraped
     written = [p.read_text(errors="replace") for p in out_dir.rglob("*") if p.is_file()]
     for name, text in [("metrics", scraped), ("simulate output", sim.stdout + sim.stderr),

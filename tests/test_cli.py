@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.model import WORKLOAD_LABELS
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -154,19 +156,19 @@ def test_run_fake_names_every_demo_workload_over_http(daemon: type[Daemon], tmp_
     )
     d = daemon("--fake", "--config", str(config), env={"GPULEDGER_POLL_INTERVAL": "0.2s"})  # type: ignore[call-arg]
     text = d.wait_for(polls_at_least(3))
-    keys = ("gpu", "namespace", "pod", "container", "job", "user", "model", "team")
+    keys = ("gpu", *WORKLOAD_LABELS)
     held = {
         tuple(dict(labels)[k] for k in keys)
         for (name, labels) in samples(text)
         if name == "gpuledger_workload_gpu_processes"
     }
-    job = ("", "", "", "8812", "alice", "llama-3-8b", "nlp")
+    job = ("", "", "", "8812", "", "alice", "llama-3-8b", "nlp")
     assert held == {
         *((str(gpu), *job) for gpu in range(4)),
-        ("4", "serving", "vllm-llama-0", "vllm", "", "", "meta-llama/Llama-3.1-8B-Instruct", ""),
-        ("4", "", "", "9f2b7c1d4e5a", "", "carol", "BAAI/bge-large-en-v1.5", ""),
-        ("5", "research-nlp", "notebook-7", "jupyter", "", "", "", "research"),
-        ("7", "research-cv", "notebook-3", "jupyter", "", "", "", "research"),
+        ("4", "serving", "vllm-llama-0", "vllm", "", "", "", "meta-llama/Llama-3.1-8B-Instruct", ""),
+        ("4", "", "", "9f2b7c1d4e5a", "", "", "carol", "BAAI/bge-large-en-v1.5", ""),
+        ("5", "research-nlp", "notebook-7", "jupyter", "", "", "", "", "research"),
+        ("7", "research-cv", "notebook-3", "jupyter", "", "", "", "", "research"),
     }
     assert all("pid" not in dict(labels) for (_name, labels) in samples(text))
 

@@ -39,6 +39,7 @@ DCGM_HELP = {
 # DCGM_FI_DRIVER_VERSION label field of dcp-metrics-included.csv.
 IDENTITY = {"gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION"}
 POD = {"namespace", "pod", "container"}
+WORKLOAD = {*POD, "hpc_job"}  # dcgm-exporter's attributes: kubernetes.go and hpc.go
 MIG = {"GPU_I_PROFILE", "GPU_I_ID"}
 
 Samples = list[tuple[str, dict[str, str], float]]
@@ -137,12 +138,20 @@ def test_pods_label_the_gpus_they_hold_and_nothing_else(demo: Samples) -> None:
                 assert (labels["namespace"], labels["pod"], labels["container"]) == pod
 
 
+def test_the_slurm_jobs_gpus_carry_dcgm_exporters_hpc_job_label_and_no_others_do(demo: Samples) -> None:
+    # demo: Slurm job 8812 holds GPUs 0-3 (its map files and its processes' cgroup); no other GPU
+    # is held by a batch job.
+    for name in DCGM_HELP:
+        jobs = {labels["gpu"]: labels.get("hpc_job") for labels, _ in find(demo, name)}
+        assert jobs == {"0": "8812", "1": "8812", "2": "8812", "3": "8812"} | dict.fromkeys("4567"), name
+
+
 def test_every_series_carries_the_dcgm_label_set_and_one_series_per_gpu(demo: Samples) -> None:
     for name in DCGM_HELP:
         series = find(demo, name)
         assert sorted(labels["gpu"] for labels, _ in series) == [str(i) for i in range(8)], name
         for labels, _ in series:
-            assert IDENTITY <= set(labels) <= IDENTITY | POD, (name, labels)
+            assert IDENTITY <= set(labels) <= IDENTITY | WORKLOAD, (name, labels)
 
 
 def gpu(index: int, uuid: str, **readings: Any) -> DeviceReading:
@@ -162,7 +171,7 @@ def test_a_shared_gpu_is_one_series_named_for_the_allocated_pod_then_by_name() -
         Holding("GPU-a", main, pids=(11,), sm_util=0.1, allocated=True),
         Holding("GPU-b", Workload(namespace="ml", pod="b-pod", container="c"), pids=(12,), allocated=True),
         Holding("GPU-b", Workload(namespace="ml", pod="a-pod", container="c"), pids=(13,), allocated=True),
-        Holding("GPU-b", Workload(job="8812", user="alice"), pids=(14,)),
+        Holding("GPU-b", Workload(hpc_job="8812", user="alice"), pids=(14,)),
     )
     state = AgentState(snapshot=snapshot, attribution=Attribution(holdings=holdings))
     samples = parse(exposition(state))

@@ -38,7 +38,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "agent.model",
     ),
     "agent.accounting.pricing": ("agent.model", "agent.yamlfile"),
-    "agent.accounting.cost": ("agent.model",),
+    "agent.accounting.cost": ("agent.model", "agent.units"),
     "agent.ledger.store": ("agent.errors", "agent.model"),
     "agent.ledger.sink": ("agent.model", "agent.ledger.store"),
     "agent.ledger.report": ("agent.model", "agent.units", "agent.ledger.store"),

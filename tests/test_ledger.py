@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.ledger.store import Ledger, LedgerError, hour_shares, read_usage
+from agent.ledger.store import SCHEMA_VERSION, Ledger, LedgerError, hour_shares, read_usage
 from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 H = 3600.0
 T0 = 1_795_802_400.0  # 2026-11-27T18:00:00Z, an hour start
 VLLM = Workload(namespace="serving", pod="vllm-llama-0", container="vllm", model="llama-3.1-8b")
-TRAIN = Workload(job="8812", user="alice", model="llama-3-8b")
+TRAIN = Workload(hpc_job="8812", user="alice", model="llama-3-8b")
 
 
 class ManualClock:
@@ -83,7 +83,9 @@ def test_sums_survive_flush_and_reopen(tmp_path: Path) -> None:
     assert ledger.pending_rows == 0
     ledger.close()
 
-    assert stored(path, "SELECT hour, pod, job, held_s, busy_s, dollars, joules FROM workload_hours ORDER BY gpu") == [
+    assert stored(
+        path, "SELECT hour, pod, hpc_job, held_s, busy_s, dollars, joules FROM workload_hours ORDER BY gpu"
+    ) == [
         (int(T0), "vllm-llama-0", "", 30.0, 15.0, 0.5, 50.0),
         (int(T0), "", "8812", 30.0, 15.0, 1.0, 100.0),
     ]
@@ -91,7 +93,7 @@ def test_sums_survive_flush_and_reopen(tmp_path: Path) -> None:
         ("GPU-0", "A100-SXM4-80GB", 2.5, 30.0, 0.5),
         ("GPU-1", "A100-SXM4-80GB", 2.5, 30.0, 1.0),
     ]
-    assert stored(path, "SELECT version FROM schema_version") == [(1,)]
+    assert stored(path, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,)]
     assert stored(path, "PRAGMA journal_mode") == [("wal",)]
 
 
@@ -203,13 +205,22 @@ def test_another_programs_database_is_left_alone(tmp_path: Path) -> None:
     assert stored(path, "SELECT name FROM sqlite_schema") == [("invoices",)]
 
 
-def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+def test_a_newer_schema_is_refused_in_one_line_naming_the_file_and_versions(tmp_path: Path) -> None:
     path = tmp_path / "ledger.db"
     Ledger(path).close()
+    newer = SCHEMA_VERSION + 1
     with sqlite3.connect(path) as conn:
-        conn.execute("INSERT INTO schema_version VALUES (2, 0)")
-    with pytest.raises(LedgerError, match="schema version 2"):
-        Ledger(path)
+        conn.execute("INSERT INTO schema_version VALUES (?, 0)", (newer,))
+    for opening in (lambda: Ledger(path), lambda: read_usage(path)):
+        with pytest.raises(LedgerError) as caught:
+            opening()
+        message = str(caught.value)
+        assert message == (
+            f"ledger {path}: schema version {newer} is newer than this gpuledger reads "
+            f"(versions 1 to {SCHEMA_VERSION}): upgrade gpuledger"
+        )
+        assert "\n" not in message
+    assert stored(path, "SELECT MAX(version) FROM schema_version") == [(newer,)]  # left as it was
 
 
 def test_read_usage_never_creates_a_file(tmp_path: Path) -> None:

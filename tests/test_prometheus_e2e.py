@@ -450,6 +450,20 @@ def test_gpus_up_rule_counts_the_demo_nodes_gpus(scraping: Stack) -> None:
     assert scraping.api.value(f'cluster:gpuledger_gpus_up:sum{{cluster="{CLUSTER}"}}') == GPUS
 
 
+def test_a_slurm_jobs_label_arrives_as_hpc_job_beside_the_scrape_jobs_own(scraping: Stack) -> None:
+    # The demo's Slurm job 8812 holds GPUs 0-3. A workload label called `job` would clash with the
+    # target's and arrive renamed `exported_job`; `hpc_job` arrives as the agent wrote it, in
+    # both modes (dcgm-exporter's series carry the same name).
+    api = scraping.api
+    series = api.query(f'gpuledger_workload_gpu_seconds_total{{cluster="{CLUSTER}", hpc_job="8812"}}')
+    assert sorted(s["metric"]["gpu"] for s in series) == ["0", "1", "2", "3"]
+    assert {s["metric"]["job"] for s in series} == {SCRAPE_JOB}
+    assert api.label_values("exported_job", "") == []
+    if scraping.dcgm_error is None:
+        dcgm = api.query(f'DCGM_FI_DEV_GPU_TEMP{{cluster="{DCGM_CLUSTER}", hpc_job="8812"}}')
+        assert sorted(s["metric"]["gpu"] for s in dcgm) == ["0", "1", "2", "3"]
+
+
 MIN_COVERAGE_S = 30.0  # seconds of samples behind the checked cost rate
 
 

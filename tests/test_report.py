@@ -24,13 +24,14 @@ from agent.ledger.report import (
 )
 from agent.ledger.store import Ledger, LedgerError, read_usage
 from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
+from tests.test_cli import gpuledger
 
 H = 3600.0
 T0 = 1_795_802_400.0  # 2026-11-27T18:00:00Z, a Friday evening
 
 VLLM = Workload(namespace="serving", pod="vllm-llama-0", container="vllm", model="llama-3.1-8b", team="inference")
 NOTEBOOK = Workload(namespace="research", pod="notebook-7", container="jupyter", user="carol", team="research")
-TRAIN = Workload(job="8812", user="alice", model="llama-3-8b", team="research")
+TRAIN = Workload(hpc_job="8812", user="alice", model="llama-3-8b", team="research")
 
 # The weekend: (node, gpu, workload or None for idle, dollars, held hours, busy hours) per hour, for
 # hours 0..5 after T0. Dollars with a tenth of a cent in them, so that how they are summed matters.
@@ -150,6 +151,23 @@ def test_bad_grouping_keys_are_named() -> None:
     assert parse_by("namespace, pod") == ("namespace", "pod")
 
 
+def test_by_job_is_by_hpc_job_and_the_default_is_namespace_and_hpc_job(weekend_ledger: Path) -> None:
+    def report(*by: str) -> str:
+        result = gpuledger("report", "--ledger", str(weekend_ledger), *by, "--format", "json")
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    by_alias, by_name, by_default = report("--by", "job"), report("--by", "hpc_job"), report()
+    assert by_alias == by_name
+    assert json.loads(by_alias)["by"] == ["hpc_job"]
+    # job 8812 on two GPUs for six hours at $3.333: 12 x 3.333 = $39.996
+    assert {r["hpc_job"]: r["dollars"] for r in json.loads(by_name)["rows"]}["8812"] == pytest.approx(39.996)
+    assert json.loads(by_default)["by"] == ["namespace", "hpc_job"]
+    assert parse_by("namespace,job") == ("namespace", "hpc_job")
+    with pytest.raises(ValueError, match="each grouping key once"):
+        parse_by("job,hpc_job")  # the alias and its name are one key
+
+
 def test_missing_ledger_is_a_ledger_error(tmp_path: Path) -> None:
     with pytest.raises(LedgerError, match="no such file"):
         report_from_ledger(tmp_path / "nope.db", by=["pod"])
@@ -196,7 +214,10 @@ def test_efficiency_is_a_dash_when_nothing_was_held() -> None:
 def test_csv_reads_back_to_the_same_numbers(weekend_ledger: Path) -> None:
     report = report_from_ledger(weekend_ledger, by=["node", "pod"])
     rows = list(csv.DictReader(io.StringIO(render(report, "csv"))))
-    assert list(rows[0]) == ["kind", "node", "pod", "dollars", "gpu_hours_held", "gpu_hours_used", "efficiency_ratio"]
+    assert list(rows[0]) == [
+        "kind", "node", "pod", "dollars", "gpu_hours_held", "gpu_hours_used", "efficiency_ratio", "energy_kwh",
+        "energy_dollars",
+    ]  # fmt: skip
     assert [r["kind"] for r in rows] == ["group"] * len(report.lines) + ["idle", "total"]
     for r, line in zip(rows, [*report.lines, report.idle, report.total], strict=True):
         assert (r["node"], r["pod"]) == (line.key or ("", ""))

@@ -8,6 +8,8 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
     utilization; where none was measured, by memory held; where neither, equally.
   - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization.
   - Energy comes from the GPU's own energy counter (not integrated power), split like cost.
+    With a price per kWh it becomes dollars here, once (`energy_dollars`): /metrics, the ledger
+    and `report` all show sums of these figures, so they cannot disagree.
   - An interval longer than `max_interval_s` is charged to nobody: it is unobserved time.
 The interval is described by the later poll: its per-process utilization is the mean of the
 driver's samples since the earlier poll, and its holders are those seen at its end.
@@ -32,6 +34,7 @@ from agent.model import (
     WorkloadCharge,
     WorkloadTotals,
 )
+from agent.units import joules_to_kwh
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,11 @@ def split_shares(holdings: tuple[Holding, ...], utils: list[float | None]) -> li
     return [1.0 / len(holdings)] * len(holdings)
 
 
+def energy_dollars(joules: float, per_kwh: float | None) -> float | None:
+    """What `joules` cost at `per_kwh` dollars per kWh; None where no energy price is set."""
+    return None if per_kwh is None else joules_to_kwh(joules) * per_kwh
+
+
 def _energy_delta(prev: DeviceReading | None, curr: DeviceReading) -> float:
     if prev is None or prev.energy_j is None or curr.energy_j is None:
         return 0.0
@@ -103,10 +111,12 @@ def account(
     prices: Mapping[str, Price | None],
     *,
     max_interval_s: float,
+    energy_per_kwh: float | None = None,
 ) -> Charges:
-    """Charges for the interval (prev.taken_at, curr.taken_at]. `prices` is keyed by GPU uuid."""
+    """Charges for the interval (prev.taken_at, curr.taken_at]. `prices` is keyed by GPU uuid;
+    with `energy_per_kwh` every charge's joules are priced too."""
     dt = curr.taken_at - prev.taken_at
-    charges = Charges(start=prev.taken_at, end=curr.taken_at, node=curr.node.hostname)
+    charges = Charges(start=prev.taken_at, end=curr.taken_at, node=curr.node.hostname, energy_per_kwh=energy_per_kwh)
     if dt <= 0:
         return charges
     previous = {d.uuid: d for d in prev.gpus}
@@ -118,18 +128,20 @@ def account(
         if dt > max_interval_s:
             gpus.append(
                 GpuCharge(
-                    gpu.index,
-                    gpu.uuid,
-                    gpu.model,
-                    hourly,
-                    0.0,
-                    0.0,
-                    0.0,
-                    0.0,
-                    dt,
-                    0.0,
-                    0.0,
+                    gpu=gpu.index,
+                    uuid=gpu.uuid,
+                    model=gpu.model,
+                    dollars_per_hour=hourly,
+                    observed_s=0.0,
+                    dollars=0.0,
+                    idle_s=0.0,
+                    idle_dollars=0.0,
+                    unobserved_s=dt,
+                    joules=0.0,
+                    idle_joules=0.0,
                     unobserved_dollars=hourly * dt / 3600,
+                    energy_dollars=energy_dollars(0.0, energy_per_kwh),
+                    idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
                 )
             )
             continue
@@ -167,14 +179,26 @@ def account(
                 unobserved_s=0.0,
                 joules=gpu_joules,
                 idle_joules=idle_joules,
+                energy_dollars=energy_dollars(gpu_joules, energy_per_kwh),
+                idle_energy_dollars=energy_dollars(idle_joules, energy_per_kwh),
             )
         )
     return Charges(
         start=charges.start,
         end=charges.end,
         node=charges.node,
+        energy_per_kwh=energy_per_kwh,
         workloads=tuple(
-            WorkloadCharge(gpu, uuid, workload, acc.held_s, acc.busy_s, acc.dollars, acc.joules)
+            WorkloadCharge(
+                gpu=gpu,
+                uuid=uuid,
+                workload=workload,
+                held_s=acc.held_s,
+                busy_s=acc.busy_s,
+                dollars=acc.dollars,
+                joules=acc.joules,
+                energy_dollars=energy_dollars(acc.joules, energy_per_kwh),
+            )
             for (gpu, uuid, workload), acc in workloads.items()
         ),
         gpus=tuple(gpus),
@@ -184,27 +208,41 @@ def account(
 def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -> CostTotals:
     """Totals plus one interval's charges. A workload not charged for `forget_after_s` is
     dropped, so finished jobs do not keep series alive forever (their dollars stay in the
-    ledger and in Prometheus's history)."""
+    ledger and in Prometheus's history).
+
+    Energy dollars are the running joules priced by `energy_dollars` at the charges' price (one
+    price per agent run): the sum of the charges' own energy dollars, to rounding, without the
+    rounding of thousands of small additions."""
+    per_kwh = charges.energy_per_kwh
     workloads = dict(totals.workloads)
     for c in charges.workloads:
         key = (c.gpu, c.uuid, c.workload)
         old = workloads.get(key, WorkloadTotals())
+        joules = old.joules + c.joules
         workloads[key] = WorkloadTotals(
-            old.held_s + c.held_s, old.busy_s + c.busy_s, old.dollars + c.dollars, old.joules + c.joules, charges.end
+            held_s=old.held_s + c.held_s,
+            busy_s=old.busy_s + c.busy_s,
+            dollars=old.dollars + c.dollars,
+            joules=joules,
+            last_charged_at=charges.end,
+            energy_dollars=energy_dollars(joules, per_kwh),
         )
     horizon = charges.end - forget_after_s
     workloads = {k: v for k, v in workloads.items() if v.last_charged_at >= horizon}
     gpus = dict(totals.gpus)
     for g in charges.gpus:
         old_gpu = gpus.get((g.gpu, g.uuid), GpuTotals())
+        gpu_joules, idle_joules = old_gpu.joules + g.joules, old_gpu.idle_joules + g.idle_joules
         gpus[(g.gpu, g.uuid)] = GpuTotals(
-            old_gpu.dollars + g.dollars,
-            old_gpu.idle_dollars + g.idle_dollars,
-            old_gpu.idle_s + g.idle_s,
-            old_gpu.observed_s + g.observed_s,
-            old_gpu.unobserved_s + g.unobserved_s,
-            old_gpu.joules + g.joules,
-            old_gpu.idle_joules + g.idle_joules,
-            old_gpu.unobserved_dollars + g.unobserved_dollars,
+            dollars=old_gpu.dollars + g.dollars,
+            idle_dollars=old_gpu.idle_dollars + g.idle_dollars,
+            idle_s=old_gpu.idle_s + g.idle_s,
+            observed_s=old_gpu.observed_s + g.observed_s,
+            unobserved_s=old_gpu.unobserved_s + g.unobserved_s,
+            joules=gpu_joules,
+            idle_joules=idle_joules,
+            unobserved_dollars=old_gpu.unobserved_dollars + g.unobserved_dollars,
+            energy_dollars=energy_dollars(gpu_joules, per_kwh),
+            idle_energy_dollars=energy_dollars(idle_joules, per_kwh),
         )
     return CostTotals(workloads, gpus)

@@ -22,7 +22,9 @@ _owner_of = lru_cache(maxsize=8192)(parse_cgroup)
 _model_of = lru_cache(maxsize=8192)(recognise_model)
 
 # Fields a rule may match on, beyond `env.<KEY>` for allowlisted environment variables.
-MATCH_FIELDS = ("cmdline", "namespace", "pod", "container", "job", "user", "account")
+MATCH_FIELDS = ("cmdline", "namespace", "pod", "container", "hpc_job", "unit", "user", "account")
+# Older names a rule may still use: `job` was the Slurm job's label before it became `hpc_job`.
+MATCH_ALIASES = {"job": "hpc_job"}
 SET_FIELDS = ("model", "team")
 
 
@@ -35,7 +37,10 @@ class Rule:
 def compile_rules(rules: Sequence[tuple[Mapping[str, str], Mapping[str, str]]]) -> tuple[Rule, ...]:
     """(match, set) pairs, as the config validated them, into rules."""
     return tuple(
-        Rule(match=tuple((key, re.compile(pattern)) for key, pattern in match.items()), set=tuple(sets.items()))
+        Rule(
+            match=tuple((MATCH_ALIASES.get(key, key), re.compile(pattern)) for key, pattern in match.items()),
+            set=tuple(sets.items()),
+        )
         for match, sets in rules
     )
 
@@ -140,7 +145,7 @@ def attribute(inputs: Inputs) -> Attribution:
             base = Workload(namespace=alloc.namespace, pod=alloc.pod, container=alloc.container)
             _mark_allocated(holdings, by_uuid[uuid], base, inputs)
     for uuid, s in slurm_on_device.items():
-        _mark_allocated(holdings, by_uuid[uuid], Workload(job=s.job, user=s.user or ""), inputs)
+        _mark_allocated(holdings, by_uuid[uuid], Workload(hpc_job=s.job, user=s.user or ""), inputs)
 
     order = {d.uuid: i for i, d in enumerate(snapshot.devices)}
     return Attribution(
@@ -166,7 +171,7 @@ def attribute(inputs: Inputs) -> Attribution:
 def _same_owner(held: Workload, allocated: Workload) -> bool:
     if allocated.pod:
         return (held.namespace, held.pod) == (allocated.namespace, allocated.pod)
-    return held.job == allocated.job
+    return held.hpc_job == allocated.hpc_job
 
 
 def _mark_allocated(
@@ -216,18 +221,18 @@ def _process_workload(
         container = next(iter(containers)) if len(containers) == 1 else ""
         w = Workload(namespace=namespace, pod=pod or f"uid-{owner.pod_uid}", container=container)
     elif owner is not None and owner.kind == "slurm" and owner.slurm_job:
-        w = Workload(job=owner.slurm_job, user=facts.env_value("SLURM_JOB_USER") or user)
+        w = Workload(hpc_job=owner.slurm_job, user=facts.env_value("SLURM_JOB_USER") or user)
     else:
         env_job = facts.env_value("SLURM_JOB_ID")
         mapped = slurm_on_device.get(device_uuid)
         if owner is not None and owner.kind == "container" and owner.container_id:
             w = Workload(container=owner.container_id[:12], user=user)
         elif owner is not None and owner.kind == "service" and owner.unit:
-            w = Workload(job=owner.unit, user=user)
+            w = Workload(unit=owner.unit, user=user)
         elif env_job:
-            w = Workload(job=env_job, user=facts.env_value("SLURM_JOB_USER") or user)
+            w = Workload(hpc_job=env_job, user=facts.env_value("SLURM_JOB_USER") or user)
         elif mapped is not None:
-            w = Workload(job=mapped.job, user=mapped.user or user)
+            w = Workload(hpc_job=mapped.job, user=mapped.user or user)
         else:
             owner_uid = owner.uid if owner is not None and owner.uid is not None else uid
             w = Workload(user=inputs.user_names.get(owner_uid, str(owner_uid)) if owner_uid is not None else "")

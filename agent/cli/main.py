@@ -27,7 +27,7 @@ from agent.config import check_config, load_config
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.sampler import Sampler
 from agent.errors import BadInputError, GpuledgerError
-from agent.ledger.report import GROUP_KEYS, parse_by, parse_time, render, report_from_ledger
+from agent.ledger.report import DEFAULT_BY, GROUP_KEYS, parse_by, parse_time, render, report_from_ledger
 from agent.pipeline import Pipeline
 from agent.units import format_duration
 
@@ -92,7 +92,12 @@ def _build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--config", help="YAML config file")
     rep.add_argument("--since", metavar="T", help="ISO date/time (UTC) or e.g. 7d for seven days ago")
     rep.add_argument("--until", metavar="T", help="ISO date/time (UTC) or e.g. 1d")
-    rep.add_argument("--by", default="namespace,job", metavar="KEYS", help=f"group by any of: {', '.join(GROUP_KEYS)}")
+    rep.add_argument(
+        "--by",
+        default=",".join(DEFAULT_BY),
+        metavar="KEYS",
+        help=f"group by any of: {', '.join(GROUP_KEYS)} (job: hpc_job)",
+    )
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
 
     check = sub.add_parser("check-config", help="validate a config file")

@@ -32,7 +32,7 @@ def snapshot_json(state: AgentState) -> dict[str, Any]:
             model=d.model,
             gpu=d.label,
             owners=[
-                dict(asdict(h.workload), pids=list(h.pids), allocated=h.allocated, sm_util=h.sm_util)
+                dict(h.workload.label_dict(), pids=list(h.pids), allocated=h.allocated, sm_util=h.sm_util)
                 for h in attribution.for_device(d.uuid)
             ],
             price=asdict(price) if (price := prices.get(d.uuid)) is not None else None,

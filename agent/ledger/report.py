@@ -14,6 +14,11 @@ Choices a reader of the output should know:
   [since, until) counts, and the output states the hours it covers.
 - Efficiency is used/held: a percent in the table; in CSV and JSON `efficiency_ratio`, 0-1
   like every ratio gpuledger exports, empty / null where nothing was held.
+- Energy is the GPUs' own energy counters split like cost, in kWh; its dollars are the ledger's
+  (priced once, by accounting, at `pricing.energy_per_kwh`), summed over the hours that had a
+  price. CSV and JSON always carry `energy_kwh` and `energy_dollars` (empty / null where
+  nothing was priced); the table shows ENERGY KWH where energy was recorded and ENERGY $ where
+  it was priced.
 """
 
 from __future__ import annotations
@@ -24,15 +29,19 @@ import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from agent.ledger.store import HOUR_S, UsageRow, hour_start, read_usage
-from agent.units import parse_duration
+from agent.model import WORKLOAD_LABELS
+from agent.units import joules_to_kwh, parse_duration
 
-GROUP_KEYS = ("node", "gpu", "namespace", "pod", "job", "user", "model", "team")
+GROUP_KEYS = ("node", "gpu", *WORKLOAD_LABELS)
+# Older names `--by` still accepts: `job` was the Slurm job's label before it became `hpc_job`.
+GROUP_ALIASES = {"job": "hpc_job"}
+DEFAULT_BY = ("namespace", "hpc_job")
 FORMATS = ("table", "csv", "json")
 
 IDLE_LABEL = "(idle)"
@@ -46,6 +55,12 @@ class ReportLine:
     dollars: float
     held_s: float
     busy_s: float
+    joules: float = 0.0
+    energy_dollars: float | None = None  # None where no hour of the line had an energy price
+
+    @property
+    def energy_kwh(self) -> float:
+        return joules_to_kwh(self.joules)
 
     @property
     def gpu_hours_held(self) -> float:
@@ -77,7 +92,8 @@ def parse_by(text: str) -> tuple[str, ...]:
 
 
 def check_by(by: Sequence[str]) -> tuple[str, ...]:
-    keys = tuple(by)
+    """The grouping keys, aliases replaced by their names; ValueError for an unknown or repeated key."""
+    keys = tuple(GROUP_ALIASES.get(key, key) for key in by)
     if not keys:
         raise ValueError(f"group by at least one of {', '.join(GROUP_KEYS)}")
     for key in keys:
@@ -105,32 +121,53 @@ def build_report(
     `since` / `until` say what the report covers; where None, the first / last hour in `rows`.
     """
     keys = check_by(by)
-    groups: dict[tuple[str, ...], tuple[list[float], list[float], list[float]]] = {}
-    idle: tuple[list[float], list[float], list[float]] = ([], [], [])
-    everything: tuple[list[float], list[float], list[float]] = ([], [], [])
+    groups: dict[tuple[str, ...], _Sums] = {}
+    idle = _Sums()
+    everything = _Sums()
     hours: set[int] = set()
     for row in rows:
         hours.add(row.hour)
-        if row.idle:
-            sums = idle
-        else:
-            group = tuple(_key_value(row, key) for key in keys)
-            sums = groups.setdefault(group, ([], [], []))
-        for target in (sums, everything):
-            target[0].append(row.dollars)
-            target[1].append(row.held_s)
-            target[2].append(row.busy_s)
+        sums = idle if row.idle else groups.setdefault(tuple(_key_value(row, key) for key in keys), _Sums())
+        sums.add(row)
+        everything.add(row)
 
-    def line(key: tuple[str, ...], sums: tuple[list[float], list[float], list[float]]) -> ReportLine:
-        dollars, held, busy = sums
-        return ReportLine(key, math.fsum(dollars), math.fsum(held), math.fsum(busy))
-
-    lines = sorted((line(key, sums) for key, sums in groups.items()), key=lambda ln: (-ln.dollars, ln.key))
+    lines = sorted((sums.line(key) for key, sums in groups.items()), key=lambda ln: (-ln.dollars, ln.key))
     if since is None and hours:
         since = float(min(hours))
     if until is None and hours:
         until = float(max(hours) + HOUR_S)
-    return Report(keys, tuple(lines), line((), idle), line((), everything), since, until)
+    return Report(keys, tuple(lines), idle.line(()), everything.line(()), since, until)
+
+
+@dataclass(slots=True)
+class _Sums:
+    """The figures of one report line, kept whole so that each is summed once, exactly (fsum)."""
+
+    dollars: list[float] = field(default_factory=list)
+    held_s: list[float] = field(default_factory=list)
+    busy_s: list[float] = field(default_factory=list)
+    joules: list[float] = field(default_factory=list)
+    energy_dollars: list[float] = field(default_factory=list)
+    priced: bool = False
+
+    def add(self, row: UsageRow) -> None:
+        self.dollars.append(row.dollars)
+        self.held_s.append(row.held_s)
+        self.busy_s.append(row.busy_s)
+        self.joules.append(row.joules)
+        if row.energy_dollars is not None:
+            self.energy_dollars.append(row.energy_dollars)
+            self.priced = True
+
+    def line(self, key: tuple[str, ...]) -> ReportLine:
+        return ReportLine(
+            key=key,
+            dollars=math.fsum(self.dollars),
+            held_s=math.fsum(self.held_s),
+            busy_s=math.fsum(self.busy_s),
+            joules=math.fsum(self.joules),
+            energy_dollars=math.fsum(self.energy_dollars) if self.priced else None,
+        )
 
 
 def report_from_ledger(
@@ -186,6 +223,7 @@ def render(report: Report, fmt: str = "table") -> str:
 # --- table: for people, finance among them ---
 
 _NUMBER_HEADERS = ("DOLLARS", "GPU-HOURS HELD", "GPU-HOURS USED", "EFFICIENCY")
+_ENERGY_HEADERS = ("ENERGY KWH", "ENERGY $")
 
 
 def _amount(value: float) -> str:
@@ -197,12 +235,16 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
 
 
-def _numbers(line: ReportLine, *, efficiency: bool = True) -> list[str]:
+def _numbers(line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = True) -> list[str]:
+    """The line's figures; `energy` says whether the table shows (kWh, energy dollars)."""
+    with_kwh, with_energy_dollars = energy
     return [
         _amount(line.dollars),
         _amount(line.gpu_hours_held),
         _amount(line.gpu_hours_used),
         _percent(line.efficiency) if efficiency else "-",
+        *([_amount(line.energy_kwh)] if with_kwh else []),
+        *([("-" if line.energy_dollars is None else _amount(line.energy_dollars))] if with_energy_dollars else []),
     ]
 
 
@@ -216,11 +258,15 @@ def _span(report: Report) -> str:
 
 def _render_table(report: Report) -> str:
     key_count = len(report.by)
-    header = [key.upper() for key in report.by] + list(_NUMBER_HEADERS)
-    body = [[value or NONE_LABEL for value in line.key] + _numbers(line) for line in report.lines]
+    # Energy columns only where there is something to show: GPUs without an energy counter record
+    # none, and a node without pricing.energy_per_kwh prices none.
+    energy = (report.total.joules > 0, report.total.energy_dollars is not None)
+    shown_energy = [name for name, shown in zip(_ENERGY_HEADERS, energy, strict=True) if shown]
+    header = [key.upper() for key in report.by] + list(_NUMBER_HEADERS) + shown_energy
+    body = [[value or NONE_LABEL for value in line.key] + _numbers(line, energy) for line in report.lines]
     # Nobody held the idle GPUs, so there is no used/held to speak of.
-    idle = [IDLE_LABEL] + [""] * (key_count - 1) + _numbers(report.idle, efficiency=False)
-    total = [TOTAL_LABEL] + [""] * (key_count - 1) + _numbers(report.total)
+    idle = [IDLE_LABEL] + [""] * (key_count - 1) + _numbers(report.idle, energy, efficiency=False)
+    total = [TOTAL_LABEL] + [""] * (key_count - 1) + _numbers(report.total, energy)
     widths = [max(len(row[i]) for row in [header, *body, idle, total]) for i in range(len(header))]
 
     def fmt(row: list[str]) -> str:
@@ -246,7 +292,7 @@ def _render_table(report: Report) -> str:
 
 # --- CSV and JSON: for programs; plain numbers at full precision ---
 
-_NUMBER_FIELDS = ("dollars", "gpu_hours_held", "gpu_hours_used", "efficiency_ratio")
+_NUMBER_FIELDS = ("dollars", "gpu_hours_held", "gpu_hours_used", "efficiency_ratio", "energy_kwh", "energy_dollars")
 
 
 def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | None]:
@@ -255,6 +301,8 @@ def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | 
         "gpu_hours_held": line.gpu_hours_held,
         "gpu_hours_used": line.gpu_hours_used,
         "efficiency_ratio": line.efficiency if efficiency else None,
+        "energy_kwh": line.energy_kwh,
+        "energy_dollars": line.energy_dollars,
     }
 
 

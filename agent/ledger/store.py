@@ -7,13 +7,18 @@ per hour and key) and `flush()` every `ledger.flush_interval`. A flush is one tr
 adds the pending sums to the stored ones, so a restarted agent simply keeps adding to the same
 file, and a crash at any moment leaves either the whole flush or none of it on disk.
 
-Schema (version 1; `schema_version` holds one row per applied version):
+Schema (version 2; `schema_version` holds one row per applied version):
 
-    workload_hours  hour, node, gpu, uuid, namespace, pod, container, job, user, model, team
-                    | held_s, busy_s, dollars, joules
+    workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team
+                    | held_s, busy_s, dollars, joules, energy_dollars
     gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour (latest seen in the hour),
                     observed_s, dollars, idle_s, idle_dollars, unobserved_s, unobserved_dollars, joules,
-                    idle_joules
+                    idle_joules, energy_dollars, idle_energy_dollars
+
+Opening a file applies, in one transaction, every migration step after its version (the steps
+are listed below `_MIGRATIONS`); a file from a newer gpuledger is refused, never guessed at.
+Version 1 (the first release) had `job` where version 2 has `hpc_job` and `unit`, and no energy
+dollars: its rows keep NULL there (their price per kWh was never recorded).
 
 `hour` is the unix time of the start of the UTC hour. Both tables are WITHOUT ROWID with a primary
 key that starts with `hour`: the table itself is the index that reports scan by time range and
@@ -30,36 +35,49 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import closing, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
 from agent.errors import GpuledgerError
-from agent.model import Charges, Workload
+from agent.model import WORKLOAD_LABELS, Charges, Workload
 
 log = logging.getLogger("gpuledger.ledger")
 
-SCHEMA_VERSION = 1
 HOUR_S = 3600
 DEFAULT_RETENTION_S = 400 * 86400
 # An interval longer than this is a clock error upstream, not usage: splitting it into hours
 # would make one pending row per hour back to 1970.
 MAX_INTERVAL_S = 366 * 86400
 
-_WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", "namespace", "pod", "container", "job", "user", "model", "team")
-_WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules")
+_WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS)
+_WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules", "energy_dollars")
 _GPU_KEYS = ("hour", "node", "uuid")
 _GPU_ATTRIBUTES = ("gpu", "model", "dollars_per_hour")
 _GPU_MEASURES = (
     "observed_s", "dollars", "idle_s", "idle_dollars", "unobserved_s", "unobserved_dollars", "joules", "idle_joules",
+    "energy_dollars", "idle_energy_dollars",
 )  # fmt: skip
+# Energy dollars are NULL where no price per kWh was set: unknown, not free. A sum of them counts
+# the priced parts only and stays NULL while nothing was priced.
+_PRICED_MEASURES = frozenset({"energy_dollars", "idle_energy_dollars"})
+
+# --- schema versions -------------------------------------------------------------------------
+# Each step takes the file from the version before it to its own, inside the one transaction
+# that opens the file; `schema_version` gets a row per step applied. The DDL is written out per
+# version, never derived from the model: a step must do tomorrow exactly what it did the day it
+# shipped. A new workload label (a new `Workload` field) therefore needs a new step.
 
 _SCHEMA_V1 = (
+    "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)",
     """CREATE TABLE workload_hours (
         hour INTEGER NOT NULL, node TEXT NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
         namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, job TEXT NOT NULL,
@@ -76,21 +94,77 @@ _SCHEMA_V1 = (
     ) WITHOUT ROWID""",
 )
 
+# Version 2: the workload label `job` became `hpc_job` (Prometheus's own `job` label clashed with
+# it) and systemd units moved to a label of their own, `unit`; energy dollars are stored.
+_SCHEMA_V2 = (
+    """CREATE TABLE workload_hours_v2 (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL,
+        held_s REAL NOT NULL, busy_s REAL NOT NULL, dollars REAL NOT NULL, joules REAL NOT NULL,
+        energy_dollars REAL,
+        PRIMARY KEY (hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team)
+    ) WITHOUT ROWID""",
+    # Version 1 wrote a Slurm job id and a systemd unit name into the same `job` column; each value
+    # goes to one of the two new ones. That split is one-to-one, so no two rows meet here; the
+    # GROUP BY states the rule for every step that changes the key: rows whose new keys are equal
+    # are summed, never dropped or refused by the primary key.
+    """INSERT INTO workload_hours_v2 (
+        hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
+        held_s, busy_s, dollars, joules, energy_dollars
+    )
+    SELECT hour, node, gpu, uuid, namespace, pod, container,
+        CASE WHEN gpuledger_is_hpc_job(job) THEN job ELSE '' END,
+        CASE WHEN gpuledger_is_hpc_job(job) THEN '' ELSE job END,
+        user, model, team, SUM(held_s), SUM(busy_s), SUM(dollars), SUM(joules), NULL
+    FROM workload_hours
+    GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12""",
+    "DROP TABLE workload_hours",
+    "ALTER TABLE workload_hours_v2 RENAME TO workload_hours",
+    "ALTER TABLE gpu_hours ADD COLUMN energy_dollars REAL",
+    "ALTER TABLE gpu_hours ADD COLUMN idle_energy_dollars REAL",
+)
+
+# A Slurm job id, or an array task's "<job>_<task>"; anything else version 1 kept in `job` came
+# from a systemd unit ("nginx.service", "inference@0.service").
+_SLURM_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")
+
+
+def _is_hpc_job(value: str) -> bool:
+    return _SLURM_JOB_ID.fullmatch(value) is not None
+
+
+def _run(statements: Iterable[str]) -> Callable[[sqlite3.Connection], None]:
+    def step(conn: sqlite3.Connection) -> None:
+        conn.create_function("gpuledger_is_hpc_job", 1, _is_hpc_job, deterministic=True)
+        for statement in statements:
+            conn.execute(statement)
+
+    return step
+
+
+# Step n (from 1) brings a file at version n - 1 (0: empty) to version n.
+_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_run(_SCHEMA_V1), _run(_SCHEMA_V2))
+SCHEMA_VERSION = len(_MIGRATIONS)
+
 
 def _upsert(table: str, keys: Sequence[str], replaced: Sequence[str], summed: Sequence[str]) -> str:
     columns = (*keys, *replaced, *summed)
-    updates = [f"{c} = excluded.{c}" for c in replaced] + [f"{c} = {c} + excluded.{c}" for c in summed]
+    updates = [f"{c} = excluded.{c}" for c in replaced] + [
+        # coalesce: a NULL (unpriced) side adds nothing; NULL + NULL stays NULL.
+        f"{c} = coalesce({c} + excluded.{c}, {c}, excluded.{c})"
+        if c in _PRICED_MEASURES
+        else f"{c} = {c} + excluded.{c}"
+        for c in summed
+    ]
     return (
-        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))}) "
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(f':{c}' for c in columns)}) "
         f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(updates)}"
     )
 
 
 _UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, (), _WORKLOAD_MEASURES)
 _UPSERT_GPU = _upsert("gpu_hours", _GPU_KEYS, _GPU_ATTRIBUTES, _GPU_MEASURES)
-
-_WorkloadKey = tuple[int, str, int, str, str, str, str, str, str, str, str]
-_GpuKey = tuple[int, str, str]
 
 
 class LedgerError(GpuledgerError):
@@ -101,8 +175,9 @@ class LedgerError(GpuledgerError):
 class UsageRow:
     """One stored hour: a workload on one cost unit, or (`idle`) the part of a GPU nobody held.
 
-    For an idle row `held_s` is the GPU's idle seconds, `dollars` and `joules` its idle cost and
-    energy, `busy_s` 0 and the workload empty.
+    For an idle row `held_s` is the GPU's idle seconds, `dollars`, `joules` and `energy_dollars`
+    its idle cost and energy, `busy_s` 0 and the workload empty. `energy_dollars` is None where
+    no price per kWh was set (and for hours written before the ledger stored it).
     """
 
     hour: int
@@ -114,7 +189,49 @@ class UsageRow:
     busy_s: float
     dollars: float
     joules: float
+    energy_dollars: float | None = None
     idle: bool = False
+
+
+class _WorkloadHour(NamedTuple):
+    """The key of a pending workload row."""
+
+    hour: int
+    node: str
+    gpu: int
+    uuid: str
+    workload: Workload
+
+    def columns(self) -> dict[str, object]:
+        return {"hour": self.hour, "node": self.node, "gpu": self.gpu, "uuid": self.uuid, **self.workload.label_dict()}
+
+
+class _GpuHour(NamedTuple):
+    """The key of a pending GPU row."""
+
+    hour: int
+    node: str
+    uuid: str
+
+    def columns(self) -> dict[str, object]:
+        return {"hour": self.hour, "node": self.node, "uuid": self.uuid}
+
+
+# Measure name -> the pending sum (None: a priced measure nothing priced has reached yet).
+_Sums = dict[str, float | None]
+
+
+def _add_sums(sums: _Sums, names: Iterable[str], values: Iterable[float | None], share: float = 1.0) -> None:
+    for name, value in zip(names, values, strict=True):
+        if value is None:
+            continue
+        old = sums.get(name)
+        sums[name] = value * share if old is None else old + value * share
+
+
+# The measures of a charge, in the order of the names above (attrgetter: this runs every poll).
+_workload_measures = attrgetter(*_WORKLOAD_MEASURES)
+_gpu_measures = attrgetter(*_GPU_MEASURES)
 
 
 @dataclass(slots=True)
@@ -122,7 +239,10 @@ class _PendingGpu:
     gpu: int
     model: str
     dollars_per_hour: float
-    sums: list[float]
+    sums: _Sums = field(default_factory=dict)
+
+    def columns(self) -> dict[str, object]:
+        return {"gpu": self.gpu, "model": self.model, "dollars_per_hour": self.dollars_per_hour}
 
 
 def hour_start(t: float) -> int:
@@ -148,8 +268,8 @@ def hour_shares(start: float, end: float) -> list[tuple[int, float]]:
     return shares
 
 
-def _finite(values: Sequence[float]) -> bool:
-    return all(math.isfinite(v) for v in values)
+def _finite(values: Sequence[float | None]) -> bool:
+    return all(v is None or math.isfinite(v) for v in values)
 
 
 class Ledger:
@@ -173,8 +293,8 @@ class Ledger:
         self._clock = clock
         self._lock = threading.Lock()  # guards the pending rows
         self._flush_lock = threading.Lock()  # one writer at a time, and none after close
-        self._workload_rows: dict[_WorkloadKey, list[float]] = {}
-        self._gpu_rows: dict[_GpuKey, _PendingGpu] = {}
+        self._workload_rows: dict[_WorkloadHour, _Sums] = {}
+        self._gpu_rows: dict[_GpuHour, _PendingGpu] = {}
         self._healthy = True
         self._failed_flushes = 0
         self._last_flush_at: float | None = None
@@ -219,35 +339,26 @@ class Ledger:
             if self._closed:
                 raise LedgerError(f"ledger {self._path}: closed")
             for wc in charges.workloads:
-                measures: tuple[float, ...] = tuple(getattr(wc, name) for name in _WORKLOAD_MEASURES)
+                measures: tuple[float | None, ...] = _workload_measures(wc)
                 if not _finite(measures):
                     self._reject(f"workload charge {wc.workload.describe()} on {wc.uuid}: {measures}")
                     continue
                 for hour, share in shares:
-                    w = wc.workload
-                    key = (hour, node, wc.gpu, wc.uuid, w.namespace, w.pod, w.container, w.job, w.user, w.model, w.team)
-                    row = self._workload_rows.get(key)
-                    if row is None:
-                        self._workload_rows[key] = [m * share for m in measures]
-                    else:
-                        for i, m in enumerate(measures):
-                            row[i] += m * share
+                    key = _WorkloadHour(hour, node, wc.gpu, wc.uuid, wc.workload)
+                    _add_sums(self._workload_rows.setdefault(key, {}), _WORKLOAD_MEASURES, measures, share)
             for gc in charges.gpus:
-                gpu_measures: tuple[float, ...] = tuple(getattr(gc, name) for name in _GPU_MEASURES)
+                gpu_measures: tuple[float | None, ...] = _gpu_measures(gc)
                 if not _finite((*gpu_measures, gc.dollars_per_hour)):
                     self._reject(f"GPU charge on {gc.uuid}: {gpu_measures}")
                     continue
                 for hour, share in shares:
-                    gpu_key = (hour, node, gc.uuid)
+                    gpu_key = _GpuHour(hour, node, gc.uuid)
                     pending = self._gpu_rows.get(gpu_key)
                     if pending is None:
-                        self._gpu_rows[gpu_key] = _PendingGpu(
-                            gc.gpu, gc.model, gc.dollars_per_hour, [m * share for m in gpu_measures]
-                        )
+                        pending = self._gpu_rows[gpu_key] = _PendingGpu(gc.gpu, gc.model, gc.dollars_per_hour)
                     else:
                         pending.gpu, pending.model, pending.dollars_per_hour = gc.gpu, gc.model, gc.dollars_per_hour
-                        for i, m in enumerate(gpu_measures):
-                            pending.sums[i] += m * share
+                    _add_sums(pending.sums, _GPU_MEASURES, gpu_measures, share)
 
     def flush(self) -> bool:
         """Write every pending row and apply retention in one transaction.
@@ -268,8 +379,8 @@ class Ledger:
             if not self._flush():
                 with self._lock:
                     lost_rows = len(self._workload_rows) + len(self._gpu_rows)
-                    lost_dollars = math.fsum(r[2] for r in self._workload_rows.values()) + math.fsum(
-                        p.sums[3] for p in self._gpu_rows.values()
+                    lost_dollars = math.fsum(r.get("dollars") or 0.0 for r in self._workload_rows.values()) + math.fsum(
+                        p.sums.get("idle_dollars") or 0.0 for p in self._gpu_rows.values()
                     )
                 log.error(
                     "ledger %s: closing with %d hourly rows ($%.2f) that could not be written",
@@ -341,15 +452,18 @@ class Ledger:
         return True
 
     def _write(
-        self, workload_rows: dict[_WorkloadKey, list[float]], gpu_rows: dict[_GpuKey, _PendingGpu], cutoff: int | None
+        self, workload_rows: dict[_WorkloadHour, _Sums], gpu_rows: dict[_GpuHour, _PendingGpu], cutoff: int | None
     ) -> None:
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
-            conn.executemany(_UPSERT_WORKLOAD, [(*key, *sums) for key, sums in workload_rows.items()])
+            conn.executemany(
+                _UPSERT_WORKLOAD,
+                [key.columns() | _measure_columns(sums, _WORKLOAD_MEASURES) for key, sums in workload_rows.items()],
+            )
             conn.executemany(
                 _UPSERT_GPU,
-                [(*key, p.gpu, p.model, p.dollars_per_hour, *p.sums) for key, p in gpu_rows.items()],
+                [key.columns() | p.columns() | _measure_columns(p.sums, _GPU_MEASURES) for key, p in gpu_rows.items()],
             )
             if cutoff is not None:
                 conn.execute("DELETE FROM workload_hours WHERE hour < ?", (cutoff,))
@@ -362,7 +476,7 @@ class Ledger:
                     conn.execute("ROLLBACK")
             raise
 
-    def _restore(self, workload_rows: dict[_WorkloadKey, list[float]], gpu_rows: dict[_GpuKey, _PendingGpu]) -> None:
+    def _restore(self, workload_rows: dict[_WorkloadHour, _Sums], gpu_rows: dict[_GpuHour, _PendingGpu]) -> None:
         """Put rows a failed flush took back in front of whatever was added meanwhile."""
         with self._lock:
             for key, sums in self._workload_rows.items():
@@ -370,21 +484,24 @@ class Ledger:
                 if old is None:
                     workload_rows[key] = sums
                 else:
-                    for i, value in enumerate(sums):
-                        old[i] += value
+                    _add_sums(old, sums.keys(), sums.values())
             for gpu_key, newer in self._gpu_rows.items():
                 older = gpu_rows.get(gpu_key)
                 if older is None:
                     gpu_rows[gpu_key] = newer
                 else:
                     older.gpu, older.model, older.dollars_per_hour = newer.gpu, newer.model, newer.dollars_per_hour
-                    for i, value in enumerate(newer.sums):
-                        older.sums[i] += value
+                    _add_sums(older.sums, newer.sums.keys(), newer.sums.values())
             self._workload_rows, self._gpu_rows = workload_rows, gpu_rows
 
 
+def _measure_columns(sums: _Sums, measures: Sequence[str]) -> dict[str, object]:
+    # A measure no charge carried is 0 (a priced one NULL: nothing priced reached this row).
+    return {name: sums.get(name, None if name in _PRICED_MEASURES else 0.0) for name in measures}
+
+
 def _open(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
-    """Open or create the ledger: WAL, synchronous=FULL, schema at SCHEMA_VERSION."""
+    """Open or create the ledger: WAL, synchronous=FULL, schema migrated to SCHEMA_VERSION."""
     if not path.parent.is_dir():
         raise LedgerError(f"ledger {path}: directory {path.parent} does not exist")
     try:
@@ -397,16 +514,19 @@ def _open(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
         if mode != "wal":
             raise LedgerError(f"ledger {path}: the filesystem does not support a WAL journal (got {mode})")
         conn.execute("PRAGMA synchronous=FULL")
-        if _schema_version(conn, path) is None:
+        if _schema_version(conn, path) < SCHEMA_VERSION:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                if _schema_version(conn, path) is None:  # another process may have created it meanwhile
-                    _create_schema(conn)
+                # Read again under the write lock: another process may have migrated meanwhile.
+                version = _schema_version(conn, path)
+                _migrate(conn, version)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+            if version > 0:
+                log.info("ledger %s: schema migrated from version %d to %d", path, version, SCHEMA_VERSION)
     except sqlite3.Error as exc:
         conn.close()
         raise LedgerError(f"ledger {path}: cannot open: {exc}") from exc
@@ -416,26 +536,29 @@ def _open(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
     return conn
 
 
-def _schema_version(conn: sqlite3.Connection, path: Path) -> int | None:
-    """The file's schema version; None for an empty file. LedgerError for anything else."""
+def _schema_version(conn: sqlite3.Connection, path: Path) -> int:
+    """The file's schema version; 0 for an empty file. LedgerError for anything else."""
     tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
     if "schema_version" not in tables:
         if tables:
             raise LedgerError(f"ledger {path}: not a gpuledger ledger (tables {', '.join(sorted(tables))})")
-        return None
+        return 0
     (version,) = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
-    if version is None or version > SCHEMA_VERSION:
+    if version is None:
+        raise LedgerError(f"ledger {path}: not a gpuledger ledger (no schema version recorded)")
+    if version > SCHEMA_VERSION:
         raise LedgerError(
-            f"ledger {path}: schema version {version} is not one this gpuledger reads (up to {SCHEMA_VERSION})"
+            f"ledger {path}: schema version {version} is newer than this gpuledger reads "
+            f"(versions 1 to {SCHEMA_VERSION}): upgrade gpuledger"
         )
     return int(version)
 
 
-def _create_schema(conn: sqlite3.Connection) -> None:
-    conn.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
-    for statement in _SCHEMA_V1:
-        conn.execute(statement)
-    conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (SCHEMA_VERSION, time.time()))
+def _migrate(conn: sqlite3.Connection, version: int) -> None:
+    """Apply every step after `version`, in order, recording each; the caller holds the transaction."""
+    for step_version in range(version + 1, SCHEMA_VERSION + 1):
+        _MIGRATIONS[step_version - 1](conn)
+        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (step_version, time.time()))
 
 
 def _bounds(since: float | None, until: float | None) -> tuple[str, list[int | float]]:
@@ -456,7 +579,9 @@ def read_usage(path: str | Path, *, since: float | None = None, until: float | N
     (those with idle time). Hours are the ledger's resolution, so a partly covered hour is read whole.
 
     Opens the file read-only (a missing file is an error, never created) and reads both tables in
-    one transaction, so a flush committing meanwhile is seen wholly or not at all.
+    one transaction, so a flush committing meanwhile is seen wholly or not at all. A file at an
+    earlier schema version is copied into memory and migrated there: reading never writes, and
+    the agent migrates the file itself the next time it opens it.
     """
     path = Path(path)
     if not path.is_file():
@@ -468,36 +593,66 @@ def read_usage(path: str | Path, *, since: float | None = None, until: float | N
         raise LedgerError(f"ledger {path}: cannot open: {exc}") from exc
     try:
         with closing(conn):
-            _schema_version(conn, path)
-            conn.execute("BEGIN")
-            workload = conn.execute(
-                f"SELECT {', '.join(_WORKLOAD_KEYS + _WORKLOAD_MEASURES)} FROM workload_hours{where} ORDER BY hour",
-                params,
-            ).fetchall()
-            gpu = conn.execute(
-                f"SELECT hour, node, gpu, uuid, idle_s, idle_dollars, idle_joules FROM gpu_hours{where} ORDER BY hour",
-                params,
-            ).fetchall()
-            conn.execute("COMMIT")
+            version = _schema_version(conn, path)
+            if version == 0:
+                raise LedgerError(f"ledger {path}: empty, not a gpuledger ledger")
+            if version < SCHEMA_VERSION:
+                with closing(_migrated_copy(conn, path)) as copy:
+                    return _read_rows(copy, where, params)
+            return _read_rows(conn, where, params)
     except sqlite3.Error as exc:
         raise LedgerError(f"ledger {path}: cannot read: {exc}") from exc
+
+
+def _migrated_copy(conn: sqlite3.Connection, path: Path) -> sqlite3.Connection:
+    copy = sqlite3.connect(":memory:", isolation_level=None)
+    try:
+        conn.backup(copy)
+        copy.execute("BEGIN")
+        _migrate(copy, _schema_version(copy, path))  # the copy's own version: the agent may have migrated since
+        copy.execute("COMMIT")
+    except BaseException:
+        copy.close()
+        raise
+    return copy
+
+
+def _read_rows(conn: sqlite3.Connection, where: str, params: Sequence[int | float]) -> list[UsageRow]:
+    conn.row_factory = sqlite3.Row
+    conn.execute("BEGIN")
+    workload = conn.execute(f"SELECT * FROM workload_hours{where} ORDER BY hour", params).fetchall()
+    gpu = conn.execute(f"SELECT * FROM gpu_hours{where} ORDER BY hour", params).fetchall()
+    conn.execute("COMMIT")
     rows = [
         UsageRow(
-            hour=r[0],
-            node=r[1],
-            gpu=r[2],
-            uuid=r[3],
-            workload=Workload(*r[4:11]),
-            held_s=r[11],
-            busy_s=r[12],
-            dollars=r[13],
-            joules=r[14],
+            hour=r["hour"],
+            node=r["node"],
+            gpu=r["gpu"],
+            uuid=r["uuid"],
+            workload=Workload.from_labels(r),
+            held_s=r["held_s"],
+            busy_s=r["busy_s"],
+            dollars=r["dollars"],
+            joules=r["joules"],
+            energy_dollars=r["energy_dollars"],
         )
         for r in workload
     ]
     rows.extend(
-        UsageRow(hour, node, index, uuid, Workload(), idle_s, 0.0, idle_dollars, idle_joules, idle=True)
-        for hour, node, index, uuid, idle_s, idle_dollars, idle_joules in gpu
-        if idle_s or idle_dollars or idle_joules
+        UsageRow(
+            hour=r["hour"],
+            node=r["node"],
+            gpu=r["gpu"],
+            uuid=r["uuid"],
+            workload=Workload(),
+            held_s=r["idle_s"],
+            busy_s=0.0,
+            dollars=r["idle_dollars"],
+            joules=r["idle_joules"],
+            energy_dollars=r["idle_energy_dollars"],
+            idle=True,
+        )
+        for r in gpu
+        if r["idle_s"] or r["idle_dollars"] or r["idle_joules"]
     )
     return rows

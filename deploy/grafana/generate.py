@@ -10,7 +10,8 @@ edit this file, never the JSON. Output is deterministic: sorted keys, two-space 
 panel ids and query refIds assigned in order.
 
 Labels the queries rely on (deploy/prometheus/README.md): `cluster` and `instance` target
-labels, and the agent's workload label `job` arriving as `exported_job`. Dollar rates are
+labels, and the agent's workload labels (a Slurm job is `hpc_job`, shown as "job", a systemd
+service `unit`; neither clashes with the scrape's `job`). Dollar rates are
 $/hour; the cost view's totals are `increase(...[$__range])` over the dashboard's time range.
 Where a recording rule from deploy/prometheus fits (same labels, 5m rate) the panels read it;
 panels that must follow a variable the rule aggregates away (gpu, namespace on a node) read
@@ -44,15 +45,18 @@ DATASOURCE = models.DataSourceRef(type_val="prometheus", uid="${datasource}")
 NODE = 'cluster=~"$cluster", instance=~"$instance"'
 GPU = f'{NODE}, gpu=~"$gpu"'
 WORKLOAD = f'{NODE}, namespace=~"$namespace", team=~"$team", model=~"$model"'
-# The workload labels as Prometheus stores them: the agent's `job` is `exported_job`.
-OWNER = "namespace, pod, container, exported_job, user, model, team"
-# Most workloads set only some of these (a pod: namespace/pod/container; a Slurm job: job/user).
-WORKLOAD_LEGEND = "{{namespace}} {{pod}} {{container}} {{exported_job}} {{user}}"
+# The workload labels, as the agent exports them (agent/model.py, WORKLOAD_LABELS).
+OWNER = "namespace, pod, container, hpc_job, unit, user, model, team"
+# Most workloads set only some of these (a pod: namespace/pod/container; a Slurm job:
+# hpc_job/user; a systemd service: unit/user).
+WORKLOAD_LEGEND = "{{namespace}} {{pod}} {{container}} {{hpc_job}} {{unit}} {{user}}"
+# How tables title the Slurm job's label.
+SHOWN = {"hpc_job": "job"}
 
 USD = "currencyUSD"
 RATIO = "percentunit"
 # What a bar or legend shows for a workload label the agent left empty.
-UNNAMED = {"namespace": "(no namespace)", "team": "(no team)", "model": "(unknown)", "exported_job": "(no job)"}
+UNNAMED = {"namespace": "(no namespace)", "team": "(no team)", "model": "(unknown)", "hpc_job": "(no job)"}
 
 
 def named(expr: str, label: str) -> str:
@@ -457,8 +461,8 @@ def fleet() -> dashboard.Dashboard:
         .with_panel(
             table_panel(
                 "Top workloads by dollars",
-                "The 10 workloads that cost most over the dashboard's time range. The agent's `job` "
-                "label (Slurm job, systemd unit) is `exported_job` in Prometheus.",
+                "The 10 workloads that cost most over the dashboard's time range. A Slurm job is the "
+                "`hpc_job` label (shown as job), a systemd service `unit`.",
                 [
                     query(
                         f"topk(10, sum by ({OWNER}) "
@@ -467,7 +471,7 @@ def fleet() -> dashboard.Dashboard:
                         as_table=True,
                     )
                 ],
-                rename={"exported_job": "job", "Value": "dollars"},
+                rename={**SHOWN, "Value": "dollars"},
                 units={"dollars": USD},
                 sort_by="dollars",
                 w=16,
@@ -721,7 +725,7 @@ def node() -> dashboard.Dashboard:
                 "Who holds flagged GPUs",
                 "The workloads holding a GPU flagged allocated_idle or stranded_memory: who to ask.",
                 [query(f"gpuledger_workload_flag{{{GPU}}} == 1", instant=True, as_table=True)],
-                rename={"exported_job": "job"},
+                rename=SHOWN,
                 hide=("cluster", "instance", "Value"),
                 w=24,
             )
@@ -747,7 +751,7 @@ def node() -> dashboard.Dashboard:
                     ),
                 ],
                 rename={
-                    "exported_job": "job",
+                    **SHOWN,
                     "Value #A": "utilization",
                     "Value #B": "memory",
                     "Value #C": "allocated",
@@ -873,12 +877,11 @@ def cost() -> dashboard.Dashboard:
     rule_sel = 'cluster=~"$cluster", {label}=~"${label}"'
 
     def by(label: str, title: str) -> bargauge.Panel:
-        shown = "exported_job" if label == "job" else label
         return bar_panel(
             f"Dollars by {title}",
-            f"What workloads paid over the dashboard's time range, by {title}; {UNNAMED[shown]} is GPU time "
+            f"What workloads paid over the dashboard's time range, by {title}; {UNNAMED[label]} is GPU time "
             f"with no {title}.",
-            query(f"sort_desc({named(f'sum by ({shown}) ({cost_w})', shown)})", f"{{{{{shown}}}}}", instant=True),
+            query(f"sort_desc({named(f'sum by ({label}) ({cost_w})', label)})", f"{{{{{label}}}}}", instant=True),
             w=6,
         )
 
@@ -972,7 +975,7 @@ def cost() -> dashboard.Dashboard:
         .with_panel(by("namespace", "namespace"))
         .with_panel(by("team", "team"))
         .with_panel(by("model", "model"))
-        .with_panel(by("job", "job"))
+        .with_panel(by("hpc_job", "job"))
         .with_panel(
             table_panel(
                 "Workloads: dollars, GPU-hours held, busy and wasted",
@@ -989,7 +992,7 @@ def cost() -> dashboard.Dashboard:
                     ),
                 ],
                 rename={
-                    "exported_job": "job",
+                    **SHOWN,
                     "Value #A": "dollars",
                     "Value #B": "GPU-hours held",
                     "Value #C": "GPU-hours busy",
