@@ -141,7 +141,7 @@ def test_scrapes_never_write_the_file(
     monkeypatch.setattr(exporters.textfile, "write_atomic", recording_write)
     path = tmp_path / "gpuledger.prom"
     source = Source(demo_states[0])
-    server = MetricsServer("127.0.0.1", 0, make_registry(source), healthy=lambda: True)
+    server = MetricsServer("127.0.0.1", 0, make_registry(source), healthy=lambda: True, state=source)
     writer = TextfileWriter(path, source, render)
     server.start()
     try:
