@@ -105,7 +105,6 @@ class Exposition:
         # content type -> (the state it was rendered from, its bytes). Replaced whole per format:
         # a reader sees the old pair or the new one.
         self._cache: dict[str, tuple[object, Rendered]] = {}
-        self.renders = 0
 
     def get(self, accept: str | None) -> Rendered:
         encoder, content_type = choose_encoder(accept or "")
@@ -124,7 +123,6 @@ class Exposition:
                 return cached[1]  # rendered while this one waited
             body = encoder(self._registry)
             rendered = Rendered(content_type, body, gzip.compress(body, mtime=0))
-            self.renders += 1
             if cached is not None or len(self._cache) < _MAX_CACHED_FORMATS:
                 self._cache[content_type] = (state, rendered)
             return rendered
@@ -304,9 +302,13 @@ def _answer_plain_http(sock: socket.socket) -> None:
     sock.sendall(_PLAIN_HTTP_ANSWER)
     sock.shutdown(socket.SHUT_WR)
     # Read what the client sent before closing: closing with unread data resets the
-    # connection, and the client might never see the answer.
-    sock.settimeout(1.0)
-    for _ in range(16):  # at most 1 MiB, at most a few seconds
+    # connection, and the client might never see the answer. At most 1 MiB, for at most 1 s.
+    deadline = time.monotonic() + 1.0
+    for _ in range(16):
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            break
+        sock.settimeout(left_s)
         if not sock.recv(65536):
             break
 
@@ -348,6 +350,7 @@ class MetricsServer:
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
         self._listener_paused_until = 0.0
+        self._next_sweep = 0.0  # when waiting connections are next checked against their deadline
         self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
         self._workers = [
             threading.Thread(target=self._work, name=f"metrics-http-worker-{i}", daemon=True)
@@ -394,25 +397,32 @@ class MetricsServer:
     # The serving thread: everything below until _work runs on it alone.
 
     def _serve(self) -> None:
-        next_sweep = 0.0
         while not self._stopping.is_set():
-            for key, _events in self._selector.select(timeout=0.25):
-                if key.fileobj is self._listener:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
-                    with contextlib.suppress(OSError):
-                        self._wake_r.recv(64)
-                else:
-                    self._advance(key.data)
-            now = time.monotonic()
-            if self._listener_paused_until and now >= self._listener_paused_until:
-                self._listener_paused_until = 0.0
-                self._selector.register(self._listener, selectors.EVENT_READ)
-            if now >= next_sweep:
-                next_sweep = now + 0.25
-                for conn in [c for c in self._waiting.values() if c.deadline <= now]:
-                    log.debug("closing the connection from %s: no complete request in time", conn.client)
-                    self._close(conn)
+            try:
+                self._serve_once()
+            except Exception:
+                # A bug here must not leave the port open and unanswered for the rest of the run.
+                log.exception("the HTTP serving loop failed; carrying on")
+                time.sleep(0.1)
+
+    def _serve_once(self) -> None:
+        for key, _events in self._selector.select(timeout=0.25):
+            if key.fileobj is self._listener:
+                self._accept()
+            elif key.fileobj is self._wake_r:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(64)
+            else:
+                self._advance(key.data)
+        now = time.monotonic()
+        if self._listener_paused_until and now >= self._listener_paused_until:
+            self._listener_paused_until = 0.0
+            self._selector.register(self._listener, selectors.EVENT_READ)
+        if now >= self._next_sweep:
+            self._next_sweep = now + 0.25
+            for conn in [c for c in self._waiting.values() if c.deadline <= now]:
+                log.debug("closing the connection from %s: no complete request in time", conn.client)
+                self._close(conn)
 
     def _accept(self) -> None:
         for _ in range(64):  # a batch, then back to serving the connections already open

@@ -23,7 +23,6 @@ from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 import exporters.webconfig
-import fake_nvml
 from agent.model import AgentState
 from exporters.http import Limits, MetricsServer
 from exporters.prometheus import make_registry
@@ -45,7 +44,6 @@ def demo_states() -> list[AgentState]:
         return [rig.poll(), rig.poll(60)]
     finally:
         rig.close()
-        fake_nvml.uninstall()
 
 
 class Source:
