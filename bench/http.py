@@ -318,8 +318,9 @@ def measure(name: str, proc: subprocess.Popen[bytes], port: int, args: argparse.
 
 
 def report(phases: list[Phase]) -> Iterator[str]:
+    width = max(len(phase.name) for phase in phases)
     yield (
-        f"{'':52} {'ok':>5} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+        f"{'':{width}} {'ok':>5} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
         f"{'req/s':>7} {'cpu ms/req':>10} {'overflows':>9}"
     )
     for phase in phases:
@@ -327,7 +328,7 @@ def report(phases: list[Phase]) -> Iterator[str]:
         errors = sum(phase.errors.values())
         per_request_ms = phase.server_cpu_s * 1000 / answered if answered else float("nan")
         yield (
-            f"{phase.name:52} {answered:5d} {errors:6d} {phase.percentile_ms(50):8.1f} "
+            f"{phase.name:{width}} {answered:5d} {errors:6d} {phase.percentile_ms(50):8.1f} "
             f"{phase.percentile_ms(99):8.1f} {max(phase.latencies_s, default=0) * 1000:8.1f} "
             f"{answered / phase.wall_s if phase.wall_s else 0:7.0f} {per_request_ms:10.2f} {phase.listen_overflows:9d}"
         )
