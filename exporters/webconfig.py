@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import base64
 import binascii
+import enum
 import hashlib
 import hmac
 import logging
+import math
 import re
 import secrets
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,6 +280,50 @@ def peer_san_allowed(peer_cert: Mapping[str, Any] | None, allowed: tuple[str, ..
     return any(name in names for name in allowed)
 
 
+class Login(enum.Enum):
+    ALLOWED = "allowed"
+    REFUSED = "refused"  # no, wrong or malformed credentials: 401
+    THROTTLED = "throttled"  # too many failures from this client, or bcrypt busy: 429
+
+
+class FailureThrottle:
+    """Failed logins per client address, as token buckets: `burst` failures at once, then one
+    more every `interval_s`. At most `max_clients` addresses are remembered, the least recently
+    seen forgotten first: a forgotten address starts again with a full bucket, so the bound
+    costs precision under a flood of addresses, never memory."""
+
+    def __init__(
+        self,
+        burst: int = 5,
+        interval_s: float = 1.0,
+        max_clients: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.burst = burst
+        self.interval_s = interval_s
+        self._max_clients = max_clients
+        self._clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def take(self, client: str) -> bool:
+        """Spend one attempt for `client`; False when it has none left."""
+        now = self._clock()
+        with self._lock:
+            tokens, at = self._buckets.pop(client, (float(self.burst), now))
+            tokens = min(float(self.burst), tokens + (now - at) / self.interval_s)
+            allowed = tokens >= 1.0
+            self._buckets[client] = (tokens - 1.0 if allowed else tokens, now)
+            while len(self._buckets) > self._max_clients:
+                self._buckets.popitem(last=False)
+        return allowed
+
+    def forgive(self, client: str) -> None:
+        """A good login: the client's earlier failures no longer count."""
+        with self._lock:
+            self._buckets.pop(client, None)
+
+
 class BasicAuth:
     """Checks `Authorization: Basic` against bcrypt hashes.
 
@@ -286,6 +333,13 @@ class BasicAuth:
     it holds neither the password nor a digest that could be attacked offline without that key.
     Failures are never cached. An unknown user costs a bcrypt check all the same, so timing does
     not tell which user names exist.
+
+    Guessing is throttled before it reaches bcrypt: each client address may spend `burst`
+    checks at once, then one a second (`FailureThrottle`; a good login refunds its check), and
+    only one bcrypt check runs at a time, so wrong passwords from any number of clients keep at
+    most one core busy. A throttled client, or one that waited `bcrypt_wait_s` for its turn, is
+    told to retry later. Credentials already in the cache skip both, so a scraper whose
+    password was checked keeps scraping from an address someone else is guessing from.
     """
 
     def __init__(
@@ -294,6 +348,8 @@ class BasicAuth:
         cache_ttl_s: float = 60.0,
         max_cached: int = 1024,
         clock: Callable[[], float] = time.monotonic,
+        failures: FailureThrottle | None = None,
+        bcrypt_wait_s: float = 1.0,
     ) -> None:
         if not users:
             raise ValueError("no users")
@@ -305,11 +361,23 @@ class BasicAuth:
         self._key = secrets.token_bytes(32)
         self._cache: dict[bytes, float] = {}  # HMAC(user, password) -> expiry
         self._lock = threading.Lock()
+        self._failures = failures if failures is not None else FailureThrottle(clock=clock)
+        self._bcrypt_turn = threading.Lock()
+        self._bcrypt_wait_s = bcrypt_wait_s
 
-    def check(self, authorization: str | None) -> bool:
+    @property
+    def retry_after_s(self) -> int:
+        """Seconds a throttled client should wait (a Retry-After header's value)."""
+        return max(1, math.ceil(self._failures.interval_s))
+
+    def check(self, authorization: str | None, client: str = "") -> bool:
+        return self.verdict(authorization, client) is Login.ALLOWED
+
+    def verdict(self, authorization: str | None, client: str = "") -> Login:
+        """Whether the `Authorization` header's credentials let `client` (an address) in."""
         credentials = _parse_basic(authorization)
         if credentials is None:
-            return False
+            return Login.REFUSED  # costs no bcrypt check, so nothing to throttle
         user, password = credentials
         hashed = self._users.get(user)
         token = hmac.new(self._key, user.encode() + b"\0" + password, hashlib.sha256).digest()
@@ -317,20 +385,27 @@ class BasicAuth:
         with self._lock:
             expiry = self._cache.get(token)
             if expiry is not None and expiry > now and hashed is not None:
-                return True
+                return Login.ALLOWED
+        if not self._failures.take(client):
+            return Login.THROTTLED
+        if not self._bcrypt_turn.acquire(timeout=self._bcrypt_wait_s):
+            return Login.THROTTLED
         try:
             matched = bcrypt.checkpw(password, hashed if hashed is not None else self._decoy)
         except ValueError:  # e.g. a password over bcrypt's 72 bytes
             matched = False
+        finally:
+            self._bcrypt_turn.release()
         if not matched or hashed is None:
-            return False
+            return Login.REFUSED
+        self._failures.forgive(client)
         with self._lock:
             if len(self._cache) >= self._max_cached:
                 self._cache = {k: t for k, t in self._cache.items() if t > now}
                 if len(self._cache) >= self._max_cached:
                     self._cache.clear()
             self._cache[token] = now + self._ttl_s
-        return True
+        return Login.ALLOWED
 
 
 def _parse_basic(authorization: str | None) -> tuple[str, bytes] | None:

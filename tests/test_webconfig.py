@@ -166,6 +166,7 @@ def serve(tmp_path: Path, state: AgentState) -> Iterator[Any]:
             make_registry(lambda: state),
             lambda: True,
             web=load_web_config(web_config(tmp_path, config_text)),
+            state=lambda: state,
         )
         server.start()
         servers.append(server)

@@ -197,7 +197,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     dcgm_compat = settings.exporters.dcgm_compat
     registry = make_registry(lambda: pipeline.state, per_pid, dcgm_compat=dcgm_compat)
     try:
-        server = MetricsServer(host, port, registry, pipeline.healthy, web=web)
+        server = MetricsServer(host, port, registry, pipeline.healthy, web=web, state=lambda: pipeline.state)
     except OSError as exc:
         raise BadInputError(f"gpuledger: listen {host}:{port}: {exc.strerror or exc}") from None
     textfile = (
