@@ -98,3 +98,35 @@ def test_scrubbing_is_idempotent_and_leaves_no_control_character(text: str) -> N
     once = scrub_label(text)
     assert scrub_label(once) == once
     assert not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in once)
+
+
+def test_a_log_line_stays_one_line_without_the_secret() -> None:
+    import io
+    import logging
+
+    from agent.cli.logs import LOG_FORMAT, SafeFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(SafeFormatter(LOG_FORMAT))
+    logger = logging.getLogger("gpuledger.test_scrub")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        value = f"job-1\n2026-11-23 07:00:00 WARNING gpuledger: forged --hf-token {CANARY}"
+        logger.warning("process %s left the GPU", value)
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logger.exception("poll failed for %s", "x\ny")
+    finally:
+        logger.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert CANARY not in stream.getvalue()
+    assert lines[0].endswith(
+        f"process job-1\\n2026-11-23 07:00:00 WARNING gpuledger: forged --hf-token {REDACTED} left the GPU"
+    )
+    # The traceback (the agent's own code, not its inputs) keeps its lines; the message does not.
+    assert lines[1].endswith("poll failed for x\\ny")
+    assert lines[2] == "Traceback (most recent call last):"
+    assert lines[-1] == "RuntimeError: boom"

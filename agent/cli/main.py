@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from agent import __version__
 from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen
+from agent.cli.logs import setup_logging
 from agent.cli.render import render_table, snapshot_json
 from agent.cli.simulate import cmd_simulate
 from agent.cli.wiring import make_attributor, make_backend, make_costing, node_name, rule_specs
@@ -108,7 +109,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args_list
-    _setup_logging(debug)
+    setup_logging(debug)
     try:
         args = _build_parser().parse_args(args_list)
         handler: Callable[[argparse.Namespace], int] = _COMMANDS[args.command]
@@ -142,17 +143,6 @@ def _fail(message: str, code: int, debug: bool) -> int:
         logging.getLogger("gpuledger").exception(message)
     print(message.splitlines()[0] if message else "gpuledger: failed", file=sys.stderr)
     return code
-
-
-def _setup_logging(debug: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if debug else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-    # APScheduler logs every job run at INFO; that is noise at a 5 s interval.
-    logging.getLogger("apscheduler").setLevel(logging.DEBUG if debug else logging.WARNING)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
