@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from agent.attribution.resolve import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
@@ -159,11 +159,19 @@ class ExportersConfig(_Section):
         return value
 
 
-def _check_listen(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+def parse_listen(value: object) -> tuple[str, int]:
+    """(host, port) from "HOST:PORT" ("[::1]:9835" for IPv6; an empty host means every
+    address). The config key and the --listen flag both go through here."""
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    # isdigit() alone accepts "²" and other digits int() refuses.
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"expected HOST:PORT such as 0.0.0.0:9835, got {value!r}")
-    del host
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _check_listen(value: object) -> str:
+    parse_listen(value)
+    assert isinstance(value, str)  # parse_listen refuses anything else
     return value
 
 
@@ -247,6 +255,11 @@ def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
         return Settings(**data), []
     except ValidationError as exc:
         return None, _problems(exc, source)
+    except SettingsError as exc:
+        # A whole section set as one variable (GPULEDGER_PRICING) must hold a JSON object.
+        field = re.search(r'field "([^"]+)"', str(exc))
+        name = ENV_PREFIX + (field.group(1).upper() if field else "*")
+        return None, [f"environment: {name}: not a JSON object (or set its keys as {name}__KEY)"]
 
 
 def load_config(path: str | Path | None = None) -> Settings:

@@ -3,10 +3,16 @@ and the kilowatt-hours energy is priced in."""
 
 from __future__ import annotations
 
+import math
 import re
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 _DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+# Bounds that no real setting reaches: past them a value is a typo or a fuzzer, and taking it
+# would overflow datetime arithmetic or hang a loop that steps through it.
+MAX_DURATION_S = 100 * 365.25 * 86400  # 100 years
+MAX_SIZE_BYTES = 2**60  # 1 EiB
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _SIZE_FACTOR = {
     "b": 1,
@@ -31,12 +37,13 @@ def parse_duration(value: object) -> float:
     if isinstance(value, int | float):
         if value < 0:
             raise ValueError(f"duration must not be negative, got {value!r}")
-        return float(value)
+        # float() of an int past 1e308 raises OverflowError: anything past the bound is refused first.
+        return _bounded_duration(float(value) if value <= MAX_DURATION_S else math.inf, value)
     if not isinstance(value, str):
         raise ValueError(f"expected a duration like 30s or 2h, got {value!r}")
     text = value.strip()
     if re.fullmatch(r"\d+(?:\.\d+)?", text):
-        return float(text)
+        return _bounded_duration(float(text), value)
     pos = 0
     total = 0.0
     for match in _DURATION_PART.finditer(text):
@@ -46,7 +53,18 @@ def parse_duration(value: object) -> float:
         pos = match.end()
     if pos == 0 or pos != len(text):
         raise ValueError(f"expected a duration like 30s or 2h, got {value!r}")
-    return total
+    return _bounded_duration(total, value)
+
+
+def _bounded_duration(seconds: float, value: object) -> float:
+    if not math.isfinite(seconds) or seconds > MAX_DURATION_S:
+        raise ValueError(f"duration must be finite and at most 100 years, got {_short(value)}")
+    return seconds
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def parse_size_bytes(value: object) -> int:
@@ -55,12 +73,16 @@ def parse_size_bytes(value: object) -> int:
         raise ValueError(f"expected a size like 1GiB, got {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"size must not be negative, got {value!r}")
-        return value
-    if isinstance(value, str) and (match := _SIZE.match(value)):
+            raise ValueError(f"size must not be negative, got {_short(value)}")
+        size = float(value) if value <= MAX_SIZE_BYTES else math.inf
+    elif isinstance(value, str) and (match := _SIZE.match(value)):
         unit = (match.group(2) or "b").lower()
-        return int(float(match.group(1)) * _SIZE_FACTOR[unit])
-    raise ValueError(f"expected a size like 1GiB or 512MiB, got {value!r}")
+        size = float(match.group(1)) * _SIZE_FACTOR[unit]
+    else:
+        raise ValueError(f"expected a size like 1GiB or 512MiB, got {_short(value)}")
+    if not size <= MAX_SIZE_BYTES:  # also catches inf and nan
+        raise ValueError(f"size must be at most 1EiB, got {_short(value)}")
+    return int(size)
 
 
 JOULES_PER_KWH = 3.6e6  # 1 kWh = 1000 W x 3600 s

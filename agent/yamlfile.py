@@ -12,9 +12,13 @@ class YamlFileError(ValueError):
 
 
 def read_yaml(path: Path, what: str) -> object:
-    """The parsed document (None for an empty file). `what` names the file's role in errors."""
+    """The parsed document (None for an empty file). `what` names the file's role in errors.
+
+    Every mapping key must be a string: `1: x` or `yes: x` (YAML 1.1 reads `yes` as true) in a
+    settings file is a mistake, and left in it would surface as a TypeError far from the file.
+    """
     try:
-        return yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise YamlFileError(f"{path}: no such {what} file") from None
     except IsADirectoryError:
@@ -28,3 +32,26 @@ def read_yaml(path: Path, what: str) -> object:
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise YamlFileError(f"{path}:{where}: {problem}") from None
+    bad = _non_string_key(data, ())
+    if bad is not None:
+        keys, key = bad
+        at = f" {'.'.join(keys)}:" if keys else ""
+        raise YamlFileError(f"{path}:{at} keys must be text, got {key!r} ({type(key).__name__}); quote it")
+    return data
+
+
+def _non_string_key(node: object, where: tuple[str, ...]) -> tuple[tuple[str, ...], object] | None:
+    """The first key that is not a string, and the path of keys leading to it."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if not isinstance(key, str):
+                return where, key
+            found = _non_string_key(value, (*where, key))
+            if found is not None:
+                return found
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            found = _non_string_key(item, (*where, str(i)))
+            if found is not None:
+                return found
+    return None

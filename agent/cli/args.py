@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+from agent.config import parse_listen as parse_listen_value
 from agent.errors import BadInputError
 from agent.units import parse_duration
 
@@ -18,7 +21,14 @@ def duration_arg(value: str, option: str) -> float:
 
 
 def parse_listen(value: str, option: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise BadInputError(f"gpuledger: {option}: expected HOST:PORT such as 0.0.0.0:9835, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    try:
+        return parse_listen_value(value)
+    except ValueError as exc:
+        raise BadInputError(f"gpuledger: {option}: {exc}") from None
+
+
+def positive_finite(value: float, option: str) -> float:
+    """A rate or factor such as --fake-speed: argparse's float() takes "nan" and "inf" too."""
+    if not math.isfinite(value) or value <= 0:
+        raise BadInputError(f"gpuledger: {option}: must be a finite number above 0, got {value:g}")
+    return value

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from agent import __version__
-from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen
+from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen, positive_finite
 from agent.cli.logs import setup_logging
 from agent.cli.render import render_table, snapshot_json
 from agent.cli.simulate import cmd_simulate
@@ -156,8 +156,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     settings = load_config(args.config)
     if args.fake is None and args.fake_speed != 1.0:
         raise BadInputError("gpuledger: --fake-speed: only meaningful with --fake")
-    if args.fake_speed <= 0:
-        raise BadInputError(f"gpuledger: --fake-speed: must be above 0, got {args.fake_speed:g}")
+    positive_finite(args.fake_speed, "--fake-speed")
     host, port = parse_listen(args.listen or settings.listen, "--listen" if args.listen else "listen")
     web_config_file = args.web_config or settings.web_config_file
     web = load_web_config(web_config_file) if web_config_file else None  # ConfigError: exit 2

@@ -193,7 +193,7 @@ def parse_time(text: str, now: float) -> float:
     if value == "now":
         return now
     if _RELATIVE.fullmatch(value):
-        return now - parse_duration(value)
+        return _in_range(now - parse_duration(value), text)
     try:
         moment = datetime.fromisoformat(value)
     except ValueError:
@@ -203,7 +203,18 @@ def parse_time(text: str, now: float) -> float:
         ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()
+    return _in_range(moment.timestamp(), text)
+
+
+# Times a ledger can hold: from the epoch to well before datetime's year-9999 edge, where adding
+# the hour a report rounds up to would overflow.
+_LATEST_S = datetime(9000, 1, 1, tzinfo=UTC).timestamp()
+
+
+def _in_range(t: float, text: str) -> float:
+    if not 0 <= t < _LATEST_S:
+        raise ValueError(f"time out of range (1970 to 8999), got {text!r}")
+    return t
 
 
 def _iso(t: float) -> str:

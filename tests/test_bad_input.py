@@ -1,0 +1,191 @@
+"""Bad input gets one line naming what was wrong and where, and exit code 2: never a traceback,
+never a hang. Each case below was once a traceback (exit 1) or a hang; the fuzz tests then
+throw random documents at every reader of user input."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.config import check_config, parse_listen
+from agent.errors import ConfigError
+from agent.ledger.report import parse_time
+from agent.units import parse_duration, parse_size_bytes
+from exporters.webconfig import load_web_config
+from fake_nvml.scenario import ScenarioError, load_scenario
+from tests.test_cli import gpuledger
+
+HUGE = "1" * 400
+
+CONFIG_CASES = [
+    # (config text, what the one line must name)
+    ("listen: 9835\n", "listen"),
+    ("1: 2\n", "keys must be text"),
+    ("rules: {idle: {yes: 1}}\n", "rules.idle"),
+    ("poll_interval: .inf\n", "poll_interval"),
+    ("ledger: {retention: .inf}\n", "ledger.retention"),
+    (f"rules: {{stranded_memory: {{memory_above: {HUGE}}}}}\n", "rules.stranded_memory.memory_above"),
+    ('listen: "127.0.0.1:\u00b2"\n', "listen"),
+    ("accounting: {max_interval: 99999999999999999999999d}\n", "accounting.max_interval"),
+]
+
+
+@pytest.mark.parametrize(("text", "names"), CONFIG_CASES)
+def test_check_config_and_run_refuse_the_same_bad_file_in_one_line(tmp_path: Path, text: str, names: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    for args in (("check-config", str(config)), ("run", "--fake", "--config", str(config))):
+        result = gpuledger(*args, timeout=20)
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert names in lines[0]
+        assert "Traceback" not in result.stderr
+
+
+ARGUMENT_CASES = [
+    (("run", "--fake", "--fake-speed", "nan"), "--fake-speed"),
+    (("run", "--fake", "--fake-speed", "inf"), "--fake-speed"),
+    (("run", "--fake", "--listen", "127.0.0.1:\u00b2"), "--listen"),
+    (("snapshot", "--fake", "--at", "9" * 40 + "d"), "--at"),
+    (("report", "--ledger", "pyproject.toml", "--since", "99999999d"), "100 years"),
+    (("report", "--ledger", "pyproject.toml", "--until", "9999-12-31T23:59:59"), "out of range"),
+]
+
+
+@pytest.mark.parametrize(("args", "names"), ARGUMENT_CASES)
+def test_bad_arguments_exit_2_in_one_line(args: tuple[str, ...], names: str) -> None:
+    result = gpuledger(*args, timeout=20)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert names in lines[0]
+
+
+def test_a_section_variable_that_is_not_json_is_named() -> None:
+    result = gpuledger("check-config", "/dev/null", env={"GPULEDGER_PRICING": "notjson"}, timeout=20)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "environment: GPULEDGER_PRICING: not a JSON object (or set its keys as GPULEDGER_PRICING__KEY)"
+    )
+
+
+# -- fuzzing: every reader of user input fails with its own one-line error, or succeeds --------
+
+keys = st.one_of(
+    st.sampled_from(
+        [
+            "listen",
+            "poll_interval",
+            "pricing",
+            "ledger",
+            "rules",
+            "idle",
+            "for",
+            "retention",
+            "gpu_hourly",
+            "memory_above",
+            "exporters",
+            "textfile_path",
+            "attribution",
+            "env_allowlist",
+            "match",
+            "set",
+        ]
+    ),
+    st.text(max_size=8),
+    st.integers(),
+    st.booleans(),
+)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**400),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+    st.sampled_from(["30s", "1h30m", ".inf", "nan", "1GiB", "0.0.0.0:9835", "9" * 50 + "d", ":99999"]),
+)
+documents = st.recursive(scalars, lambda inner: st.dictionaries(keys, inner, max_size=4) | st.lists(inner, max_size=3))
+
+
+def _write(tmp_path: Path, name: str, document: object) -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(document, allow_unicode=True))
+    return path
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(document=st.dictionaries(keys, documents, max_size=5))
+def test_any_config_document_gives_settings_or_one_line_problems(tmp_path: Path, document: object) -> None:
+    settings_, problems = check_config(_write(tmp_path, "config.yaml", document))
+    assert (settings_ is None) == bool(problems)
+    for line in problems:
+        assert "\n" not in line
+        assert line.startswith(str(tmp_path))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(document=documents)
+def test_any_web_config_document_loads_or_raises_a_config_error(tmp_path: Path, document: object) -> None:
+    try:
+        load_web_config(_write(tmp_path, "web.yaml", document))
+    except ConfigError as exc:
+        message = str(exc)
+    else:
+        return
+    assert "\n" not in message
+
+
+@settings(max_examples=150, deadline=None)
+@given(document=st.dictionaries(st.sampled_from(["start", "node", "gpus", "processes", "allocations", "faults"]),
+                                documents, max_size=4))  # fmt: skip
+def test_any_scenario_document_loads_or_raises_a_scenario_error(document: dict[str, object]) -> None:
+    try:
+        load_scenario(document)
+    except ScenarioError as exc:
+        message = str(exc)
+    else:
+        return
+    assert "\n" not in message
+
+
+@given(st.one_of(scalars, st.text(alphabet="0123456789.smhdw", max_size=30)))
+def test_durations_parse_to_finite_bounded_seconds_or_value_error(value: object) -> None:
+    try:
+        seconds = parse_duration(value)
+    except ValueError:
+        return
+    assert math.isfinite(seconds)
+    assert 0 <= seconds <= 100 * 365.25 * 86400
+
+
+@given(scalars)
+def test_sizes_parse_to_bounded_bytes_or_value_error(value: object) -> None:
+    try:
+        size = parse_size_bytes(value)
+    except ValueError:
+        return
+    assert 0 <= size <= 2**60
+
+
+@given(st.text(max_size=30))
+def test_listen_addresses_parse_to_a_port_or_value_error(value: str) -> None:
+    try:
+        _host, port = parse_listen(value)
+    except ValueError:
+        return
+    assert 0 < port < 65536
+
+
+@given(st.one_of(st.text(max_size=30), st.text(alphabet="0123456789-T:+Zdhmsw.", max_size=30)))
+def test_report_times_parse_into_range_or_value_error(value: str) -> None:
+    try:
+        t = parse_time(value, now=1_800_000_000.0)
+    except ValueError:
+        return
+    assert 0 <= t < 221_845_392_000  # 9000-01-01T00:00Z: the end of the range parse_time allows
