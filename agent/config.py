@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from agent.attribution.resolve import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
+from agent.scrub import escape_control
 from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
 
@@ -164,7 +165,7 @@ def parse_listen(value: object) -> tuple[str, int]:
     address). The config key and the --listen flag both go through here."""
     host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
     # isdigit() alone accepts "²" and other digits int() refuses.
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
         raise ValueError(f"expected HOST:PORT such as 0.0.0.0:9835, got {value!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
 
@@ -240,7 +241,7 @@ def _problems(exc: ValidationError, source: str) -> list[str]:
         message = str(error["msg"]).removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown key"
-        lines.append(f"{source}: {where}: {message}")
+        lines.append(escape_control(f"{source}: {where}: {message}"))
     return lines
 
 

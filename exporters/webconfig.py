@@ -50,6 +50,7 @@ import bcrypt
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, field_validator
 
 from agent.errors import ConfigError
+from agent.scrub import escape_control
 from agent.yamlfile import YamlFileError, read_yaml
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,8 @@ def _problems(exc: ValidationError, source: str) -> list[str]:
         message = str(error["msg"]).removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown key"
-        lines.append(f"{source}: {key}: {message}")
+        # A key may be any text, newlines included: the line stays one line.
+        lines.append(escape_control(f"{source}: {key}: {message}"))
     return lines
 
 

@@ -20,7 +20,14 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "agent.attribution.sources.podlogs": (),
     "agent.accounting.instance": (),
     "agent.attribution.sources.podresources": ("agent.attribution.sources.podresources",),
-    "agent.config": ("agent.errors", "agent.units", "agent.yamlfile", "agent.attribution.resolve", "agent.devices"),
+    "agent.config": (
+        "agent.errors",
+        "agent.scrub",
+        "agent.units",
+        "agent.yamlfile",
+        "agent.attribution.resolve",
+        "agent.devices",
+    ),
     # The registry: backends are imported only when chosen.
     "agent.devices": ("agent.errors", "agent.devices.backend", "agent.devices.nvml"),
     "agent.devices.backend": ("agent.errors",),
