@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +179,30 @@ class Attribution:
 
 
 @dataclass(frozen=True, slots=True)
+class Flag:
+    """One flag rule's verdict on one GPU at the latest poll: the rules stage's output."""
+
+    gpu: int
+    uuid: str
+    rule: str
+    raised: bool
+    held_s: float  # how long the condition has held (while raised); 0 otherwise
+    holders: tuple[Workload, ...]
+    dollars: float
+
+
+@dataclass(frozen=True, slots=True)
+class StageHealth:
+    """How one pipeline stage fared: its latest run's duration, its failures since the agent
+    started, and when it last succeeded (backend clock: the time of the poll it ran for)."""
+
+    stage: str
+    duration_s: float = 0.0
+    failures: int = 0
+    last_success_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class AgentHealth:
     """The agent's own counters as of the latest poll, swapped in with the snapshot."""
 
@@ -188,6 +211,7 @@ class AgentHealth:
     polls_overran: int = 0
     last_success_at: float | None = None  # backend clock
     nvml_errors: tuple[tuple[str, str, int], ...] = ()  # (call, error, count)
+    stages: tuple[StageHealth, ...] = ()  # in the order the pipeline runs them
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +258,7 @@ class AgentState:
     prices: tuple[tuple[str, Price | None], ...] = ()  # GPU uuid -> price (None: no price known)
     energy_per_kwh: float | None = None
     ledger: LedgerHealth | None = None
-    flags: tuple[Any, ...] = ()  # rules.engine.Flag: the rules stage's output, rendered as is
+    flags: tuple[Flag, ...] = ()  # the rules stage's output, rendered as is
     health: AgentHealth = field(default_factory=AgentHealth)
 
 
