@@ -5,7 +5,8 @@
 All three read the same fake node (the built-in `demo` node, scaled to 8 GPUs x 64 processes,
 no faults and so no injected latency) through the same real `pynvml` module:
 
-  gpuledger  Sampler(NvmlBackend(...)).poll(): the agent's whole poll, snapshot included.
+  gpuledger  the agent's sampler, built by build_agent as the CLI builds it: its whole poll,
+             snapshot included.
   nvitop     nvitop's Device API, one fresh read of every field per poll.
   floor      bare pynvml wrapper calls, one call per reading, handles obtained once: the least
              a poll of these fields can cost.
@@ -36,10 +37,8 @@ import pynvml
 import yaml
 
 import fake_nvml
-from agent.attribution.gather import Attributor
-from agent.attribution.sources.procfs import Passwd, ProcFS
-from agent.devices.nvml import NvmlBackend
-from agent.devices.sampler import Sampler
+from agent.cli.wiring import Agent, build_agent
+from agent.config import Settings
 from agent.model import Snapshot
 from fake_nvml.scenario import SCENARIO_DIR
 
@@ -114,9 +113,8 @@ class Reader:
     last: Any = None
 
 
-def gpuledger_reader(node: fake_nvml.InstalledNode) -> Reader:
-    sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname=node.scenario.node.hostname)
-    sampler.start()
+def gpuledger_reader(agent: Agent) -> Reader:
+    sampler = agent.sampler
 
     def readings(snapshot: Snapshot) -> list[Reading]:
         return [
@@ -343,17 +341,10 @@ def poll_cost_section(readers: list[Reader], polls: int) -> list[str]:
     return lines
 
 
-def attribution_section(node: fake_nvml.InstalledNode, polls: int, warmup: int) -> list[str]:
+def attribution_section(agent: Agent, polls: int, warmup: int) -> list[str]:
     """Per-poll cost of sampling plus attribution, with the process cache warm and cold."""
-    host = node.host
-    sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname=node.scenario.node.hostname)
-    sampler.start()
-    attributor = Attributor(
-        ProcFS(host.proc_root, env_allowlist={"SLURM_JOB_ID", "SLURM_JOB_USER", "SLURM_JOB_ACCOUNT"}),
-        Passwd(host.passwd_file),
-        slurm_map_dir=host.slurm_map_dir,
-        pod_logs_dir=host.pod_logs_dir,
-    )
+    node, sampler, attributor = agent.node, agent.sampler, agent.attributor
+    assert node is not None
     times: dict[str, list[float]] = {"sampler only": [], "steady (cached)": [], "cold (all new)": []}
     for i in range(warmup + polls):
         for name, samples in times.items():
@@ -387,14 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.polls < 1 or args.warmup < 1:
         parser.error("--polls and --warmup must be at least 1")
 
-    node = fake_nvml.install(scaled_demo())
+    # The agent as the CLI builds it; only its sampler and attribution are timed here.
+    agent = build_agent(Settings(), fake=scaled_demo(), costing=False, rules=())
+    node = agent.node
+    assert node is not None
     try:
-        readers = [gpuledger_reader(node), nvitop_reader(node), floor_reader(node)]
+        readers = [gpuledger_reader(agent), nvitop_reader(node), floor_reader(node)]
         run(node, readers, args.polls, args.warmup)
         problems = disagreements(readers)
-        attribution = attribution_section(node, args.polls, args.warmup)
+        attribution = attribution_section(agent, args.polls, args.warmup)
     finally:
-        fake_nvml.uninstall()
+        agent.close()
 
     print(
         f"One poll of {GPUS} GPUs x {GPUS * PROCESSES_PER_GPU} processes (the demo node, scaled; no faults), "
