@@ -209,6 +209,30 @@ class Attribution:
 
 
 @dataclass(frozen=True, slots=True)
+class Flag:
+    """One flag rule's verdict on one GPU at the latest poll: the rules stage's output."""
+
+    gpu: int
+    uuid: str
+    rule: str
+    raised: bool
+    held_s: float  # how long the condition has held (while raised); 0 otherwise
+    holders: tuple[Workload, ...]
+    dollars: float
+
+
+@dataclass(frozen=True, slots=True)
+class StageHealth:
+    """How one pipeline stage fared: its latest run's duration, its failures since the agent
+    started, and when it last succeeded (backend clock: the time of the poll it ran for)."""
+
+    stage: str
+    duration_s: float = 0.0
+    failures: int = 0
+    last_success_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class AgentHealth:
     """The agent's own counters as of the latest poll, swapped in with the snapshot."""
 
@@ -217,6 +241,7 @@ class AgentHealth:
     polls_overran: int = 0
     last_success_at: float | None = None  # backend clock
     nvml_errors: tuple[tuple[str, str, int], ...] = ()  # (call, error, count)
+    stages: tuple[StageHealth, ...] = ()  # in the order the pipeline runs them
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +290,7 @@ class AgentState:
     costs: CostTotals = field(default_factory=CostTotals)
     prices: tuple[tuple[str, Price | None], ...] = ()  # GPU uuid -> price (None: no price known)
     ledger: LedgerHealth | None = None
-    flags: tuple[Any, ...] = ()  # rules.engine.Flag: the rules stage's output, rendered as is
+    flags: tuple[Flag, ...] = ()  # the rules stage's output, rendered as is
     health: AgentHealth = field(default_factory=AgentHealth)
 
 

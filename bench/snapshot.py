@@ -5,7 +5,8 @@
 All three read the same fake node (the built-in `demo` node, scaled to 8 GPUs x 64 processes,
 no faults and so no injected latency) through the same real `pynvml` module:
 
-  gpuledger  Sampler(NvmlBackend(...)).poll(): the agent's whole poll, snapshot included.
+  gpuledger  the agent's sampler, built by build_agent as the CLI builds it: its whole poll,
+             snapshot included.
   nvitop     nvitop's Device API, one fresh read of every field per poll.
   floor      bare pynvml wrapper calls, one call per reading, handles obtained once: the least
              a poll of these fields can cost.
@@ -44,10 +45,8 @@ import pynvml
 import yaml
 
 import fake_nvml
-from agent.attribution.gather import Attributor
-from agent.attribution.sources.procfs import Passwd, ProcFS
-from agent.devices.nvml import NvmlBackend
-from agent.devices.sampler import Sampler
+from agent.cli.wiring import Agent, build_agent
+from agent.config import Settings
 from agent.model import Snapshot
 from fake_nvml.scenario import SCENARIO_DIR
 
@@ -166,9 +165,8 @@ class Reader:
     last: Any = None
 
 
-def gpuledger_reader(node: fake_nvml.InstalledNode) -> Reader:
-    sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname=node.scenario.node.hostname)
-    sampler.start()
+def gpuledger_reader(agent: Agent) -> Reader:
+    sampler = agent.sampler
 
     def readings(snapshot: Snapshot) -> list[Reading]:
         return [
@@ -395,17 +393,10 @@ def poll_cost_section(readers: list[Reader], polls: int) -> list[str]:
     return lines
 
 
-def attribution_section(node: fake_nvml.InstalledNode, polls: int, warmup: int) -> list[str]:
+def attribution_section(agent: Agent, polls: int, warmup: int) -> list[str]:
     """Per-poll cost of sampling plus attribution, with the process cache warm and cold."""
-    host = node.host
-    sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname=node.scenario.node.hostname)
-    sampler.start()
-    attributor = Attributor(
-        ProcFS(host.proc_root, env_allowlist={"SLURM_JOB_ID", "SLURM_JOB_USER", "SLURM_JOB_ACCOUNT"}),
-        Passwd(host.passwd_file),
-        slurm_map_dir=host.slurm_map_dir,
-        pod_logs_dir=host.pod_logs_dir,
-    )
+    node, sampler, attributor = agent.node, agent.sampler, agent.attributor
+    assert node is not None
     times: dict[str, list[float]] = {"sampler only": [], "steady (cached)": [], "cold (all new)": []}
     for i in range(warmup + polls):
         for name, samples in times.items():
@@ -448,17 +439,10 @@ SCALE_CASES = (
 def measure_scale(case: ScaleCase, polls: int, warmup: int) -> tuple[float, float, float]:
     """Median ms of the sampler's poll, median ms of poll + attribution (process cache warm),
     and NVML calls per physical GPU per poll."""
-    node = fake_nvml.install(case.scenario)
+    agent = build_agent(Settings(), fake=case.scenario, costing=False, rules=())
+    node, sampler, attributor = agent.node, agent.sampler, agent.attributor
+    assert node is not None
     try:
-        host = node.host
-        sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname=node.scenario.node.hostname)
-        sampler.start()
-        attributor = Attributor(
-            ProcFS(host.proc_root, env_allowlist={"SLURM_JOB_ID", "SLURM_JOB_USER", "SLURM_JOB_ACCOUNT"}),
-            Passwd(host.passwd_file),
-            slurm_map_dir=host.slurm_map_dir,
-            pod_logs_dir=host.pod_logs_dir,
-        )
         sampler_s: list[float] = []
         both_s: list[float] = []
         calls = 0
@@ -484,12 +468,12 @@ def measure_scale(case: ScaleCase, polls: int, warmup: int) -> tuple[float, floa
             gc.enable()
             if i >= warmup:
                 both_s.append(elapsed)
-        held = {h.device_uuid for h in attribution.holdings if h.allocated and h.workload.job}
+        held = {h.device_uuid for h in attribution.holdings if h.allocated and h.workload.hpc_job}
         devices = [d for d in sampler.poll().devices if d.processes]
         if len(held) != len(devices):
             raise SystemExit(f"{case.name}: attribution found {len(held)} Slurm jobs for {len(devices)} devices")
     finally:
-        fake_nvml.uninstall()
+        agent.close()
     return statistics.median(sampler_s) * 1000, statistics.median(both_s) * 1000, calls / polls / GPUS
 
 
@@ -537,14 +521,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.scale_only:
         print("\n".join(scale_section(args.scale_polls, warmup=3)))
         return 0
-    node = fake_nvml.install(scaled_demo())
+    # The agent as the CLI builds it; only its sampler and attribution are timed here.
+    agent = build_agent(Settings(), fake=scaled_demo(), costing=False, rules=())
+    node = agent.node
+    assert node is not None
     try:
-        readers = [gpuledger_reader(node), nvitop_reader(node), floor_reader(node)]
+        readers = [gpuledger_reader(agent), nvitop_reader(node), floor_reader(node)]
         run(node, readers, args.polls, args.warmup)
         problems = disagreements(readers)
-        attribution = attribution_section(node, args.polls, args.warmup)
+        attribution = attribution_section(agent, args.polls, args.warmup)
     finally:
-        fake_nvml.uninstall()
+        agent.close()
     scale = scale_section(args.scale_polls, warmup=3)
 
     print(

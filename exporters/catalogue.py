@@ -244,6 +244,26 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         (),
     ),
     MetricSpec(
+        "gpuledger_stage_duration_seconds",
+        Kind.GAUGE,
+        "How long the pipeline stage (sample, attribute, account, rules, publish) took the last time it ran.",
+        ("stage",),
+        "seconds",
+    ),
+    MetricSpec(
+        "gpuledger_stage_failures_total",
+        Kind.COUNTER,
+        "Runs of the pipeline stage that raised; the poll went on with the stage's last good result.",
+        ("stage",),
+    ),
+    MetricSpec(
+        "gpuledger_stage_last_success_timestamp_seconds",
+        Kind.GAUGE,
+        "When the pipeline stage last ran without failing (backend clock of its poll, unix time).",
+        ("stage",),
+        "seconds",
+    ),
+    MetricSpec(
         "gpuledger_nvml_errors_total",
         Kind.COUNTER,
         "NVML calls that failed, by call and NVML error name (NOT_SUPPORTED is learned, not counted).",

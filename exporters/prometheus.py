@@ -76,6 +76,11 @@ class GpuledgerCollector(Collector):
         out.add("gpuledger_polls_total", (), health.polls_total)
         out.add("gpuledger_poll_failures_total", (), health.polls_failed)
         out.add("gpuledger_poll_overruns_total", (), health.polls_overran)
+        for stage in health.stages:
+            out.add("gpuledger_stage_duration_seconds", (stage.stage,), stage.duration_s)
+            out.add("gpuledger_stage_failures_total", (stage.stage,), stage.failures)
+            if stage.last_success_at is not None:
+                out.add("gpuledger_stage_last_success_timestamp_seconds", (stage.stage,), stage.last_success_at)
         for call, error, count in health.nvml_errors:
             out.add("gpuledger_nvml_errors_total", (call, error), count)
         out.add("gpuledger_build_info", (__version__, driver, cuda), 1.0)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
-from agent.model import Workload
+from agent.model import Flag, Workload
 
 CONDITIONS = ("idle", "allocated_idle", "underused", "stranded_memory")
 
@@ -60,17 +60,6 @@ class RuleState:
     window: tuple[tuple[float, float, float], ...] = ()  # underused: (end, seconds, utilization)
     window_seconds: float = 0.0  # sums over `window`, kept so the mean costs O(1) per poll
     window_weighted: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Flag:
-    gpu: int
-    uuid: str
-    rule: str
-    raised: bool
-    held_s: float  # how long the condition has held (while raised); 0 otherwise
-    holders: tuple[Workload, ...]
-    dollars: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ import pynvml
 import pytest
 
 import fake_nvml
+from tests.helpers import WEEKEND_ALERT_SERIES, WeekendIdleRun, run_weekend_idle
 
 InstallFake = Callable[..., fake_nvml.InstalledNode]
 
@@ -52,3 +53,9 @@ def install_fake() -> Iterator[InstallFake]:
         yield install
     finally:
         fake_nvml.uninstall()
+
+
+@pytest.fixture(scope="session")
+def weekend_idle(tmp_path_factory: pytest.TempPathFactory) -> WeekendIdleRun:
+    """Four days of the weekend-idle node, simulated once for every test that reads them."""
+    return run_weekend_idle(tmp_path_factory.mktemp("weekend") / "weekend.db", WEEKEND_ALERT_SERIES)

@@ -1,26 +1,30 @@
-"""A fake node with the agent wired to it, as the CLI wires them, for tests that need both."""
+"""A fake node with the agent built on it by `build_agent`, as every command builds it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import generate_latest
-
-import fake_nvml
-from agent.attribution.gather import Attributor, KubeletWatcher
-from agent.attribution.resolve import compile_rules, rule_env_keys
-from agent.attribution.sources.procfs import Passwd, ProcFS
-from agent.devices.nvml import NvmlBackend
-from agent.devices.sampler import Sampler
+from agent.cli.wiring import Agent, build_agent
+from agent.config import AttributionConfig, AttributionRule, Settings
 from agent.model import AgentState
-from agent.pipeline import Costing, Pipeline
-from exporters.prometheus import make_registry
+from agent.pipeline import Costing
 from rules.engine import RuleSpec
+
+Sample = tuple[str, dict[str, str], float]  # name, labels, value
 
 
 class Rig:
-    """A fake node with its host files, and the agent's pipeline wired to them."""
+    """A fake node with its host files, and the agent built on it.
+
+    With `settings`, the agent is exactly what the CLI builds from them: prices, the flag rules
+    they enable, a ledger at `ledger_path`. Without, the settings are the defaults plus
+    `rules` (attribution rules), `per_pid` and `kubelet_timeout_s`, and the agent prices with
+    `costing` (no accounting when None) and flags with `flag_rules` (none by default).
+    Stage durations are pinned to 0: stable output for golden files.
+    """
 
     def __init__(
         self,
@@ -30,28 +34,33 @@ class Rig:
         kubelet_timeout_s: float = 1.0,
         costing: Costing | None = None,
         flag_rules: Sequence[RuleSpec] = (),
+        *,
+        settings: Settings | None = None,
+        ledger_path: str | Path | None = None,
     ) -> None:
-        self.node = fake_nvml.install(scenario)
-        host = self.node.host
-        compiled = compile_rules(list(rules))
-        allow = {"SLURM_JOB_ID", "SLURM_JOB_USER", "SLURM_JOB_ACCOUNT"} | rule_env_keys(compiled)
-        self.kubelet = KubeletWatcher(str(host.podresources_socket), timeout_s=kubelet_timeout_s)
-        self.attributor = Attributor(
-            ProcFS(host.proc_root, env_allowlist=allow),
-            Passwd(host.passwd_file),
-            rules=compiled,
-            slurm_map_dir=host.slurm_map_dir,
-            pod_logs_dir=host.pod_logs_dir,
-            kubelet=self.kubelet,
-            per_pid=per_pid,
-        )
-        self.sampler = Sampler(NvmlBackend(clock=self.node.clock.wall_time), hostname="rig")
-        self.sampler.start()
-        # Poll durations pinned to 0: stable output for golden files.
-        self.pipeline = Pipeline(
-            self.sampler, 5.0, monotonic=lambda: 0.0, attributor=self.attributor, costing=costing, rules=flag_rules
-        )
-        self.per_pid = per_pid
+        if settings is None:
+            attribution = AttributionConfig(
+                rules=[AttributionRule(match=match, set=values) for match, values in rules],
+                per_pid_series=per_pid,
+                kubelet_timeout=kubelet_timeout_s,
+            )
+            self.agent: Agent = build_agent(
+                Settings(node_name="rig", attribution=attribution),
+                fake=scenario,
+                monotonic=lambda: 0.0,
+                costing=costing if costing is not None else False,
+                rules=flag_rules,
+                ledger_path=ledger_path,
+            )
+        else:
+            self.agent = build_agent(settings, fake=scenario, monotonic=lambda: 0.0, ledger_path=ledger_path)
+        assert self.agent.node is not None
+        self.node = self.agent.node
+        self.pipeline = self.agent.pipeline
+        self.attributor = self.agent.attributor
+        self.sampler = self.agent.sampler
+        assert self.attributor.kubelet is not None
+        self.kubelet = self.attributor.kubelet
 
     def poll(self, advance_s: float = 0.0) -> AgentState:
         if advance_s:
@@ -60,11 +69,17 @@ class Rig:
         return self.pipeline.poll_once()
 
     def metrics(self, state: AgentState) -> str:
-        return generate_latest(make_registry(lambda: state, self.per_pid)).decode()
+        return self.agent.exposition(state).decode()
+
+    def samples(self, state: AgentState, names: Collection[str]) -> list[Sample]:
+        """The samples named `names` that a scrape of `state` would show, read from the
+        registry (no exposition text written and parsed)."""
+        registry = self.agent.registry(lambda: state)
+        return [(s.name, s.labels, s.value) for m in registry.collect() for s in m.samples if s.name in names]
 
     def close(self) -> None:
-        self.kubelet.close()
-        fake_nvml.uninstall()
+        """Flush the ledger, if any, and uninstall the fake node."""
+        self.agent.close()
 
     def run(self, duration_s: float, step_s: float) -> AgentState:
         """Polls every step_s over duration_s of scenario time (one poll at the start too)."""
@@ -74,3 +89,48 @@ class Rig:
             elapsed += step_s
             state = self.poll(step_s)
         return state
+
+
+# What the weekend alert test feeds promtool: the series the shipped rules read, once a minute.
+WEEKEND_ALERT_SERIES = ("gpuledger_gpu_flag", "gpuledger_gpu_up", "gpuledger_gpu_idle_cost_dollars_total")
+
+
+@dataclass
+class WeekendIdleRun:
+    """Four days of the `weekend-idle` node (Friday 18:00 to Tuesday 18:00), polled every minute
+    by the agent as the default settings build it, with a ledger."""
+
+    step_s: float
+    ledger_path: Path
+    # (scenario time, GPU index, raised) each time an `idle` flag changed
+    idle_transitions: list[tuple[float, int, bool]]
+    # per poll of the first day (t = 0, 60, ... 86400): the samples of `first_day_series`
+    first_day: list[list[Sample]]
+    last: AgentState
+
+
+def run_weekend_idle(ledger_path: Path, first_day_series: Sequence[str]) -> WeekendIdleRun:
+    """The run the weekend tests share; samples are read from the registry, not from text."""
+    step_s = 60.0
+    rig = Rig("weekend-idle", settings=Settings(), ledger_path=ledger_path)
+    wanted = set(first_day_series)
+    transitions: list[tuple[float, int, bool]] = []
+    first_day: list[list[Sample]] = []
+    raised: dict[int, bool] = {}
+    try:
+        state = rig.poll()
+        while True:
+            now = rig.node.clock.now()
+            for flag in state.flags:
+                if flag.rule == "idle":
+                    if raised.get(flag.gpu, False) != flag.raised:
+                        transitions.append((now, flag.gpu, flag.raised))
+                    raised[flag.gpu] = flag.raised
+            if now <= 86400:
+                first_day.append(rig.samples(state, wanted))
+            if now >= 4 * 86400:
+                break
+            state = rig.poll(step_s)
+    finally:
+        rig.close()  # flushes the ledger
+    return WeekendIdleRun(step_s, ledger_path, transitions, first_day, state)

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.model import WORKLOAD_LABELS
+from fake_nvml.scenario import load_scenario
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -259,6 +260,38 @@ def test_simulate_runs_scenario_time_without_sleeping(tmp_path: Path) -> None:
     )
     ts = value(text, "gpuledger_last_poll_timestamp_seconds")
     assert ts == pytest.approx(1795197600 + 6 * 3600)  # 2026-11-20T18:00Z + 6 h
+
+
+def test_simulate_honours_every_output_option_run_honours(tmp_path: Path) -> None:
+    config = tmp_path / "gpuledger.yml"
+    textfile = tmp_path / "textfile" / "gpuledger.prom"
+    textfile.parent.mkdir()
+    config.write_text(
+        "exporters: {dcgm_compat: true, textfile_path: " + str(textfile) + "}\nattribution: {per_pid_series: true}\n"
+    )
+    out = tmp_path / "metrics.prom"
+    result = gpuledger("simulate", "demo", "--for", "2m", "--config", str(config), "--metrics-out", str(out))
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    assert value(text, "gpuledger_polls_total") == 2 * 4 + 1  # every 15 s from t=0 to 2 min
+    # dcgm-exporter's names beside gpuledger's, from the same state: the demo's GPU 0 runs at 92%.
+    assert value(text, "DCGM_FI_DEV_GPU_UTIL", gpu="0") == value(text, "gpuledger_gpu_utilization_ratio", gpu="0") * 100
+    # per-pid series: a pid label on every workload series, naming each process the demo runs
+    # (and empty on allocations that run none)
+    pids = {dict(labels).get("pid") for name, labels in samples(text) if name == "gpuledger_workload_gpu_processes"}
+    running = {str(p.pid) for p in load_scenario("demo").processes if p.running_at(120)}
+    assert pids - {""} == running
+    # and the node_exporter textfile holds the same final state
+    assert textfile.read_text() == text
+
+
+def test_simulate_checks_the_textfile_directory_as_run_does(tmp_path: Path) -> None:
+    config = tmp_path / "gpuledger.yml"
+    missing = tmp_path / "nowhere" / "gpuledger.prom"
+    config.write_text(f"exporters: {{textfile_path: {missing}}}\n")
+    result = gpuledger("simulate", "demo", "--for", "1m", "--config", str(config))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"gpuledger: exporters.textfile_path: no such directory {missing.parent}"
 
 
 @pytest.mark.parametrize(

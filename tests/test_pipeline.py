@@ -1,18 +1,26 @@
-"""The poll pipeline: atomic swaps, overruns, failures, health, and the real scheduler."""
+"""The poll pipeline: atomic swaps, overruns, failures, health, its stages and their metrics, and
+the periodic jobs the daemon's scheduler and `simulate` share."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import agent.pipeline
 import fake_nvml
+from agent.cli.wiring import build_agent
+from agent.config import AttributionConfig, LedgerConfig, Settings
 from agent.devices.nvml import NvmlBackend
 from agent.devices.sampler import Sampler
-from agent.model import Snapshot
-from agent.pipeline import Pipeline
+from agent.model import AgentState, Attribution, Charges, LedgerHealth, Price, Snapshot, StageHealth
+from agent.pipeline import STAGES, Costing, PeriodicJob, Pipeline, run_on_scenario_time
+from exporters.prometheus import make_registry
+from rules.engine import RuleSpec
+from tests.helpers import Rig
 
 
 class ManualClock:
@@ -104,3 +112,188 @@ def test_the_scheduler_polls_on_its_interval(sampler: Sampler) -> None:
     polls = state.health.polls_total
     time.sleep(0.2)
     assert pipeline.state.health.polls_total == polls  # stopped means stopped
+
+
+# -- stages -------------------------------------------------------------------------------------
+
+PRICE = Price(3.6, "test")  # $3.60 per GPU-hour: $0.001 a second
+ONE_BUSY_GPU = {
+    "gpus": [{"count": 1}],
+    "processes": [{"pid": 1, "gpus": [0], "sm_util": 50, "user": "ann", "uid": 1001}],
+}
+
+
+def stage(state: AgentState, name: str) -> StageHealth:
+    (found,) = [s for s in state.health.stages if s.stage == name]
+    return found
+
+
+def scraped(state: AgentState, name: str, stage_name: str) -> float | None:
+    return make_registry(lambda: state).get_sample_value(name, {"stage": stage_name})
+
+
+def test_the_stages_run_in_order_and_each_reports_itself(sampler: Sampler) -> None:
+    clock = ManualClock()
+    slow = SlowSampler(sampler, clock, cost=0.25)
+    pipeline = Pipeline(slow, poll_interval_s=5.0, monotonic=clock)  # type: ignore[arg-type]
+    state = pipeline.poll_once()
+    assert [s.stage for s in state.health.stages] == ["sample", "attribute", "account", "rules", "publish"]
+    assert state.snapshot is not None
+    assert stage(state, "sample").duration_s == 0.25  # the sampler moved the clock 0.25 s
+    assert stage(state, "attribute").duration_s == 0.0
+    for name in STAGES:
+        assert scraped(state, "gpuledger_stage_failures_total", name) == 0
+        assert scraped(state, "gpuledger_stage_duration_seconds", name) == stage(state, name).duration_s
+        assert scraped(state, "gpuledger_stage_last_success_timestamp_seconds", name) == state.snapshot.taken_at
+
+
+def test_a_failing_sample_stage_is_counted_and_the_others_wait(sampler: Sampler) -> None:
+    clock = ManualClock()
+    slow = SlowSampler(sampler, clock, cost=0.1)
+    pipeline = Pipeline(slow, poll_interval_s=5.0, monotonic=clock)  # type: ignore[arg-type]
+    good = pipeline.poll_once()
+    slow.fail_next = True
+    after = pipeline.poll_once()
+    assert stage(after, "sample").failures == 1
+    assert scraped(after, "gpuledger_stage_failures_total", "sample") == 1
+    # Nothing to attribute, price or judge: those stages neither ran nor failed.
+    assert stage(after, "attribute") == stage(good, "attribute")
+    assert stage(after, "sample").last_success_at == stage(good, "sample").last_success_at
+
+
+def test_a_failing_attribution_keeps_the_last_attribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = Rig(ONE_BUSY_GPU)
+    try:
+        first = rig.poll()
+        assert [h.workload.user for h in first.attribution.holdings] == ["ann"]
+
+        def broken(snapshot: Snapshot) -> Attribution:
+            raise RuntimeError("a bug in attribution")
+
+        monkeypatch.setattr(rig.attributor, "attribute", broken)
+        after = rig.poll(60)
+    finally:
+        rig.close()
+    assert after.attribution is first.attribution  # not an empty one: ann still holds the GPU
+    assert after.snapshot is not None
+    assert first.snapshot is not None
+    assert after.snapshot.taken_at == first.snapshot.taken_at + 60  # the readings are new
+    assert stage(after, "attribute").failures == 1
+    assert stage(after, "attribute").last_success_at == first.snapshot.taken_at
+    assert stage(after, "account").last_success_at == after.snapshot.taken_at
+
+
+class FlakySink:
+    """A ledger that fails to take one interval's charges, and keeps the rest."""
+
+    def __init__(self, fail_on: int) -> None:
+        self.added: list[Charges] = []
+        self.calls = 0
+        self.fail_on = fail_on
+
+    def add(self, charges: Charges) -> None:
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise RuntimeError("a bug on the way to the ledger")
+        self.added.append(charges)
+
+    def flush(self) -> bool:
+        return True
+
+    def health(self) -> LedgerHealth:
+        return LedgerHealth(healthy=True, pending_rows=0, last_flush_at=None)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failing_accounting_charges_nothing_for_its_interval_and_is_counted() -> None:
+    sink = FlakySink(fail_on=2)
+    rig = Rig(ONE_BUSY_GPU, costing=Costing(prices=lambda s: {g.uuid: PRICE for g in s.gpus}, sink=sink))
+    try:
+        state = rig.run(180, 60)  # polls at 0, 60, 120, 180: three intervals of 60 s
+    finally:
+        rig.close()
+    # The second interval (60 s to 120 s) failed: ann pays for the other two, 120 s x $0.001.
+    ((workload, totals),) = state.costs.workloads.items()
+    assert workload[2].user == "ann"
+    assert totals.dollars == pytest.approx(0.12)
+    assert totals.held_s == pytest.approx(120)
+    # The counters and the ledger agree: neither has the failed interval.
+    first = sink.added[0].start
+    assert [(c.start - first, c.end - first) for c in sink.added] == [(0, 60), (120, 180)]
+    assert sum(w.dollars for c in sink.added for w in c.workloads) == pytest.approx(0.12)
+    assert stage(state, "account").failures == 1
+    assert scraped(state, "gpuledger_stage_failures_total", "account") == 1
+
+
+def test_failing_rules_keep_the_last_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = Rig(
+        {"gpus": [{"count": 1}]},
+        flag_rules=[RuleSpec("idle", "idle", utilization_below=0.05, for_s=60)],
+    )
+    try:
+        rig.run(120, 60)
+        raised = rig.poll(60)
+        assert [(f.rule, f.raised, f.held_s) for f in raised.flags] == [("idle", True, 180)]
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("a bug in the rules")
+
+        monkeypatch.setattr(agent.pipeline, "evaluate", broken)
+        after = rig.poll(60)
+    finally:
+        rig.close()
+    assert after.flags == raised.flags  # still raised, as last judged
+    assert stage(after, "rules").failures == 1
+    assert stage(after, "publish").failures == 0
+
+
+# -- periodic jobs ------------------------------------------------------------------------------
+
+
+def test_the_daemon_and_simulate_share_one_description_of_the_periodic_jobs(tmp_path: Path) -> None:
+    settings = Settings(attribution=AttributionConfig(kubelet_interval=10.0), ledger=LedgerConfig(flush_interval=60.0))
+    agent = build_agent(settings, fake="demo", ledger_path=tmp_path / "ledger.db", poll_interval_s=15.0)
+    try:
+        jobs = {job.name: job for job in agent.pipeline.jobs()}
+    finally:
+        agent.close()
+    assert list(jobs) == ["kubelet", "poll", "ledger"]  # allocations before the poll, the flush after
+    assert [(j.interval_s, j.at_start) for j in jobs.values()] == [(10.0, True), (15.0, True), (60.0, False)]
+
+
+def test_scenario_time_runs_each_job_at_the_daemons_rhythm() -> None:
+    now = [0.0]
+    ran: list[tuple[float, str]] = []
+
+    def job(name: str, interval_s: float, at_start: bool = True) -> PeriodicJob:
+        return PeriodicJob(name, interval_s, lambda: ran.append((now[0], name)), at_start=at_start)
+
+    def advance(seconds: float) -> None:
+        now[0] += seconds
+
+    steps = run_on_scenario_time(
+        [job("kubelet", 10), job("poll", 15), job("ledger", 60, at_start=False)], advance, 120, 15
+    )
+    assert steps == 8
+    assert [t for t, name in ran if name == "poll"] == [0, 15, 30, 45, 60, 75, 90, 105, 120]
+    # Due at 10, 20, 30, ...: the runs a step skips over collapse into one (APScheduler's
+    # coalescing), so a 10 s job runs once per 15 s step, and never before its time.
+    assert [t for t, name in ran if name == "kubelet"] == [0, 15, 30, 45, 60, 75, 90, 105, 120]
+    assert [t for t, name in ran if name == "ledger"] == [60, 120]  # first due a flush interval in
+    # Jobs due together run in the order given.
+    assert [name for t, name in ran if t == 60] == ["kubelet", "poll", "ledger"]
+
+
+def test_a_job_slower_than_the_step_keeps_its_own_beat() -> None:
+    now = [0.0]
+    ran: list[float] = []
+    run_on_scenario_time(
+        [PeriodicJob("ledger", 60, lambda: ran.append(now[0]), at_start=False)],
+        lambda s: now.__setitem__(0, now[0] + s),
+        300,
+        45,
+    )
+    # Due at 60, 120, 180, 240: seen at the first step on or after each (90, 135, 180, 270).
+    assert ran == [90, 135, 180, 270]

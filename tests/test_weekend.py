@@ -16,9 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.accounting.pricing import load_catalogue
-from agent.cli.wiring import make_costing, rule_specs
-from agent.config import Settings
-from tests.helpers import Rig
+from tests.helpers import WeekendIdleRun
 
 REPO = Path(__file__).resolve().parent.parent
 HOUR = 3600.0
@@ -34,26 +32,10 @@ def gpuledger(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_the_idle_weekend_is_flagged_and_priced(tmp_path: Path) -> None:
-    step = 60.0
-    ledger_path = tmp_path / "weekend.db"
-    settings = Settings()
-    rig = Rig("weekend-idle", flag_rules=rule_specs(settings), costing=None)
-    costing = make_costing(settings, rig.node, str(ledger_path), rig.node.clock.wall_time)
-    rig.pipeline.costing = costing
-    transitions: list[tuple[float, int, bool]] = []
-    try:
-        previous: dict[tuple[int, str], bool] = {}
-        state = rig.poll()
-        while rig.node.clock.now() < 4 * 86400:
-            state = rig.poll(step)
-            for flag in state.flags:
-                if flag.rule == "idle" and previous.get((flag.gpu, flag.rule), False) != flag.raised:
-                    transitions.append((rig.node.clock.now(), flag.gpu, flag.raised))
-                previous[(flag.gpu, flag.rule)] = flag.raised
-        costing.sink.close()  # type: ignore[union-attr]
-    finally:
-        rig.close()
+def test_the_idle_weekend_is_flagged_and_priced(weekend_idle: WeekendIdleRun) -> None:
+    ledger_path = weekend_idle.ledger_path
+    transitions = weekend_idle.idle_transitions
+    state = weekend_idle.last
     raised = sorted({t for t, _gpu, up in transitions if up})
     cleared = sorted({t for t, _gpu, up in transitions if not up})
     # The job dies at 4 h (Friday 22:00); the first poll that sees its GPUs idle is at 4 h, so

@@ -11,43 +11,31 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent.accounting.pricing import load_catalogue
-from agent.cli.wiring import make_costing, rule_specs
-from agent.config import Settings
-from exporters.prometheus import make_registry
-from tests.helpers import Rig
+from tests.helpers import WEEKEND_ALERT_SERIES, WeekendIdleRun
 
 RULES = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
 STEP_S = 60
 # promtool's clock starts at 1970-01-01T00:00Z, a Thursday; the scenario starts on a Friday at
 # 18:00, so its t=0 is promtool's 1d18h and its weekend falls on promtool's Saturday and Sunday.
 OFFSET_MIN = (24 + 18) * 60
-KEEP = ("gpuledger_gpu_flag", "gpuledger_gpu_up", "gpuledger_gpu_idle_cost_dollars_total")
+KEEP = WEEKEND_ALERT_SERIES
 TARGET = {"cluster": "sim", "instance": "gpu-node-07:9835", "job": "gpuledger"}
 P4D = load_catalogue().instance_types["p4d.24xlarge"]
 BURN = P4D.dollars_per_hour  # all eight GPUs idle: the whole instance's price per hour
 
 
-def simulate_series(hours: float) -> dict[str, list[float]]:
+def series_of(run: WeekendIdleRun, hours: float) -> dict[str, list[float]]:
     """Each kept series of the agent's /metrics, once per simulated minute from t=0."""
-    rig = Rig("weekend-idle", flag_rules=rule_specs(Settings()))
-    rig.pipeline.costing = make_costing(Settings(), rig.node, None, rig.node.clock.wall_time)
+    assert run.step_s == STEP_S
     series: dict[str, list[float]] = {}
-    try:
-        for i in range(int(hours * 3600 / STEP_S) + 1):
-            state = rig.poll(STEP_S if i else 0)
-            text = generate_latest(make_registry(lambda s=state: s)).decode()
-            for family in text_string_to_metric_families(text):
-                for s in family.samples:
-                    if s.name in KEEP:
-                        labels = {**s.labels, **TARGET}
-                        key = s.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-                        series.setdefault(key, [float("nan")] * i).append(s.value)
-    finally:
-        rig.close()
+    for i, samples in enumerate(run.first_day[: int(hours * 3600 / STEP_S) + 1]):
+        for name, labels, value in samples:
+            if name in KEEP:
+                with_target = {**labels, **TARGET}
+                key = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(with_target.items())) + "}"
+                series.setdefault(key, [float("nan")] * i).append(value)
     return series
 
 
@@ -69,8 +57,10 @@ def promtool_values(values: list[float]) -> str:
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (scripts/check installs it)")
-def test_the_weekend_idle_simulation_fires_the_weekend_alert_with_its_dollars(tmp_path: Path) -> None:
-    series = simulate_series(hours=24)  # Friday 18:00 to Saturday 18:00
+def test_the_weekend_idle_simulation_fires_the_weekend_alert_with_its_dollars(
+    tmp_path: Path, weekend_idle: WeekendIdleRun
+) -> None:
+    series = series_of(weekend_idle, hours=24)  # Friday 18:00 to Saturday 18:00
     idle_flags = [k for k in series if k.startswith("gpuledger_gpu_flag") and 'rule="idle"' in k]
     assert len(idle_flags) == 8
     saturday_18 = f"{2 * 24 + 18}h"  # promtool time of the scenario's Saturday 18:00

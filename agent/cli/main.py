@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -23,13 +22,11 @@ from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, 
 from agent.cli.logs import setup_logging
 from agent.cli.render import render_table, snapshot_json
 from agent.cli.simulate import cmd_simulate
-from agent.cli.wiring import make_attributor, make_backend, make_costing, node_name, rule_specs
+from agent.cli.wiring import build_agent
 from agent.config import check_config, load_config
 from agent.devices.backend import DriverLibraryMissing
-from agent.devices.sampler import Sampler
 from agent.errors import BadInputError, GpuledgerError
 from agent.ledger.report import DEFAULT_BY, GROUP_KEYS, parse_by, parse_time, render, report_from_ledger
-from agent.pipeline import Pipeline
 from agent.units import format_duration
 
 log = logging.getLogger("gpuledger")
@@ -146,11 +143,7 @@ def _fail(message: str, code: int, debug: bool) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from prometheus_client import generate_latest
-
     from exporters.http import MetricsServer
-    from exporters.prometheus import make_registry
-    from exporters.textfile import TextfileWriter
     from exporters.webconfig import load_web_config
 
     settings = load_config(args.config)
@@ -160,44 +153,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     host, port = parse_listen(args.listen or settings.listen, "--listen" if args.listen else "listen")
     web_config_file = args.web_config or settings.web_config_file
     web = load_web_config(web_config_file) if web_config_file else None  # ConfigError: exit 2
-    textfile_path = settings.exporters.textfile_path
-    if textfile_path and not Path(textfile_path).parent.is_dir():
-        raise BadInputError(f"gpuledger: exporters.textfile_path: no such directory {Path(textfile_path).parent}")
-    backend, node = make_backend(args.fake, args.fake_speed, settings.backend)
-    sampler = Sampler(backend, hostname=node_name(settings, node))
-    sampler.start()
-    attributor = make_attributor(settings, node)
-    ledger_path = args.ledger or (None if node is not None else settings.ledger.path)
-    costing = make_costing(settings, node, ledger_path, time.time)
-    if node is not None:
-        # At --fake-speed N one poll interval spans N times as much scenario time: that is the
-        # run's normal rhythm, not a gap to leave uncharged.
-        rhythm = settings.poll_interval * args.fake_speed
-        costing = replace(costing, max_interval_s=max(costing.max_interval_s, 3 * rhythm))
-    pipeline = Pipeline(
-        sampler,
-        settings.poll_interval,
-        attributor=attributor,
-        kubelet_interval_s=settings.attribution.kubelet_interval,
-        costing=costing,
-        rules=rule_specs(settings),
+    agent = build_agent(
+        settings,
+        fake=args.fake,
+        fake_speed=args.fake_speed if args.fake is not None else 0.0,
+        ledger_path=args.ledger or (None if args.fake is not None else settings.ledger.path),
+        clock=time.time,
     )
-    per_pid = settings.attribution.per_pid_series
-    dcgm_compat = settings.exporters.dcgm_compat
-    registry = make_registry(lambda: pipeline.state, per_pid, dcgm_compat=dcgm_compat)
+    node = agent.node
     try:
-        server = MetricsServer(host, port, registry, pipeline.healthy, web=web, state=lambda: pipeline.state)
-    except OSError as exc:
-        raise BadInputError(f"gpuledger: listen {host}:{port}: {exc.strerror or exc}") from None
-    textfile = (
-        TextfileWriter(
-            textfile_path,
-            lambda: pipeline.state,
-            lambda state: generate_latest(make_registry(lambda: state, per_pid, dcgm_compat=dcgm_compat)),
+        server = MetricsServer(
+            host, port, agent.registry(), agent.pipeline.healthy, web=web, state=lambda: agent.pipeline.state
         )
-        if textfile_path
-        else None
-    )
+    except OSError as exc:
+        agent.close()
+        raise BadInputError(f"gpuledger: listen {host}:{port}: {exc.strerror or exc}") from None
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -207,9 +177,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     server.start()
-    pipeline.start()
-    if textfile is not None:
-        textfile.start(settings.poll_interval)
+    agent.start()
     where = f"fake node {node.scenario.name!r} at {args.fake_speed:g}x" if node is not None else "NVML"
     log.info(
         "gpuledger %s serving %s://%s:%d/metrics, polling %s every %s",
@@ -221,50 +189,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
         format_duration(settings.poll_interval),
     )
     stop.wait()
-    pipeline.stop()
-    if textfile is not None:
-        textfile.stop()  # the last poll reaches the file too
-    if costing.sink is not None:
-        costing.sink.close()  # the last charges reach the ledger before we exit
+    agent.close()  # the last poll reaches the textfile, the last charges the ledger
     server.stop()
-    sampler.close()
-    if node is not None:
-        import fake_nvml
-
-        fake_nvml.uninstall()
     return EXIT_OK
 
 
 def _cmd_snapshot(args: argparse.Namespace) -> int:
     settings = load_config(args.config)
     at = duration_arg(args.at, "--at")
-    backend, node = make_backend(args.fake, 0.0, settings.backend)
-    sampler = Sampler(backend, hostname=node_name(settings, node))
-    sampler.start()
-    clock = node.clock.wall_time if node is not None else time.time
-    pipeline = Pipeline(
-        sampler,
-        poll_interval_s=5.0,
-        attributor=make_attributor(settings, node),
-        costing=make_costing(settings, node, None, clock),
-        rules=rule_specs(settings),
-    )
-    pipeline.refresh_allocations()
-    if node is not None:
-        # A fake node can show what a daemon running since t=0 would show at --at: flags need
-        # their durations, costs their history. Poll each minute up to 5 s before --at, then at
-        # --at (per-process utilization is the mean over the samples between two polls).
-        while node.clock.now() + 60 <= at - 5:
+    agent = build_agent(settings, fake=args.fake, poll_interval_s=5.0)
+    node, pipeline = agent.node, agent.pipeline
+    try:
+        pipeline.refresh_allocations()
+        if node is not None:
+            # A fake node can show what a daemon running since t=0 would show at --at: flags need
+            # their durations, costs their history. Poll each minute up to 5 s before --at, then at
+            # --at (per-process utilization is the mean over the samples between two polls).
+            while node.clock.now() + 60 <= at - 5:
+                pipeline.poll_once()
+                node.clock.advance(60)
             pipeline.poll_once()
-            node.clock.advance(60)
-        pipeline.poll_once()
-        node.clock.advance(max(0.0, at - node.clock.now()) if at >= 5 else 5.0)
-    state = pipeline.poll_once()
-    sampler.close()
-    if node is not None:
-        import fake_nvml
-
-        fake_nvml.uninstall()
+            node.clock.advance(max(0.0, at - node.clock.now()) if at >= 5 else 5.0)
+        state = pipeline.poll_once()
+    finally:
+        agent.close()
     if state.snapshot is None:
         raise GpuledgerError("the poll read nothing")
     if args.json:

@@ -1,12 +1,21 @@
-"""The one place the agent is assembled from settings: backend, sampler, attribution, costing,
-rules. Every command, test and benchmark builds the agent through here."""
+"""The one place the agent is assembled from settings: the device backend and sampler,
+attribution, prices and the ledger, the flag rules, the pipeline, and the outputs that render
+its state (the Prometheus registry, the textfile). `run`, `snapshot`, `simulate`, the tests'
+rig and the benchmarks all build it with `build_agent`, so every one of them honours the same
+options the same way.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import generate_latest
+from prometheus_client.registry import CollectorRegistry
 
 from agent.accounting.instance import detect_instance_type
 from agent.accounting.pricing import load_catalogue, resolve_price
@@ -16,11 +25,140 @@ from agent.attribution.sources.procfs import Passwd, ProcFS
 from agent.config import Settings
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
-from agent.model import Price, Snapshot
-from agent.pipeline import Costing
+from agent.devices.sampler import Sampler
+from agent.errors import BadInputError
+from agent.model import AgentState, Price, Snapshot
+from agent.pipeline import Costing, Pipeline
+from exporters.prometheus import make_registry
+from exporters.textfile import TextfileWriter
 from rules.engine import RuleSpec
 
+if TYPE_CHECKING:
+    import fake_nvml
+
 log = logging.getLogger("gpuledger")
+
+
+@dataclass(eq=False)
+class Agent:
+    """The assembled agent. `start` runs it on real time (the daemon); `simulate` and the tests
+    drive `pipeline` themselves. `close` shuts everything down, in order, and may be called
+    more than once."""
+
+    settings: Settings
+    node: fake_nvml.InstalledNode | None  # the fake node it reads, when it reads one
+    backend: DeviceBackend
+    sampler: Sampler
+    attributor: Attributor
+    costing: Costing | None
+    pipeline: Pipeline
+    textfile: TextfileWriter | None
+    _closed: bool = False
+
+    def registry(self, state: Callable[[], AgentState] | None = None) -> CollectorRegistry:
+        """A registry rendering `state` (by default the pipeline's latest), with the per-pid
+        series and dcgm-exporter compatibility the settings ask for."""
+        pipeline = self.pipeline
+        return make_registry(
+            state if state is not None else lambda: pipeline.state,
+            self.settings.attribution.per_pid_series,
+            dcgm_compat=self.settings.exporters.dcgm_compat,
+        )
+
+    def exposition(self, state: AgentState | None = None) -> bytes:
+        """The /metrics text of `state` (by default the pipeline's latest)."""
+        return generate_latest(self.registry((lambda: state) if state is not None else None))
+
+    def start(self) -> None:
+        """Poll, refresh allocations, flush the ledger and write the textfile in the background."""
+        self.pipeline.start()
+        if self.textfile is not None:
+            self.textfile.start(self.pipeline.poll_interval_s)
+
+    def close(self) -> None:
+        """Stop the schedules, write the last state to the textfile, flush and close the ledger,
+        then let go of the kubelet, NVML and the fake node."""
+        if self._closed:
+            return
+        self._closed = True
+        self.pipeline.stop()
+        if self.textfile is not None:
+            self.textfile.stop()  # the last poll reaches the file too
+        if self.costing is not None and self.costing.sink is not None:
+            self.costing.sink.close()  # the last charges reach the ledger before we exit
+        if self.attributor.kubelet is not None:
+            self.attributor.kubelet.close()
+        self.sampler.close()
+        if self.node is not None:
+            import fake_nvml
+
+            fake_nvml.uninstall()
+
+
+def build_agent(
+    settings: Settings,
+    *,
+    fake: str | Path | Mapping[str, Any] | fake_nvml.Scenario | None = None,
+    fake_speed: float = 0.0,
+    ledger_path: str | Path | None = None,
+    clock: Callable[[], float] | None = None,
+    poll_interval_s: float | None = None,
+    monotonic: Callable[[], float] = time.monotonic,
+    costing: Costing | bool = True,
+    rules: Sequence[RuleSpec] | None = None,
+) -> Agent:
+    """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
+
+    fake           read a fake node instead of NVML: a built-in scenario name, a YAML path, a
+                   mapping or a Scenario; it is installed here and uninstalled by `close`
+    fake_speed     scenario seconds per real second (0: the clock moves only when advanced)
+    ledger_path    write charges to this ledger (none when None)
+    clock          the ledger's wall clock; by default the backend's (the fake node's, on one)
+    poll_interval_s  default `settings.poll_interval`
+    monotonic      times the stages (tests pin it, so durations are stable)
+    costing        True: prices from the settings; False: no accounting; a `Costing`: that one
+                   (tests and benchmarks with prices of their own)
+    rules          the flag rules; by default those the settings enable
+    """
+    textfile_path = settings.exporters.textfile_path
+    if textfile_path and not Path(textfile_path).parent.is_dir():
+        raise BadInputError(f"gpuledger: exporters.textfile_path: no such directory {Path(textfile_path).parent}")
+    interval_s = settings.poll_interval if poll_interval_s is None else poll_interval_s
+    backend, node = _backend(fake, fake_speed, settings.backend)
+    try:
+        sampler = Sampler(backend, hostname=node_name(settings, node))
+        sampler.start()
+        attributor = _attributor(settings, node)
+        priced: Costing | None = None
+        if isinstance(costing, Costing):
+            priced = costing
+        elif costing:
+            priced = _costing(settings, node, ledger_path, clock or backend.clock)
+            if node is not None:
+                # On a fake node one poll interval spans `fake_speed` times as much scenario time
+                # (or, in `simulate`, one step): that is the run's normal rhythm, not a gap to
+                # leave uncharged.
+                rhythm_s = interval_s * fake_speed if fake_speed else interval_s
+                priced = replace(priced, max_interval_s=max(priced.max_interval_s, 3 * rhythm_s))
+        pipeline = Pipeline(
+            sampler,
+            interval_s,
+            monotonic=monotonic,
+            attributor=attributor,
+            kubelet_interval_s=settings.attribution.kubelet_interval,
+            costing=priced,
+            rules=rule_specs(settings) if rules is None else rules,
+        )
+    except BaseException:
+        if node is not None:
+            import fake_nvml
+
+            fake_nvml.uninstall()
+        raise
+    agent = Agent(settings, node, backend, sampler, attributor, priced, pipeline, None)
+    if textfile_path:
+        agent.textfile = TextfileWriter(textfile_path, lambda: pipeline.state, agent.exposition)
+    return agent
 
 
 def rule_specs(settings: Settings) -> list[RuleSpec]:
@@ -49,7 +187,27 @@ def rule_specs(settings: Settings) -> list[RuleSpec]:
     ]
 
 
-def make_attributor(settings: Settings, node: Any) -> Attributor:
+def node_name(settings: Settings, node: fake_nvml.InstalledNode | None) -> str | None:
+    """node_name from the config, else the fake node's hostname, else (None) the host's."""
+    if settings.node_name:
+        return settings.node_name
+    return str(node.scenario.node.hostname) if node is not None else None
+
+
+def _backend(
+    fake: str | Path | Mapping[str, Any] | fake_nvml.Scenario | None, speed: float, name: str
+) -> tuple[DeviceBackend, fake_nvml.InstalledNode | None]:
+    """The device backend `name`, and the fake node when running on one (a fake node stands
+    in for NVML's library, so it is always read through the nvml backend)."""
+    if fake is None:
+        return create_backend(name, time.time), None
+    import fake_nvml
+
+    node = fake_nvml.install(fake, speed=speed)
+    return create_backend("nvml", node.clock.wall_time), node
+
+
+def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Attributor:
     """Attribution reading the host's files, or the fake node's when running on one."""
     a = settings.attribution
     rules = compile_rules([(rule.match, rule.set) for rule in a.rules])
@@ -57,7 +215,8 @@ def make_attributor(settings: Settings, node: Any) -> Attributor:
     if node is not None:
         host = node.host
         proc_root, passwd, slurm_dir, pod_logs, socket_path = (
-            host.proc_root, host.passwd_file, host.slurm_map_dir, host.pod_logs_dir, str(host.podresources_socket)
+            str(host.proc_root), str(host.passwd_file), str(host.slurm_map_dir), str(host.pod_logs_dir),
+            str(host.podresources_socket),
         )  # fmt: skip
     else:
         proc_root, passwd, slurm_dir, pod_logs, socket_path = (
@@ -74,7 +233,12 @@ def make_attributor(settings: Settings, node: Any) -> Attributor:
     )
 
 
-def make_costing(settings: Settings, node: Any, ledger_path: str | None, clock: Callable[[], float]) -> Costing:
+def _costing(
+    settings: Settings,
+    node: fake_nvml.InstalledNode | None,
+    ledger_path: str | Path | None,
+    clock: Callable[[], float],
+) -> Costing:
     """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger."""
     from agent.ledger.sink import LedgerSink
 
@@ -110,21 +274,3 @@ def make_costing(settings: Settings, node: Any, ledger_path: str | None, clock: 
         sink=sink,
         flush_interval_s=settings.ledger.flush_interval,
     )
-
-
-def node_name(settings: Settings, node: Any) -> str | None:
-    """node_name from the config, else the fake node's hostname, else (None) the host's."""
-    if settings.node_name:
-        return settings.node_name
-    return str(node.scenario.node.hostname) if node is not None else None
-
-
-def make_backend(fake: str | None, speed: float, backend: str = "nvml") -> tuple[DeviceBackend, Any]:
-    """The device backend named `backend`, and the fake node when running on one (a fake node
-    stands in for NVML's library, so it is always read through the nvml backend)."""
-    if fake is None:
-        return create_backend(backend, time.time), None
-    import fake_nvml
-
-    node = fake_nvml.install(fake, speed=speed)
-    return create_backend("nvml", node.clock.wall_time), node
