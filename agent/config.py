@@ -6,6 +6,7 @@ problem is reported with the key it concerns (and the variable, when one set it)
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from agent.accounting.pricing import Catalogue, parse_catalogue
 from agent.attribution.resolve import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
@@ -269,3 +271,20 @@ def load_config(path: str | Path | None = None) -> Settings:
     if problems or settings is None:
         raise ConfigError("; ".join(problems))
     return settings
+
+
+# The price catalogue shipped with the package (see agent/accounting/pricing.py for its format).
+SHIPPED_CATALOGUE = Path(__file__).parent / "accounting" / "prices.yaml"
+
+
+def load_catalogue(path: str | Path | None = None) -> Catalogue:
+    """The price catalogue at `path`, or the shipped one (read once). A bad file raises
+    ValueError, one line naming the file and the entry."""
+    if path is None:
+        return _shipped_catalogue()
+    return parse_catalogue(read_yaml(Path(path), "price catalogue"), str(path))
+
+
+@functools.cache
+def _shipped_catalogue() -> Catalogue:
+    return parse_catalogue(read_yaml(SHIPPED_CATALOGUE, "price catalogue"), str(SHIPPED_CATALOGUE))

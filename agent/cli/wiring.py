@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from agent.accounting.instance import detect_instance_type
-from agent.accounting.pricing import load_catalogue, resolve_price
+from agent.accounting.pricing import resolve_price
 from agent.attribution.gather import Attributor, KubeletWatcher
 from agent.attribution.resolve import compile_rules, rule_env_keys
 from agent.attribution.sources.procfs import Passwd, ProcFS
-from agent.config import Settings
+from agent.config import Settings, load_catalogue
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
+from agent.devices.instance import detect_instance_type
 from agent.devices.sampler import Sampler
 from agent.errors import BadInputError
 from agent.model import AgentState, Price, Snapshot
