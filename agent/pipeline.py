@@ -30,7 +30,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
@@ -54,6 +54,7 @@ from agent.model import (
     StageHealth,
     Workload,
 )
+from agent.scrub import scrub_label
 from agent.units import format_duration
 from rules.engine import GpuObservation, RuleSpec, RuleState, Transition, evaluate
 
@@ -61,6 +62,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEALTHY_WITHIN_POLLS = 3
+# Distinct workloads whose scrubbed labels are remembered (a few hundred on a busy node).
+CLEAN_WORKLOADS_KEPT = 4096
 STAGES = ("sample", "attribute", "account", "rules", "publish")
 
 
@@ -157,6 +160,7 @@ class Pipeline:
         # Each stage's last good result, which a failing stage leaves in place.
         self._previous: Snapshot | None = None
         self._attribution = Attribution()
+        self._clean_workloads: dict[Workload, Workload] = {}
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
         self._rule_states: Mapping[tuple[str, str], RuleState] = {}
@@ -244,7 +248,28 @@ class Pipeline:
     def _attribute(self, snapshot: Snapshot) -> Attribution:
         if self.attributor is None:
             return Attribution()
-        return self.attributor.attribute(snapshot)
+        return self._scrubbed(self.attributor.attribute(snapshot))
+
+    def _scrubbed(self, attribution: Attribution) -> Attribution:
+        """`attribution` with every workload label scrubbed of credentials and control
+        characters. Here, once, because every output (metrics, textfile, ledger, flags and their
+        log lines, snapshot) is built from this stage's result: a model given as
+        https://user:pass@host/m?token=... leaves the agent as https://host/m."""
+        clean = self._clean_workloads
+        if len(clean) > CLEAN_WORKLOADS_KEPT:
+            clean.clear()  # workloads come and go; the ones still running are redone next poll
+        holdings = []
+        changed = False
+        for holding in attribution.holdings:
+            workload = holding.workload
+            scrubbed = clean.get(workload)
+            if scrubbed is None:
+                values = {name: scrub_label(value) for name, value in workload.label_dict().items()}
+                scrubbed = workload if values == workload.label_dict() else Workload.from_labels(values)
+                clean[workload] = scrubbed
+            changed = changed or scrubbed is not workload
+            holdings.append(holding if scrubbed is workload else replace(holding, workload=scrubbed))
+        return replace(attribution, holdings=tuple(holdings)) if changed else attribution
 
     def _account(self, sampled: Sampled, attribution: Attribution) -> Charges | None:
         costing = self.costing
