@@ -265,6 +265,27 @@ def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
         return None, [f"environment: {name}: not a JSON object (or set its keys as {name}__KEY)"]
 
 
+def host_problems(settings: Settings, source: str = "config") -> list[str]:
+    """What `run` would refuse on this host although the settings are well-formed: an output
+    directory that does not exist, a ledger path that cannot be a file. `check-config` and `run`
+    both ask (and both load the web config file), so a config that passes the one starts the
+    other."""
+    problems = []
+    textfile = settings.exporters.textfile_path
+    if textfile and not Path(textfile).parent.is_dir():
+        problems.append(f"{source}: exporters.textfile_path: no such directory {Path(textfile).parent}")
+    ledger = Path(settings.ledger.path)
+    if ledger.is_dir():
+        problems.append(f"{source}: ledger.path: {ledger} is a directory, not a file")
+    else:
+        # run creates the ledger's directory when missing, as systemd's StateDirectory would;
+        # what it cannot do is create it under something that is not a directory.
+        parent = next((p for p in ledger.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            problems.append(f"{source}: ledger.path: {parent} is not a directory")
+    return problems
+
+
 def load_config(path: str | Path | None = None) -> Settings:
     """Settings from `path` (optional) and the environment. Raises ConfigError naming each problem."""
     settings, problems = check_config(path)

@@ -23,9 +23,9 @@ from agent.cli.logs import setup_logging
 from agent.cli.render import render_table, snapshot_json
 from agent.cli.simulate import cmd_simulate
 from agent.cli.wiring import build_agent
-from agent.config import check_config, load_config
+from agent.config import check_config, host_problems, load_config
 from agent.devices.backend import DriverLibraryMissing
-from agent.errors import BadInputError, GpuledgerError
+from agent.errors import BadInputError, ConfigError, GpuledgerError
 from agent.ledger.report import DEFAULT_BY, GROUP_KEYS, parse_by, parse_time, render, report_from_ledger
 from agent.units import format_duration
 
@@ -240,7 +240,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    _settings_obj, problems = check_config(args.file)
+    settings, problems = check_config(args.file)
+    if settings is not None:
+        # The checks run makes on this host too: a config check-config passes, run starts with.
+        problems = host_problems(settings, args.file)
+        if not problems and settings.web_config_file:
+            from exporters.webconfig import load_web_config
+
+            try:
+                load_web_config(settings.web_config_file)
+            except ConfigError as exc:
+                problems = [str(exc)]
     if problems:
         for line in problems:
             print(line, file=sys.stderr)

@@ -21,7 +21,7 @@ from agent.accounting.pricing import resolve_price
 from agent.attribution.gather import Attributor, KubeletWatcher
 from agent.attribution.resolve import compile_rules, rule_env_keys
 from agent.attribution.sources.procfs import Passwd, ProcFS
-from agent.config import Settings, load_catalogue
+from agent.config import Settings, host_problems, load_catalogue
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
 from agent.devices.instance import detect_instance_type
@@ -120,9 +120,10 @@ def build_agent(
                    (tests and benchmarks with prices of their own)
     rules          the flag rules; by default those the settings enable
     """
+    problems = host_problems(settings, "gpuledger")
+    if problems:
+        raise BadInputError(problems[0])
     textfile_path = settings.exporters.textfile_path
-    if textfile_path and not Path(textfile_path).parent.is_dir():
-        raise BadInputError(f"gpuledger: exporters.textfile_path: no such directory {Path(textfile_path).parent}")
     interval_s = settings.poll_interval if poll_interval_s is None else poll_interval_s
     backend, node = _backend(fake, fake_speed, settings.backend)
     try:
