@@ -431,7 +431,11 @@ class Pipeline:
 
 
 def run_on_scenario_time(
-    jobs: Iterable[PeriodicJob], advance: Callable[[float], object], duration_s: float, step_s: float
+    jobs: Iterable[PeriodicJob],
+    advance: Callable[[float], object],
+    duration_s: float,
+    step_s: float,
+    on_step: Callable[[], object] | None = None,
 ) -> int:
     """Run `jobs` as the daemon's scheduler would over `duration_s` of a clock that `advance`
     moves, stepping it `step_s` at a time and never sleeping. Returns the steps taken.
@@ -439,6 +443,7 @@ def run_on_scenario_time(
     Jobs due at the start run first; then after each step every job whose time has come runs
     once, in the order given, however many of its runs fell within the step (APScheduler's
     coalescing). Each job keeps the daemon's rhythm: due every `interval_s` from the start.
+    `on_step` is called after each step's jobs (progress).
     """
     schedule = [(job, 0.0 if job.at_start else job.interval_s) for job in jobs]
     elapsed = 0.0
@@ -458,6 +463,8 @@ def run_on_scenario_time(
         elapsed += step_s
         steps += 1
         run_due()
+        if on_step is not None:
+            on_step()
     return steps
 
 

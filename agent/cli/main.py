@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from tqdm import tqdm
+
 from agent import __version__
 from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen, positive_finite
 from agent.cli.logs import setup_logging
@@ -30,6 +32,10 @@ from agent.ledger.report import DEFAULT_BY, GROUP_KEYS, parse_by, parse_time, re
 from agent.units import format_duration
 
 log = logging.getLogger("gpuledger")
+
+# snapshot --at polls each scenario minute up to that moment: a year is half a million polls
+# (minutes of work); beyond that the question is not one a snapshot answers.
+MAX_SNAPSHOT_AT_S = 366 * 86400.0
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -82,7 +88,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--step", default="15s", metavar="DURATION", help="poll every this much scenario time (default 15s)"
     )
     sim.add_argument("--config", help="YAML config file")
-    sim.add_argument("--metrics-out", metavar="FILE", help="write the final /metrics text here (default: stdout)")
+    sim.add_argument(
+        "--metrics-out",
+        metavar="FILE",
+        help="write the final /metrics text to FILE (- for stdout; default: a summary only)",
+    )
     sim.add_argument("--ledger", metavar="FILE", help="write the charges to this ledger file")
 
     rep = sub.add_parser("report", help="cost and usage from the ledger")
@@ -197,6 +207,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_snapshot(args: argparse.Namespace) -> int:
     settings = load_config(args.config)
     at = duration_arg(args.at, "--at")
+    if args.fake is None and args.at != "0s":
+        raise BadInputError("gpuledger: --at: only meaningful with --fake")
+    if at > MAX_SNAPSHOT_AT_S:
+        raise BadInputError(f"gpuledger: --at: at most {format_duration(MAX_SNAPSHOT_AT_S)}, got {args.at}")
     agent = build_agent(settings, fake=args.fake, poll_interval_s=5.0)
     node, pipeline = agent.node, agent.pipeline
     try:
@@ -205,9 +219,12 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
             # A fake node can show what a daemon running since t=0 would show at --at: flags need
             # their durations, costs their history. Poll each minute up to 5 s before --at, then at
             # --at (per-process utilization is the mean over the samples between two polls).
-            while node.clock.now() + 60 <= at - 5:
-                pipeline.poll_once()
-                node.clock.advance(60)
+            minutes = max(0, int((at - 5) // 60))
+            with tqdm(total=minutes, unit="poll", desc="catching up to --at", disable=None, leave=False) as bar:
+                while node.clock.now() + 60 <= at - 5:
+                    pipeline.poll_once()
+                    node.clock.advance(60)
+                    bar.update()
             pipeline.poll_once()
             node.clock.advance(max(0.0, at - node.clock.now()) if at >= 5 else 5.0)
         state = pipeline.poll_once()
