@@ -50,6 +50,16 @@ class LedgerConfig(_Section):
     retention: Duration = Field(default=400 * 86400.0, gt=0)
 
 
+class WatchdogConfig(_Section):
+    # A poll waits this long for a driver call before reading that GPU as down (TIMEOUT) and
+    # polling the others without it; /healthz fails while any call is stuck.
+    call_timeout: Duration = Field(default=15.0, gt=0)
+    # A call stuck this long ends the process (exit 1, ledger flushed) so that systemd
+    # (Restart=on-failure, WatchdogSec=) or the kubelet (liveness probe) starts a fresh one:
+    # a thread blocked in the driver cannot be freed from inside.
+    exit_after: Duration = Field(default=120.0, gt=0)
+
+
 class AccountingConfig(_Section):
     # An interval between two polls longer than this is charged to nobody (agent stopped,
     # node suspended): it is counted as unobserved time instead.
@@ -193,6 +203,7 @@ class Settings(BaseSettings):
     proc_root: str = "/proc"
     pricing: PricingConfig = PricingConfig()
     ledger: LedgerConfig = LedgerConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
     accounting: AccountingConfig = AccountingConfig()
     attribution: AttributionConfig = AttributionConfig()
     rules: RulesConfig = RulesConfig()

@@ -40,7 +40,9 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from agent.accounting.cost import account, accumulate
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
+from agent.devices.deadline import CallTimeout, Worker
 from agent.devices.sampler import Sampler
+from agent.errors import GpuledgerError
 from agent.model import (
     AgentHealth,
     AgentState,
@@ -64,7 +66,23 @@ T = TypeVar("T")
 HEALTHY_WITHIN_POLLS = 3
 # Distinct workloads whose scrubbed labels are remembered (a few hundred on a busy node).
 CLEAN_WORKLOADS_KEPT = 4096
+# A poll waits on the driver for this many intervals at most; a stuck call past EXIT_AFTER
+# (at least a minute, or 12 intervals) makes the daemon exit so systemd or the kubelet restarts it.
+CALL_TIMEOUT_POLLS = 3
+EXIT_AFTER_MIN_S = 60.0
+STOP_WAIT_S = 2.0  # how long stop() waits for a poll in progress
+TIMEOUT = "TIMEOUT"  # the down reason of a GPU whose call is stuck (NVML's own name for it)
 STAGES = ("sample", "attribute", "account", "rules", "publish")
+
+
+class DriverHung(GpuledgerError):
+    """A driver call has been stuck past the hard deadline: the agent cannot recover in-process."""
+
+    def __init__(self, keys: Sequence[str], stuck_s: float) -> None:
+        where = ", ".join(f"GPU {k}" if k else "the driver" for k in keys)
+        super().__init__(f"a GPU driver call has not returned for {stuck_s:.0f}s ({where})")
+        self.keys = tuple(keys)
+        self.stuck_s = stuck_s
 
 
 class ChargeSink(Protocol):
@@ -149,8 +167,19 @@ class Pipeline:
         kubelet_interval_s: float = 10.0,
         costing: Costing | None = None,
         rules: Sequence[RuleSpec] = (),
+        call_timeout_s: float | None = None,
+        exit_after_s: float | None = None,
     ) -> None:
         self.sampler = sampler
+        # How long a poll may wait on the driver (default CALL_TIMEOUT_POLLS intervals), and how
+        # long a call may stay stuck before the agent gives up and exits to be restarted.
+        self.call_timeout_s = call_timeout_s if call_timeout_s is not None else CALL_TIMEOUT_POLLS * poll_interval_s
+        self.exit_after_s = exit_after_s if exit_after_s is not None else max(EXIT_AFTER_MIN_S, 12 * poll_interval_s)
+        # Called (from the poll thread) when a call has been stuck past exit_after_s; the daemon
+        # flushes the ledger and exits. Without it, the poll raises DriverHung.
+        self.on_hung: Callable[[DriverHung], None] | None = None
+        self._worker = Worker("gpuledger-poll")
+        self._stuck: dict[str, float] = {}  # GPU key ("" for the driver) -> when its call got stuck
         self.attributor = attributor
         self.costing = costing
         self.rules = tuple(rules)
@@ -173,15 +202,39 @@ class Pipeline:
         self._polls = 0
         self._scheduler: BackgroundScheduler | None = None
         self._overrun_lock = threading.Lock()
+        self._polling = threading.Lock()  # held by a scheduled poll while it runs
 
     @property
     def state(self) -> AgentState:
         return self._state
 
     def healthy(self) -> bool:
-        """True while a poll has succeeded within the last HEALTHY_WITHIN_POLLS intervals."""
+        """True while a poll has succeeded within the last HEALTHY_WITHIN_POLLS intervals and no
+        driver call is stuck."""
         last = self._last_success_monotonic
-        return last is not None and self._monotonic() - last <= HEALTHY_WITHIN_POLLS * self.poll_interval_s
+        recent = last is not None and self._monotonic() - last <= HEALTHY_WITHIN_POLLS * self.poll_interval_s
+        return recent and not self._stuck
+
+    def open_devices(self) -> None:
+        """Start the sampler (load the library, discover the GPUs) within the call budget. A
+        driver that hangs at start-up is then a stuck call like any other: the agent serves
+        /metrics (unhealthy), logs it, and polls again once the call returns. Raises
+        DriverLibraryMissing when there is no library at all."""
+        try:
+            self._worker.call(self.sampler.start, self.call_timeout_s)
+        except CallTimeout:
+            self.sampler.abandon()
+            self._stuck[""] = self._monotonic()
+            log.error(
+                "the GPU driver did not answer within %.1fs at start-up; serving /metrics as unhealthy until it does",
+                self.call_timeout_s,
+            )
+
+    @property
+    def stuck(self) -> Mapping[str, float]:
+        """GPUs (uuid; "" for the driver itself) whose call has not returned, and since when
+        (monotonic seconds)."""
+        return dict(self._stuck)
 
     # -- the poll -----------------------------------------------------------------------------
 
@@ -226,8 +279,11 @@ class Pipeline:
         stage.started = started = self._monotonic()
         try:
             result = work()
-        except DriverLibraryMissing:
-            raise  # no NVML at all: not a failed poll, the daemon cannot run (the CLI says so)
+        except (DriverLibraryMissing, DriverHung):
+            raise  # no NVML at all, or stuck for good: the daemon cannot go on (the CLI says so)
+        except CallTimeout:
+            stage.failures += 1  # logged where it was caught, once
+            result = fallback
         except Exception:
             # A bug in one stage must not stop the daemon: count it, keep the last good result.
             log.exception("the %s stage failed", name)
@@ -239,7 +295,32 @@ class Pipeline:
         return result
 
     def _sample(self) -> Sampled:
-        snapshot = self.sampler.poll()
+        stuck = self._stuck
+        if stuck and self._worker.parked < len(stuck):
+            # A stuck call returned at last (its thread ended): read that GPU again.
+            log.warning("the stuck driver call returned; polling every GPU again")
+            stuck.clear()
+        if stuck:
+            worst = self._monotonic() - min(stuck.values())
+            if worst > self.exit_after_s:
+                raise DriverHung(sorted(stuck), worst)
+        if "" in stuck:
+            snapshot = self.sampler.down_snapshot(TIMEOUT)
+        else:
+            skip = dict.fromkeys(stuck, TIMEOUT)
+            try:
+                snapshot = self._worker.call(lambda: self.sampler.poll(skip), self.call_timeout_s)
+            except CallTimeout:
+                key = self.sampler.reading or ""
+                self.sampler.abandon()
+                stuck[key] = self._monotonic()
+                log.error(
+                    "%s: a driver call has not returned in %.1fs; reading it as down (%s) and polling %s",
+                    f"GPU {key}" if key else "the GPU driver", self.call_timeout_s, TIMEOUT,
+                    "the other GPUs without it" if key else "nothing until it returns",
+                    extra={"uuid": key},
+                )  # fmt: skip
+                raise
         # The interval is fixed here, before anything else sees this snapshot.
         sampled = Sampled(snapshot, self._previous)
         self._previous = snapshot
@@ -412,9 +493,14 @@ class Pipeline:
 
     def _scheduled_poll(self) -> None:
         try:
-            self.poll_once()
+            with self._polling:
+                self.poll_once()
         except DriverLibraryMissing as exc:
             log.error("%s", exc)
+        except DriverHung as exc:
+            if self.on_hung is None:
+                raise
+            self.on_hung(exc)
 
     def _on_missed(self, event: JobExecutionEvent) -> None:
         if event.job_id != "poll":
@@ -424,10 +510,17 @@ class Pipeline:
             self._overran += 1
         log.warning("a poll was skipped: the previous one is still running")
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = STOP_WAIT_S) -> bool:
+        """Stop the schedule and wait up to `wait_s` for a poll still running. False when it is
+        still running (stuck in the driver): the caller must not shut the driver down under it."""
         if self._scheduler is not None:
-            self._scheduler.shutdown(wait=True)
+            self._scheduler.shutdown(wait=False)
             self._scheduler = None
+        finished = self._polling.acquire(timeout=wait_s)
+        if finished:
+            self._polling.release()
+            self._worker.close()
+        return finished and not self._stuck
 
 
 def run_on_scenario_time(

@@ -46,6 +46,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("gpuledger_gpu_up", Kind.GAUGE, "1 while the GPU is readable, 0 when lost or failing.", DEVICE),
     MetricSpec(
+        "gpuledger_gpu_down_reason",
+        Kind.GAUGE,
+        "1 for a GPU that is down, with why: the NVML error (GPU_IS_LOST, ...) or TIMEOUT for a call that never returned.",
+        (*DEVICE, "reason"),
+    ),
+    MetricSpec(
         "gpuledger_gpu_utilization_ratio",
         Kind.GAUGE,
         "Fraction of the last sample period in which a kernel ran on the GPU (NVML GPU utilization).",

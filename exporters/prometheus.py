@@ -92,6 +92,7 @@ def _gpu_series(out: _Families, d: DeviceReading, driver_version: str, processes
     out.add("gpuledger_gpu_info", (*ids, d.name, d.pci_bus_id, driver_version), 1.0)
     out.add("gpuledger_gpu_up", ids, 1.0 if d.up else 0.0)
     if not d.up:
+        out.add("gpuledger_gpu_down_reason", (*ids, d.down_reason or "unknown"), 1.0)
         return
     optional = (
         ("gpuledger_gpu_utilization_ratio", d.utilization),

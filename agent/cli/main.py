@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -24,6 +25,7 @@ from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, 
 from agent.cli.logs import setup_logging
 from agent.cli.render import render_table, snapshot_json
 from agent.cli.simulate import cmd_simulate
+from agent.cli.systemd import notify, watchdog_interval_s
 from agent.cli.wiring import build_agent
 from agent.config import check_config, host_problems, load_config
 from agent.devices.backend import DriverLibraryMissing
@@ -179,10 +181,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         agent.close()
         raise BadInputError(f"gpuledger: listen {host}:{port}: {exc.strerror or exc}") from None
     stop = threading.Event()
+    exit_code = EXIT_OK
 
     def _on_signal(signum: int, _frame: object) -> None:
         log.info("received signal %d, shutting down", signum)
         stop.set()
+
+    def _on_hung(exc: GpuledgerError) -> None:
+        nonlocal exit_code
+        log.error(
+            "%s, past watchdog.exit_after (%s): flushing the ledger and exiting so that the service manager "
+            "(systemd Restart=on-failure, or the kubelet) starts a fresh agent",
+            exc,
+            format_duration(settings.watchdog.exit_after),
+        )
+        exit_code = EXIT_FAILURE
+        stop.set()
+
+    agent.pipeline.on_hung = _on_hung
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
@@ -198,10 +214,38 @@ def _cmd_run(args: argparse.Namespace) -> int:
         where,
         format_duration(settings.poll_interval),
     )
+    notify("READY=1")
+    beat = watchdog_interval_s()
+    if beat is not None:
+        threading.Thread(target=_watchdog, args=(stop, beat, agent.pipeline.healthy), daemon=True).start()
     stop.wait()
-    agent.close()  # the last poll reaches the textfile, the last charges the ledger
+    notify("STOPPING=1")
+    # Whatever the driver is doing, the process ends within SHUTDOWN_GRACE_S: a thread stuck in
+    # a driver call cannot be joined, and systemd's stop timeout would end in SIGKILL anyway.
+    deadline = threading.Timer(SHUTDOWN_GRACE_S, _exit_now, args=(EXIT_FAILURE,))
+    deadline.daemon = True
+    deadline.start()
+    agent.close()  # the ledger first: the last charges reach it, then the textfile
     server.stop()
-    return EXIT_OK
+    deadline.cancel()
+    return exit_code
+
+
+# SIGTERM to exit: at most this long, ledger flushed (it goes first).
+SHUTDOWN_GRACE_S = 4.5
+
+
+def _watchdog(stop: threading.Event, every_s: float, healthy: Callable[[], bool]) -> None:
+    """Tell systemd we are alive while /healthz would say so; silence gets us restarted."""
+    while not stop.wait(every_s):
+        if healthy():
+            notify("WATCHDOG=1")
+
+
+def _exit_now(code: int) -> None:
+    log.error("shutdown did not finish within %.1fs (a GPU driver call is stuck); exiting now", SHUTDOWN_GRACE_S)
+    logging.shutdown()
+    os._exit(code)
 
 
 def _cmd_snapshot(args: argparse.Namespace) -> int:

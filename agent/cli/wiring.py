@@ -76,19 +76,21 @@ class Agent:
             self.textfile.start(self.pipeline.poll_interval_s)
 
     def close(self) -> None:
-        """Stop the schedules, write the last state to the textfile, flush and close the ledger,
-        then let go of the kubelet, NVML and the fake node."""
+        """Stop the schedules, flush and close the ledger, write the last state to the textfile,
+        then let go of the kubelet, NVML and the fake node. A driver call still stuck is left
+        alone (shutting the library down under it could hang too)."""
         if self._closed:
             return
         self._closed = True
-        self.pipeline.stop()
+        idle = self.pipeline.stop()
+        if self.costing is not None and self.costing.sink is not None:
+            self.costing.sink.close()  # the last charges reach the ledger before anything slower
         if self.textfile is not None:
             self.textfile.stop()  # the last poll reaches the file too
-        if self.costing is not None and self.costing.sink is not None:
-            self.costing.sink.close()  # the last charges reach the ledger before we exit
         if self.attributor.kubelet is not None:
             self.attributor.kubelet.close()
-        self.sampler.close()
+        if idle:
+            self.sampler.close()
         if self.node is not None:
             import fake_nvml
 
@@ -128,7 +130,6 @@ def build_agent(
     backend, node = _backend(fake, fake_speed, settings.backend)
     try:
         sampler = Sampler(backend, hostname=node_name(settings, node))
-        sampler.start()
         attributor = _attributor(settings, node)
         priced: Costing | None = None
         if isinstance(costing, Costing):
@@ -149,7 +150,10 @@ def build_agent(
             kubelet_interval_s=settings.attribution.kubelet_interval,
             costing=priced,
             rules=rule_specs(settings) if rules is None else rules,
+            call_timeout_s=settings.watchdog.call_timeout,
+            exit_after_s=settings.watchdog.exit_after,
         )
+        pipeline.open_devices()
     except BaseException:
         if node is not None:
             import fake_nvml
