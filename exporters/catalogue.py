@@ -48,7 +48,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuledger_gpu_down_reason",
         Kind.GAUGE,
-        "1 for a GPU that is down, with why: the NVML error (GPU_IS_LOST, ...) or TIMEOUT for a call that never returned.",
+        "1 for a GPU that is down, with why: the NVML error (GPU_IS_LOST, ...), or TIMEOUT for a stuck call.",
         (*DEVICE, "reason"),
     ),
     MetricSpec(
