@@ -115,6 +115,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         optional_labels=("pid",),
     ),
     MetricSpec(
+        "gpuledger_workload_gpu_self_reported",
+        Kind.GAUGE,
+        "1 when only the process's own environment (SLURM_JOB_ID) names the workload: nothing trusted confirmed it.",
+        WORKLOAD,
+        optional_labels=("pid",),
+    ),
+    MetricSpec(
         "gpuledger_gpu_unresolved_processes",
         Kind.GAUGE,
         "Processes on the GPU that procfs could not resolve (exited, other PID namespace, no permission).",

@@ -139,6 +139,8 @@ def _workload_series(out: _Families, state: AgentState, per_pid: bool) -> None:
             out.add("gpuledger_workload_gpu_memory_used_bytes", labels, float(holding.memory_bytes))
         out.add("gpuledger_workload_gpu_processes", labels, float(len(holding.pids)))
         out.add("gpuledger_workload_gpu_allocated", labels, 1.0 if holding.allocated else 0.0)
+        if holding.self_reported:
+            out.add("gpuledger_workload_gpu_self_reported", labels, 1.0)
     unresolved = dict(state.attribution.unresolved)
     for device in snapshot.gpus:
         if device.up:
