@@ -55,6 +55,9 @@ class DeviceReading:
     energy_j: float | None = None
     nvlinks: tuple[NvLinkReading, ...] = ()
     processes: tuple[ProcessReading, ...] = ()
+    # False when the process list could not be read this poll: `processes` is then unknown,
+    # not empty, and the time is not idle (accounting books it as unobserved).
+    processes_known: bool = True
 
     @property
     def model(self) -> str:
@@ -269,6 +272,8 @@ class GpuTotals:
     unobserved_dollars: float = 0.0
     energy_dollars: float | None = None  # None where no energy price is set
     idle_energy_dollars: float | None = None
+    # reason -> (seconds, dollars): the unobserved time and cost, by why
+    unobserved_by_reason: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -337,6 +342,13 @@ class GpuCharge:
     unobserved_dollars: float = 0.0  # what the GPU cost over unobserved time, charged to nobody
     energy_dollars: float | None = None  # joules at the energy price; None where none is set
     idle_energy_dollars: float | None = None
+    unobserved_reason: str = ""  # why, when unobserved_s > 0 (UNOBSERVED_* or the NVML error)
+
+
+# Why time was not observed (besides a GPU's own NVML error, such as GPU_IS_LOST or TIMEOUT).
+UNOBSERVED_NO_POLL = "no_poll"  # polls too far apart: the agent stopped, the node slept
+UNOBSERVED_PROCESSES = "processes_unreadable"  # the process list failed: who held it is unknown
+UNOBSERVED_UNREADABLE = "unreadable"  # the GPU could not be read, no error given
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,15 +189,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuledger_gpu_unobserved_seconds_total",
         Kind.COUNTER,
-        "Time between polls too far apart to charge anyone (agent stopped, node suspended).",
-        DEVICE,
+        "Time charged to nobody because nobody could see it, by reason: no_poll (agent stopped, node "
+        "suspended), the GPU's NVML error (GPU_IS_LOST, TIMEOUT, ...), processes_unreadable.",
+        (*DEVICE, "reason"),
         "seconds",
     ),
     MetricSpec(
         "gpuledger_gpu_unobserved_cost_dollars_total",
         Kind.COUNTER,
-        "What the GPU cost while unobserved (price x unobserved time): charged to no workload.",
-        DEVICE,
+        "What the GPU cost while unobserved (price x unobserved time), by reason: charged to no workload.",
+        (*DEVICE, "reason"),
         "dollars",
     ),
     MetricSpec(

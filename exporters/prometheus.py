@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent import __version__
-from agent.model import AgentState, DeviceReading
+from agent.model import UNOBSERVED_NO_POLL, AgentState, DeviceReading
 from exporters.catalogue import BY_NAME, Kind
 from exporters.dcgm import DcgmCollector
 
@@ -177,8 +177,12 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_gpu_idle_cost_dollars_total", ids, g.idle_dollars)
         out.add("gpuledger_gpu_idle_seconds_total", ids, g.idle_s)
         out.add("gpuledger_gpu_observed_seconds_total", ids, g.observed_s)
-        out.add("gpuledger_gpu_unobserved_seconds_total", ids, g.unobserved_s)
-        out.add("gpuledger_gpu_unobserved_cost_dollars_total", ids, g.unobserved_dollars)
+        # no_poll is there from the start at 0, so that cost + idle + unobserved sums in PromQL
+        # have a series to add; the other reasons appear with their first second.
+        reasons = {UNOBSERVED_NO_POLL: (0.0, 0.0), **g.unobserved_by_reason}
+        for reason, (seconds, dollars) in sorted(reasons.items()):
+            out.add("gpuledger_gpu_unobserved_seconds_total", (*ids, reason), seconds)
+            out.add("gpuledger_gpu_unobserved_cost_dollars_total", (*ids, reason), dollars)
         if g.energy_dollars is not None:
             out.add("gpuledger_gpu_energy_cost_dollars_total", ids, g.energy_dollars)
     if state.snapshot is not None:

@@ -103,13 +103,20 @@ def test_workload_plus_idle_dollars_and_joules_add_up_to_each_gpus_cost(case: An
     per_kwh = 0.15
     charges = account(prev, curr, attribution, prices, max_interval_s=MAX_INTERVAL_S, energy_per_kwh=per_kwh)
     dt = curr.taken_at - prev.taken_at
-    observed = dt if dt <= MAX_INTERVAL_S else 0.0
-    expected_dollars = sum(
-        (p.dollars_per_hour if (p := prices[g.uuid]) else 0.0) * observed / 3600 for g in curr.gpus
-    )  # price x weight x observed time, the weights of one GPU's units summing to 1
+    whole = sum(
+        (p.dollars_per_hour if (p := prices[g.uuid]) else 0.0) * dt / 3600 for g in curr.gpus
+    )  # price x weight x wall time, the weights of one GPU's units summing to 1
+    # Time is a partition: charged + idle + unobserved is all of it, in dollars and seconds.
     charged = sum(w.dollars for w in charges.workloads) + sum(g.idle_dollars for g in charges.gpus)
-    assert charged == pytest.approx(expected_dollars, rel=1e-9, abs=1e-12)
-    assert sum(g.dollars for g in charges.gpus) == pytest.approx(expected_dollars, rel=1e-9, abs=1e-12)
+    unobserved = sum(g.unobserved_dollars for g in charges.gpus)
+    assert charged + unobserved == pytest.approx(whole, rel=1e-9, abs=1e-12)
+    assert sum(g.dollars for g in charges.gpus) == pytest.approx(charged, rel=1e-9, abs=1e-12)
+    if dt > MAX_INTERVAL_S:
+        assert charged == 0.0
+    for g in charges.gpus:
+        reading = next(d for d in curr.gpus if d.uuid == g.uuid)
+        if not reading.up and dt <= MAX_INTERVAL_S:  # a GPU down at the end: nothing observed, none idle
+            assert (g.observed_s, g.idle_s, g.unobserved_reason) == (0.0, 0.0, reading.down_reason or "unreadable")
     joules = sum(w.joules for w in charges.workloads) + sum(g.idle_joules for g in charges.gpus)
     assert joules == pytest.approx(sum(g.joules for g in charges.gpus), rel=1e-9, abs=1e-9)
     assert all(g.joules >= 0 for g in charges.gpus)
@@ -125,7 +132,7 @@ def test_workload_plus_idle_dollars_and_joules_add_up_to_each_gpus_cost(case: An
     assert energy == pytest.approx(sum(g.energy_dollars or 0.0 for g in charges.gpus), rel=1e-9, abs=1e-12)
     for w in charges.workloads:
         assert 0 <= w.busy_s <= w.held_s + 1e-9
-        assert w.held_s <= observed + 1e-9
+        assert w.held_s <= dt + 1e-9
     for g in charges.gpus:
         assert g.observed_s + g.unobserved_s == pytest.approx(dt)
         assert g.idle_s <= g.observed_s + 1e-9

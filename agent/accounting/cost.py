@@ -10,7 +10,11 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
   - Energy comes from the GPU's own energy counter (not integrated power), split like cost.
     With a price per kWh it becomes dollars here, once (`energy_dollars`): /metrics, the ledger
     and `report` all show sums of these figures, so they cannot disagree.
-  - An interval longer than `max_interval_s` is charged to nobody: it is unobserved time.
+  - Time is a partition: each unit-second is charged to workloads, idle (observed, held by
+    nobody) or unobserved (charged to nobody, with the reason): the interval was longer than
+    `max_interval_s` (no poll: the agent stopped, the node slept), the GPU could not be read at
+    either end (its NVML error: GPU_IS_LOST, TIMEOUT, ...), or the unit's process list failed
+    and no allocation names a holder. Charged + idle + unobserved = price x weight x dt.
 The interval is described by the later poll: its per-process utilization is the mean of the
 driver's samples since the earlier poll, and its holders are those seen at its end.
 """
@@ -21,6 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agent.model import (
+    UNOBSERVED_NO_POLL,
+    UNOBSERVED_PROCESSES,
+    UNOBSERVED_UNREADABLE,
     Attribution,
     Charges,
     CostTotals,
@@ -89,6 +96,18 @@ def energy_dollars(joules: float, per_kwh: float | None) -> float | None:
     return None if per_kwh is None else joules_to_kwh(joules) * per_kwh
 
 
+def _unobserved(prev: DeviceReading | None, curr: DeviceReading, dt: float, max_interval_s: float) -> str | None:
+    """Why the whole GPU goes unobserved over the interval, or None when it was observed: polls
+    too far apart, or the GPU unreadable at either end (what it did in between is unknown)."""
+    if dt > max_interval_s:
+        return UNOBSERVED_NO_POLL
+    if not curr.up:
+        return curr.down_reason or UNOBSERVED_UNREADABLE
+    if prev is None or not prev.up:
+        return (prev.down_reason if prev is not None else None) or UNOBSERVED_UNREADABLE
+    return None
+
+
 def _energy_delta(prev: DeviceReading | None, curr: DeviceReading) -> float:
     if prev is None or prev.energy_j is None or curr.energy_j is None:
         return 0.0
@@ -125,7 +144,8 @@ def account(
     for gpu in curr.gpus:
         price = prices.get(gpu.uuid)
         hourly = price.dollars_per_hour if price is not None else 0.0
-        if dt > max_interval_s:
+        reason = _unobserved(previous.get(gpu.uuid), gpu, dt, max_interval_s)
+        if reason is not None:
             gpus.append(
                 GpuCharge(
                     gpu=gpu.index,
@@ -142,16 +162,25 @@ def account(
                     unobserved_dollars=hourly * dt / 3600,
                     energy_dollars=energy_dollars(0.0, energy_per_kwh),
                     idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
+                    unobserved_reason=reason,
                 )
             )
             continue
         gpu_dollars = hourly * dt / 3600
-        gpu_joules = _energy_delta(previous.get(gpu.uuid), gpu) if gpu.up else 0.0
+        gpu_joules = _energy_delta(previous.get(gpu.uuid), gpu)
         idle_s = idle_dollars = idle_joules = 0.0
+        unobserved_s = unobserved_dollars = 0.0
+        unobserved_reason = ""
         for unit in cost_units(curr, gpu):
             unit_dollars = gpu_dollars * unit.weight
             unit_joules = gpu_joules * unit.weight
-            holders = attribution.for_device(unit.uuid) if gpu.up and unit.uuid else ()
+            holders = attribution.for_device(unit.uuid) if unit.uuid else ()
+            if unit.device is not None and not unit.device.processes_known and not holders:
+                # Nobody is known to hold it, but its processes could not be listed: not idle.
+                unobserved_s += dt * unit.weight
+                unobserved_dollars += unit_dollars
+                unobserved_reason = UNOBSERVED_PROCESSES
+                continue
             if not holders:
                 idle_s += dt * unit.weight
                 idle_dollars += unit_dollars
@@ -172,15 +201,17 @@ def account(
                 uuid=gpu.uuid,
                 model=gpu.model,
                 dollars_per_hour=hourly,
-                observed_s=dt,
-                dollars=gpu_dollars,
+                observed_s=dt - unobserved_s,
+                dollars=gpu_dollars - unobserved_dollars,
                 idle_s=idle_s,
                 idle_dollars=idle_dollars,
-                unobserved_s=0.0,
+                unobserved_s=unobserved_s,
                 joules=gpu_joules,
                 idle_joules=idle_joules,
+                unobserved_dollars=unobserved_dollars,
                 energy_dollars=energy_dollars(gpu_joules, energy_per_kwh),
                 idle_energy_dollars=energy_dollars(idle_joules, energy_per_kwh),
+                unobserved_reason=unobserved_reason,
             )
         )
     return Charges(
@@ -203,6 +234,13 @@ def account(
         ),
         gpus=tuple(gpus),
     )
+
+
+def _by_reason(old: Mapping[str, tuple[float, float]], g: GpuCharge) -> Mapping[str, tuple[float, float]]:
+    if not g.unobserved_s:
+        return old
+    seconds, dollars = old.get(g.unobserved_reason, (0.0, 0.0))
+    return {**old, g.unobserved_reason: (seconds + g.unobserved_s, dollars + g.unobserved_dollars)}
 
 
 def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -> CostTotals:
@@ -244,5 +282,6 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
             unobserved_dollars=old_gpu.unobserved_dollars + g.unobserved_dollars,
             energy_dollars=energy_dollars(gpu_joules, per_kwh),
             idle_energy_dollars=energy_dollars(idle_joules, per_kwh),
+            unobserved_by_reason=_by_reason(old_gpu.unobserved_by_reason, g),
         )
     return CostTotals(workloads, gpus)

@@ -48,8 +48,17 @@ _POWER = ReadingKey(Quantity.POWER)
 _ENERGY = ReadingKey(Quantity.ENERGY)
 _MEMORY = (_MEMORY_USED, _MEMORY_TOTAL)
 
+
 # Learned per device: reading keys and call names ("processes", "process utilization").
-Unsupported = set[ReadingKey | str]
+class Unsupported(set[object]):
+    """What one device has shown it does not have (NOT_SUPPORTED), learned and never asked for
+    again; and, in `worked`, what it has answered at least once. NOT_SUPPORTED from something
+    that once worked is a transient error (a driver mid-reset, a busy GPU), not a fact about
+    the device: it is counted and asked again next poll."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.worked: set[object] = set()
 
 
 @dataclass
@@ -62,7 +71,7 @@ class _Mig:
     gpu_instance_id: int | None
     compute_instance_id: int | None
     sm_count: int | None
-    unsupported: Unsupported = field(default_factory=set)
+    unsupported: Unsupported = field(default_factory=Unsupported)
 
 
 @dataclass
@@ -84,7 +93,7 @@ class _Gpu:
     memory_total_bytes: int | None = None
     mig_by_instance: dict[tuple[int, int], _Mig] | None = None
     last_seen_us: int = 0
-    unsupported: Unsupported = field(default_factory=set)
+    unsupported: Unsupported = field(default_factory=Unsupported)
     lost_reason: str | None = None
     retry_at: float = 0.0
     retry_backoff_s: float = REINIT_BACKOFF_FIRST_S
@@ -130,6 +139,7 @@ class Sampler:
         self.reading: str | None = None
         self._generation = 0  # bumped by abandon(): an abandoned poll stops at its next device
         self._next_init_at = 0.0
+        self._driver_down_reason = "UNINITIALIZED"
         self._init_backoff_s = REINIT_BACKOFF_FIRST_S
         self._driver_version = ""
         self._cuda_version: int | None = None
@@ -252,7 +262,8 @@ class Sampler:
         now = self.backend.clock()
         if not self._initialised:
             if now < self._next_init_at:
-                return self._down_snapshot(now, "driver unavailable")
+                # Waiting to retry: down for the reason the driver last gave.
+                return self._down_snapshot(now, self._driver_down_reason)
             try:
                 self.reading = ""
                 self._init(now)
@@ -295,6 +306,7 @@ class Sampler:
         self._init_backoff_s = min(self._init_backoff_s * 2, REINIT_BACKOFF_MAX_S)
 
     def _down_snapshot(self, now: float, reason: str) -> Snapshot:
+        self._driver_down_reason = reason
         devices = tuple(_down(g, reason) for g in self._gpus)
         node = NodeInfo(self.hostname, self._driver_version, self._cuda_version)
         return Snapshot(now, node, devices, driver_up=False)
@@ -355,8 +367,9 @@ class Sampler:
             self._count(exc)
             return {}
         counted: set[int] = set()
+        unsupported.worked.update(result.values)
         for key, failure in result.errors.items():
-            if isinstance(failure, ReadingNotSupported):
+            if isinstance(failure, ReadingNotSupported) and key not in unsupported.worked:
                 unsupported.add(key)
                 log.info("%s: %s is not supported (%s); not asking again", where, key, failure.error)
             elif id(failure) not in counted:  # one failed call answering several keys counts once
@@ -372,8 +385,11 @@ class Sampler:
         if what in unsupported:
             return None
         try:
-            return call()
+            result = call()
         except ReadingNotSupported as exc:
+            if what in unsupported.worked:  # it answered before: a transient failure
+                self._count(exc)
+                return None
             unsupported.add(what)
             log.info("%s: %s is not supported (%s); not asking again", where, what, exc.error)
             return None
@@ -383,6 +399,8 @@ class Sampler:
             self._count(exc)
             log.debug("%s: reading %s failed: %s", where, what, exc)
             return None
+        unsupported.worked.add(what)
+        return result
 
     def _read_healthy(self, gpu: _Gpu) -> list[DeviceReading]:
         where = f"GPU {gpu.index} ({gpu.uuid})"
@@ -396,6 +414,7 @@ class Sampler:
             return self._read_mig_gpu(gpu, where, values, links)
         memory_used = values.get(_MEMORY_USED)
         memory_total = values.get(_MEMORY_TOTAL)
+        processes = self._whole_gpu_processes(gpu, where)
         return [
             DeviceReading(
                 index=gpu.index,
@@ -413,12 +432,16 @@ class Sampler:
                 power_limit_w=gpu.power_limit_w,
                 energy_j=values.get(_ENERGY),
                 nvlinks=links,
-                processes=self._whole_gpu_processes(gpu, where),
+                processes=processes or (),
+                processes_known=processes is not None,
             )
         ]
 
-    def _whole_gpu_processes(self, gpu: _Gpu, where: str) -> tuple[ProcessReading, ...]:
+    def _whole_gpu_processes(self, gpu: _Gpu, where: str) -> tuple[ProcessReading, ...] | None:
+        """The GPU's processes; None when the list could not be read this poll (not "none")."""
         infos = self._call(where, gpu.unsupported, "processes", lambda: self.backend.running_processes(gpu.handle))
+        if infos is None:
+            return None
         if not infos:
             return ()
         utils = self._process_utils(gpu, where)
@@ -471,14 +494,16 @@ class Sampler:
                     sm_count=mig.sm_count,
                     memory_used_bytes=None if mig_used is None else int(mig_used),
                     memory_total_bytes=None if mig_total is None else int(mig_total),
-                    processes=processes.get(mig.slot, ()),
+                    processes=processes.get(mig.slot) or (),
+                    processes_known=processes.get(mig.slot) is not None,
                 )
             )
         return readings
 
-    def _mig_processes(self, gpu: _Gpu, where: str) -> dict[int, tuple[ProcessReading, ...]]:
+    def _mig_processes(self, gpu: _Gpu, where: str) -> dict[int, tuple[ProcessReading, ...] | None]:
         """Processes per MIG slot: the GPU's list split by instance ids where that works, else
-        each MIG device's own list. SM utilization is None: NVML cannot sample it under MIG."""
+        each MIG device's own list. SM utilization is None: NVML cannot sample it under MIG.
+        A slot missing (or None) could not be read this poll."""
         if gpu.mig_by_instance is not None:
             try:
                 infos = self.backend.running_processes(gpu.handle)
@@ -491,11 +516,13 @@ class Sampler:
                 self._count(exc)
                 return {}
             else:
-                return _split_by_instance(infos, gpu.mig_by_instance)
-        found: dict[int, tuple[ProcessReading, ...]] = {}
+                split = _split_by_instance(infos, gpu.mig_by_instance)
+                return {mig.slot: split.get(mig.slot, ()) for mig in gpu.migs}
+        found: dict[int, tuple[ProcessReading, ...] | None] = {}
         for mig in gpu.migs:
             read = partial(self.backend.running_processes, mig.handle)
-            found[mig.slot] = _readings(self._call(f"{where} MIG {mig.slot}", mig.unsupported, "processes", read) or ())
+            mig_infos = self._call(f"{where} MIG {mig.slot}", mig.unsupported, "processes", read)
+            found[mig.slot] = None if mig_infos is None else _readings(mig_infos)
         return found
 
     def _process_utils(self, gpu: _Gpu, where: str) -> dict[int, float] | None:

@@ -1,0 +1,110 @@
+"""Time is a partition: every second of every GPU is charged to workloads, idle (observed,
+held by nobody) or unobserved (nobody could see it), with the reason kept. Hand-worked cases
+of what used to be booked as idle, or lost; each checks the partition adds up too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agent.model import AgentState, Price
+from agent.pipeline import Costing
+from tests.helpers import Rig
+
+PRICE = 3.6  # $/GPU-hour: $0.001 a second, so seconds read as thousandths of a dollar
+
+
+@pytest.fixture
+def run() -> Iterator[Any]:
+    rigs: list[Rig] = []
+
+    def simulate(scenario: dict[str, Any], duration_s: float, step_s: float = 15.0) -> AgentState:
+        prices = lambda snapshot: {g.uuid: Price(PRICE, "test") for g in snapshot.gpus}  # noqa: E731
+        rig = Rig(scenario, costing=Costing(prices=prices, max_interval_s=300.0))
+        rigs.append(rig)
+        return rig.run(duration_s, step_s)
+
+    yield simulate
+    for rig in rigs:
+        rig.close()
+
+
+def partition(state: AgentState) -> tuple[float, float, dict[str, float]]:
+    """(charged to workloads, idle, unobserved by reason) in dollars, over every GPU."""
+    charged = sum(w.dollars for w in state.costs.workloads.values())
+    idle = sum(g.idle_dollars for g in state.costs.gpus.values())
+    unobserved: dict[str, float] = {}
+    for g in state.costs.gpus.values():
+        for reason, (_seconds, dollars) in g.unobserved_by_reason.items():
+            unobserved[reason] = unobserved.get(reason, 0.0) + dollars
+    return charged, idle, unobserved
+
+
+BUSY = {"pid": 1, "gpus": [0], "sm_util": 70, "memory_mib": 1000, "uid": 1000, "user": "ann"}
+
+
+def test_a_process_list_timeout_is_unobserved_not_idle(run: Any) -> None:
+    # 20 minutes at 15 s steps; the process list times out from 10:00 to 12:00. The polls at
+    # 10:00, 10:15, ..., 11:45 (8 of them) cannot say who held the GPU: the 8 intervals ending
+    # there, 8 x 15 s = 120 s, are unobserved, $0.120. Before, they were idle while the job ran.
+    scenario = {
+        "gpus": [{"count": 1}],
+        "processes": [BUSY],
+        "faults": [{"at": "10m", "until": "12m", "call": "nvmlDeviceGetComputeRunningProcesses", "error": "TIMEOUT"}],
+    }
+    charged, idle, unobserved = partition(run(scenario, 1200))
+    assert idle == 0.0
+    assert unobserved == {"processes_unreadable": pytest.approx(0.120)}
+    assert charged == pytest.approx(1.080)  # the other 1080 s: 1200 - 120
+    assert charged + idle + sum(unobserved.values()) == pytest.approx(1200 * PRICE / 3600)  # $1.20
+
+
+def test_a_transient_not_supported_is_retried_not_learned(run: Any) -> None:
+    # NOT_SUPPORTED on the process list from 5:00 to 15:00, after it had worked: read again
+    # each poll, so the job is seen again at 15:00 and charged from then to 30:00 as before
+    # 5:00. Before, the first NOT_SUPPORTED was learned for good: 0 processes for the rest of
+    # the run, and the 90% job's dollars went to idle.
+    scenario = {
+        "gpus": [{"count": 1}],
+        "processes": [BUSY],
+        "faults": [
+            {"at": "5m", "until": "15m", "call": "nvmlDeviceGetComputeRunningProcesses", "error": "NOT_SUPPORTED"}
+        ],
+    }
+    state = run(scenario, 1800)
+    charged, idle, unobserved = partition(state)
+    # Unobserved: the 40 intervals ending at 5:00 .. 14:45, 600 s = $0.600; charged: 1200 s.
+    assert unobserved == {"processes_unreadable": pytest.approx(0.600)}
+    assert charged == pytest.approx(1.200)
+    assert idle == 0.0
+    assert state.snapshot is not None
+    assert [p.pid for p in state.snapshot.devices[0].processes] == [1]  # seen again
+
+
+def test_a_lost_gpu_is_unobserved_with_its_error_not_idle(run: Any) -> None:
+    # Two idle GPUs for 10 minutes; GPU 1 falls off the bus at 4:00 (sticky). GPU 0: 600 s
+    # idle, $0.600. GPU 1: idle from 0:00 to 3:45 (225 s, $0.225); from the poll at 4:00 it is
+    # down, so the intervals from 3:45 to 10:00 (375 s, $0.375) are unobserved as GPU_IS_LOST.
+    # Before, a lost GPU went on accruing idle seconds.
+    scenario = {"gpus": [{"count": 2}], "faults": [{"at": "4m", "gpu": 1, "error": "GPU_IS_LOST"}]}
+    charged, idle, unobserved = partition(run(scenario, 600))
+    assert charged == 0.0
+    assert idle == pytest.approx(0.600 + 0.225)
+    assert unobserved == {"GPU_IS_LOST": pytest.approx(0.375)}
+    assert charged + idle + sum(unobserved.values()) == pytest.approx(2 * 600 * PRICE / 3600)  # $1.20
+
+
+def test_a_driver_outage_is_unobserved_not_idle(run: Any) -> None:
+    # One GPU, nobody on it, 30 minutes; the driver is gone from 10:00 to 20:00. The poll at
+    # 10:00 finds it gone; re-initialisation then backs off (5 s, 10 s, ... doubling, polls
+    # every 15 s) and first succeeds at the poll at 21:00. Unobserved: 9:45 to 21:00, 675 s,
+    # $0.675, all as DRIVER_NOT_LOADED; idle: the other 1125 s, $1.125. Before, the outage
+    # was booked as idle.
+    scenario = {"gpus": [{"count": 1}], "faults": [{"at": "10m", "until": "20m", "error": "DRIVER_NOT_LOADED"}]}
+    charged, idle, unobserved = partition(run(scenario, 1800))
+    assert charged == 0.0
+    assert unobserved == {"DRIVER_NOT_LOADED": pytest.approx(0.675)}
+    assert idle == pytest.approx(1.125)
+    assert charged + idle + sum(unobserved.values()) == pytest.approx(1800 * PRICE / 3600)  # $1.80
