@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from agent.errors import GpuledgerError
 
@@ -63,8 +63,9 @@ class DeviceLost(DeviceError):
     pass
 
 
-class Quantity(enum.Enum):
-    """What `DeviceBackend.read` can be asked for, each in the unit its name says."""
+class Quantity(enum.StrEnum):
+    """What `DeviceBackend.read` can be asked for, each in the unit its name says. A StrEnum:
+    its members hash as strings, in C, and a poll looks them up thousands of times."""
 
     UTILIZATION = "utilization"  # fraction of time the device was busy, 0-1
     MEMORY_USED = "memory used"  # bytes
@@ -75,9 +76,9 @@ class Quantity(enum.Enum):
     NVLINK_UP = "nvlink"  # 1.0 when the link (ReadingKey.link) is up, 0.0 when down
 
 
-@dataclass(frozen=True, slots=True)
-class ReadingKey:
-    """One reading of one device: a quantity, and the link for per-link quantities."""
+class ReadingKey(NamedTuple):
+    """One reading of one device: a quantity, and the link for per-link quantities. A named
+    tuple, not a dataclass: it keys the dicts of every read, and tuples hash and compare in C."""
 
     quantity: Quantity
     link: int | None = None
