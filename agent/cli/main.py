@@ -83,7 +83,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--config", help="YAML config file")
     sim.add_argument("--metrics-out", metavar="FILE", help="write the final /metrics text here (default: stdout)")
-    sim.add_argument("--ledger", metavar="FILE", help="write the charges to this ledger file")
+    sim.add_argument(
+        "--ledger", metavar="FILE", help="write the charges to this ledger file (new, or empty unless --append)"
+    )
+    sim.add_argument(
+        "--append", action="store_true", help="add to a --ledger that already holds charges (else refused)"
+    )
 
     rep = sub.add_parser("report", help="cost and usage from the ledger")
     rep.add_argument("--ledger", metavar="FILE", help="ledger file (default: ledger.path)")
@@ -189,9 +194,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         format_duration(settings.poll_interval),
     )
     stop.wait()
-    agent.close()  # the last poll reaches the textfile, the last charges the ledger
+    written = agent.close()  # the last poll reaches the textfile, the last charges the ledger
     server.stop()
-    return EXIT_OK
+    # Charges the ledger could not take are lost (logged with their dollars): not a clean exit.
+    return EXIT_OK if written else EXIT_FAILURE
 
 
 def _cmd_snapshot(args: argparse.Namespace) -> int:

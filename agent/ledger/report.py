@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from agent.ledger.store import HOUR_S, UsageRow, hour_start, read_usage
+from agent.ledger.store import HOUR_S, UsageRow, hour_start, iso_time, read_usage
 from agent.model import WORKLOAD_LABELS
 from agent.units import joules_to_kwh, parse_duration
 
@@ -176,7 +176,7 @@ def report_from_ledger(
     """Read the hours overlapping [since, until) and build the report; LedgerError if unreadable."""
     keys = check_by(by)
     if since is not None and until is not None and since >= until:
-        raise ValueError(f"--since ({_iso(since)}) must be before --until ({_iso(until)})")
+        raise ValueError(f"--since ({iso_time(since)}) must be before --until ({iso_time(until)})")
     rows = read_usage(path, since=since, until=until)
     covered_since = None if since is None else float(hour_start(since))
     covered_until = None if until is None else float(-hour_start(-until))  # rounded up to the hour
@@ -215,10 +215,6 @@ def _in_range(t: float, text: str) -> float:
     if not 0 <= t < _LATEST_S:
         raise ValueError(f"time out of range (1970 to 8999), got {text!r}")
     return t
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def render(report: Report, fmt: str = "table") -> str:
@@ -260,8 +256,8 @@ def _numbers(line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = 
 
 
 def _span(report: Report) -> str:
-    start = "..." if report.since is None else _iso(report.since)
-    end = "..." if report.until is None else _iso(report.until)
+    start = "..." if report.since is None else iso_time(report.since)
+    end = "..." if report.until is None else iso_time(report.until)
     if report.since is None and report.until is None:
         return "no ledger hours recorded"
     return f"ledger hours {start} to {end}"
@@ -336,8 +332,8 @@ def _render_csv(report: Report) -> str:
 
 def _render_json(report: Report) -> str:
     document: dict[str, Any] = {
-        "since": None if report.since is None else _iso(report.since),
-        "until": None if report.until is None else _iso(report.until),
+        "since": None if report.since is None else iso_time(report.since),
+        "until": None if report.until is None else iso_time(report.until),
         "by": list(report.by),
         "rows": [dict(zip(report.by, line.key, strict=True)) | _figures(line) for line in report.lines],
         "idle": _figures(report.idle, efficiency=False),

@@ -528,7 +528,7 @@ class PendingCharges:
                     "counts every drop",
                     self._path,
                     self.max_rows,
-                    _iso(oldest),
+                    iso_time(oldest),
                     dollars,
                     dropped.rows,
                 )
@@ -1057,6 +1057,23 @@ def read_info(path: str | Path) -> LedgerInfo:
     return read_ledger(path, rows=False).info
 
 
+def recorded_period(path: str | Path) -> tuple[float, float] | None:
+    """The period a ledger file records (`LedgerInfo.first_at`, `last_at`); None where it records
+    nothing: no file, an empty one, a SQLite file with no tables yet, a ledger with no charges.
+    LedgerError for a file that is not a ledger."""
+    path = Path(path)
+    if not path.exists() or (path.is_file() and path.stat().st_size == 0):
+        return None
+    try:
+        with closing(open_read_only(path)) as conn:
+            if _schema_version(conn, path) == 0:
+                return None
+    except sqlite3.Error as exc:
+        raise LedgerError(f"ledger {path}: cannot read: {exc}") from exc
+    info = read_info(path)
+    return (info.first_at, info.last_at) if info.first_at is not None and info.last_at is not None else None
+
+
 def _migrated_copy(conn: sqlite3.Connection, path: Path) -> sqlite3.Connection:
     copy = sqlite3.connect(":memory:", isolation_level=None)
     try:
@@ -1127,5 +1144,6 @@ def _read(
     return LedgerContents(info, usage)
 
 
-def _iso(t: float) -> str:
+def iso_time(t: float) -> str:
+    """`t` (unix seconds) as 2026-11-27T18:00:00Z."""
     return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
