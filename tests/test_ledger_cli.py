@@ -6,6 +6,7 @@ count one node's time twice."""
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import subprocess
 from pathlib import Path
@@ -21,7 +22,7 @@ START = 1_795_197_600.0  # 2026-11-20T18:00:00Z, the scenarios' start
 
 # Two GPUs at $2.50 an hour: ann's job holds GPU 0 throughout, GPU 1 is idle.
 SCENARIO = """
-start: 2026-11-20T18:00:00Z
+start: %(start)s
 node: {hostname: %(node)s}
 gpus:
   - {model: A100-SXM4-80GB, count: 2}
@@ -33,12 +34,17 @@ CONFIG = "pricing: {gpu_hourly: 2.5}\n"
 
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, Path]:
-    """A scenario per node name and the config that prices them."""
+    """A scenario per node name (from 18:00, and gpu-node-01 once more from 20:00, where the
+    first one's two hours end) and the config that prices them."""
     out = {"config": tmp_path / "gpuledger.yml"}
     out["config"].write_text(CONFIG)
-    for node in ("gpu-node-01", "gpu-node-02"):
-        out[node] = tmp_path / f"{node}.yaml"
-        out[node].write_text(SCENARIO % {"node": node})
+    for name, node, start in (
+        ("gpu-node-01", "gpu-node-01", "2026-11-20T18:00:00Z"),
+        ("gpu-node-02", "gpu-node-02", "2026-11-20T18:00:00Z"),
+        ("gpu-node-01-later", "gpu-node-01", "2026-11-20T20:00:00Z"),
+    ):
+        out[name] = tmp_path / f"{name}.yaml"
+        out[name].write_text(SCENARIO % {"node": node, "start": start})
     return out
 
 
@@ -61,6 +67,10 @@ def report_json(*ledgers: Path, by: str = "user") -> dict[str, Any]:
 
 def dollars_by_user(document: dict[str, Any]) -> dict[str, float]:
     return {row["user"]: row["dollars"] for row in document["rows"]}
+
+
+def report(*args: str) -> subprocess.CompletedProcess[str]:
+    return gpuledger("report", "--by", "user", "--format", "json", *args)
 
 
 def one_line(stderr: str) -> str:
@@ -160,3 +170,105 @@ def test_simulate_that_would_charge_nothing_is_bad_input(tmp_path: Path, args: t
     result = gpuledger("simulate", "demo", *args, "--metrics-out", str(out))
     assert (result.returncode, one_line(result.stderr)) == (2, message)
     assert not out.exists()
+
+
+# --- report over several ledgers ---
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, files: dict[str, Path]) -> Path:
+    """A directory with two hours of each node's ledger: gpu-node-01.db and gpu-node-02.db."""
+    ledgers = tmp_path / "ledgers"
+    ledgers.mkdir()
+    for node in ("gpu-node-01", "gpu-node-02"):
+        result = simulate(files, ledgers / f"{node}.db", node=node)
+        assert result.returncode == 0, result.stderr
+    for prom in ledgers.glob("*.prom"):
+        prom.unlink()
+    return ledgers
+
+
+# Two nodes, two hours each, at $2.50 an hour per GPU: ann holds GPU 0 on each, $5.00 a node,
+# $10.00 in all; GPU 1 of each is idle, $10.00 in all; TOTAL 2 nodes x 2 GPUs x 2 h x $2.50 = $20.00.
+BOTH_NODES = {"ann": 10.0}
+BOTH_IDLE = 10.0
+BOTH_TOTAL = 20.0
+
+
+def test_report_merges_every_ledger_flag(two_nodes: Path) -> None:
+    a, b = two_nodes / "gpu-node-01.db", two_nodes / "gpu-node-02.db"
+    document = report_json(a, b)  # two --ledger flags: the first used to be dropped
+    assert dollars_by_user(document) == pytest.approx(BOTH_NODES, rel=1e-9)
+    assert document["idle"]["dollars"] == pytest.approx(BOTH_IDLE, rel=1e-9)
+    assert document["total"]["dollars"] == pytest.approx(BOTH_TOTAL, rel=1e-9)
+    assert document["total"]["gpu_hours_held"] == pytest.approx(8.0)  # 2 nodes x 2 GPUs x 2 h
+    by_node = report_json(a, b, by="node")
+    assert {r["node"]: r["dollars"] for r in by_node["rows"]} == pytest.approx(
+        {"gpu-node-01": 5.0, "gpu-node-02": 5.0}, rel=1e-9
+    )
+    table = gpuledger("report", "--ledger", str(a), "--ledger", str(b), "--by", "user")
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.splitlines()[0] == (
+        "GPU cost by user; ledger hours 2026-11-20T18:00:00Z to 2026-11-20T20:00:00Z from 2 ledgers"
+    )
+
+
+def test_report_reads_every_ledger_of_a_directory_once(two_nodes: Path) -> None:
+    (two_nodes / "notes.txt").write_text("not a ledger, and not *.db: not read")
+    document = report_json(two_nodes)
+    assert dollars_by_user(document) == pytest.approx(BOTH_NODES, rel=1e-9)
+    assert document["total"]["dollars"] == pytest.approx(BOTH_TOTAL, rel=1e-9)
+    # The directory and one of its files: that file is read once.
+    again = report_json(two_nodes, two_nodes / "gpu-node-01.db")
+    assert again["total"]["dollars"] == pytest.approx(BOTH_TOTAL, rel=1e-9)
+
+
+def test_a_ledger_copied_twice_is_refused(two_nodes: Path) -> None:
+    a = two_nodes / "gpu-node-01.db"
+    copy = two_nodes.parent / "gpu-node-01-backup.db"
+    shutil.copyfile(a, copy)
+    result = report("--ledger", str(two_nodes), "--ledger", str(copy))
+    assert result.returncode == 2
+    assert one_line(result.stderr) == (
+        f"gpuledger: report: {a} and {copy} both record node gpu-node-01 from 2026-11-20T18:00:00Z to "
+        "2026-11-20T20:00:00Z (copies of one ledger): reading both would count that time twice"
+    )
+    assert result.stdout == ""
+
+
+def test_one_simulation_written_to_two_files_is_refused(tmp_path: Path, files: dict[str, Path]) -> None:
+    first, second = tmp_path / "first.db", tmp_path / "second.db"
+    for ledger in (first, second):
+        assert simulate(files, ledger).returncode == 0
+    result = report("--ledger", str(first), "--ledger", str(second))
+    assert result.returncode == 2
+    assert one_line(result.stderr) == (
+        f"gpuledger: report: {first} and {second} both record node gpu-node-01 from 2026-11-20T18:00:00Z to "
+        "2026-11-20T20:00:00Z: reading both would count that time twice"
+    )
+
+
+def test_one_nodes_successive_ledgers_are_merged(tmp_path: Path, files: dict[str, Path]) -> None:
+    # 18:00-20:00 in one file, 20:00-22:00 in the next (a ledger rotated, or moved aside as
+    # corrupt): periods that touch are not an overlap.
+    early, late = tmp_path / "early.db", tmp_path / "late.db"
+    assert simulate(files, early).returncode == 0
+    assert simulate(files, late, node="gpu-node-01-later").returncode == 0
+    assert read_info(late).first_at == read_info(early).last_at == START + 2 * H
+    document = report_json(early, late)
+    # ann: 4 h x $2.50 = $10.00; GPU 1 idle for 4 h = $10.00
+    assert dollars_by_user(document) == pytest.approx({"ann": 10.0}, rel=1e-9)
+    assert document["idle"]["dollars"] == pytest.approx(10.0, rel=1e-9)
+    assert (document["since"], document["until"]) == ("2026-11-20T18:00:00Z", "2026-11-20T22:00:00Z")
+
+
+def test_report_names_what_it_cannot_find(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = tmp_path / "missing.db"
+    for target, message in (
+        (empty, f"gpuledger: --ledger: no *.db ledger files in directory {empty}"),
+        (missing, f"gpuledger: --ledger: no such ledger file {missing}"),
+    ):
+        result = report("--ledger", str(target))
+        assert (result.returncode, one_line(result.stderr)) == (2, message)

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import NoReturn
 
 from agent import __version__
@@ -26,7 +25,15 @@ from agent.cli.wiring import build_agent
 from agent.config import check_config, load_config
 from agent.devices.backend import DriverLibraryMissing
 from agent.errors import BadInputError, GpuledgerError
-from agent.ledger.report import DEFAULT_BY, GROUP_KEYS, parse_by, parse_time, render, report_from_ledger
+from agent.ledger.report import (
+    DEFAULT_BY,
+    GROUP_KEYS,
+    ledger_files,
+    parse_by,
+    parse_time,
+    render,
+    report_from_ledgers,
+)
 from agent.units import format_duration
 
 log = logging.getLogger("gpuledger")
@@ -91,7 +98,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
 
     rep = sub.add_parser("report", help="cost and usage from the ledger")
-    rep.add_argument("--ledger", metavar="FILE", help="ledger file (default: ledger.path)")
+    rep.add_argument(
+        "--ledger",
+        action="append",
+        metavar="FILE|DIR",
+        help="ledger file, or a directory of *.db ledgers; repeat to merge several (default: ledger.path)",
+    )
     rep.add_argument("--config", help="YAML config file")
     rep.add_argument("--since", metavar="T", help="ISO date/time (UTC) or e.g. 7d for seven days ago")
     rep.add_argument("--until", metavar="T", help="ISO date/time (UTC) or e.g. 1d")
@@ -230,15 +242,16 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     settings = load_config(args.config)
-    path = args.ledger or settings.ledger.path
-    if not Path(path).exists():
-        raise BadInputError(f"gpuledger: --ledger: no such ledger file {path}")
+    try:
+        paths = ledger_files(args.ledger or [settings.ledger.path])
+    except ValueError as exc:
+        raise BadInputError(f"gpuledger: --ledger: {exc}") from None
     now = time.time()
     try:
         by = parse_by(args.by)
         since = parse_time(args.since, now) if args.since else None
         until = parse_time(args.until, now) if args.until else None
-        report = report_from_ledger(path, by=by, since=since, until=until)
+        report = report_from_ledgers(paths, by=by, since=since, until=until)
     except ValueError as exc:
         raise BadInputError(f"gpuledger: report: {exc}") from None
     sys.stdout.write(render(report, args.format))
