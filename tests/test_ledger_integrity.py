@@ -177,3 +177,126 @@ ledger.add(hour_of_work(1))
 assert ledger.flush()
 os._exit(0)  # no close: the WAL keeps the commit, unmerged
 """
+
+
+# --- pending charges are bounded ---
+
+
+def held_lock(path: Path) -> sqlite3.Connection:
+    """Another connection holding the write lock: SQLite refuses this process's flushes (every user,
+    every filesystem, where root ignores modes and a full disk needs a mount)."""
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    return holder
+
+
+def test_pending_rows_are_capped_by_dropping_the_oldest_hours_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path, retention_s=None, busy_timeout_s=0.01, max_pending_rows=7)
+    holder = held_lock(path)
+    for hour in range(4):  # each hour: ann's row and two GPU rows, $2.50 + $2.50 = $5.00
+        ledger.add(hour_of_work(hour))
+        assert ledger.flush() is False
+        assert ledger.pending_rows <= 7
+    # Hour 2 made 9 rows: hour 0 went (3 rows, $5.00); hour 3 made 9 again: hour 1 went.
+    assert (ledger.pending_rows, ledger.dropped_rows, ledger.dropped_dollars) == (6, 6, 10.0)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [
+        f"ledger {path}: more than ledger.max_pending_rows (7) hourly rows wait to be written; dropping the oldest "
+        "hours, starting with 2026-11-27T18:00:00Z ($5.00 in 3 rows); gpuledger_ledger_dropped_rows_total counts "
+        "every drop"
+    ]  # one line for the outage, not one per drop
+    holder.rollback()
+    holder.close()
+    assert ledger.flush()
+    # What reached the file: hours 2 and 3, $5.00 each; the period starts where the kept hours do.
+    assert report_from_ledger(path, by=["user"]).total.dollars == 10.0
+    with closing(open_read_only(path)) as conn:
+        assert conn.execute("SELECT first_at, last_at FROM ledger_meta").fetchone() == (T0 + 2 * H, T0 + 4 * H)
+
+    # A second outage is logged again.
+    holder = held_lock(path)
+    for hour in range(4, 7):
+        ledger.add(hour_of_work(hour))
+        assert ledger.flush() is False
+    holder.rollback()
+    holder.close()
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 2
+    assert (ledger.dropped_rows, ledger.dropped_dollars) == (9, 15.0)  # hour 4 too: 3 more rows, $5.00
+    assert ledger.close()
+
+
+def test_a_month_without_a_ledger_stays_under_four_megabytes(tmp_path: Path) -> None:
+    """30 days of an 8-GPU node whose ledger never opens: eight jobs, one per GPU, each hour."""
+    import tracemalloc
+
+    from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS, PendingCharges
+
+    jobs = [Workload(namespace="training", pod=f"llama-pretrain-{gpu}", container="trainer", user="ann",
+                     model="llama-3-70b", team="research") for gpu in range(8)]  # fmt: skip
+    tracemalloc.start()
+    try:
+        pending = PendingCharges(tmp_path / "nowhere" / "ledger.db")
+        for hour in range(30 * 24):
+            start = T0 + hour * H
+            work = tuple(WorkloadCharge(g, f"GPU-{g}", jobs[g], H, H * 0.9, 2.5, 1.0e6) for g in range(8))
+            gpus = tuple(GpuCharge(g, f"GPU-{g}", "A100-SXM4-80GB", 2.5, H, 2.5, 0, 0, 0, 1.0e6, 0) for g in range(8))
+            pending.add(Charges(start, start + H, "gpu-node-01", work, gpus))
+        used, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # 16 rows an hour (8 workload, 8 GPU): 5000 // 16 = 312 whole hours kept, 4992 rows; the
+    # other 720 - 312 = 408 hours dropped: 408 x 16 = 6528 rows, 408 x 8 x $2.50 = $8,160.00.
+    assert DEFAULT_MAX_PENDING_ROWS == 5000
+    assert (pending.rows, pending.dropped_rows) == (4992, 6528)
+    assert pending.dropped_dollars == pytest.approx(8160.0, rel=1e-12)
+    assert pending.lost() == (4992, pytest.approx(312 * 8 * 2.5, rel=1e-12))  # $6,240.00 still pending
+    print(f"{pending.rows} pending rows use {used / 2**20:.2f} MiB")
+    assert used < 4 * 2**20
+
+
+def test_a_ledger_that_never_opens_loses_its_charges_in_one_error_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from agent.ledger.sink import LedgerSink
+
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the ledger's directory should be")
+    sink = LedgerSink(blocker / "ledger.db", retention_s=None, node="gpu-node-01")
+    for hour in range(3):
+        sink.add(hour_of_work(hour))
+    assert sink.health().pending_rows == 9  # coalesced per hour and key: 3 rows an hour
+    assert sink.flush() is False
+    assert sink.close() is False
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    # 3 hours x ($2.50 for ann + $2.50 idle) = $15.00 in 9 rows
+    assert errors[-1] == (
+        f"ledger {blocker / 'ledger.db'}: cannot be opened; exiting with 9 hourly rows ($15.00) that could not be "
+        "written"
+    )
+    assert len(errors) == 2  # the outage when it began, the loss at the end
+
+
+def test_run_exits_1_when_its_charges_cannot_reach_the_ledger(tmp_path: Path) -> None:
+    from tests.test_cli import Daemon, polls_at_least, value
+
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the ledger's directory should be")
+    agent = Daemon(tmp_path, "--fake", "--fake-speed", "3600", "--ledger", str(blocker / "ledger.db"))
+    try:
+        text = agent.wait_for(polls_at_least(3))
+        assert value(text, "gpuledger_ledger_up") == 0
+        assert value(text, "gpuledger_ledger_pending_rows") > 0
+        charged = value(text, "gpuledger_gpu_cost_dollars_total", gpu="0")
+    finally:
+        code = agent.stop()
+    log = (tmp_path / f"daemon-{agent.port}.log").read_text()
+    assert code == 1, log
+    lost = [line for line in log.splitlines() if "exiting with" in line]
+    assert len(lost) == 1, log
+    figures = lost[0].split("exiting with ")[1].split(" that could not be written")[0]
+    rows, dollars = figures.split(" hourly rows ($")
+    assert int(rows) > 0
+    assert float(dollars.rstrip(")")) >= charged  # all of GPU 0's cost at least, and the other seven's
