@@ -5,6 +5,7 @@ none are lost at shutdown without an error line; a corrupt file is moved aside f
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -300,3 +301,142 @@ def test_run_exits_1_when_its_charges_cannot_reach_the_ledger(tmp_path: Path) ->
     rows, dollars = figures.split(" hourly rows ($")
     assert int(rows) > 0
     assert float(dollars.rstrip(")")) >= charged  # all of GPU 0's cost at least, and the other seven's
+
+
+# --- a corrupt ledger is moved aside ---
+
+
+def multi_page_ledger(path: Path, hours: int = 600) -> int:
+    """A ledger of `hours` hours of work (three rows an hour: 40 pages of 4 KiB); its page size."""
+    with Ledger(path, node="gpu-node-01", retention_s=None) as ledger:
+        for hour in range(hours):
+            ledger.add(hour_of_work(hour))
+    with closing(sqlite3.connect(path)) as conn:
+        (page_size,) = conn.execute("PRAGMA page_size").fetchone()
+        (pages,) = conn.execute("PRAGMA page_count").fetchone()
+    assert pages >= 20
+    return int(page_size)
+
+
+def overwrite(path: Path, offset: int, length: int) -> bytes:
+    """Bytes `offset` to `offset + length` of `path` replaced by 0xA5 (a disk that returned garbage);
+    the whole file as it is afterwards."""
+    with path.open("r+b") as f:
+        f.seek(offset)
+        f.write(b"\xa5" * length)
+    return path.read_bytes()
+
+
+def test_a_corrupt_ledger_is_moved_aside_at_open_and_a_fresh_one_started(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "ledger.db"
+    page_size = multi_page_ledger(path)
+    pages = path.stat().st_size // page_size
+    damaged = overwrite(path, (pages // 2) * page_size + 100, 2000)  # inside a page in the middle
+    with pytest.raises(LedgerError, match="malformed"):
+        read_usage(path)  # what report met before: an error, after months of writing into it
+
+    ledger = Ledger(path, node="gpu-node-01", retention_s=None)
+    [aside] = ledger.moved_aside
+    assert aside.parent == path.parent
+    assert re.fullmatch(r"ledger\.db\.corrupt-\d{8}T\d{6}Z", aside.name), aside.name  # UTC, to the second
+    assert aside.read_bytes() == damaged  # kept as it was, for `sqlite3 .recover`
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert line.startswith(f"ledger {path} is corrupt (quick_check: ")
+    assert line.endswith(f"); moved it aside to {aside} and started a fresh ledger")
+    assert "\n" not in line
+    assert not ledger.healthy  # ledger_up 0 until the fresh file has taken a flush
+    ledger.add(hour_of_work(700))
+    assert ledger.flush()
+    assert ledger.healthy
+    assert ledger.close()
+    # The fresh ledger holds what came after: one hour, $2.50 for ann and $2.50 idle.
+    fresh = report_from_ledger(path, by=["user"])
+    assert (fresh.total.dollars, fresh.idle.dollars) == (5.0, 2.5)
+    # A directory report reads the fresh *.db, never the corrupt file beside it.
+    result = gpuledger("report", "--ledger", str(tmp_path), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert '"dollars": 5.0' in result.stdout
+
+
+def test_ledger_up_is_0_and_the_corrupt_file_counted_until_the_fresh_ledger_is_written(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from agent.ledger.sink import LedgerSink
+    from agent.model import AgentState
+    from exporters.prometheus import make_registry
+    from tests.test_cli import value
+
+    path = tmp_path / "ledger.db"
+    page_size = multi_page_ledger(path)
+    overwrite(path, 10 * page_size, page_size)  # page 11: a whole page of garbage
+    sink = LedgerSink(path, retention_s=None, node="gpu-node-01")
+
+    def scrape() -> str:
+        return generate_latest(make_registry(lambda: AgentState(ledger=sink.health()))).decode()
+
+    first = scrape()
+    assert (value(first, "gpuledger_ledger_up"), value(first, "gpuledger_ledger_corrupt_files_total")) == (0, 1)
+    sink.add(hour_of_work(0))
+    assert sink.flush()
+    after = scrape()
+    assert (value(after, "gpuledger_ledger_up"), value(after, "gpuledger_ledger_corrupt_files_total")) == (1, 1)
+    assert sink.close()
+    assert len(list(tmp_path.glob("ledger.db.corrupt-*"))) == 1
+
+
+def test_a_flush_that_meets_a_corrupt_page_moves_the_file_aside_and_keeps_its_rows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path, node="gpu-node-01", retention_s=None)
+    for hour in range(600):
+        ledger.add(hour_of_work(hour))
+    assert ledger.flush()
+    # Damage the file under the running agent: merge the WAL into it, garble the root page of
+    # gpu_hours (every flush writes there), and commit from elsewhere so the agent's page cache
+    # is not trusted on its next transaction.
+    with closing(sqlite3.connect(path, isolation_level=None)) as other:
+        other.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (page_size,) = other.execute("PRAGMA page_size").fetchone()
+        (root,) = other.execute("SELECT rootpage FROM sqlite_schema WHERE name = 'gpu_hours'").fetchone()
+        overwrite(path, (root - 1) * page_size, page_size)
+        other.execute("UPDATE ledger_meta SET created_by = created_by")
+    ledger.add(hour_of_work(700))
+    assert ledger.flush() is False
+    assert not ledger.healthy
+    [aside] = ledger.moved_aside
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        f"ledger {path} is corrupt (database disk image is malformed); moved it aside to {aside} and started a "
+        "fresh ledger"
+    ]
+    assert ledger.flush()  # the fresh file takes the hour that was pending
+    assert ledger.healthy
+    assert ledger.close()
+    assert report_from_ledger(path, by=["user"]).total.dollars == 5.0  # hour 700: $2.50 + $2.50
+
+
+def test_a_file_that_is_not_sqlite_is_never_moved(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    path.write_bytes(b"SQLite format 2\x00" + b"\xa5" * 8192)  # not SQLite's header: someone else's file
+    with pytest.raises(LedgerError, match="file is not a database"):
+        Ledger(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.db"]
+
+
+def test_moving_aside_takes_the_wal_along_and_never_overwrites(tmp_path: Path) -> None:
+    from agent.ledger.store import move_aside
+
+    path = tmp_path / "ledger.db"
+    for content in (b"first", b"second"):
+        path.write_bytes(content)
+        Path(f"{path}-wal").write_bytes(content + b" wal")
+        move_aside(path, T0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ledger.db.corrupt-20261127T180000Z",
+        "ledger.db.corrupt-20261127T180000Z-1",
+        "ledger.db.corrupt-20261127T180000Z-1-wal",
+        "ledger.db.corrupt-20261127T180000Z-wal",
+    ]
+    assert (tmp_path / "ledger.db.corrupt-20261127T180000Z-1-wal").read_bytes() == b"second wal"

@@ -858,8 +858,10 @@ def move_aside(path: Path, now: float) -> Path:
 
 
 def _quick_check(conn: sqlite3.Connection) -> None:
-    problems = [str(line) for (line,) in conn.execute("PRAGMA quick_check").fetchall()]
-    if problems != ["ok"]:
+    answer = [str(row) for (row,) in conn.execute("PRAGMA quick_check").fetchall()]
+    if answer != ["ok"]:
+        # One problem per line (a row may hold several), under a "*** in database main ***" heading.
+        problems = [line for row in answer for line in row.splitlines() if line and not line.startswith("***")]
         more = f" and {len(problems) - 1} more problems" if len(problems) > 1 else ""
         raise _Corrupt(f"quick_check: {problems[0] if problems else 'no answer'}{more}")
 
