@@ -285,7 +285,10 @@ def test_run_exits_1_when_its_charges_cannot_reach_the_ledger(tmp_path: Path) ->
 
     blocker = tmp_path / "state"
     blocker.write_text("a file where the ledger's directory should be")
-    agent = Daemon(tmp_path, "--fake", "--fake-speed", "3600", "--ledger", str(blocker / "ledger.db"))
+    config = tmp_path / "gpuledger.yml"
+    config.write_text("poll_interval: 1s\n")
+    fast = ("--config", str(config), "--fake", "--fake-speed", "3600")
+    agent = Daemon(tmp_path, *fast, "--ledger", str(blocker / "ledger.db"))
     try:
         text = agent.wait_for(polls_at_least(3))
         assert value(text, "gpuledger_ledger_up") == 0
@@ -301,6 +304,16 @@ def test_run_exits_1_when_its_charges_cannot_reach_the_ledger(tmp_path: Path) ->
     rows, dollars = figures.split(" hourly rows ($")
     assert int(rows) > 0
     assert float(dollars.rstrip(")")) >= charged  # all of GPU 0's cost at least, and the other seven's
+
+    # The same run with a ledger it can write: a clean exit, the charges on disk.
+    good = tmp_path / "ledger.db"
+    agent = Daemon(tmp_path, *fast, "--ledger", str(good))
+    try:
+        agent.wait_for(polls_at_least(3))
+    finally:
+        code = agent.stop()
+    assert code == 0
+    assert report_from_ledger(good, by=["user"]).total.dollars > 0
 
 
 # --- a corrupt ledger is moved aside ---

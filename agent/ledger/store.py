@@ -577,6 +577,7 @@ class Ledger:
         self._last_flush_at: float | None = None
         self._retained_below: int | None = None
         self._closed = False
+        self._written_at_close = True
         self._moved_aside: list[Path] = []
         self._conn: sqlite3.Connection | None = self._open()
         self._healthy = not self._moved_aside
@@ -641,7 +642,7 @@ class Ledger:
         that still cannot be written are logged, with their dollars, as lost (one error line)."""
         with self._flush_lock:
             if self._closed:
-                return True
+                return self._written_at_close
             written = self._flush()
             if not written:
                 rows, dollars = self._pending.lost()
@@ -659,6 +660,7 @@ class Ledger:
                     earlier,
                 )
             self._closed = True
+            self._written_at_close = written
             if self._conn is not None:
                 self._conn.close()
             return written
