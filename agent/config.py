@@ -20,6 +20,7 @@ from agent.accounting.pricing import Catalogue, parse_catalogue
 from agent.attribution.resolve import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
+from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS
 from agent.scrub import escape_control
 from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
@@ -48,6 +49,9 @@ class LedgerConfig(_Section):
     path: str = "/var/lib/gpuledger/ledger.db"
     flush_interval: Duration = Field(default=60.0, gt=0)
     retention: Duration = Field(default=400 * 86400.0, gt=0)
+    # Hourly rows kept in memory while the ledger cannot be written (about 750 bytes each);
+    # beyond it the oldest hours are dropped, counted and logged.
+    max_pending_rows: int = Field(default=DEFAULT_MAX_PENDING_ROWS, ge=1, le=10_000_000)
 
 
 class WatchdogConfig(_Section):

@@ -94,7 +94,9 @@ class ChargeSink(Protocol):
 
     def health(self) -> LedgerHealth: ...
 
-    def close(self) -> None: ...
+    def close(self) -> bool:
+        """Flush and close; False when some charges could not be written (the sink logs them)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,27 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("gpuledger_ledger_up", Kind.GAUGE, "1 while the ledger's last flush succeeded, 0 while failing.", ()),
     MetricSpec("gpuledger_ledger_pending_rows", Kind.GAUGE, "Ledger rows waiting for the next flush.", ()),
     MetricSpec(
+        "gpuledger_ledger_dropped_rows_total",
+        Kind.COUNTER,
+        "Pending ledger rows dropped, oldest hours first, past ledger.max_pending_rows while the ledger "
+        "could not be written.",
+        (),
+    ),
+    MetricSpec(
+        "gpuledger_ledger_dropped_dollars_total",
+        Kind.COUNTER,
+        "What the dropped ledger rows held (workload plus idle dollars): cost the ledger will never show.",
+        (),
+        "dollars",
+    ),
+    MetricSpec(
+        "gpuledger_ledger_corrupt_files_total",
+        Kind.COUNTER,
+        "Corrupt ledger files found (quick_check at open, or a write meeting a damaged page), moved aside "
+        "as <file>.corrupt-<time> and replaced by a fresh ledger.",
+        (),
+    ),
+    MetricSpec(
         "gpuledger_ledger_last_flush_timestamp_seconds",
         Kind.GAUGE,
         "When the ledger last committed a flush (unix time).",

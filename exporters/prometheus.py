@@ -194,6 +194,9 @@ def _cost_series(out: _Families, state: AgentState) -> None:
     if state.ledger is not None:
         out.add("gpuledger_ledger_up", (), 1.0 if state.ledger.healthy else 0.0)
         out.add("gpuledger_ledger_pending_rows", (), float(state.ledger.pending_rows))
+        out.add("gpuledger_ledger_dropped_rows_total", (), float(state.ledger.dropped_rows))
+        out.add("gpuledger_ledger_dropped_dollars_total", (), state.ledger.dropped_dollars)
+        out.add("gpuledger_ledger_corrupt_files_total", (), float(state.ledger.corrupt_files))
         if state.ledger.last_flush_at is not None:
             out.add("gpuledger_ledger_last_flush_timestamp_seconds", (), state.ledger.last_flush_at)
 

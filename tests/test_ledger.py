@@ -93,7 +93,7 @@ def test_sums_survive_flush_and_reopen(tmp_path: Path) -> None:
         ("GPU-0", "A100-SXM4-80GB", 2.5, 30.0, 0.5),
         ("GPU-1", "A100-SXM4-80GB", 2.5, 30.0, 1.0),
     ]
-    assert stored(path, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,)]
+    assert stored(path, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,)]
     assert stored(path, "PRAGMA journal_mode") == [("wal",)]
 
 
@@ -314,9 +314,10 @@ def test_close_logs_what_it_could_not_write(tmp_path: Path, caplog: pytest.LogCa
     holder = sqlite3.connect(path, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
     ledger.add(charges(T0, T0 + 60, workloads=((0, VLLM, 1.25),), idle=((1, 1.0),)))
-    ledger.close()
+    assert ledger.close() is False
     holder.execute("ROLLBACK")
     holder.close()
+    assert ledger.close() is False  # asked again, the answer stands
     assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]
     assert "closing with 3 hourly rows ($2.25) that could not be written" in caplog.records[1].getMessage()
 

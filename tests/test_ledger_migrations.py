@@ -1,9 +1,9 @@
 """Ledger schema migrations, from every schema a release has shipped.
 
-Version 1 (the first release) is rebuilt here with raw SQL, its DDL copied from that release,
-so these tests keep describing the files people have on disk whatever the code becomes. Opening
-one migrates it in one transaction; `report` reads it before and after with the same dollars;
-a ledger from a newer gpuledger is refused in one line.
+Versions 1 (the first release) and 2 are rebuilt here with raw SQL, their DDL copied from those
+releases, so these tests keep describing the files people have on disk whatever the code
+becomes. Opening one migrates it in one transaction; `report` reads it before and after with the
+same dollars; a ledger from a newer gpuledger is refused in one line.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from agent import __version__
 from agent.ledger.report import report_from_ledger
-from agent.ledger.store import SCHEMA_VERSION, Ledger, LedgerError, read_usage
+from agent.ledger.store import SCHEMA_VERSION, Ledger, LedgerError, read_info, read_usage
 from agent.model import WORKLOAD_LABELS, Charges, GpuCharge, Workload, WorkloadCharge
 from tests.test_cli import gpuledger
 
@@ -90,6 +91,68 @@ def write_v1_ledger(path: Path) -> None:
         conn.close()
 
 
+# --- version 2, as that release wrote it: `job` split into `hpc_job` and `unit`, energy dollars ---
+
+V2_DDL = (
+    "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)",
+    """CREATE TABLE workload_hours (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL,
+        held_s REAL NOT NULL, busy_s REAL NOT NULL, dollars REAL NOT NULL, joules REAL NOT NULL,
+        energy_dollars REAL,
+        PRIMARY KEY (hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE gpu_hours (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, uuid TEXT NOT NULL,
+        gpu INTEGER NOT NULL, model TEXT NOT NULL, dollars_per_hour REAL NOT NULL,
+        observed_s REAL NOT NULL, dollars REAL NOT NULL, idle_s REAL NOT NULL, idle_dollars REAL NOT NULL,
+        unobserved_s REAL NOT NULL, unobserved_dollars REAL NOT NULL, joules REAL NOT NULL, idle_joules REAL NOT NULL,
+        energy_dollars REAL, idle_energy_dollars REAL,
+        PRIMARY KEY (hour, node, uuid)
+    ) WITHOUT ROWID""",
+)
+
+
+def write_v2_ledger(path: Path) -> None:
+    """The same two hours as a version-2 agent left them (created at version 1, then migrated:
+    both steps recorded), job ids in `hpc_job`, unit names in `unit`, no energy price."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("BEGIN IMMEDIATE")
+        for statement in V2_DDL:
+            conn.execute(statement)
+        conn.executemany(
+            "INSERT INTO schema_version (version, applied_at) VALUES (?, ?)",
+            [(1, 1_795_000_000.0), (2, 1_795_100_000.0)],
+        )
+        conn.executemany(
+            "INSERT INTO workload_hours (hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model,"
+            " team, held_s, busy_s, dollars, joules, energy_dollars)"
+            " VALUES (?, 'node-a', ?, 'GPU-' || ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+            [
+                (hour, gpu, gpu, ns, pod, ctr, *((job, "") if job[:1].isdigit() else ("", job)), *rest)
+                for hour, gpu, ns, pod, ctr, job, *rest in V1_WORKLOADS
+            ],
+        )
+        conn.executemany(
+            "INSERT INTO gpu_hours (hour, node, uuid, gpu, model, dollars_per_hour, observed_s, dollars, idle_s,"
+            " idle_dollars, unobserved_s, unobserved_dollars, joules, idle_joules, energy_dollars, idle_energy_dollars)"
+            " VALUES (?, 'node-a', 'GPU-' || ?, ?, 'A100-SXM4-80GB', 2.5, ?, ?, ?, ?, 0.0, 0.0, ?, ?, NULL, NULL)",
+            [(hour, gpu, gpu, *rest) for hour, gpu, *rest in V1_GPUS],
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+# One writer per schema a release shipped before the current one: a new schema version must add
+# the writer of the one it replaces (the test below fails until it does).
+WRITERS = {1: write_v1_ledger, 2: write_v2_ledger}
+
+
 def rows(path: Path, sql: str) -> list[tuple[object, ...]]:
     with sqlite3.connect(path) as conn:
         return conn.execute(sql).fetchall()
@@ -148,8 +211,8 @@ def test_report_reads_a_first_release_ledger_without_writing_it(v1_ledger: Path)
 def test_opening_a_first_release_ledger_migrates_it_in_place(v1_ledger: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="gpuledger.ledger")
     Ledger(v1_ledger).close()
-    assert rows(v1_ledger, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,)]
-    assert [r.getMessage() for r in caplog.records] == [f"ledger {v1_ledger}: schema migrated from version 1 to 2"]
+    assert rows(v1_ledger, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,)]
+    assert [r.getMessage() for r in caplog.records] == [f"ledger {v1_ledger}: schema migrated from version 1 to 3"]
     assert rows(v1_ledger, "SELECT gpu, hour, hpc_job, unit, user, dollars FROM workload_hours ORDER BY gpu, hour") == [
         (0, H0, "8812", "", "alice", 2.5),
         (0, H1, "9911_3", "", "bob", 2.5),  # an array task's id is a Slurm job id too
@@ -161,7 +224,7 @@ def test_opening_a_first_release_ledger_migrates_it_in_place(v1_ledger: Path, ca
     assert rows(v1_ledger, "SELECT COUNT(*) FROM gpu_hours WHERE energy_dollars IS NOT NULL") == [(0,)]
     check_report_matches_the_first_release(v1_ledger)
     Ledger(v1_ledger).close()  # opening it again changes nothing
-    assert rows(v1_ledger, "SELECT COUNT(*) FROM schema_version") == [(2,)]
+    assert rows(v1_ledger, "SELECT COUNT(*) FROM schema_version") == [(3,)]
 
 
 def test_the_agent_keeps_adding_to_migrated_rows(v1_ledger: Path) -> None:
@@ -226,3 +289,118 @@ def test_report_by_job_is_report_by_hpc_job(v1_ledger: Path) -> None:
     assert by_alias == by_name
     assert by_alias.by == ("hpc_job", "user")
     assert math.fsum(line.dollars for line in by_alias.lines) + by_alias.idle.dollars == TOTAL
+
+
+# --- version 3: the ledger knows its node and period ---
+
+
+def test_there_is_a_writer_for_every_earlier_schema() -> None:
+    assert sorted(WRITERS) == list(range(1, SCHEMA_VERSION))
+
+
+@pytest.mark.parametrize("version", sorted(WRITERS))
+def test_every_earlier_schema_migrates_to_the_latest_keeping_its_dollars(
+    tmp_path: Path, version: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / f"v{version}.db"
+    WRITERS[version](path)
+    check_report_matches_the_first_release(path)  # read before: migrated in memory, file untouched
+    before = read_info(path)
+    assert rows(path, "SELECT MAX(version) FROM schema_version") == [(version,)]
+
+    caplog.set_level("INFO", logger="gpuledger.ledger")
+    Ledger(path).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ledger {path}: schema migrated from version {version} to {SCHEMA_VERSION}"
+    ]
+    assert [v for (v,) in rows(path, "SELECT version FROM schema_version ORDER BY version")] == list(
+        range(1, SCHEMA_VERSION + 1)
+    )
+    check_report_matches_the_first_release(path)
+    # What version 3 learns of an older file: its node from its rows, the hours they cover as
+    # its period (18:00 to 20:00: hours H0 and H1), its creation from the first step's time, and
+    # that the release which created it is unknown.
+    meta = rows(path, "SELECT node, created_at, created_by, first_at, last_at, length(ledger_id) FROM ledger_meta")
+    assert meta == [("node-a", 1_795_000_000.0, "", float(H0), float(H1 + H), 32)]
+    after = read_info(path)
+    assert (after.node, after.created_at, after.created_by, after.first_at, after.last_at, after.nodes) == (
+        before.node, before.created_at, before.created_by, before.first_at, before.last_at, before.nodes,
+    ) == ("node-a", 1_795_000_000.0, "", float(H0), float(H1 + H), frozenset({"node-a"}))  # fmt: skip
+
+
+def test_a_renamed_node_is_known_by_the_name_most_of_its_rows_carry(v1_ledger: Path) -> None:
+    with sqlite3.connect(v1_ledger) as conn:
+        conn.execute(
+            "INSERT INTO gpu_hours VALUES (?, 'old-name', 'GPU-0', 0, 'A100-SXM4-80GB', 2.5,"
+            " 3600.0, 2.5, 3600.0, 2.5, 0.0, 0.0, 0.0, 0.0)",
+            (H0 - H,),
+        )
+    info = read_info(v1_ledger)
+    assert info.node == "node-a"  # six GPU-hours against one
+    assert info.nodes == frozenset({"node-a", "old-name"})
+    assert (info.first_at, info.last_at) == (H0 - H, H1 + H)  # the old name's hour counts too
+
+
+def test_a_new_ledger_records_its_node_creator_and_the_period_it_writes(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    with Ledger(path, node="gpu-node-01", retention_s=None) as ledger:
+        info = read_info(path)
+        assert (info.node, info.created_by, info.first_at, info.last_at) == (
+            "gpu-node-01", f"gpuledger {__version__}", None, None,
+        )  # fmt: skip
+        assert not info.recorded
+        # Two intervals, 18:30:00.5 to 18:31 and 18:31 to 19:02: the period is their union.
+        ledger.add(Charges(H0 + 1800.5, H0 + 1860.0, "gpu-node-01", (), (gpu_charge(59.5),)))
+        ledger.add(Charges(H0 + 1860.0, H1 + 120.0, "gpu-node-01", (), (gpu_charge(1860.0),)))
+    info = read_info(path)
+    assert (info.first_at, info.last_at, info.nodes) == (H0 + 1800.5, H1 + 120.0, frozenset({"gpu-node-01"}))
+    assert info.recorded
+    # A restart adds earlier and later charges (a clock set back, then the next poll): it widens.
+    with Ledger(path, node="gpu-node-01", retention_s=None) as ledger:
+        ledger.add(Charges(H0 - 60.0, H0, "gpu-node-01", (), (gpu_charge(60.0),)))
+        ledger.add(Charges(H1 + 120.0, H1 + 180.0, "gpu-node-01", (), (gpu_charge(60.0),)))
+    assert (read_info(path).first_at, read_info(path).last_at) == (H0 - 60.0, H1 + 180.0)
+    assert read_info(path).created_at == info.created_at
+
+
+def test_a_ledger_opened_without_its_node_learns_it_from_its_first_write(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    with Ledger(path, retention_s=None) as ledger:
+        assert read_info(path).node == ""
+        ledger.add(Charges(H0, H0 + 60.0, "gpu-node-07", (), (gpu_charge(60.0),)))
+    assert read_info(path).node == "gpu-node-07"
+
+
+def test_another_node_opening_a_ledger_is_logged_and_the_ledger_keeps_its_node(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "ledger.db"
+    Ledger(path, node="gpu-node-01").close()
+    Ledger(path, node="gpu-node-02").close()
+    assert read_info(path).node == "gpu-node-01"
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"ledger {path} belongs to node gpu-node-01; this agent is node gpu-node-02 and records its rows under "
+        "that name"
+    ]
+
+
+def test_retention_moves_the_start_of_the_period_to_what_it_keeps(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    now = [H0 + 10 * H]
+    with Ledger(path, retention_s=5 * H, clock=lambda: now[0]) as ledger:
+        ledger.add(Charges(H0, H0 + H, "n", (), (gpu_charge(H),)))
+        ledger.add(Charges(H0 + 6 * H, H0 + 7 * H, "n", (), (gpu_charge(H),)))
+        assert ledger.flush()
+        # now - 5 h = H0 + 5 h: the hour H0 goes, and the period starts where what is kept may.
+        assert (read_info(path).first_at, read_info(path).last_at) == (H0 + 5 * H, H0 + 7 * H)
+        now[0] = H0 + 20 * H  # everything ages out: the ledger records nothing
+        assert ledger.flush()
+    assert (read_info(path).first_at, read_info(path).last_at, read_info(path).recorded) == (None, None, False)
+
+
+def gpu_charge(seconds: float) -> GpuCharge:
+    """GPU 0 idle at $3.60 an hour (a tenth of a cent a second) for `seconds`."""
+    return GpuCharge(
+        gpu=0, uuid="GPU-0", model="A100-SXM4-80GB", dollars_per_hour=3.6, observed_s=seconds, dollars=seconds / 1000,
+        idle_s=seconds, idle_dollars=seconds / 1000, unobserved_s=0.0, joules=0.0, idle_joules=0.0,
+    )  # fmt: skip

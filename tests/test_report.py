@@ -17,12 +17,14 @@ from agent.ledger.report import (
     Report,
     ReportLine,
     build_report,
+    check_overlaps,
     parse_by,
     parse_time,
     render,
     report_from_ledger,
+    report_from_ledgers,
 )
-from agent.ledger.store import Ledger, LedgerError, read_usage
+from agent.ledger.store import Ledger, LedgerError, LedgerInfo, read_usage
 from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
 from tests.test_cli import gpuledger
 
@@ -284,3 +286,47 @@ def test_parse_time_rejects_with_one_line_naming_the_text(text: str) -> None:
     message = str(caught.value)
     assert repr(text) in message
     assert "\n" not in message
+
+
+# --- several ledgers ---
+
+
+def info(
+    path: str, node: str, first: float | None, last: float | None, *, rows: tuple[str, ...] = (), ident: str = ""
+) -> LedgerInfo:
+    """A ledger's record: `rows` the nodes its rows name (default its own), `ident` its id (default its path)."""
+    return LedgerInfo(Path(path), ident or path, node, T0, "gpuledger test", first, last, frozenset(rows or (node,)))
+
+
+def test_check_overlaps_refuses_one_node_twice_and_nothing_else() -> None:
+    a = info("a.db", "n1", T0, T0 + 2 * H)
+    check_overlaps([a, info("b.db", "n2", T0, T0 + 2 * H)])  # other node
+    check_overlaps([a, info("b.db", "n1", T0 + 2 * H, T0 + 3 * H)])  # touching, not overlapping
+    check_overlaps([a, info("b.db", "n1", None, None)])  # records nothing
+    check_overlaps([a, info("b.db", "", T0, T0 + H, rows=("",))])  # a node nobody named
+    with pytest.raises(ValueError, match="both record node n1") as caught:
+        check_overlaps([a, info("b.db", "n2", T0 + H, T0 + 5 * H, rows=("n2", "n1"))])  # n1 under an old name
+    assert str(caught.value) == (
+        "a.db and b.db both record node n1 from 2026-11-27T19:00:00Z to 2026-11-27T20:00:00Z: "
+        "reading both would count that time twice"
+    )
+    with pytest.raises(ValueError, match=r"\(copies of one ledger\)"):
+        check_overlaps([a, info("c.db", "n2", T0 - H, T0 + 1, rows=("n1",), ident="a.db")])
+
+
+def test_two_ledgers_add_up_to_their_sum(weekend_ledger: Path, tmp_path: Path) -> None:
+    # The weekend's node-01 hours in one file, node-02's in another: the merge is the whole weekend.
+    split = {node: tmp_path / f"{node}.db" for node in ("gpu-node-01", "gpu-node-02")}
+    for node, path in split.items():
+        with Ledger(path, retention_s=None) as ledger:
+            for row in read_usage(weekend_ledger):
+                if row.node != node or row.idle:
+                    continue
+                charge = WorkloadCharge(row.gpu, row.uuid, row.workload, row.held_s, row.busy_s, row.dollars, 0.0)
+                gpu = GpuCharge(row.gpu, row.uuid, "A100", 1.0, H, row.dollars, 0, 0, 0, 0, 0)
+                ledger.add(Charges(row.hour, row.hour + H, node, (charge,), (gpu,)))
+    merged = report_from_ledgers(list(split.values()), by=["node"])
+    whole = report_from_ledger(weekend_ledger, by=["node"])
+    assert {line.key: line.dollars for line in merged.lines} == {line.key: line.dollars for line in whole.lines}
+    assert merged.ledgers == 2
+    assert render(merged, "table").splitlines()[0].endswith("from 2 ledgers")

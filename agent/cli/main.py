@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import NoReturn
 
 from tqdm import tqdm
@@ -30,7 +29,15 @@ from agent.cli.wiring import build_agent
 from agent.config import check_config, host_problems, load_config
 from agent.devices.backend import DriverLibraryMissing
 from agent.errors import BadInputError, ConfigError, GpuledgerError
-from agent.ledger.report import DEFAULT_BY, GROUP_KEYS, parse_by, parse_time, render, report_from_ledger
+from agent.ledger.report import (
+    DEFAULT_BY,
+    GROUP_KEYS,
+    ledger_files,
+    parse_by,
+    parse_time,
+    render,
+    report_from_ledgers,
+)
 from agent.units import format_duration
 
 log = logging.getLogger("gpuledger")
@@ -95,10 +102,20 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write the final /metrics text to FILE (- for stdout; default: a summary only)",
     )
-    sim.add_argument("--ledger", metavar="FILE", help="write the charges to this ledger file")
+    sim.add_argument(
+        "--ledger", metavar="FILE", help="write the charges to this ledger file (new, or empty unless --append)"
+    )
+    sim.add_argument(
+        "--append", action="store_true", help="add to a --ledger that already holds charges (else refused)"
+    )
 
     rep = sub.add_parser("report", help="cost and usage from the ledger")
-    rep.add_argument("--ledger", metavar="FILE", help="ledger file (default: ledger.path)")
+    rep.add_argument(
+        "--ledger",
+        action="append",
+        metavar="FILE|DIR",
+        help="ledger file, or a directory of *.db ledgers; repeat to merge several (default: ledger.path)",
+    )
     rep.add_argument("--config", help="YAML config file")
     rep.add_argument("--since", metavar="T", help="ISO date/time (UTC) or e.g. 7d for seven days ago")
     rep.add_argument("--until", metavar="T", help="ISO date/time (UTC) or e.g. 1d")
@@ -218,17 +235,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     beat = watchdog_interval_s()
     if beat is not None:
         threading.Thread(target=_watchdog, args=(stop, beat, agent.pipeline.healthy), daemon=True).start()
-    stop.wait()
+    # Wake each second: a signal the kernel hands to another thread reaches the Python handler
+    # only when the main thread runs bytecode, and a wait with no timeout might never return.
+    while not stop.wait(1.0):
+        pass
     notify("STOPPING=1")
     # Whatever the driver is doing, the process ends within SHUTDOWN_GRACE_S: a thread stuck in
     # a driver call cannot be joined, and systemd's stop timeout would end in SIGKILL anyway.
     deadline = threading.Timer(SHUTDOWN_GRACE_S, _exit_now, args=(EXIT_FAILURE,))
     deadline.daemon = True
     deadline.start()
-    agent.close()  # the ledger first: the last charges reach it, then the textfile
+    written = agent.close()  # the ledger first: the last charges reach it, then the textfile
     server.stop()
     deadline.cancel()
-    return exit_code
+    # Charges the ledger could not take are lost (logged with their dollars): not a clean exit.
+    return exit_code if written else EXIT_FAILURE
 
 
 # SIGTERM to exit: at most this long, ledger flushed (it goes first).
@@ -285,15 +306,16 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     settings = load_config(args.config)
-    path = args.ledger or settings.ledger.path
-    if not Path(path).exists():
-        raise BadInputError(f"gpuledger: --ledger: no such ledger file {path}")
+    try:
+        paths = ledger_files(args.ledger or [settings.ledger.path])
+    except ValueError as exc:
+        raise BadInputError(f"gpuledger: --ledger: {exc}") from None
     now = time.time()
     try:
         by = parse_by(args.by)
         since = parse_time(args.since, now) if args.since else None
         until = parse_time(args.until, now) if args.until else None
-        report = report_from_ledger(path, by=by, since=since, until=until)
+        report = report_from_ledgers(paths, by=by, since=since, until=until)
     except ValueError as exc:
         raise BadInputError(f"gpuledger: report: {exc}") from None
     sys.stdout.write(render(report, args.format))

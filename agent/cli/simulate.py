@@ -3,6 +3,10 @@
 The agent is built as `run` builds it, so every output option `run` honours (per-pid series,
 dcgm-exporter compatibility, the textfile, the ledger) applies here too; its periodic jobs run
 on the scenario clock at the daemon's rhythm, one poll per --step.
+
+Everything that can be refused is refused before the first poll: a --for or --step that would
+charge nothing, and a --ledger that already holds charges (simulating the same scenario into it
+twice would count every hour twice; --append says that is meant) or cannot be written.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from agent.cli.args import EXIT_OK, duration_arg
 from agent.cli.wiring import build_agent
 from agent.config import load_config
 from agent.errors import BadInputError, GpuledgerError
+from agent.ledger.store import Ledger, LedgerError, iso_time, recorded_period
 from agent.model import AgentState
 from agent.pipeline import run_on_scenario_time
 from agent.scrub import escape_control
@@ -30,11 +35,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     settings = load_config(args.config)
     duration = duration_arg(args.duration, "--for")
     step = duration_arg(args.step, "--step")
+    if duration <= 0:
+        raise BadInputError(f"gpuledger: --for: must be above 0, got {args.duration}")
     if step <= 0:
         raise BadInputError("gpuledger: --step: must be above 0")
+    if step > duration:
+        raise BadInputError(
+            f"gpuledger: --step: {format_duration(step)} is longer than --for {format_duration(duration)}: "
+            "no interval would be simulated"
+        )
+    if args.append and not args.ledger:
+        raise BadInputError("gpuledger: --append: only meaningful with --ledger")
     for option, target in (("--metrics-out", args.metrics_out), ("--ledger", args.ledger)):
         if target and target != "-" and not Path(target).parent.is_dir():
             raise BadInputError(f"gpuledger: {option}: no such directory {Path(target).parent}")
+    if args.ledger:
+        check_ledger(Path(args.ledger), append=args.append)
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
     agent = build_agent(settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step)
     node = agent.node
@@ -47,9 +63,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         try:
             run_on_scenario_time(agent.pipeline.jobs(), node.clock.advance, duration, step, on_step=bar.update)
         finally:
-            agent.close()  # flushes the ledger and writes the textfile, if configured
-    sink = agent.costing.sink if agent.costing is not None else None
-    if sink is not None and not sink.health().healthy:
+            written = agent.close()  # flushes the ledger and writes the textfile, if configured
+    if not written:
         raise GpuledgerError(f"the ledger {args.ledger} could not be written (see the log)")
     state = agent.pipeline.state
     if args.metrics_out == "-":
@@ -96,3 +111,22 @@ def _flags(state: AgentState) -> str:
         )
         or "none"
     )
+
+
+def check_ledger(path: Path, *, append: bool) -> None:
+    """Refuse (BadInputError, one line) a ledger that holds charges unless `append`, and one that
+    cannot be opened for writing: opened and closed here, before anything is simulated."""
+    try:
+        if path.is_dir():
+            raise LedgerError(f"ledger {path}: is a directory")
+        period = recorded_period(path)
+        if period is not None and not append:
+            raise BadInputError(
+                f"gpuledger: --ledger: {path} already holds charges ({iso_time(period[0])} to "
+                f"{iso_time(period[1])}); pass --append to add to them, or choose a new file"
+            )
+        Ledger(path, retention_s=None).close()
+    except LedgerError as exc:
+        raise BadInputError(f"gpuledger: --ledger: {exc}") from None
+    except OSError as exc:
+        raise BadInputError(f"gpuledger: --ledger: {path}: {exc.strerror or exc}") from None

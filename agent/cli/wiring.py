@@ -54,6 +54,7 @@ class Agent:
     pipeline: Pipeline
     textfile: TextfileWriter | None
     _closed: bool = False
+    _ledger_written: bool = True
 
     def registry(self, state: Callable[[], AgentState] | None = None) -> CollectorRegistry:
         """A registry rendering `state` (by default the pipeline's latest), with the per-pid
@@ -75,16 +76,18 @@ class Agent:
         if self.textfile is not None:
             self.textfile.start(self.pipeline.poll_interval_s)
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Stop the schedules, flush and close the ledger, write the last state to the textfile,
         then let go of the kubelet, NVML and the fake node. A driver call still stuck is left
-        alone (shutting the library down under it could hang too)."""
+        alone (shutting the library down under it could hang too). False when charges could not
+        be written to the ledger (logged, with their rows and dollars): `run` then exits 1."""
         if self._closed:
-            return
+            return self._ledger_written
         self._closed = True
         idle = self.pipeline.stop()
         if self.costing is not None and self.costing.sink is not None:
-            self.costing.sink.close()  # the last charges reach the ledger before anything slower
+            # The last charges reach the ledger before anything slower.
+            self._ledger_written = self.costing.sink.close()
         if self.textfile is not None:
             self.textfile.stop()  # the last poll reaches the file too
         if self.attributor.kubelet is not None:
@@ -95,6 +98,7 @@ class Agent:
             import fake_nvml
 
             fake_nvml.uninstall()
+        return self._ledger_written
 
 
 def build_agent(
@@ -135,7 +139,7 @@ def build_agent(
         if isinstance(costing, Costing):
             priced = costing
         elif costing:
-            priced = _costing(settings, node, ledger_path, clock or backend.clock)
+            priced = _costing(settings, node, ledger_path, clock or backend.clock, sampler.hostname)
             if node is not None:
                 # On a fake node one poll interval spans `fake_speed` times as much scenario time
                 # (or, in `simulate`, one step): that is the run's normal rhythm, not a gap to
@@ -243,8 +247,10 @@ def _costing(
     node: fake_nvml.InstalledNode | None,
     ledger_path: str | Path | None,
     clock: Callable[[], float],
+    hostname: str,
 ) -> Costing:
-    """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger."""
+    """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger
+    (which records `hostname`, the node name the charges carry)."""
     from agent.ledger.sink import LedgerSink
 
     catalogue = load_catalogue()
@@ -270,7 +276,17 @@ def _costing(
                 log.warning("no price for GPU %d (%s): set pricing.by_model or pricing.gpu_hourly", g.index, g.model)
         return found
 
-    sink = LedgerSink(ledger_path, retention_s=settings.ledger.retention, clock=clock) if ledger_path else None
+    sink = (
+        LedgerSink(
+            ledger_path,
+            retention_s=settings.ledger.retention,
+            clock=clock,
+            node=hostname,
+            max_pending_rows=settings.ledger.max_pending_rows,
+        )
+        if ledger_path
+        else None
+    )
     return Costing(
         prices=prices,
         max_interval_s=settings.accounting.max_interval,

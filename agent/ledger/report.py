@@ -1,9 +1,13 @@
-"""`gpuledger report`: cost and usage from the ledger, grouped, as a table, CSV or JSON.
+"""`gpuledger report`: cost and usage from one or more ledgers, grouped, as a table, CSV or JSON.
 
-Layering: this module only reads the ledger, through `agent.ledger.store.read_usage` (the one module
+Layering: this module only reads ledgers, through `agent.ledger.store.read_ledger` (the one module
 that talks to sqlite3); it never writes. Everything else here is pure: rows in, text out.
 
 Choices a reader of the output should know:
+- Several ledgers (files, or every *.db file of a directory) are merged into one report: the
+  ledgers of many nodes, or one node's successive files. Two files that record the same node
+  over overlapping periods are refused (`check_overlaps`): they are one ledger copied twice,
+  or one simulation written twice, and summing them would count that time twice.
 - Rows are sorted by dollars, largest first (ties by the group's names). The `(idle)` row, the
   cost of GPUs nobody held, is not a workload: it comes after them, just above TOTAL, always in
   the same place, so neither people nor scripts have to look for it.
@@ -29,12 +33,12 @@ import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from agent.ledger.store import HOUR_S, UsageRow, hour_start, read_usage
+from agent.ledger.store import HOUR_S, LedgerInfo, UsageRow, hour_start, iso_time, read_ledger
 from agent.model import WORKLOAD_LABELS
 from agent.units import joules_to_kwh, parse_duration
 
@@ -84,6 +88,7 @@ class Report:
     total: ReportLine
     since: float | None = None  # start of the first hour covered; None: nothing recorded
     until: float | None = None  # end of the last hour covered
+    ledgers: int = 1  # how many ledger files were merged
 
 
 def parse_by(text: str) -> tuple[str, ...]:
@@ -173,14 +178,71 @@ class _Sums:
 def report_from_ledger(
     path: str | Path, *, by: Sequence[str], since: float | None = None, until: float | None = None
 ) -> Report:
-    """Read the hours overlapping [since, until) and build the report; LedgerError if unreadable."""
+    """`report_from_ledgers` of one file."""
+    return report_from_ledgers([path], by=by, since=since, until=until)
+
+
+def report_from_ledgers(
+    paths: Sequence[str | Path], *, by: Sequence[str], since: float | None = None, until: float | None = None
+) -> Report:
+    """Read the hours overlapping [since, until) from every ledger and build one report.
+
+    LedgerError if a file is unreadable; ValueError for bad arguments and for two files that
+    record the same node over overlapping periods (`check_overlaps`).
+    """
     keys = check_by(by)
     if since is not None and until is not None and since >= until:
-        raise ValueError(f"--since ({_iso(since)}) must be before --until ({_iso(until)})")
-    rows = read_usage(path, since=since, until=until)
+        raise ValueError(f"--since ({iso_time(since)}) must be before --until ({iso_time(until)})")
+    if not paths:
+        raise ValueError("no ledger to read")
+    contents = [read_ledger(path, since=since, until=until) for path in paths]
+    check_overlaps([c.info for c in contents])
     covered_since = None if since is None else float(hour_start(since))
     covered_until = None if until is None else float(-hour_start(-until))  # rounded up to the hour
-    return build_report(rows, keys, since=covered_since, until=covered_until)
+    report = build_report((row for c in contents for row in c.rows), keys, since=covered_since, until=covered_until)
+    return replace(report, ledgers=len(contents))
+
+
+def check_overlaps(infos: Sequence[LedgerInfo]) -> None:
+    """ValueError (one line, naming both files) where two ledgers record one node over
+    overlapping periods. Periods that only touch (one file ends when the next begins, as after a
+    corrupt file was moved aside) are fine; so are ledgers that record nothing."""
+    for i, a in enumerate(infos):
+        for b in infos[i + 1 :]:
+            if a.first_at is None or a.last_at is None or b.first_at is None or b.last_at is None:
+                continue
+            start, end = max(a.first_at, b.first_at), min(a.last_at, b.last_at)
+            common = sorted(((a.nodes | {a.node}) & (b.nodes | {b.node})) - {""})
+            if common and start < end:
+                copies = " (copies of one ledger)" if a.ledger_id == b.ledger_id else ""
+                raise ValueError(
+                    f"{a.path} and {b.path} both record node {common[0]} from {iso_time(start)} to "
+                    f"{iso_time(end)}{copies}: reading both would count that time twice"
+                )
+
+
+def ledger_files(targets: Sequence[str | Path]) -> list[Path]:
+    """The files `targets` name: a file as given, a directory's *.db files (sorted by name). A
+    file named twice (itself and through its directory) is read once. ValueError naming a target
+    that does not exist or a directory with no ledger in it."""
+    files: list[Path] = []
+    seen: set[Path] = set()
+    for target in targets:
+        path = Path(target)
+        if path.is_dir():
+            found = sorted(p for p in path.glob("*.db") if p.is_file())
+            if not found:
+                raise ValueError(f"no *.db ledger files in directory {path}")
+        elif path.exists():
+            found = [path]
+        else:
+            raise ValueError(f"no such ledger file {path}")
+        for file in found:
+            identity = file.resolve()
+            if identity not in seen:
+                seen.add(identity)
+                files.append(file)
+    return files
 
 
 _RELATIVE = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d|w))+")
@@ -215,10 +277,6 @@ def _in_range(t: float, text: str) -> float:
     if not 0 <= t < _LATEST_S:
         raise ValueError(f"time out of range (1970 to 8999), got {text!r}")
     return t
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def render(report: Report, fmt: str = "table") -> str:
@@ -260,11 +318,12 @@ def _numbers(line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = 
 
 
 def _span(report: Report) -> str:
-    start = "..." if report.since is None else _iso(report.since)
-    end = "..." if report.until is None else _iso(report.until)
+    start = "..." if report.since is None else iso_time(report.since)
+    end = "..." if report.until is None else iso_time(report.until)
+    merged = f" from {report.ledgers} ledgers" if report.ledgers > 1 else ""
     if report.since is None and report.until is None:
-        return "no ledger hours recorded"
-    return f"ledger hours {start} to {end}"
+        return f"no ledger hours recorded{merged}"
+    return f"ledger hours {start} to {end}{merged}"
 
 
 def _render_table(report: Report) -> str:
@@ -336,8 +395,8 @@ def _render_csv(report: Report) -> str:
 
 def _render_json(report: Report) -> str:
     document: dict[str, Any] = {
-        "since": None if report.since is None else _iso(report.since),
-        "until": None if report.until is None else _iso(report.until),
+        "since": None if report.since is None else iso_time(report.since),
+        "until": None if report.until is None else iso_time(report.until),
         "by": list(report.by),
         "rows": [dict(zip(report.by, line.key, strict=True)) | _figures(line) for line in report.lines],
         "idle": _figures(report.idle, efficiency=False),

@@ -2,7 +2,10 @@
 
 A ledger that cannot be opened (no directory, read-only disk) or cannot flush (disk full) is
 reported through `health()` (and so `gpuledger_ledger_up`), logged once per change of state,
-and retried at the next flush; charges wait in memory meanwhile, so nothing is lost.
+and retried at the next flush. Charges wait in memory meanwhile, summed per hour and key, at
+most `max_pending_rows` rows (the oldest hours are dropped beyond that, counted in
+`gpuledger_ledger_dropped_rows_total` and `_dollars_total`). `close()` says whether every
+charge reached the file; where some did not, one error line says how many rows and dollars.
 """
 
 from __future__ import annotations
@@ -12,19 +15,28 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.ledger.store import Ledger, LedgerError
+from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS, Ledger, LedgerError, PendingCharges
 from agent.model import Charges, LedgerHealth
 
 log = logging.getLogger(__name__)
 
 
 class LedgerSink:
-    def __init__(self, path: str | Path, *, retention_s: float | None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        retention_s: float | None,
+        clock: Callable[[], float] = time.time,
+        node: str | None = None,
+        max_pending_rows: int = DEFAULT_MAX_PENDING_ROWS,
+    ) -> None:
         self.path = Path(path)
         self.retention_s = retention_s
         self.clock = clock
+        self.node = node
+        self._pending = PendingCharges(self.path, max_pending_rows)  # handed to the ledger once it opens
         self._ledger: Ledger | None = None
-        self._waiting: list[Charges] = []  # charges that arrived while the ledger could not open
         self._open_failed = False
         self._open()
 
@@ -33,7 +45,9 @@ class LedgerSink:
             return self._ledger
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._ledger = Ledger(self.path, retention_s=self.retention_s, clock=self.clock)
+            self._ledger = Ledger(
+                self.path, node=self.node, retention_s=self.retention_s, clock=self.clock, pending=self._pending
+            )
         except (OSError, LedgerError) as exc:
             if not self._open_failed:
                 log.error("ledger %s cannot be opened (%s); charges are kept in memory and retried", self.path, exc)
@@ -42,15 +56,12 @@ class LedgerSink:
         if self._open_failed:
             log.warning("ledger %s is open again", self.path)
         self._open_failed = False
-        for charges in self._waiting:
-            self._ledger.add(charges)
-        self._waiting.clear()
         return self._ledger
 
     def add(self, charges: Charges) -> None:
         ledger = self._ledger
         if ledger is None:
-            self._waiting.append(charges)
+            self._pending.add(charges)
         else:
             ledger.add(charges)
 
@@ -60,13 +71,32 @@ class LedgerSink:
 
     def health(self) -> LedgerHealth:
         ledger = self._ledger
-        if ledger is None:
-            return LedgerHealth(healthy=False, pending_rows=len(self._waiting), last_flush_at=None)
+        pending = self._pending
         return LedgerHealth(
-            healthy=ledger.healthy, pending_rows=ledger.pending_rows, last_flush_at=ledger.last_flush_at
+            healthy=ledger is not None and ledger.healthy,
+            pending_rows=pending.rows,
+            last_flush_at=ledger.last_flush_at if ledger is not None else None,
+            dropped_rows=pending.dropped_rows,
+            dropped_dollars=pending.dropped_dollars,
+            corrupt_files=len(ledger.moved_aside) if ledger is not None else 0,
         )
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Flush and close. True when every charge reached the file; otherwise one error line
+        says how many hourly rows and dollars are lost."""
         ledger = self._open()
         if ledger is not None:
-            ledger.close()
+            return ledger.close()
+        rows, dollars = self._pending.lost()
+        if not rows:
+            return True
+        dropped = self._pending.dropped_rows
+        earlier = f", besides {dropped} rows (${self._pending.dropped_dollars:.2f}) dropped earlier" if dropped else ""
+        log.error(
+            "ledger %s: cannot be opened; exiting with %d hourly rows ($%.2f) that could not be written%s",
+            self.path,
+            rows,
+            dollars,
+            earlier,
+        )
+        return False

@@ -1,0 +1,274 @@
+"""The ledger through the command line, on real files and real subprocesses: `simulate` refuses
+a ledger that already holds charges unless --append, and one it cannot write, before it
+simulates anything; `report` merges several ledgers (files or directories) and refuses to
+count one node's time twice."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.ledger.store import Ledger, read_info
+from tests.test_cli import gpuledger
+
+H = 3600.0
+START = 1_795_197_600.0  # 2026-11-20T18:00:00Z, the scenarios' start
+
+# Two GPUs at $2.50 an hour: ann's job holds GPU 0 throughout, GPU 1 is idle.
+SCENARIO = """
+start: %(start)s
+node: {hostname: %(node)s}
+gpus:
+  - {model: A100-SXM4-80GB, count: 2}
+processes:
+  - {pid: 4101, gpus: [0], sm_util: 50, memory_mib: 1000, uid: 1001, user: ann, cmdline: "python train.py"}
+"""
+CONFIG = "pricing: {gpu_hourly: 2.5}\n"
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    """A scenario per node name (from 18:00, and gpu-node-01 once more from 20:00, where the
+    first one's two hours end) and the config that prices them."""
+    out = {"config": tmp_path / "gpuledger.yml"}
+    out["config"].write_text(CONFIG)
+    for name, node, start in (
+        ("gpu-node-01", "gpu-node-01", "2026-11-20T18:00:00Z"),
+        ("gpu-node-02", "gpu-node-02", "2026-11-20T18:00:00Z"),
+        ("gpu-node-01-later", "gpu-node-01", "2026-11-20T20:00:00Z"),
+    ):
+        out[name] = tmp_path / f"{name}.yaml"
+        out[name].write_text(SCENARIO % {"node": node, "start": start})
+    return out
+
+
+def simulate(
+    files: dict[str, Path], ledger: Path, *args: str, node: str = "gpu-node-01", duration: str = "2h"
+) -> subprocess.CompletedProcess[str]:
+    return gpuledger(
+        "simulate", str(files[node]), "--for", duration, "--step", "60s", "--config", str(files["config"]),
+        "--ledger", str(ledger), "--metrics-out", str(ledger.with_suffix(".prom")), *args,
+    )  # fmt: skip
+
+
+def report_json(*ledgers: Path, by: str = "user") -> dict[str, Any]:
+    result = gpuledger("report", *(a for ledger in ledgers for a in ("--ledger", str(ledger))), "--by", by,
+                       "--format", "json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    document: dict[str, Any] = json.loads(result.stdout)
+    return document
+
+
+def dollars_by_user(document: dict[str, Any]) -> dict[str, float]:
+    return {row["user"]: row["dollars"] for row in document["rows"]}
+
+
+def report(*args: str) -> subprocess.CompletedProcess[str]:
+    return gpuledger("report", "--by", "user", "--format", "json", *args)
+
+
+def one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+# --- simulate ---
+
+
+def test_simulate_twice_into_one_ledger_is_refused_unless_append(tmp_path: Path, files: dict[str, Path]) -> None:
+    ledger = tmp_path / "sim.db"
+    first = simulate(files, ledger)
+    assert first.returncode == 0, first.stderr
+    # 2 h of GPU 0 held by ann at $2.50/h = $5.00; GPU 1 idle for 2 h = $5.00.
+    once = report_json(ledger)
+    assert dollars_by_user(once) == pytest.approx({"ann": 5.0}, rel=1e-9)
+    assert once["idle"]["dollars"] == pytest.approx(5.0, rel=1e-9)
+    assert read_info(ledger).node == "gpu-node-01"  # the scenario's hostname: the agent's node
+    before = ledger.read_bytes()
+
+    again = simulate(files, ledger)
+    assert again.returncode == 2
+    assert one_line(again.stderr) == (
+        f"gpuledger: --ledger: {ledger} already holds charges (2026-11-20T18:00:00Z to 2026-11-20T20:00:00Z); "
+        "pass --append to add to them, or choose a new file"
+    )
+    assert ledger.read_bytes() == before  # not even opened for writing
+
+    appended = simulate(files, ledger, "--append")
+    assert appended.returncode == 0, appended.stderr
+    # What --append asks for: the same two hours once more, $5.00 + $5.00 each for ann and idle.
+    twice = report_json(ledger)
+    assert dollars_by_user(twice) == pytest.approx({"ann": 10.0}, rel=1e-9)
+    assert twice["total"]["dollars"] == pytest.approx(20.0, rel=1e-9)
+
+
+def test_an_empty_file_or_a_ledger_without_charges_is_a_new_ledger(tmp_path: Path, files: dict[str, Path]) -> None:
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    assert simulate(files, empty).returncode == 0
+    assert read_info(empty).node == "gpu-node-01"
+    # A ledger that records nothing yet (opened, never charged): nothing to count twice.
+    fresh = tmp_path / "fresh.db"
+    Ledger(fresh).close()
+    assert simulate(files, fresh).returncode == 0
+    assert dollars_by_user(report_json(fresh)) == pytest.approx({"ann": 5.0}, rel=1e-9)  # 2 h x $2.50
+
+
+def test_a_ledger_that_cannot_be_written_is_refused_before_simulating(tmp_path: Path, files: dict[str, Path]) -> None:
+    """Another process holds the write lock (root ignores file modes; a held lock refuses every user)."""
+    ledger = tmp_path / "locked.db"
+    ledger.touch()
+    holder = sqlite3.connect(ledger, isolation_level=None)
+    try:
+        holder.execute("PRAGMA journal_mode=WAL")
+        holder.execute("BEGIN EXCLUSIVE")
+        result = simulate(files, ledger)
+    finally:
+        holder.close()
+    assert result.returncode == 2
+    assert one_line(result.stderr) == f"gpuledger: --ledger: ledger {ledger}: cannot open: database is locked"
+    assert not ledger.with_suffix(".prom").exists()  # nothing was simulated
+
+
+def test_a_file_that_is_not_a_ledger_is_refused_and_left_alone(tmp_path: Path, files: dict[str, Path]) -> None:
+    notes = tmp_path / "notes.db"
+    notes.write_text("my notes, not a ledger\n" * 100)
+    result = simulate(files, notes, "--append")
+    assert result.returncode == 2
+    assert one_line(result.stderr) == f"gpuledger: --ledger: ledger {notes}: cannot open: file is not a database"
+    assert notes.read_text() == "my notes, not a ledger\n" * 100
+    directory = tmp_path / "dir.db"
+    directory.mkdir()
+    result = simulate(files, directory)
+    assert (result.returncode, one_line(result.stderr)) == (
+        2,
+        f"gpuledger: --ledger: ledger {directory}: is a directory",
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--for", "0s"), "gpuledger: --for: must be above 0, got 0s"),
+        (
+            ("--for", "30m", "--step", "1h"),
+            "gpuledger: --step: 1h is longer than --for 30m: no interval would be simulated",
+        ),
+        (("--for", "1h", "--append"), "gpuledger: --append: only meaningful with --ledger"),
+    ],
+)
+def test_simulate_that_would_charge_nothing_is_bad_input(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
+    out = tmp_path / "metrics.prom"
+    result = gpuledger("simulate", "demo", *args, "--metrics-out", str(out))
+    assert (result.returncode, one_line(result.stderr)) == (2, message)
+    assert not out.exists()
+
+
+# --- report over several ledgers ---
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, files: dict[str, Path]) -> Path:
+    """A directory with two hours of each node's ledger: gpu-node-01.db and gpu-node-02.db."""
+    ledgers = tmp_path / "ledgers"
+    ledgers.mkdir()
+    for node in ("gpu-node-01", "gpu-node-02"):
+        result = simulate(files, ledgers / f"{node}.db", node=node)
+        assert result.returncode == 0, result.stderr
+    for prom in ledgers.glob("*.prom"):
+        prom.unlink()
+    return ledgers
+
+
+# Two nodes, two hours each, at $2.50 an hour per GPU: ann holds GPU 0 on each, $5.00 a node,
+# $10.00 in all; GPU 1 of each is idle, $10.00 in all; TOTAL 2 nodes x 2 GPUs x 2 h x $2.50 = $20.00.
+BOTH_NODES = {"ann": 10.0}
+BOTH_IDLE = 10.0
+BOTH_TOTAL = 20.0
+
+
+def test_report_merges_every_ledger_flag(two_nodes: Path) -> None:
+    a, b = two_nodes / "gpu-node-01.db", two_nodes / "gpu-node-02.db"
+    document = report_json(a, b)  # two --ledger flags: the first used to be dropped
+    assert dollars_by_user(document) == pytest.approx(BOTH_NODES, rel=1e-9)
+    assert document["idle"]["dollars"] == pytest.approx(BOTH_IDLE, rel=1e-9)
+    assert document["total"]["dollars"] == pytest.approx(BOTH_TOTAL, rel=1e-9)
+    assert document["total"]["gpu_hours_held"] == pytest.approx(8.0)  # 2 nodes x 2 GPUs x 2 h
+    by_node = report_json(a, b, by="node")
+    assert {r["node"]: r["dollars"] for r in by_node["rows"]} == pytest.approx(
+        {"gpu-node-01": 5.0, "gpu-node-02": 5.0}, rel=1e-9
+    )
+    table = gpuledger("report", "--ledger", str(a), "--ledger", str(b), "--by", "user")
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.splitlines()[0] == (
+        "GPU cost by user; ledger hours 2026-11-20T18:00:00Z to 2026-11-20T20:00:00Z from 2 ledgers"
+    )
+
+
+def test_report_reads_every_ledger_of_a_directory_once(two_nodes: Path) -> None:
+    (two_nodes / "notes.txt").write_text("not a ledger, and not *.db: not read")
+    document = report_json(two_nodes)
+    assert dollars_by_user(document) == pytest.approx(BOTH_NODES, rel=1e-9)
+    assert document["total"]["dollars"] == pytest.approx(BOTH_TOTAL, rel=1e-9)
+    # The directory and one of its files: that file is read once.
+    again = report_json(two_nodes, two_nodes / "gpu-node-01.db")
+    assert again["total"]["dollars"] == pytest.approx(BOTH_TOTAL, rel=1e-9)
+
+
+def test_a_ledger_copied_twice_is_refused(two_nodes: Path) -> None:
+    a = two_nodes / "gpu-node-01.db"
+    copy = two_nodes.parent / "gpu-node-01-backup.db"
+    shutil.copyfile(a, copy)
+    result = report("--ledger", str(two_nodes), "--ledger", str(copy))
+    assert result.returncode == 2
+    assert one_line(result.stderr) == (
+        f"gpuledger: report: {a} and {copy} both record node gpu-node-01 from 2026-11-20T18:00:00Z to "
+        "2026-11-20T20:00:00Z (copies of one ledger): reading both would count that time twice"
+    )
+    assert result.stdout == ""
+
+
+def test_one_simulation_written_to_two_files_is_refused(tmp_path: Path, files: dict[str, Path]) -> None:
+    first, second = tmp_path / "first.db", tmp_path / "second.db"
+    for ledger in (first, second):
+        assert simulate(files, ledger).returncode == 0
+    result = report("--ledger", str(first), "--ledger", str(second))
+    assert result.returncode == 2
+    assert one_line(result.stderr) == (
+        f"gpuledger: report: {first} and {second} both record node gpu-node-01 from 2026-11-20T18:00:00Z to "
+        "2026-11-20T20:00:00Z: reading both would count that time twice"
+    )
+
+
+def test_one_nodes_successive_ledgers_are_merged(tmp_path: Path, files: dict[str, Path]) -> None:
+    # 18:00-20:00 in one file, 20:00-22:00 in the next (a ledger rotated, or moved aside as
+    # corrupt): periods that touch are not an overlap.
+    early, late = tmp_path / "early.db", tmp_path / "late.db"
+    assert simulate(files, early).returncode == 0
+    assert simulate(files, late, node="gpu-node-01-later").returncode == 0
+    assert read_info(late).first_at == read_info(early).last_at == START + 2 * H
+    document = report_json(early, late)
+    # ann: 4 h x $2.50 = $10.00; GPU 1 idle for 4 h = $10.00
+    assert dollars_by_user(document) == pytest.approx({"ann": 10.0}, rel=1e-9)
+    assert document["idle"]["dollars"] == pytest.approx(10.0, rel=1e-9)
+    assert (document["since"], document["until"]) == ("2026-11-20T18:00:00Z", "2026-11-20T22:00:00Z")
+
+
+def test_report_names_what_it_cannot_find(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = tmp_path / "missing.db"
+    for target, message in (
+        (empty, f"gpuledger: --ledger: no *.db ledger files in directory {empty}"),
+        (missing, f"gpuledger: --ledger: no such ledger file {missing}"),
+    ):
+        result = report("--ledger", str(target))
+        assert (result.returncode, one_line(result.stderr)) == (2, message)
