@@ -116,9 +116,9 @@ def test_a_reused_pid_is_reported_with_its_new_owner_from_the_next_poll(rig: Any
     )
     first = owners(r.poll(5))["0"]
     assert first == [Workload(hpc_job="41", user="ann")]
-    reads = r.attributor.full_reads
+    reads = r.processes.full_reads
     r.poll(60)
-    assert r.attributor.full_reads == reads  # same process: served from the cache
+    assert r.processes.full_reads == reads  # same process: served from the cache
     second = owners(r.poll(120))["0"]
     assert second == [Workload(namespace="ml", pod="trainer-0", container="main", model="qwen2-7b")]
 
@@ -126,11 +126,11 @@ def test_a_reused_pid_is_reported_with_its_new_owner_from_the_next_poll(rig: Any
 def test_steady_state_polls_read_only_each_process_stat(rig: Any) -> None:
     r = rig("demo")
     r.poll()
-    reads = r.attributor.full_reads
+    reads = r.processes.full_reads
     assert reads == 7
     for _ in range(5):
         r.poll(5)
-    assert r.attributor.full_reads == reads
+    assert r.processes.full_reads == reads
 
 
 def test_unresolvable_pids_are_counted_and_attributed_as_unknown(rig: Any) -> None:
@@ -183,7 +183,7 @@ def test_slurm_allocation_without_a_process_still_holds_its_gpus(rig: Any) -> No
 
 
 def test_kubelet_socket_vanishing_falls_back_to_cgroups(rig: Any, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="agent.attribution.gather")
+    caplog.set_level(logging.INFO, logger="agent.attribution.sources.kubelet")
     r = rig("demo")
     assert owners(r.poll())["7"] == [Workload(namespace="research-cv", pod="notebook-3", container="jupyter")]
     r.node.host.server.stop()

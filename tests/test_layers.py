@@ -16,8 +16,6 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "agent.yamlfile": (),
     "agent.attribution.cgroup": (),
     "agent.attribution.recognise": (),
-    "agent.attribution.sources.slurm": (),
-    "agent.attribution.sources.podlogs": (),
     "agent.accounting.instance": (),
     "agent.attribution.sources.podresources": ("agent.attribution.sources.podresources",),
     "agent.config": (
@@ -32,13 +30,36 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "agent.devices": ("agent.errors", "agent.devices.backend", "agent.devices.nvml"),
     "agent.devices.backend": ("agent.errors",),
     "agent.devices.nvml": ("agent.errors", "agent.devices.backend"),
-    "agent.attribution.sources.procfs": ("agent.errors", "agent.model"),
-    "agent.attribution.sources.kubelet": ("agent.errors", "agent.attribution.sources.podresources"),
+    # What the sources find, as plain data; the source protocol; each source; the registry.
+    "agent.attribution.facts": ("agent.model",),
+    "agent.attribution.sources.base": ("agent.model", "agent.attribution.facts"),
+    "agent.attribution.sources.slurm": ("agent.model", "agent.attribution.facts", "agent.attribution.sources.base"),
+    "agent.attribution.sources.podlogs": ("agent.model", "agent.attribution.facts", "agent.attribution.sources.base"),
+    "agent.attribution.sources.procfs": (
+        "agent.errors",
+        "agent.model",
+        "agent.attribution.facts",
+        "agent.attribution.sources.base",
+    ),
+    "agent.attribution.sources.kubelet": (
+        "agent.errors",
+        "agent.model",
+        "agent.attribution.facts",
+        "agent.attribution.sources.base",
+        "agent.attribution.sources.podresources",
+    ),
+    "agent.attribution.sources": ("agent.attribution.sources",),
     # The sampler knows the backend protocol, never a backend.
     "agent.devices.sampler": ("agent.errors", "agent.model", "agent.devices.backend"),
     # attribution is pure: the model, the cgroup parser and the recognisers, nothing that reads
-    "agent.attribution.resolve": ("agent.model", "agent.attribution.cgroup", "agent.attribution.recognise"),
+    "agent.attribution.resolve": (
+        "agent.model",
+        "agent.attribution.cgroup",
+        "agent.attribution.recognise",
+        "agent.attribution.facts",
+    ),
     "agent.attribution.gather": (
+        "agent.attribution.facts",
         "agent.attribution.resolve",
         "agent.attribution.sources",
         "agent.errors",

@@ -1,9 +1,9 @@
 """Who holds each GPU: processes and scheduler allocations turned into workloads. Pure.
 
-Inputs are plain data gathered by `agent.attribution.gather` (procfs facts, pod names, kubelet and
-Slurm allocations, user names); the output is an `Attribution` with one `Holding` per
-(device, workload). Label cardinality is bounded by workloads, not processes: pids appear
-only when per-pid series are switched on.
+Inputs are plain data gathered by `agent.attribution.gather` from the sources (procfs facts, pod
+names, kubelet and Slurm allocations, user names: `agent.attribution.facts`); the output is an
+`Attribution` with one `Holding` per (device, workload). Label cardinality is bounded by
+workloads, not processes: pids appear only when per-pid series are switched on.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from agent.attribution.cgroup import CgroupOwner, parse_cgroup
+from agent.attribution.facts import PodAllocation, SlurmAllocation
 from agent.attribution.recognise import recognise_model
 from agent.model import Attribution, DeviceReading, Holding, ProcessFacts, Snapshot, Workload
 
@@ -48,22 +49,6 @@ def compile_rules(rules: Sequence[tuple[Mapping[str, str], Mapping[str, str]]]) 
 def rule_env_keys(rules: Sequence[Rule]) -> set[str]:
     """Environment keys the rules read: they join the allowlist, and nothing else does."""
     return {key.removeprefix("env.") for rule in rules for key, _ in rule.match if key.startswith("env.")}
-
-
-@dataclass(frozen=True, slots=True)
-class PodAllocation:
-    namespace: str
-    pod: str
-    container: str
-    device_id: str  # a GPU or MIG UUID, or a GPU index, as the device plugin reports it
-
-
-@dataclass(frozen=True, slots=True)
-class SlurmAllocation:
-    gpu_index: int
-    gpu_instance_id: int | None
-    job: str
-    user: str | None
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.accounting.instance import detect_instance_type
 from agent.accounting.pricing import load_catalogue, resolve_price
-from agent.attribution.gather import Attributor, KubeletWatcher
+from agent.attribution.gather import Attributor
 from agent.attribution.resolve import compile_rules, rule_env_keys
-from agent.attribution.sources.procfs import Passwd, ProcFS
+from agent.attribution.sources import open_sources
+from agent.attribution.sources.base import SourceOptions
 from agent.config import Settings
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
@@ -77,7 +78,7 @@ class Agent:
 
     def close(self) -> None:
         """Stop the schedules, write the last state to the textfile, flush and close the ledger,
-        then let go of the kubelet, NVML and the fake node."""
+        then let go of the attribution sources (the kubelet), NVML and the fake node."""
         if self._closed:
             return
         self._closed = True
@@ -86,8 +87,7 @@ class Agent:
             self.textfile.stop()  # the last poll reaches the file too
         if self.costing is not None and self.costing.sink is not None:
             self.costing.sink.close()  # the last charges reach the ledger before we exit
-        if self.attributor.kubelet is not None:
-            self.attributor.kubelet.close()
+        self.attributor.close()
         self.sampler.close()
         if self.node is not None:
             import fake_nvml
@@ -145,7 +145,6 @@ def build_agent(
             interval_s,
             monotonic=monotonic,
             attributor=attributor,
-            kubelet_interval_s=settings.attribution.kubelet_interval,
             costing=priced,
             rules=rule_specs(settings) if rules is None else rules,
         )
@@ -222,15 +221,17 @@ def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Att
         proc_root, passwd, slurm_dir, pod_logs, socket_path = (
             settings.proc_root, a.passwd_file, a.slurm_map_dir, a.pod_logs_dir, a.podresources_socket
         )  # fmt: skip
-    return Attributor(
-        ProcFS(proc_root, env_allowlist=allowlist),
-        Passwd(passwd),
-        rules=rules,
+    options = SourceOptions(
+        proc_root=proc_root,
+        passwd_file=passwd,
+        env_allowlist=frozenset(allowlist),
         slurm_map_dir=slurm_dir,
         pod_logs_dir=pod_logs,
-        kubelet=KubeletWatcher(socket_path, timeout_s=a.kubelet_timeout),
-        per_pid=a.per_pid_series,
+        podresources_socket=socket_path,
+        kubelet_timeout_s=a.kubelet_timeout,
+        kubelet_interval_s=a.kubelet_interval,
     )
+    return Attributor(open_sources(options), rules=rules, per_pid=a.per_pid_series)
 
 
 def _costing(

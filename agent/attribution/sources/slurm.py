@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from agent.attribution.facts import HostFacts, SlurmAllocation
+from agent.attribution.sources.base import AttributionSource, SourceOptions
+from agent.model import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -51,3 +55,23 @@ def read_slurm_map(directory: str | Path) -> list[SlurmGpuAllocation]:
             )
         )
     return found
+
+
+class SlurmMapSource(AttributionSource):
+    """The Slurm jobs each GPU is allocated to, from the map directory, read every poll (a
+    prolog or epilog may have run since the last)."""
+
+    def __init__(self, directory: str | Path | None) -> None:
+        self.directory = directory
+
+    @classmethod
+    def from_options(cls, options: SourceOptions) -> SlurmMapSource:
+        return cls(options.slurm_map_dir)
+
+    def gather(self, snapshot: Snapshot, found: HostFacts) -> HostFacts:
+        if not self.directory:
+            return found
+        mapped = [
+            SlurmAllocation(a.gpu_index, a.gpu_instance_id, a.job, a.user) for a in read_slurm_map(self.directory)
+        ]
+        return replace(found, slurm_allocations=(*found.slurm_allocations, *mapped))
