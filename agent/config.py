@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from agent.attribution.resolve import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
+from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
 from agent.scrub import escape_control

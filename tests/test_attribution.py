@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.attribution.labels import apply_rules, compile_rules, rule_env_keys
 from agent.attribution.recognise import recognise_model
-from agent.attribution.resolve import compile_rules, rule_env_keys
 from agent.attribution.sources.procfs import ProcessUnreadable, ProcFS
 from agent.model import WORKLOAD_LABELS, AgentState, Workload
 from tests.helpers import Rig
@@ -240,8 +240,7 @@ def test_model_recognisers(cmdline: str, model: str | None) -> None:
 
 
 def test_rules_first_match_wins_per_field_and_fill_groups() -> None:
-    from agent.attribution.resolve import _apply_rules  # the rule engine itself, without a host
-
+    # the labelling rules themselves, without a host
     rules = compile_rules(
         [
             ({"cmdline": r"--config configs/(\w+)\.yaml"}, {"model": "$1"}),
@@ -250,11 +249,11 @@ def test_rules_first_match_wins_per_field_and_fill_groups() -> None:
             ({"env.TEAM": "(.+)"}, {"team": "$1"}),
         ]
     )
-    w = _apply_rules(
+    w = apply_rules(
         Workload(namespace="research-cv", pod="p"), ("python", "train.py", "--config", "configs/yolo.yaml"), None, rules
     )
     assert (w.model, w.team) == ("yolo", "research-cv")
-    plain = _apply_rules(Workload(user="ann"), ("python", "x.py", "--model", "bert-base"), None, rules)
+    plain = apply_rules(Workload(user="ann"), ("python", "x.py", "--model", "bert-base"), None, rules)
     assert (plain.model, plain.team) == ("bert-base", "")  # no rule: the recogniser names it
     assert rule_env_keys(rules) == {"TEAM"}
 

@@ -23,7 +23,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "agent.scrub",
         "agent.units",
         "agent.yamlfile",
-        "agent.attribution.resolve",
+        "agent.attribution.labels",
         "agent.devices",
     ),
     # The registry: backends are imported only when chosen.
@@ -52,14 +52,16 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # The sampler knows the backend protocol, never a backend.
     "agent.devices.sampler": ("agent.errors", "agent.model", "agent.devices.backend"),
     # attribution is pure: the model, the cgroup parser and the recognisers, nothing that reads
+    "agent.attribution.labels": ("agent.model", "agent.attribution.recognise"),
     "agent.attribution.resolve": (
         "agent.model",
         "agent.attribution.cgroup",
-        "agent.attribution.recognise",
         "agent.attribution.facts",
+        "agent.attribution.labels",
     ),
     "agent.attribution.gather": (
         "agent.attribution.facts",
+        "agent.attribution.labels",
         "agent.attribution.resolve",
         "agent.attribution.sources",
         "agent.errors",

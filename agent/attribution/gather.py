@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from agent.attribution.facts import HostFacts
-from agent.attribution.resolve import Inputs, Rule, attribute
+from agent.attribution.labels import LabelRule
+from agent.attribution.resolve import Inputs, attribute
 from agent.attribution.sources.base import AttributionSource, Refresher
 from agent.model import Attribution, Snapshot
 
@@ -24,7 +25,7 @@ class Attributor:
     `per_pid` keeps one holding per process."""
 
     def __init__(
-        self, sources: Sequence[AttributionSource], *, rules: Sequence[Rule] = (), per_pid: bool = False
+        self, sources: Sequence[AttributionSource], *, rules: Sequence[LabelRule] = (), per_pid: bool = False
     ) -> None:
         self.sources = tuple(sources)
         self.rules = tuple(rules)

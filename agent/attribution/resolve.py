@@ -2,53 +2,24 @@
 
 Inputs are plain data gathered by `agent.attribution.gather` from the sources (procfs facts, pod
 names, kubelet and Slurm allocations, user names: `agent.attribution.facts`); the output is an
-`Attribution` with one `Holding` per (device, workload). Label cardinality is bounded by
-workloads, not processes: pids appear only when per-pid series are switched on.
+`Attribution` with one `Holding` per (device, workload), labelled by `agent.attribution.labels`.
+Label cardinality is bounded by workloads, not processes: pids appear only when per-pid series
+are switched on.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from agent.attribution.cgroup import CgroupOwner, parse_cgroup
 from agent.attribution.facts import PodAllocation, SlurmAllocation
-from agent.attribution.recognise import recognise_model
+from agent.attribution.labels import LabelRule, apply_rules
 from agent.model import Attribution, DeviceReading, Holding, ProcessFacts, Snapshot, Workload
 
-# Both are pure and see the same few texts every poll: remember their answers.
+# Pure, and sees the same few texts every poll: remember its answers.
 _owner_of = lru_cache(maxsize=8192)(parse_cgroup)
-_model_of = lru_cache(maxsize=8192)(recognise_model)
-
-# Fields a rule may match on, beyond `env.<KEY>` for allowlisted environment variables.
-MATCH_FIELDS = ("cmdline", "namespace", "pod", "container", "hpc_job", "unit", "user", "account")
-# Older names a rule may still use: `job` was the Slurm job's label before it became `hpc_job`.
-MATCH_ALIASES = {"job": "hpc_job"}
-SET_FIELDS = ("model", "team")
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    match: tuple[tuple[str, re.Pattern[str]], ...]
-    set: tuple[tuple[str, str], ...]
-
-
-def compile_rules(rules: Sequence[tuple[Mapping[str, str], Mapping[str, str]]]) -> tuple[Rule, ...]:
-    """(match, set) pairs, as the config validated them, into rules."""
-    return tuple(
-        Rule(
-            match=tuple((MATCH_ALIASES.get(key, key), re.compile(pattern)) for key, pattern in match.items()),
-            set=tuple(sets.items()),
-        )
-        for match, sets in rules
-    )
-
-
-def rule_env_keys(rules: Sequence[Rule]) -> set[str]:
-    """Environment keys the rules read: they join the allowlist, and nothing else does."""
-    return {key.removeprefix("env.") for rule in rules for key, _ in rule.match if key.startswith("env.")}
 
 
 @dataclass(frozen=True)
@@ -59,7 +30,7 @@ class Inputs:
     pod_allocations: Sequence[PodAllocation] = ()
     slurm_allocations: Sequence[SlurmAllocation] = ()
     user_names: Mapping[int, str] = field(default_factory=dict)
-    rules: Sequence[Rule] = ()
+    rules: Sequence[LabelRule] = ()  # the labelling rules (`attribution.rules`)
     per_pid: bool = False
     kubelet_up: bool | None = None
 
@@ -174,7 +145,7 @@ def _mark_allocated(
             acc.allocated = True
             matched = True
     if not matched:
-        workload = _apply_rules(base, (), None, inputs.rules)
+        workload = apply_rules(base, (), None, inputs.rules)
         acc = holdings.setdefault((device.uuid, workload, None), _Acc())
         acc.allocated = True
         measures = device.utilization is not None or any(p.sm_util is not None for p in device.processes)
@@ -221,54 +192,4 @@ def _process_workload(
         else:
             owner_uid = owner.uid if owner is not None and owner.uid is not None else uid
             w = Workload(user=inputs.user_names.get(owner_uid, str(owner_uid)) if owner_uid is not None else "")
-    return _apply_rules(w, facts.cmdline, facts, inputs.rules, account)
-
-
-def _field_value(
-    key: str, w: Workload, cmdline: Sequence[str], facts: ProcessFacts | None, account: str | None
-) -> str | None:
-    if key == "cmdline":
-        return " ".join(cmdline) if cmdline else None
-    if key == "account":
-        return account
-    if key.startswith("env."):
-        return facts.env_value(key[4:]) if facts is not None else None
-    value = str(getattr(w, key))
-    return value or None
-
-
-def _apply_rules(
-    w: Workload,
-    cmdline: Sequence[str],
-    facts: ProcessFacts | None,
-    rules: Sequence[Rule],
-    account: str | None = None,
-) -> Workload:
-    """Config rules first (the first rule that sets a field wins it), then the built-in
-    recognisers for a model no rule named."""
-    chosen: dict[str, str] = {}
-    for rule in rules:
-        if all(name in chosen for name, _ in rule.set):
-            continue
-        groups: list[str] = []
-        for key, pattern in rule.match:
-            value = _field_value(key, w, cmdline, facts, account)
-            found = pattern.search(value) if value is not None else None
-            if found is None:
-                break
-            groups.extend(g or "" for g in found.groups())
-        else:
-            for name, template in rule.set:
-                if name not in chosen:
-                    chosen[name] = _expand(template, groups)
-    if "model" not in chosen and cmdline:
-        recognised = _model_of(tuple(cmdline))
-        if recognised:
-            chosen["model"] = recognised
-    return replace(w, **chosen) if chosen else w
-
-
-def _expand(template: str, groups: Sequence[str]) -> str:
-    return re.sub(
-        r"\$(\d)", lambda m: groups[int(m.group(1)) - 1] if 0 < int(m.group(1)) <= len(groups) else "", template
-    )
+    return apply_rules(w, facts.cmdline, facts, inputs.rules, account)

@@ -20,7 +20,7 @@ from prometheus_client.registry import CollectorRegistry
 from agent.accounting.instance import detect_instance_type
 from agent.accounting.pricing import load_catalogue, resolve_price
 from agent.attribution.gather import Attributor
-from agent.attribution.resolve import compile_rules, rule_env_keys
+from agent.attribution.labels import compile_rules, rule_env_keys
 from agent.attribution.sources import open_sources
 from agent.attribution.sources.base import SourceOptions
 from agent.config import Settings
