@@ -102,6 +102,7 @@ def test_a_source_registered_twice_is_refused(job_map: Path) -> None:
 def test_sources_are_opened_from_the_options_alone(tmp_path: Path) -> None:
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "3").write_text("4242 bob\n")
+    (tmp_path / "slurm" / "0.2").write_text("4243\n")  # MIG GPU instance 2 of GPU 0, no user
     options = SourceOptions(proc_root=str(tmp_path / "proc"), slurm_map_dir=str(tmp_path / "slurm"))
     opened = sources.open_sources(options)
     try:
@@ -111,5 +112,6 @@ def test_sources_are_opened_from_the_options_alone(tmp_path: Path) -> None:
     finally:
         for source in opened:
             source.close()
-    assert found.slurm_allocations == (SlurmAllocation(3, None, "4242", "bob"),)
+    # The map files' own type is the one attribution reads: no conversion between them.
+    assert found.slurm_allocations == (SlurmAllocation(0, 2, "4243", None), SlurmAllocation(3, None, "4242", "bob"))
     assert found.kubelet_up is None  # no socket configured: no kubelet, and no health series

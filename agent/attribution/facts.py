@@ -28,7 +28,7 @@ class SlurmAllocation:
     """One GPU, or MIG instance, allocated to a Slurm job (as its prolog's map file says)."""
 
     gpu_index: int
-    gpu_instance_id: int | None  # a MIG GPU instance; None for a whole GPU
+    gpu_instance_id: int | None  # a MIG GPU instance (a `<gpu>.<gi>` map file); None for a whole GPU
     job: str
     user: str | None
 

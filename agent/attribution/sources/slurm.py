@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from agent.attribution.facts import HostFacts, SlurmAllocation
@@ -17,15 +17,7 @@ log = logging.getLogger(__name__)
 _MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
 
 
-@dataclass(frozen=True, slots=True)
-class SlurmGpuAllocation:
-    gpu_index: int
-    gpu_instance_id: int | None  # a MIG GPU instance, from a `<gpu>.<gi>` file name
-    job: str
-    user: str | None
-
-
-def read_slurm_map(directory: str | Path) -> list[SlurmGpuAllocation]:
+def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
     """One file per GPU index (`3`) or MIG instance (`0.2`), as a prolog writes them and an
     epilog removes them; the first line holds the job id and, optionally, the user."""
     root = Path(directory)
@@ -33,7 +25,7 @@ def read_slurm_map(directory: str | Path) -> list[SlurmGpuAllocation]:
         entries = sorted(root.iterdir())
     except OSError:
         return []
-    found: list[SlurmGpuAllocation] = []
+    found: list[SlurmAllocation] = []
     for entry in entries:
         match = _MAP_NAME.match(entry.name)
         if not match:
@@ -47,7 +39,7 @@ def read_slurm_map(directory: str | Path) -> list[SlurmGpuAllocation]:
             log.debug("ignoring %s: no job id on its first line", entry)
             continue
         found.append(
-            SlurmGpuAllocation(
+            SlurmAllocation(
                 gpu_index=int(match.group(1)),
                 gpu_instance_id=int(match.group(2)) if match.group(2) else None,
                 job=fields[0],
@@ -71,7 +63,4 @@ class SlurmMapSource(AttributionSource):
     def gather(self, snapshot: Snapshot, found: HostFacts) -> HostFacts:
         if not self.directory:
             return found
-        mapped = [
-            SlurmAllocation(a.gpu_index, a.gpu_instance_id, a.job, a.user) for a in read_slurm_map(self.directory)
-        ]
-        return replace(found, slurm_allocations=(*found.slurm_allocations, *mapped))
+        return replace(found, slurm_allocations=(*found.slurm_allocations, *read_slurm_map(self.directory)))
