@@ -43,6 +43,11 @@ class _Acc:
     allocated: bool = False
 
 
+_HoldingKey = tuple[str, Workload, int | None]  # (device uuid, workload, pid when per-pid)
+# Who an allocation belongs to: ("pod", namespace, pod) or ("job", hpc_job).
+_Owner = tuple[str, ...]
+
+
 def _device_index(snapshot: Snapshot) -> tuple[dict[str, DeviceReading], dict[tuple[int, int | None], str]]:
     by_uuid = {d.uuid: d for d in snapshot.devices}
     by_slot: dict[tuple[int, int | None], str] = {}
@@ -51,13 +56,13 @@ def _device_index(snapshot: Snapshot) -> tuple[dict[str, DeviceReading], dict[tu
     return by_uuid, by_slot
 
 
-def _pod_device_uuid(device_id: str, by_uuid: Mapping[str, DeviceReading], snapshot: Snapshot) -> str | None:
+def _pod_device_uuid(
+    device_id: str, by_uuid: Mapping[str, DeviceReading], by_slot: Mapping[tuple[int, int | None], str]
+) -> str | None:
     if device_id in by_uuid:
         return device_id
     if device_id.isdigit():  # device plugins run with deviceIDStrategy=index report indexes
-        for d in snapshot.gpus:
-            if d.index == int(device_id):
-                return d.uuid
+        return by_slot.get((int(device_id), None))  # a whole GPU (or a MIG-enabled GPU itself)
     return None
 
 
@@ -66,17 +71,20 @@ def attribute(inputs: Inputs) -> Attribution:
     by_uuid, by_slot = _device_index(snapshot)
 
     pods_on_device: dict[str, list[PodAllocation]] = {}
+    # device uuid -> (namespace, pod) -> its containers: what a process in a pod looks up.
+    pod_containers: dict[str, dict[tuple[str, str], set[str]]] = {}
     for alloc in inputs.pod_allocations:
-        uuid = _pod_device_uuid(alloc.device_id, by_uuid, snapshot)
+        uuid = _pod_device_uuid(alloc.device_id, by_uuid, by_slot)
         if uuid is not None:
             pods_on_device.setdefault(uuid, []).append(alloc)
+            pod_containers.setdefault(uuid, {}).setdefault((alloc.namespace, alloc.pod), set()).add(alloc.container)
     slurm_on_device: dict[str, SlurmAllocation] = {}
     for s in inputs.slurm_allocations:
         uuid = by_slot.get((s.gpu_index, s.gpu_instance_id))
         if uuid is not None:
             slurm_on_device[uuid] = s
 
-    holdings: dict[tuple[str, Workload, int | None], _Acc] = {}
+    holdings: dict[_HoldingKey, _Acc] = {}
     unresolved: dict[str, int] = {}
     for device in snapshot.devices:
         if not device.up:
@@ -87,7 +95,7 @@ def attribute(inputs: Inputs) -> Attribution:
                 unresolved[device.uuid] = unresolved.get(device.uuid, 0) + 1
                 workload = Workload()
             else:
-                workload = _process_workload(facts, device.uuid, inputs, pods_on_device, slurm_on_device)
+                workload = _process_workload(facts, device.uuid, inputs, pod_containers, slurm_on_device)
             key = (device.uuid, workload, proc.pid if inputs.per_pid else None)
             acc = holdings.setdefault(key, _Acc())
             acc.pids.append(proc.pid)
@@ -96,12 +104,18 @@ def attribute(inputs: Inputs) -> Attribution:
             if proc.used_memory_bytes is not None:
                 acc.memory_bytes = (acc.memory_bytes or 0) + proc.used_memory_bytes
 
+    # Each allocation marks only its owner's holdings on its device, found through this index:
+    # attribution costs processes + allocations, not their product.
+    by_owner: dict[tuple[str, _Owner], list[_Acc]] = {}
+    for (uuid, workload, _pid), acc in holdings.items():
+        _index_holding(by_owner, uuid, workload, acc)
+    measures: dict[str, bool] = {}
     for uuid, allocs in pods_on_device.items():
         for alloc in allocs:
             base = Workload(namespace=alloc.namespace, pod=alloc.pod, container=alloc.container)
-            _mark_allocated(holdings, by_uuid[uuid], base, inputs)
+            _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], base, inputs)
     for uuid, s in slurm_on_device.items():
-        _mark_allocated(holdings, by_uuid[uuid], Workload(hpc_job=s.job, user=s.user or ""), inputs)
+        _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], Workload(hpc_job=s.job, user=s.user or ""), inputs)
 
     order = {d.uuid: i for i, d in enumerate(snapshot.devices)}
     return Attribution(
@@ -124,40 +138,51 @@ def attribute(inputs: Inputs) -> Attribution:
     )
 
 
-def _same_owner(held: Workload, allocated: Workload) -> bool:
-    if allocated.pod:
-        return (held.namespace, held.pod) == (allocated.namespace, allocated.pod)
-    return held.hpc_job == allocated.hpc_job
+def _owner_of_allocation(allocated: Workload) -> _Owner:
+    """A pod's allocation belongs to the pod (any of its containers), a job's to the job."""
+    return ("pod", allocated.namespace, allocated.pod) if allocated.pod else ("job", allocated.hpc_job)
+
+
+def _index_holding(by_owner: dict[tuple[str, _Owner], list[_Acc]], uuid: str, held: Workload, acc: _Acc) -> None:
+    """File a holding under every owner whose allocation would claim it: its pod, if any, and
+    its job (the empty job too, as an allocation naming no job claims the holdings with none)."""
+    by_owner.setdefault((uuid, ("job", held.hpc_job)), []).append(acc)
+    if held.pod:
+        by_owner.setdefault((uuid, ("pod", held.namespace, held.pod)), []).append(acc)
 
 
 def _mark_allocated(
-    holdings: dict[tuple[str, Workload, int | None], _Acc],
+    holdings: dict[_HoldingKey, _Acc],
+    by_owner: dict[tuple[str, _Owner], list[_Acc]],
+    measures: dict[str, bool],
     device: DeviceReading,
     base: Workload,
     inputs: Inputs,
 ) -> None:
     """An allocation is held by the process holdings of the same owner on that device; with
     none, the allocation holds the device by itself (a notebook that runs nothing), using
-    none of it: 0 where the device measures use, unknown where it cannot."""
-    matched = False
-    for (device_uuid, workload, _pid), acc in holdings.items():
-        if device_uuid == device.uuid and _same_owner(workload, base):
+    none of it: 0 where the device measures use, unknown where it cannot. `measures` remembers
+    per device whether it does."""
+    held = by_owner.get((device.uuid, _owner_of_allocation(base)))
+    if held:
+        for acc in held:
             acc.allocated = True
-            matched = True
-    if not matched:
-        workload = apply_rules(base, (), None, inputs.rules)
-        acc = holdings.setdefault((device.uuid, workload, None), _Acc())
-        acc.allocated = True
-        measures = device.utilization is not None or any(p.sm_util is not None for p in device.processes)
-        acc.sm_util = 0.0 if measures else acc.sm_util
-        acc.memory_bytes = acc.memory_bytes or 0
+        return
+    workload = apply_rules(base, (), None, inputs.rules)
+    acc = holdings.setdefault((device.uuid, workload, None), _Acc())
+    _index_holding(by_owner, device.uuid, workload, acc)  # a later allocation of the same owner shares it
+    acc.allocated = True
+    if device.uuid not in measures:
+        measures[device.uuid] = device.utilization is not None or any(p.sm_util is not None for p in device.processes)
+    acc.sm_util = 0.0 if measures[device.uuid] else acc.sm_util
+    acc.memory_bytes = acc.memory_bytes or 0
 
 
 def _process_workload(
     facts: ProcessFacts,
     device_uuid: str,
     inputs: Inputs,
-    pods_on_device: Mapping[str, list[PodAllocation]],
+    pod_containers: Mapping[str, Mapping[tuple[str, str], set[str]]],
     slurm_on_device: Mapping[str, SlurmAllocation],
 ) -> Workload:
     owner: CgroupOwner | None = _owner_of(facts.cgroup)
@@ -167,13 +192,11 @@ def _process_workload(
     account: str | None = facts.env_value("SLURM_JOB_ACCOUNT")
     if owner is not None and owner.kind == "pod" and owner.pod_uid:
         namespace, pod = inputs.pod_names.get(owner.pod_uid, ("", ""))
-        allocs = pods_on_device.get(device_uuid, [])
-        if not pod:
+        pods = pod_containers.get(device_uuid, {})
+        if not pod and len(pods) == 1:
             # The kubelet names the pods holding this device; with exactly one, it is ours.
-            pods = {(a.namespace, a.pod) for a in allocs}
-            if len(pods) == 1:
-                namespace, pod = next(iter(pods))
-        containers = {a.container for a in allocs if (a.namespace, a.pod) == (namespace, pod)}
+            namespace, pod = next(iter(pods))
+        containers = pods.get((namespace, pod), set())
         container = next(iter(containers)) if len(containers) == 1 else ""
         w = Workload(namespace=namespace, pod=pod or f"uid-{owner.pod_uid}", container=container)
     elif owner is not None and owner.kind == "slurm" and owner.slurm_job:
