@@ -6,6 +6,7 @@ problem is reported with the key it concerns (and the variable, when one set it)
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from agent.accounting.pricing import Catalogue, parse_catalogue
 from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
@@ -46,6 +48,16 @@ class LedgerConfig(_Section):
     path: str = "/var/lib/gpuledger/ledger.db"
     flush_interval: Duration = Field(default=60.0, gt=0)
     retention: Duration = Field(default=400 * 86400.0, gt=0)
+
+
+class WatchdogConfig(_Section):
+    # A poll waits this long for a driver call before reading that GPU as down (TIMEOUT) and
+    # polling the others without it; /healthz fails while any call is stuck.
+    call_timeout: Duration = Field(default=15.0, gt=0)
+    # A call stuck this long ends the process (exit 1, ledger flushed) so that systemd
+    # (Restart=on-failure, WatchdogSec=) or the kubelet (liveness probe) starts a fresh one:
+    # a thread blocked in the driver cannot be freed from inside.
+    exit_after: Duration = Field(default=120.0, gt=0)
 
 
 class AccountingConfig(_Section):
@@ -191,6 +203,7 @@ class Settings(BaseSettings):
     proc_root: str = "/proc"
     pricing: PricingConfig = PricingConfig()
     ledger: LedgerConfig = LedgerConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
     accounting: AccountingConfig = AccountingConfig()
     attribution: AttributionConfig = AttributionConfig()
     rules: RulesConfig = RulesConfig()
@@ -263,9 +276,47 @@ def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
         return None, [f"environment: {name}: not a JSON object (or set its keys as {name}__KEY)"]
 
 
+def host_problems(settings: Settings, source: str = "config") -> list[str]:
+    """What `run` would refuse on this host although the settings are well-formed: an output
+    directory that does not exist, a ledger path that cannot be a file. `check-config` and `run`
+    both ask (and both load the web config file), so a config that passes the one starts the
+    other."""
+    problems = []
+    textfile = settings.exporters.textfile_path
+    if textfile and not Path(textfile).parent.is_dir():
+        problems.append(f"{source}: exporters.textfile_path: no such directory {Path(textfile).parent}")
+    ledger = Path(settings.ledger.path)
+    if ledger.is_dir():
+        problems.append(f"{source}: ledger.path: {ledger} is a directory, not a file")
+    else:
+        # run creates the ledger's directory when missing, as systemd's StateDirectory would;
+        # what it cannot do is create it under something that is not a directory.
+        parent = next((p for p in ledger.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            problems.append(f"{source}: ledger.path: {parent} is not a directory")
+    return problems
+
+
 def load_config(path: str | Path | None = None) -> Settings:
     """Settings from `path` (optional) and the environment. Raises ConfigError naming each problem."""
     settings, problems = check_config(path)
     if problems or settings is None:
         raise ConfigError("; ".join(problems))
     return settings
+
+
+# The price catalogue shipped with the package (see agent/accounting/pricing.py for its format).
+SHIPPED_CATALOGUE = Path(__file__).parent / "accounting" / "prices.yaml"
+
+
+def load_catalogue(path: str | Path | None = None) -> Catalogue:
+    """The price catalogue at `path`, or the shipped one (read once). A bad file raises
+    ValueError, one line naming the file and the entry."""
+    if path is None:
+        return _shipped_catalogue()
+    return parse_catalogue(read_yaml(Path(path), "price catalogue"), str(path))
+
+
+@functools.cache
+def _shipped_catalogue() -> Catalogue:
+    return parse_catalogue(read_yaml(SHIPPED_CATALOGUE, "price catalogue"), str(SHIPPED_CATALOGUE))

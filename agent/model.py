@@ -196,6 +196,9 @@ class Holding:
     memory_bytes: int | None = None
     allocated: bool = False  # the scheduler (kubelet, Slurm) handed it this device
     pid: int | None = None  # set only when per-pid series are on
+    # Named only by what its processes say of themselves (SLURM_JOB_ID in their environment),
+    # which nothing trusted (cgroup, kubelet, the prolog's map file) confirmed.
+    self_reported: bool = False
 
 
 @dataclass(frozen=True, slots=True)

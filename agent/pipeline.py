@@ -31,7 +31,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
@@ -41,7 +41,9 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from agent.accounting.cost import account, accumulate
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
+from agent.devices.deadline import CallTimeout, Worker
 from agent.devices.sampler import Sampler
+from agent.errors import GpuledgerError
 from agent.model import (
     AgentHealth,
     AgentState,
@@ -55,6 +57,7 @@ from agent.model import (
     StageHealth,
     Workload,
 )
+from agent.scrub import scrub_label
 from agent.units import format_duration
 from rules.engine import GpuObservation, RuleSpec, RuleState, Transition, evaluate
 
@@ -62,7 +65,25 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEALTHY_WITHIN_POLLS = 3
+# Distinct workloads whose scrubbed labels are remembered (a few hundred on a busy node).
+CLEAN_WORKLOADS_KEPT = 4096
+# A poll waits on the driver for this many intervals at most; a stuck call past EXIT_AFTER
+# (at least a minute, or 12 intervals) makes the daemon exit so systemd or the kubelet restarts it.
+CALL_TIMEOUT_POLLS = 3
+EXIT_AFTER_MIN_S = 60.0
+STOP_WAIT_S = 2.0  # how long stop() waits for a poll in progress
+TIMEOUT = "TIMEOUT"  # the down reason of a GPU whose call is stuck (NVML's own name for it)
 STAGES = ("sample", "attribute", "account", "rules", "publish")
+
+
+class DriverHung(GpuledgerError):
+    """A driver call has been stuck past the hard deadline: the agent cannot recover in-process."""
+
+    def __init__(self, keys: Sequence[str], stuck_s: float) -> None:
+        where = ", ".join(f"GPU {k}" if k else "the driver" for k in keys)
+        super().__init__(f"a GPU driver call has not returned for {stuck_s:.0f}s ({where})")
+        self.keys = tuple(keys)
+        self.stuck_s = stuck_s
 
 
 class ChargeSink(Protocol):
@@ -146,8 +167,19 @@ class Pipeline:
         attributor: Attributor | None = None,
         costing: Costing | None = None,
         rules: Sequence[RuleSpec] = (),
+        call_timeout_s: float | None = None,
+        exit_after_s: float | None = None,
     ) -> None:
         self.sampler = sampler
+        # How long a poll may wait on the driver (default CALL_TIMEOUT_POLLS intervals), and how
+        # long a call may stay stuck before the agent gives up and exits to be restarted.
+        self.call_timeout_s = call_timeout_s if call_timeout_s is not None else CALL_TIMEOUT_POLLS * poll_interval_s
+        self.exit_after_s = exit_after_s if exit_after_s is not None else max(EXIT_AFTER_MIN_S, 12 * poll_interval_s)
+        # Called (from the poll thread) when a call has been stuck past exit_after_s; the daemon
+        # flushes the ledger and exits. Without it, the poll raises DriverHung.
+        self.on_hung: Callable[[DriverHung], None] | None = None
+        self._worker = Worker("gpuledger-poll")
+        self._stuck: dict[str, float] = {}  # GPU key ("" for the driver) -> when its call got stuck
         self.attributor = attributor
         self.costing = costing
         self.rules = tuple(rules)
@@ -156,6 +188,7 @@ class Pipeline:
         # Each stage's last good result, which a failing stage leaves in place.
         self._previous: Snapshot | None = None
         self._attribution = Attribution()
+        self._clean_workloads: dict[Workload, Workload] = {}
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
         self._rule_states: Mapping[tuple[str, str], RuleState] = {}
@@ -168,15 +201,39 @@ class Pipeline:
         self._polls = 0
         self._scheduler: BackgroundScheduler | None = None
         self._overrun_lock = threading.Lock()
+        self._polling = threading.Lock()  # held by a scheduled poll while it runs
 
     @property
     def state(self) -> AgentState:
         return self._state
 
     def healthy(self) -> bool:
-        """True while a poll has succeeded within the last HEALTHY_WITHIN_POLLS intervals."""
+        """True while a poll has succeeded within the last HEALTHY_WITHIN_POLLS intervals and no
+        driver call is stuck."""
         last = self._last_success_monotonic
-        return last is not None and self._monotonic() - last <= HEALTHY_WITHIN_POLLS * self.poll_interval_s
+        recent = last is not None and self._monotonic() - last <= HEALTHY_WITHIN_POLLS * self.poll_interval_s
+        return recent and not self._stuck
+
+    def open_devices(self) -> None:
+        """Start the sampler (load the library, discover the GPUs) within the call budget. A
+        driver that hangs at start-up is then a stuck call like any other: the agent serves
+        /metrics (unhealthy), logs it, and polls again once the call returns. Raises
+        DriverLibraryMissing when there is no library at all."""
+        try:
+            self._worker.call(self.sampler.start, self.call_timeout_s)
+        except CallTimeout:
+            self.sampler.abandon()
+            self._stuck[""] = self._monotonic()
+            log.error(
+                "the GPU driver did not answer within %.1fs at start-up; serving /metrics as unhealthy until it does",
+                self.call_timeout_s,
+            )
+
+    @property
+    def stuck(self) -> Mapping[str, float]:
+        """GPUs (uuid; "" for the driver itself) whose call has not returned, and since when
+        (monotonic seconds)."""
+        return dict(self._stuck)
 
     # -- the poll -----------------------------------------------------------------------------
 
@@ -221,8 +278,11 @@ class Pipeline:
         stage.started = started = self._monotonic()
         try:
             result = work()
-        except DriverLibraryMissing:
-            raise  # no NVML at all: not a failed poll, the daemon cannot run (the CLI says so)
+        except (DriverLibraryMissing, DriverHung):
+            raise  # no NVML at all, or stuck for good: the daemon cannot go on (the CLI says so)
+        except CallTimeout:
+            stage.failures += 1  # logged where it was caught, once
+            result = fallback
         except Exception:
             # A bug in one stage must not stop the daemon: count it, keep the last good result.
             log.exception("the %s stage failed", name)
@@ -234,7 +294,32 @@ class Pipeline:
         return result
 
     def _sample(self) -> Sampled:
-        snapshot = self.sampler.poll()
+        stuck = self._stuck
+        if stuck and self._worker.parked < len(stuck):
+            # A stuck call returned at last (its thread ended): read that GPU again.
+            log.warning("the stuck driver call returned; polling every GPU again")
+            stuck.clear()
+        if stuck:
+            worst = self._monotonic() - min(stuck.values())
+            if worst > self.exit_after_s:
+                raise DriverHung(sorted(stuck), worst)
+        if "" in stuck:
+            snapshot = self.sampler.down_snapshot(TIMEOUT)
+        else:
+            skip = dict.fromkeys(stuck, TIMEOUT)
+            try:
+                snapshot = self._worker.call(lambda: self.sampler.poll(skip), self.call_timeout_s)
+            except CallTimeout:
+                key = self.sampler.reading or ""
+                self.sampler.abandon()
+                stuck[key] = self._monotonic()
+                log.error(
+                    "%s: a driver call has not returned in %.1fs; reading it as down (%s) and polling %s",
+                    f"GPU {key}" if key else "the GPU driver", self.call_timeout_s, TIMEOUT,
+                    "the other GPUs without it" if key else "nothing until it returns",
+                    extra={"uuid": key},
+                )  # fmt: skip
+                raise
         # The interval is fixed here, before anything else sees this snapshot.
         sampled = Sampled(snapshot, self._previous)
         self._previous = snapshot
@@ -243,7 +328,28 @@ class Pipeline:
     def _attribute(self, snapshot: Snapshot) -> Attribution:
         if self.attributor is None:
             return Attribution()
-        return self.attributor.attribute(snapshot)
+        return self._scrubbed(self.attributor.attribute(snapshot))
+
+    def _scrubbed(self, attribution: Attribution) -> Attribution:
+        """`attribution` with every workload label scrubbed of credentials and control
+        characters. Here, once, because every output (metrics, textfile, ledger, flags and their
+        log lines, snapshot) is built from this stage's result: a model given as
+        https://user:pass@host/m?token=... leaves the agent as https://host/m."""
+        clean = self._clean_workloads
+        if len(clean) > CLEAN_WORKLOADS_KEPT:
+            clean.clear()  # workloads come and go; the ones still running are redone next poll
+        holdings = []
+        changed = False
+        for holding in attribution.holdings:
+            workload = holding.workload
+            scrubbed = clean.get(workload)
+            if scrubbed is None:
+                values = {name: scrub_label(value) for name, value in workload.label_dict().items()}
+                scrubbed = workload if values == workload.label_dict() else Workload.from_labels(values)
+                clean[workload] = scrubbed
+            changed = changed or scrubbed is not workload
+            holdings.append(holding if scrubbed is workload else replace(holding, workload=scrubbed))
+        return replace(attribution, holdings=tuple(holdings)) if changed else attribution
 
     def _account(self, sampled: Sampled, attribution: Attribution) -> Charges | None:
         costing = self.costing
@@ -388,9 +494,14 @@ class Pipeline:
 
     def _scheduled_poll(self) -> None:
         try:
-            self.poll_once()
+            with self._polling:
+                self.poll_once()
         except DriverLibraryMissing as exc:
             log.error("%s", exc)
+        except DriverHung as exc:
+            if self.on_hung is None:
+                raise
+            self.on_hung(exc)
 
     def _on_missed(self, event: JobExecutionEvent) -> None:
         if event.job_id != "poll":
@@ -400,14 +511,25 @@ class Pipeline:
             self._overran += 1
         log.warning("a poll was skipped: the previous one is still running")
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = STOP_WAIT_S) -> bool:
+        """Stop the schedule and wait up to `wait_s` for a poll still running. False when it is
+        still running (stuck in the driver): the caller must not shut the driver down under it."""
         if self._scheduler is not None:
-            self._scheduler.shutdown(wait=True)
+            self._scheduler.shutdown(wait=False)
             self._scheduler = None
+        finished = self._polling.acquire(timeout=wait_s)
+        if finished:
+            self._polling.release()
+            self._worker.close()
+        return finished and not self._stuck
 
 
 def run_on_scenario_time(
-    jobs: Iterable[PeriodicJob], advance: Callable[[float], object], duration_s: float, step_s: float
+    jobs: Iterable[PeriodicJob],
+    advance: Callable[[float], object],
+    duration_s: float,
+    step_s: float,
+    on_step: Callable[[], object] | None = None,
 ) -> int:
     """Run `jobs` as the daemon's scheduler would over `duration_s` of a clock that `advance`
     moves, stepping it `step_s` at a time and never sleeping. Returns the steps taken.
@@ -415,6 +537,7 @@ def run_on_scenario_time(
     Jobs due at the start run first; then after each step every job whose time has come runs
     once, in the order given, however many of its runs fell within the step (APScheduler's
     coalescing). Each job keeps the daemon's rhythm: due every `interval_s` from the start.
+    `on_step` is called after each step's jobs (progress).
     """
     schedule = [(job, 0.0 if job.at_start else job.interval_s) for job in jobs]
     elapsed = 0.0
@@ -434,6 +557,8 @@ def run_on_scenario_time(
         elapsed += step_s
         steps += 1
         run_due()
+        if on_step is not None:
+            on_step()
     return steps
 
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import yaml
 
+from agent.scrub import escape_control
+
 
 class YamlFileError(ValueError):
     """The file is missing, unreadable or not YAML; the message is one line with its path."""
@@ -36,7 +38,9 @@ def read_yaml(path: Path, what: str) -> object:
     if bad is not None:
         keys, key = bad
         at = f" {'.'.join(keys)}:" if keys else ""
-        raise YamlFileError(f"{path}:{at} keys must be text, got {key!r} ({type(key).__name__}); quote it")
+        # The keys leading there may hold any text, newlines included: the message stays one line.
+        message = f"{path}:{at} keys must be text, got {key!r} ({type(key).__name__}); quote it"
+        raise YamlFileError(escape_control(message))
     return data
 
 

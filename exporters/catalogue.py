@@ -46,6 +46,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("gpuledger_gpu_up", Kind.GAUGE, "1 while the GPU is readable, 0 when lost or failing.", DEVICE),
     MetricSpec(
+        "gpuledger_gpu_down_reason",
+        Kind.GAUGE,
+        "1 for a GPU that is down, with why: the NVML error (GPU_IS_LOST, ...), or TIMEOUT for a stuck call.",
+        (*DEVICE, "reason"),
+    ),
+    MetricSpec(
         "gpuledger_gpu_utilization_ratio",
         Kind.GAUGE,
         "Fraction of the last sample period in which a kernel ran on the GPU (NVML GPU utilization).",
@@ -105,6 +111,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gpuledger_workload_gpu_allocated",
         Kind.GAUGE,
         "1 when the scheduler (kubelet, Slurm) allocated the GPU to the workload, 0 when it only runs there.",
+        WORKLOAD,
+        optional_labels=("pid",),
+    ),
+    MetricSpec(
+        "gpuledger_workload_gpu_self_reported",
+        Kind.GAUGE,
+        "1 when only the process's own environment (SLURM_JOB_ID) names the workload: nothing trusted confirmed it.",
         WORKLOAD,
         optional_labels=("pid",),
     ),

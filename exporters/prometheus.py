@@ -92,6 +92,7 @@ def _gpu_series(out: _Families, d: DeviceReading, driver_version: str, processes
     out.add("gpuledger_gpu_info", (*ids, d.name, d.pci_bus_id, driver_version), 1.0)
     out.add("gpuledger_gpu_up", ids, 1.0 if d.up else 0.0)
     if not d.up:
+        out.add("gpuledger_gpu_down_reason", (*ids, d.down_reason or "unknown"), 1.0)
         return
     optional = (
         ("gpuledger_gpu_utilization_ratio", d.utilization),
@@ -138,6 +139,8 @@ def _workload_series(out: _Families, state: AgentState, per_pid: bool) -> None:
             out.add("gpuledger_workload_gpu_memory_used_bytes", labels, float(holding.memory_bytes))
         out.add("gpuledger_workload_gpu_processes", labels, float(len(holding.pids)))
         out.add("gpuledger_workload_gpu_allocated", labels, 1.0 if holding.allocated else 0.0)
+        if holding.self_reported:
+            out.add("gpuledger_workload_gpu_self_reported", labels, 1.0)
     unresolved = dict(state.attribution.unresolved)
     for device in snapshot.gpus:
         if device.up:

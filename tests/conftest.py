@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
+from hypothesis import settings
 
 import fake_nvml
 from tests.helpers import WEEKEND_ALERT_SERIES, WeekendIdleRun, run_weekend_idle
 
 InstallFake = Callable[..., fake_nvml.InstalledNode]
+
+# The fuzz suites draw the same examples on every run (HYPOTHESIS_PROFILE=explore draws new
+# ones): a red build then means the code changed, not that the dice did. Explore locally and
+# add what it finds as an explicit @example.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)

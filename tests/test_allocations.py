@@ -79,7 +79,7 @@ def test_a_jobs_allocation_marks_every_holding_of_the_job_on_the_device() -> Non
     found = holdings(
         (gpu(0, 10, 11, 12),),
         {10: (1000, job_cgroup("41")), 11: (1001, job_cgroup("41")), 12: (1001, job_cgroup("42"))},
-        jobs=(SlurmAllocation(0, None, "41", "ann"),),
+        jobs=(SlurmAllocation(0, None, "41", None),),  # no user in the map file: each process's uid names it
     )
     assert found == [
         ("GPU-0", Workload(hpc_job="41", user="ann"), (10,), True),

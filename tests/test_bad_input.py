@@ -189,3 +189,33 @@ def test_report_times_parse_into_range_or_value_error(value: str) -> None:
     except ValueError:
         return
     assert 0 <= t < 221_845_392_000  # 9000-01-01T00:00Z: the end of the range parse_time allows
+
+
+# -- check-config checks what run checks ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "problem"),
+    [
+        ("exporters: {textfile_path: NOWHERE/gpuledger.prom}\n", "exporters.textfile_path: no such directory"),
+        ("web_config_file: NOWHERE/web.yaml\n", "missing/web.yaml: no such web config file"),
+        ("ledger: {path: TMP}\n", "ledger.path: TMP is a directory, not a file"),
+        ("ledger: {path: FILE/ledger.db}\n", "ledger.path: FILE is not a directory"),
+    ],
+)
+def test_check_config_refuses_what_run_refuses(tmp_path: Path, config: str, problem: str) -> None:
+    (tmp_path / "file").write_text("")
+    text = config.replace("NOWHERE", str(tmp_path / "missing")).replace("FILE", str(tmp_path / "file"))
+    text = text.replace("TMP", str(tmp_path))
+    path = tmp_path / "gpuledger.yaml"
+    path.write_text(text)
+    wanted = problem.replace("FILE", str(tmp_path / "file")).replace("TMP", str(tmp_path))
+    checked = gpuledger("check-config", str(path), timeout=30)
+    assert checked.returncode == 2
+    [line] = checked.stderr.splitlines()
+    assert wanted in line
+    # run (on the host's NVML, so the ledger path is used) refuses the same config, in one line.
+    ran = gpuledger("run", "--config", str(path), "--listen", "127.0.0.1:0", timeout=30)
+    assert ran.returncode == 2
+    [line] = ran.stderr.splitlines()
+    assert wanted in line

@@ -357,3 +357,87 @@ def test_environment_overrides_the_file_and_bad_values_name_the_variable(tmp_pat
     assert result.returncode == 2
     assert "GPULEDGER_PRICING__GPU_HOURLY" in result.stderr
     assert "pricing.gpu_hourly" in result.stderr
+
+
+# -- simulate's output: a summary by default, the exposition where asked, progress on a TTY --
+
+
+def test_simulate_prints_a_summary_whose_dollars_add_up(tmp_path: Path) -> None:
+    from agent.config import load_catalogue
+
+    result = gpuledger("simulate", "demo", "--for", "2h")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "simulated 2h of 'demo' in 481 polls"  # one at t=0, then 2h / 15 s = 480 steps
+    assert "# TYPE" not in result.stdout  # not the exposition
+    gpu_time = next(line for line in lines if line.strip().startswith("GPU time"))
+    assert "16.00 GPU-hours observed, 0.00 unobserved" in gpu_time  # 8 GPUs x 2 h, watched throughout
+    cost = next(line for line in lines if line.strip().startswith("cost"))
+    charged, idle, unobserved = (float(part.split("$")[1].split()[0].replace(",", "")) for part in cost.split(","))
+    # The demo node is a p4d.24xlarge: its hourly price over its 8 GPUs, for 8 GPUs x 2 h.
+    p4d = load_catalogue().instance_types["p4d.24xlarge"]
+    whole = p4d.dollars_per_hour / 8 * 8 * 2
+    assert unobserved == 0.0
+    assert charged > 0
+    assert idle > 0
+    assert charged + idle + unobserved == pytest.approx(whole, abs=0.011)  # each figure rounded to the cent
+    assert "flags now    " in result.stdout
+    assert "idle (GPU 6)" in result.stdout
+
+
+def test_simulate_writes_the_exposition_to_stdout_when_asked() -> None:
+    result = gpuledger("simulate", "demo", "--for", "1m", "--metrics-out", "-")
+    assert result.returncode == 0, result.stderr
+    families = {f.name for f in text_string_to_metric_families(result.stdout)}
+    assert {"gpuledger_gpu_cost_dollars", "gpuledger_polls"} <= families
+    assert "simulated" not in result.stdout
+
+
+def test_simulate_shows_progress_on_a_terminal_only() -> None:
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    controller, terminal = pty.openpty()
+    # A new pseudo-terminal is 0 columns wide, in which tqdm draws an empty bar: give it 80.
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    with os.fdopen(controller, "rb", buffering=0) as tty:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "agent", "simulate", "demo", "--for", "6h"],
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            cwd=REPO,
+        )
+        os.close(terminal)
+        seen = b""
+        while True:
+            try:
+                chunk = tty.read(4096)
+            except OSError:  # the terminal closed: the process is done with it
+                break
+            if not chunk:
+                break
+            seen += chunk
+        out, _ = process.communicate(timeout=120)
+    assert process.returncode == 0
+    assert b"simulate demo" in seen
+    assert b"poll" in seen
+    # ...and never in the output a script reads.
+    assert b"poll/s" not in out
+    assert out.startswith(b"simulated 6h of 'demo'")
+    piped = gpuledger("simulate", "demo", "--for", "1h")
+    assert "simulate demo" not in piped.stderr  # stderr not a terminal: no bar
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (("snapshot", "--at", "1h"), "gpuledger: --at: only meaningful with --fake"),
+        (("snapshot", "--fake", "--at", "400d"), "gpuledger: --at: at most 366d, got 400d"),
+    ],
+)
+def test_snapshot_at_is_bounded_and_needs_a_fake_node(args: tuple[str, ...], expect: str) -> None:
+    result = gpuledger(*args, timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.strip() == expect

@@ -500,7 +500,10 @@ def test_systemd_rates_the_sandbox_ok(unit_root: Path) -> None:
 def test_the_unit_is_sandboxed_as_documented() -> None:
     unit = unit_settings(UNIT)
     assert unit["ExecStart"] == ["/usr/local/bin/gpuledger run --config /etc/gpuledger/config.yaml"]
-    assert unit["Type"] == ["exec"]
+    assert unit["Type"] == ["notify"]  # READY=1 and WATCHDOG=1 from agent/cli/systemd.py (tests/test_hang.py)
+    assert unit["NotifyAccess"] == ["main"]
+    assert unit["WatchdogSec"] == ["60s"]
+    assert unit["WatchdogSignal"] == ["SIGTERM"]  # the ledger is flushed on the way out
     assert unit["Restart"] == ["on-failure"]
     assert unit["User"] == ["root"]
     assert unit["DynamicUser"] == ["no"]

@@ -101,6 +101,15 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
             30,
             tmp_path / "lost",
         ),
+        # A process named by its own environment only: the self-reported series.
+        simulate(
+            {
+                "gpus": [{"count": 1}],
+                "processes": [{"pid": 300, "gpus": [0], "sm_util": 50, "environ": {"SLURM_JOB_ID": "77"}}],
+            },
+            30,
+            tmp_path / "claim",
+        ),
     ]
     emitted = _emitted(states)
     catalogued = {spec.name for spec in CATALOGUE}

@@ -4,7 +4,7 @@ the periodic jobs the daemon's scheduler and `simulate` share."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +50,15 @@ class SlowSampler:
         self.errors = inner.errors
         self.fail_next = False
 
-    def poll(self) -> Snapshot:
+    def poll(self, skip: Mapping[str, str] | None = None) -> Snapshot:
         self.clock.t += self.cost
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("boom")
-        return self.inner.poll()
+        return self.inner.poll(skip)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # the rest of the sampler, as it is
 
 
 def test_a_poll_longer_than_the_interval_is_counted(sampler: Sampler) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from agent.accounting.pricing import Catalogue, load_catalogue, resolve_price
-from agent.config import PricingConfig
+from agent.accounting.pricing import Catalogue, resolve_price
+from agent.config import PricingConfig, load_catalogue
 from agent.model import Price
 
 REQUIRED_MODELS = [

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -130,3 +135,62 @@ def test_a_log_line_stays_one_line_without_the_secret() -> None:
     assert lines[1].endswith("poll failed for x\\ny")
     assert lines[2] == "Traceback (most recent call last):"
     assert lines[-1] == "RuntimeError: boom"
+
+
+# -- end to end: a secret in a command line never leaves the agent ---------------------------
+
+SECRET_SCENARIO = """
+start: 2026-11-20T18:00:00Z
+node: {hostname: leaky-node, instance_type: p4d.24xlarge}
+gpus: [{model: A100-SXM4-80GB, count: 1}]
+processes:
+  - pid: 4242
+    gpus: [0]
+    sm_util: 80
+    memory_mib: 1000
+    uid: 1000
+    user: alice
+    cmdline: "python serve.py --model https://alice:s3cretpw@hub.example/org/m?token=abc123xyz --port 8000"
+"""
+
+
+def test_a_credential_in_the_model_argument_reaches_no_output(tmp_path: Path) -> None:
+    scenario = tmp_path / "leaky.yaml"
+    scenario.write_text(SECRET_SCENARIO)
+    ledger, metrics = tmp_path / "ledger.db", tmp_path / "metrics.prom"
+
+    def gpuledger(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=120, check=False
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout + result.stderr
+
+    outputs = {
+        "simulate": gpuledger(
+            "simulate",
+            str(scenario),
+            "--for",
+            "1h",
+            "--step",
+            "60s",
+            "--ledger",
+            str(ledger),
+            "--metrics-out",
+            str(metrics),
+        ),
+        "metrics": metrics.read_text(),
+        "report": gpuledger("report", "--ledger", str(ledger), "--by", "model", "--format", "csv"),
+        "snapshot": gpuledger("snapshot", "--fake", str(scenario), "--json"),
+        "snapshot table": gpuledger("snapshot", "--fake", str(scenario)),
+        "ledger rows": "\n".join(
+            str(row) for row in sqlite3.connect(ledger).execute("SELECT * FROM workload_hours").fetchall()
+        ),
+    }
+    for name, text in outputs.items():
+        assert "s3cretpw" not in text, name
+        assert "abc123xyz" not in text, name
+        assert "alice:" not in text, name
+    # The model keeps what identifies it: the URL without its userinfo and query string.
+    for name in ("metrics", "report", "snapshot", "ledger rows"):
+        assert "https://hub.example/org/m" in outputs[name], name

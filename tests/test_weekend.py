@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.accounting.pricing import load_catalogue
+from agent.config import load_catalogue
 from tests.helpers import WeekendIdleRun
 
 REPO = Path(__file__).resolve().parent.parent

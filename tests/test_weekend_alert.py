@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.accounting.pricing import load_catalogue
+from agent.config import load_catalogue
 from tests.helpers import WEEKEND_ALERT_SERIES, WeekendIdleRun
 
 RULES = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"

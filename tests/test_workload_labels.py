@@ -19,6 +19,7 @@ from agent.config import ConfigError, load_config
 from agent.model import (
     WORKLOAD_LABELS,
     DeviceReading,
+    Holding,
     NodeInfo,
     ProcessFacts,
     ProcessIdentity,
@@ -44,7 +45,7 @@ def test_the_label_list_is_the_workload_fields_in_order() -> None:
     assert Workload.from_labels(w.label_dict() | {"gpu": "0"}) == w  # other keys are not labels
     # Every workload series of the catalogue carries exactly that list, after the device's.
     workload_specs = [spec for spec in CATALOGUE if "namespace" in spec.labels]
-    assert len(workload_specs) == 10  # 4 gauges, 5 counters and the workload flag
+    assert len(workload_specs) == 11  # 5 gauges, 5 counters and the workload flag
     for spec in workload_specs:
         assert spec.labels[:2] == ("gpu", "uuid")
         assert spec.labels[2 : 2 + len(WORKLOAD_LABELS)] == WORKLOAD_LABELS, spec.name
@@ -107,11 +108,12 @@ def test_a_systemd_service_sets_unit_not_hpc_job() -> None:
 
 def test_a_slurm_job_sets_hpc_job_from_each_source() -> None:
     # Its cgroup (the slurmstepd tree), the prolog's map file for the GPU, or, with neither,
-    # the SLURM_JOB_ID the process's environment claims.
+    # the SLURM_JOB_ID the process's environment claims (its user stays the uid's: the claim
+    # names a job, never who ran it; test_attribution.py has the spoofing cases).
     assert holder(SLURM_CGROUP) == Workload(hpc_job="8812", user="ann")
     mapped = (SlurmAllocation(gpu_index=0, gpu_instance_id=None, job="9911", user="bob"),)
     assert holder(LOGIN, slurm=mapped) == Workload(hpc_job="9911", user="bob")
-    assert holder(LOGIN, env={"SLURM_JOB_ID": "4242", "SLURM_JOB_USER": "cat"}) == Workload(hpc_job="4242", user="cat")
+    assert holder(LOGIN, env={"SLURM_JOB_ID": "4242", "SLURM_JOB_USER": "cat"}) == Workload(hpc_job="4242", user="ann")
     assert holder(LOGIN) == Workload(user="ann")  # none of them: a user's process
 
 
@@ -168,3 +170,44 @@ def test_exported_series_name_the_service_by_unit_and_the_job_by_hpc_job() -> No
     assert held["1"] == Workload(hpc_job="8812", user="alice").label_dict()
     assert "exported_job" not in text
     assert 'job="' not in text.replace('hpc_job="', "")  # no label called job at all
+
+
+# --- spoofing: what a process says of itself never beats what root set up -----------------------
+
+
+def holding(cgroup: str, env: Mapping[str, str], slurm: tuple[SlurmAllocation, ...] = ()) -> Holding:
+    device = replace(GPU, processes=(ProcessReading(100, 2**30, 0.5),))
+    facts = ProcessFacts(ProcessIdentity(100, 1), 1000, ("python", "x.py"), cgroup, tuple(env.items()))
+    inputs = Inputs(
+        snapshot=Snapshot(0.0, NodeInfo("n"), (device,)),
+        processes={100: facts},
+        slurm_allocations=slurm,
+        user_names={1000: "ann", 1001: "bob"},
+    )
+    [held] = [h for h in attribute(inputs).holdings if 100 in h.pids]
+    return held
+
+
+def test_an_environment_claim_cannot_take_a_job_the_map_file_names() -> None:
+    # ann's process, outside any Slurm cgroup, claims job 9911 on GPU 0; the prolog's map file
+    # (root's) says GPU 0 belongs to bob's job 5000.
+    theirs = (SlurmAllocation(gpu_index=0, gpu_instance_id=None, job="5000", user="bob"),)
+    claim = {"SLURM_JOB_ID": "9911", "SLURM_JOB_USER": "bob"}
+    held = holding(LOGIN, claim, theirs)
+    assert held.workload == Workload(hpc_job="5000", user="bob")  # the map file decides
+    assert not held.self_reported
+
+
+def test_an_environment_claim_cannot_change_the_job_or_user_a_cgroup_names() -> None:
+    held = holding(SLURM_CGROUP, {"SLURM_JOB_ID": "9911", "SLURM_JOB_USER": "bob"})
+    assert held.workload == Workload(hpc_job="8812", user="ann")  # slurmd's cgroup, and the uid's user
+    assert not held.self_reported
+    in_a_pod = "0::/kubepods.slice/kubepods-pod0b6c2f4e_3c1d_4e8a_9f11_2a7d5c9e0b01.slice/cri-containerd-ab.scope\n"
+    assert holding(in_a_pod, {"SLURM_JOB_ID": "9911"}).workload.hpc_job == ""
+
+
+def test_an_unconfirmed_claim_keeps_the_uid_as_user_and_is_marked_self_reported() -> None:
+    held = holding(LOGIN, {"SLURM_JOB_ID": "9911", "SLURM_JOB_USER": "bob"})
+    assert held.workload == Workload(hpc_job="9911", user="ann")  # never bob: the uid is ann's
+    assert held.self_reported
+    assert not holding(LOGIN, {}).self_reported

@@ -2,27 +2,23 @@
 
 The config's overrides win; else the instance type's price split over the node's GPUs; else
 the shipped catalogue's figure for the GPU model; else the price is unknown and the caller
-charges nothing. Pure: the only I/O is reading a catalogue file, and the shipped one is read
-once. This module knows nothing of the config module: it takes anything shaped like its
-pricing section (`PricingLike`).
+charges nothing. Pure: it parses a catalogue it is handed (agent.config reads the file) and
+knows nothing of the config module: it takes anything shaped like its pricing section
+(`PricingLike`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
 from agent.model import Price
-from agent.yamlfile import read_yaml
 
-SHIPPED_CATALOGUE = Path(__file__).with_name("prices.yaml")
 CLOUDS = ("aws", "gcp", "azure")
 
 _T = TypeVar("_T")
@@ -71,19 +67,6 @@ class InstancePrice:
 class Catalogue:
     gpu_models: Mapping[str, CataloguePrice]
     instance_types: Mapping[str, InstancePrice]
-
-
-def load_catalogue(path: Path | None = None) -> Catalogue:
-    """The catalogue at `path`, or the shipped one (read once). A bad file raises ValueError,
-    one line naming the file and the entry."""
-    if path is None:
-        return _shipped_catalogue()
-    return _parse(read_yaml(path, "price catalogue"), path)
-
-
-@functools.cache
-def _shipped_catalogue() -> Catalogue:
-    return _parse(read_yaml(SHIPPED_CATALOGUE, "price catalogue"), SHIPPED_CATALOGUE)
 
 
 def resolve_price(
@@ -186,7 +169,9 @@ _MODEL_FIELDS = ("dollars_per_hour", "source", "read")
 _INSTANCE_FIELDS = ("dollars_per_hour", "gpus", "gpu_model", "cloud", "region", "source", "read")
 
 
-def _parse(raw: object, path: Path) -> Catalogue:
+def parse_catalogue(raw: object, path: str) -> Catalogue:
+    """The catalogue in `raw` (a YAML document read from `path`). A bad one raises ValueError,
+    one line naming the file and the entry."""
     if not isinstance(raw, Mapping):
         raise ValueError(f"{path}: expected a mapping with gpu_models and instance_types, got {type(raw).__name__}")
     unknown = sorted(str(key) for key in raw if key not in ("gpu_models", "instance_types"))
@@ -208,7 +193,7 @@ def _parse(raw: object, path: Path) -> Catalogue:
     return Catalogue(gpu_models=MappingProxyType(models), instance_types=MappingProxyType(instances))
 
 
-def _section(raw: Mapping[object, object], name: str, path: Path) -> dict[str, Mapping[object, object]]:
+def _section(raw: Mapping[object, object], name: str, path: str) -> dict[str, Mapping[object, object]]:
     section = raw.get(name)
     if not isinstance(section, Mapping):
         raise ValueError(f"{path}: {name}: expected a mapping of entries, got {_shown(section)}")

@@ -41,6 +41,7 @@ class _Acc:
     sm_util: float | None = None
     memory_bytes: int | None = None
     allocated: bool = False
+    self_reported: bool = False
 
 
 _HoldingKey = tuple[str, Workload, int | None]  # (device uuid, workload, pid when per-pid)
@@ -95,9 +96,10 @@ def attribute(inputs: Inputs) -> Attribution:
                 unresolved[device.uuid] = unresolved.get(device.uuid, 0) + 1
                 workload = Workload()
             else:
-                workload = _process_workload(facts, device.uuid, inputs, pod_containers, slurm_on_device)
+                workload, claimed = _process_workload(facts, device.uuid, inputs, pod_containers, slurm_on_device)
             key = (device.uuid, workload, proc.pid if inputs.per_pid else None)
             acc = holdings.setdefault(key, _Acc())
+            acc.self_reported = acc.self_reported or (facts is not None and claimed)
             acc.pids.append(proc.pid)
             if proc.sm_util is not None:
                 acc.sm_util = (acc.sm_util or 0.0) + proc.sm_util
@@ -128,6 +130,7 @@ def attribute(inputs: Inputs) -> Attribution:
                 memory_bytes=acc.memory_bytes,
                 allocated=acc.allocated,
                 pid=pid,
+                self_reported=acc.self_reported and not acc.allocated,
             )
             for (uuid, workload, pid), acc in sorted(
                 holdings.items(), key=lambda kv: (order[kv[0][0]], kv[0][1], kv[0][2] or 0)
@@ -184,8 +187,18 @@ def _process_workload(
     inputs: Inputs,
     pod_containers: Mapping[str, Mapping[tuple[str, str], set[str]]],
     slurm_on_device: Mapping[str, SlurmAllocation],
-) -> Workload:
+) -> tuple[Workload, bool]:
+    """The process's workload, and whether only its own environment says so.
+
+    Trusted sources decide: the cgroup (set by the kubelet, slurmd, systemd or the container
+    runtime, not by the process), the kubelet's pod names and the prolog's map file (root's).
+    A process's environment is its own to write, so SLURM_JOB_ID and SLURM_JOB_USER there are a
+    claim: used only where nothing trusted names a job, never for the user (that is the uid's),
+    and marked as self-reported. Otherwise any local user could bill their GPU time to someone
+    else's job.
+    """
     owner: CgroupOwner | None = _owner_of(facts.cgroup)
+    claimed = False
     uid = facts.uid
     user = inputs.user_names.get(uid, str(uid)) if uid is not None else ""
     w = Workload()
@@ -200,7 +213,10 @@ def _process_workload(
         container = next(iter(containers)) if len(containers) == 1 else ""
         w = Workload(namespace=namespace, pod=pod or f"uid-{owner.pod_uid}", container=container)
     elif owner is not None and owner.kind == "slurm" and owner.slurm_job:
-        w = Workload(hpc_job=owner.slurm_job, user=facts.env_value("SLURM_JOB_USER") or user)
+        # slurmd's cgroup names the job; its user is the map file's for that job, else the uid's.
+        mapped = slurm_on_device.get(device_uuid)
+        job_user = mapped.user if mapped is not None and mapped.job == owner.slurm_job and mapped.user else user
+        w = Workload(hpc_job=owner.slurm_job, user=job_user)
     else:
         env_job = facts.env_value("SLURM_JOB_ID")
         mapped = slurm_on_device.get(device_uuid)
@@ -208,11 +224,12 @@ def _process_workload(
             w = Workload(container=owner.container_id[:12], user=user)
         elif owner is not None and owner.kind == "service" and owner.unit:
             w = Workload(unit=owner.unit, user=user)
-        elif env_job:
-            w = Workload(hpc_job=env_job, user=facts.env_value("SLURM_JOB_USER") or user)
         elif mapped is not None:
             w = Workload(hpc_job=mapped.job, user=mapped.user or user)
+        elif env_job:
+            w = Workload(hpc_job=env_job, user=user)
+            claimed = True
         else:
             owner_uid = owner.uid if owner is not None and owner.uid is not None else uid
             w = Workload(user=inputs.user_names.get(owner_uid, str(owner_uid)) if owner_uid is not None else "")
-    return apply_rules(w, facts.cmdline, facts, inputs.rules, account)
+    return apply_rules(w, facts.cmdline, facts, inputs.rules, account), claimed

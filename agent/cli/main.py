@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -17,19 +18,26 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from tqdm import tqdm
+
 from agent import __version__
 from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen, positive_finite
 from agent.cli.logs import setup_logging
 from agent.cli.render import render_table, snapshot_json
 from agent.cli.simulate import cmd_simulate
+from agent.cli.systemd import notify, watchdog_interval_s
 from agent.cli.wiring import build_agent
-from agent.config import check_config, load_config
+from agent.config import check_config, host_problems, load_config
 from agent.devices.backend import DriverLibraryMissing
-from agent.errors import BadInputError, GpuledgerError
+from agent.errors import BadInputError, ConfigError, GpuledgerError
 from agent.ledger.report import DEFAULT_BY, GROUP_KEYS, parse_by, parse_time, render, report_from_ledger
 from agent.units import format_duration
 
 log = logging.getLogger("gpuledger")
+
+# snapshot --at polls each scenario minute up to that moment: a year is half a million polls
+# (minutes of work); beyond that the question is not one a snapshot answers.
+MAX_SNAPSHOT_AT_S = 366 * 86400.0
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -82,7 +90,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--step", default="15s", metavar="DURATION", help="poll every this much scenario time (default 15s)"
     )
     sim.add_argument("--config", help="YAML config file")
-    sim.add_argument("--metrics-out", metavar="FILE", help="write the final /metrics text here (default: stdout)")
+    sim.add_argument(
+        "--metrics-out",
+        metavar="FILE",
+        help="write the final /metrics text to FILE (- for stdout; default: a summary only)",
+    )
     sim.add_argument("--ledger", metavar="FILE", help="write the charges to this ledger file")
 
     rep = sub.add_parser("report", help="cost and usage from the ledger")
@@ -169,10 +181,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         agent.close()
         raise BadInputError(f"gpuledger: listen {host}:{port}: {exc.strerror or exc}") from None
     stop = threading.Event()
+    exit_code = EXIT_OK
 
     def _on_signal(signum: int, _frame: object) -> None:
         log.info("received signal %d, shutting down", signum)
         stop.set()
+
+    def _on_hung(exc: GpuledgerError) -> None:
+        nonlocal exit_code
+        log.error(
+            "%s, past watchdog.exit_after (%s): flushing the ledger and exiting so that the service manager "
+            "(systemd Restart=on-failure, or the kubelet) starts a fresh agent",
+            exc,
+            format_duration(settings.watchdog.exit_after),
+        )
+        exit_code = EXIT_FAILURE
+        stop.set()
+
+    agent.pipeline.on_hung = _on_hung
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
@@ -188,15 +214,47 @@ def _cmd_run(args: argparse.Namespace) -> int:
         where,
         format_duration(settings.poll_interval),
     )
+    notify("READY=1")
+    beat = watchdog_interval_s()
+    if beat is not None:
+        threading.Thread(target=_watchdog, args=(stop, beat, agent.pipeline.healthy), daemon=True).start()
     stop.wait()
-    agent.close()  # the last poll reaches the textfile, the last charges the ledger
+    notify("STOPPING=1")
+    # Whatever the driver is doing, the process ends within SHUTDOWN_GRACE_S: a thread stuck in
+    # a driver call cannot be joined, and systemd's stop timeout would end in SIGKILL anyway.
+    deadline = threading.Timer(SHUTDOWN_GRACE_S, _exit_now, args=(EXIT_FAILURE,))
+    deadline.daemon = True
+    deadline.start()
+    agent.close()  # the ledger first: the last charges reach it, then the textfile
     server.stop()
-    return EXIT_OK
+    deadline.cancel()
+    return exit_code
+
+
+# SIGTERM to exit: at most this long, ledger flushed (it goes first).
+SHUTDOWN_GRACE_S = 4.5
+
+
+def _watchdog(stop: threading.Event, every_s: float, healthy: Callable[[], bool]) -> None:
+    """Tell systemd we are alive while /healthz would say so; silence gets us restarted."""
+    while not stop.wait(every_s):
+        if healthy():
+            notify("WATCHDOG=1")
+
+
+def _exit_now(code: int) -> None:
+    log.error("shutdown did not finish within %.1fs (a GPU driver call is stuck); exiting now", SHUTDOWN_GRACE_S)
+    logging.shutdown()
+    os._exit(code)
 
 
 def _cmd_snapshot(args: argparse.Namespace) -> int:
     settings = load_config(args.config)
     at = duration_arg(args.at, "--at")
+    if args.fake is None and args.at != "0s":
+        raise BadInputError("gpuledger: --at: only meaningful with --fake")
+    if at > MAX_SNAPSHOT_AT_S:
+        raise BadInputError(f"gpuledger: --at: at most {format_duration(MAX_SNAPSHOT_AT_S)}, got {args.at}")
     agent = build_agent(settings, fake=args.fake, poll_interval_s=5.0)
     node, pipeline = agent.node, agent.pipeline
     try:
@@ -205,9 +263,12 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
             # A fake node can show what a daemon running since t=0 would show at --at: flags need
             # their durations, costs their history. Poll each minute up to 5 s before --at, then at
             # --at (per-process utilization is the mean over the samples between two polls).
-            while node.clock.now() + 60 <= at - 5:
-                pipeline.poll_once()
-                node.clock.advance(60)
+            minutes = max(0, int((at - 5) // 60))
+            with tqdm(total=minutes, unit="poll", desc="catching up to --at", disable=None, leave=False) as bar:
+                while node.clock.now() + 60 <= at - 5:
+                    pipeline.poll_once()
+                    node.clock.advance(60)
+                    bar.update()
             pipeline.poll_once()
             node.clock.advance(max(0.0, at - node.clock.now()) if at >= 5 else 5.0)
         state = pipeline.poll_once()
@@ -240,7 +301,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    _settings_obj, problems = check_config(args.file)
+    settings, problems = check_config(args.file)
+    if settings is not None:
+        # The checks run makes on this host too: a config check-config passes, run starts with.
+        problems = host_problems(settings, args.file)
+        if not problems and settings.web_config_file:
+            from exporters.webconfig import load_web_config
+
+            try:
+                load_web_config(settings.web_config_file)
+            except ConfigError as exc:
+                problems = [str(exc)]
     if problems:
         for line in problems:
             print(line, file=sys.stderr)

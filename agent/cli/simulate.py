@@ -12,11 +12,15 @@ import logging
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 from agent.cli.args import EXIT_OK, duration_arg
 from agent.cli.wiring import build_agent
 from agent.config import load_config
 from agent.errors import BadInputError, GpuledgerError
+from agent.model import AgentState
 from agent.pipeline import run_on_scenario_time
+from agent.scrub import escape_control
 from agent.units import format_duration
 
 log = logging.getLogger("gpuledger")
@@ -29,30 +33,66 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if step <= 0:
         raise BadInputError("gpuledger: --step: must be above 0")
     for option, target in (("--metrics-out", args.metrics_out), ("--ledger", args.ledger)):
-        if target and not Path(target).parent.is_dir():
+        if target and target != "-" and not Path(target).parent.is_dir():
             raise BadInputError(f"gpuledger: {option}: no such directory {Path(target).parent}")
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
     agent = build_agent(settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step)
     node = agent.node
     assert node is not None
-    try:
-        run_on_scenario_time(agent.pipeline.jobs(), node.clock.advance, duration, step)
-    finally:
-        agent.close()  # flushes the ledger and writes the textfile, if configured
+    # Progress on a terminal only (tqdm turns itself off when stderr is not a TTY): a week at
+    # 15 s steps is 40,000 polls, a minute or more of waiting.
+    with tqdm(
+        total=int(duration // step), unit="poll", desc=f"simulate {node.scenario.name}", disable=None, leave=False
+    ) as bar:
+        try:
+            run_on_scenario_time(agent.pipeline.jobs(), node.clock.advance, duration, step, on_step=bar.update)
+        finally:
+            agent.close()  # flushes the ledger and writes the textfile, if configured
     sink = agent.costing.sink if agent.costing is not None else None
     if sink is not None and not sink.health().healthy:
         raise GpuledgerError(f"the ledger {args.ledger} could not be written (see the log)")
     state = agent.pipeline.state
-    text = agent.exposition(state)
+    if args.metrics_out == "-":
+        sys.stdout.write(agent.exposition(state).decode())
+        return EXIT_OK
     if args.metrics_out:
-        Path(args.metrics_out).write_bytes(text)
-        log.info(
-            "simulated %s of %r in %d polls; metrics written to %s",
-            format_duration(duration),
-            node.scenario.name,
-            state.health.polls_total,
-            args.metrics_out,
-        )
-    else:
-        sys.stdout.write(text.decode())
+        Path(args.metrics_out).write_bytes(agent.exposition(state))
+    print(summary(state, node.scenario.name, duration, args.ledger, args.metrics_out))
     return EXIT_OK
+
+
+def summary(state: AgentState, scenario: str, duration_s: float, ledger: str | None, metrics_out: str | None) -> str:
+    """What a run of `simulate` did, in a few lines: the final exposition is hundreds of series,
+    so it is written only where asked (--metrics-out FILE, or - for stdout)."""
+    gpus = state.costs.gpus.values()
+    charged = sum(g.dollars for g in gpus) - sum(g.idle_dollars for g in gpus)
+    idle = sum(g.idle_dollars for g in gpus)
+    observed_h = sum(g.observed_s for g in gpus) / 3600
+    unobserved_h = sum(g.unobserved_s for g in gpus) / 3600
+    unobserved = sum(g.unobserved_dollars for g in gpus)
+    lines = [
+        f"simulated {format_duration(duration_s)} of {scenario!r} in {state.health.polls_total} polls",
+        f"  GPU time     {observed_h:,.2f} GPU-hours observed, {unobserved_h:,.2f} unobserved",
+        f"  cost         ${charged:,.2f} charged to workloads, ${idle:,.2f} idle, ${unobserved:,.2f} unobserved",
+        f"  flags now    {_flags(state)}",
+    ]
+    if ledger:
+        lines.append(f"  ledger       {ledger}")
+    if metrics_out:
+        lines.append(f"  metrics      {metrics_out}")
+    return "\n".join(escape_control(line) for line in lines)
+
+
+def _flags(state: AgentState) -> str:
+    """The raised flags, one entry per rule with its GPUs: "idle (GPU 6), allocated_idle (GPUs 5, 7)"."""
+    by_rule: dict[str, list[int]] = {}
+    for flag in state.flags:
+        if flag.raised:
+            by_rule.setdefault(flag.rule, []).append(flag.gpu)
+    return (
+        ", ".join(
+            f"{rule} (GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, sorted(gpus)))})"
+            for rule, gpus in sorted(by_rule.items())
+        )
+        or "none"
+    )

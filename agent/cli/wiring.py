@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from agent.accounting.instance import detect_instance_type
-from agent.accounting.pricing import load_catalogue, resolve_price
+from agent.accounting.pricing import resolve_price
 from agent.attribution.gather import Attributor
 from agent.attribution.labels import compile_rules, rule_env_keys
 from agent.attribution.sources import open_sources
 from agent.attribution.sources.base import SourceOptions
-from agent.config import Settings
+from agent.config import Settings, host_problems, load_catalogue
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
+from agent.devices.instance import detect_instance_type
 from agent.devices.sampler import Sampler
 from agent.errors import BadInputError
 from agent.model import AgentState, Price, Snapshot
@@ -77,18 +77,20 @@ class Agent:
             self.textfile.start(self.pipeline.poll_interval_s)
 
     def close(self) -> None:
-        """Stop the schedules, write the last state to the textfile, flush and close the ledger,
-        then let go of the attribution sources (the kubelet), NVML and the fake node."""
+        """Stop the schedules, flush and close the ledger, write the last state to the textfile,
+        then let go of the attribution sources (the kubelet), NVML and the fake node. A driver
+        call still stuck is left alone (shutting the library down under it could hang too)."""
         if self._closed:
             return
         self._closed = True
-        self.pipeline.stop()
+        idle = self.pipeline.stop()
+        if self.costing is not None and self.costing.sink is not None:
+            self.costing.sink.close()  # the last charges reach the ledger before anything slower
         if self.textfile is not None:
             self.textfile.stop()  # the last poll reaches the file too
-        if self.costing is not None and self.costing.sink is not None:
-            self.costing.sink.close()  # the last charges reach the ledger before we exit
         self.attributor.close()
-        self.sampler.close()
+        if idle:
+            self.sampler.close()
         if self.node is not None:
             import fake_nvml
 
@@ -120,14 +122,14 @@ def build_agent(
                    (tests and benchmarks with prices of their own)
     rules          the flag rules; by default those the settings enable
     """
+    problems = host_problems(settings, "gpuledger")
+    if problems:
+        raise BadInputError(problems[0])
     textfile_path = settings.exporters.textfile_path
-    if textfile_path and not Path(textfile_path).parent.is_dir():
-        raise BadInputError(f"gpuledger: exporters.textfile_path: no such directory {Path(textfile_path).parent}")
     interval_s = settings.poll_interval if poll_interval_s is None else poll_interval_s
     backend, node = _backend(fake, fake_speed, settings.backend)
     try:
         sampler = Sampler(backend, hostname=node_name(settings, node))
-        sampler.start()
         attributor = _attributor(settings, node)
         priced: Costing | None = None
         if isinstance(costing, Costing):
@@ -147,7 +149,10 @@ def build_agent(
             attributor=attributor,
             costing=priced,
             rules=rule_specs(settings) if rules is None else rules,
+            call_timeout_s=settings.watchdog.call_timeout,
+            exit_after_s=settings.watchdog.exit_after,
         )
+        pipeline.open_devices()
     except BaseException:
         if node is not None:
             import fake_nvml

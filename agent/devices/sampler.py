@@ -32,6 +32,11 @@ from agent.model import DeviceReading, NodeInfo, NvLinkReading, ProcessReading, 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
+class PollAbandoned(Exception):
+    """A poll went on after the caller gave up on it (see Sampler.abandon)."""
+
+
 REINIT_BACKOFF_FIRST_S = 5.0
 REINIT_BACKOFF_MAX_S = 300.0
 
@@ -119,6 +124,11 @@ class Sampler:
         self._known_uuids: dict[int, str] = {}
         self._known_names: dict[int, str] = {}
         self._initialised = False
+        # The GPU being read right now (its uuid, or "#index" before it has one; "" while the
+        # driver itself is being set up), so that whoever gave up waiting on a poll knows which
+        # GPU's call is stuck.
+        self.reading: str | None = None
+        self._generation = 0  # bumped by abandon(): an abandoned poll stops at its next device
         self._next_init_at = 0.0
         self._init_backoff_s = REINIT_BACKOFF_FIRST_S
         self._driver_version = ""
@@ -226,12 +236,25 @@ class Sampler:
 
     # -- polling ------------------------------------------------------------------------------
 
-    def poll(self) -> Snapshot:
+    def abandon(self) -> None:
+        """The poll now running was given up on (a call in it is stuck): when that call returns,
+        the poll stops without touching another device, and its result is dropped."""
+        self._generation += 1
+
+    def down_snapshot(self, reason: str) -> Snapshot:
+        """A poll that read nothing, every GPU down for `reason` (the driver itself is stuck)."""
+        return self._down_snapshot(self.backend.clock(), reason)
+
+    def poll(self, skip: Mapping[str, str] | None = None) -> Snapshot:
+        """Read every device once. GPUs in `skip` (uuid -> reason) are not asked at all and
+        read as down for that reason: a call on them is still stuck from an earlier poll."""
+        generation = self._generation
         now = self.backend.clock()
         if not self._initialised:
             if now < self._next_init_at:
                 return self._down_snapshot(now, "driver unavailable")
             try:
+                self.reading = ""
                 self._init(now)
                 log.warning("the GPU driver is back after re-initialisation")
             except DriverLibraryMissing:
@@ -242,6 +265,13 @@ class Sampler:
                 return self._down_snapshot(now, exc.error)
         devices: list[DeviceReading] = []
         for gpu in self._gpus:
+            if self._generation != generation:
+                raise PollAbandoned
+            key = gpu.uuid or f"#{gpu.index}"  # a GPU lost at discovery has no uuid yet
+            if skip and key in skip:
+                devices.append(_down(gpu, skip[key]))
+                continue
+            self.reading = key
             try:
                 devices.extend(self._read_gpu(gpu, now))
             except DriverUnavailable as exc:
@@ -251,6 +281,9 @@ class Sampler:
                 self._initialised = False
                 self._schedule_reinit(now)
                 return self._down_snapshot(now, exc.error)
+        self.reading = None
+        if self._generation != generation:
+            raise PollAbandoned
         return Snapshot(
             taken_at=now,
             node=NodeInfo(self.hostname, self._driver_version, self._cuda_version),

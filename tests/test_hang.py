@@ -1,0 +1,194 @@
+"""A driver call that never returns cannot freeze the agent: the stuck GPU reads as down
+(TIMEOUT), the other GPUs keep being polled, /healthz fails, and past the hard deadline the
+agent flushes the ledger and exits non-zero; SIGTERM during the hang ends it within 5 s.
+
+The hang is the fake library's latency fault: the call sleeps (in real time) far longer than
+any test, on one GPU, from one scenario moment on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.cli.wiring import build_agent
+from agent.config import Settings, WatchdogConfig
+from agent.pipeline import DriverHung
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Two GPUs; from 1 minute in, every call on GPU 1 takes an hour.
+HUNG_SCENARIO = """
+start: 2026-11-20T18:00:00Z
+node: {hostname: hung-node, instance_type: p4d.24xlarge}
+gpus: [{model: A100-SXM4-80GB, count: 2}]
+processes:
+  - {pid: 100, gpus: [0], sm_util: 90, memory_mib: 1000, uid: 1000, user: alice, cmdline: "python a.py"}
+  - {pid: 101, gpus: [1], sm_util: 90, memory_mib: 1000, uid: 1001, user: bob, cmdline: "python b.py"}
+faults:
+  - {at: 1m, gpu: 1, latency_ms: 3600000}
+"""
+
+
+@pytest.fixture
+def scenario(tmp_path: Path) -> Path:
+    path = tmp_path / "hung.yaml"
+    path.write_text(HUNG_SCENARIO)
+    return path
+
+
+def test_a_stuck_gpu_reads_as_down_while_the_other_keeps_being_polled(scenario: Path) -> None:
+    settings = Settings(node_name="rig", watchdog=WatchdogConfig(call_timeout=0.3, exit_after=600))
+    agent = build_agent(settings, fake=scenario, costing=False, rules=())
+    assert agent.node is not None
+    pipeline, clock = agent.pipeline, agent.node.clock
+    try:
+        first = pipeline.poll_once()
+        assert first.snapshot is not None
+        assert [d.up for d in first.snapshot.devices] == [True, True]
+        assert pipeline.healthy()
+
+        clock.advance(120)  # GPU 1's calls now hang
+        started = time.monotonic()
+        timed_out = pipeline.poll_once()
+        assert time.monotonic() - started < 2.0  # the poll gave up at its budget (0.3 s)
+        sample = next(s for s in timed_out.health.stages if s.stage == "sample")
+        assert sample.failures == 1
+        assert not pipeline.healthy()  # a stuck call fails /healthz at once
+        assert set(pipeline.stuck) == {first.snapshot.devices[1].uuid}
+
+        for _ in range(3):  # the next polls skip GPU 1 and read GPU 0, without waiting
+            clock.advance(15)
+            started = time.monotonic()
+            state = pipeline.poll_once()
+            assert time.monotonic() - started < 0.3
+            assert state.snapshot is not None
+            gpu0, gpu1 = state.snapshot.devices
+            assert gpu0.up
+            assert (gpu1.up, gpu1.down_reason) == (False, "TIMEOUT")
+            assert state.snapshot.taken_at == first.snapshot.taken_at + 120 + 15 * (_ + 1)
+        assert not pipeline.healthy()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value for m in agent.registry().collect() for s in m.samples
+        }
+        gpu1_ids = (("gpu", "1"), ("uuid", gpu1.uuid))
+        assert samples[("gpuledger_gpu_up", gpu1_ids)] == 0.0
+        assert samples[("gpuledger_gpu_down_reason", tuple(sorted((*gpu1_ids, ("reason", "TIMEOUT")))))] == 1.0
+    finally:
+        agent.close()
+
+
+def test_past_the_hard_deadline_the_poll_gives_up_for_good(scenario: Path) -> None:
+    settings = Settings(node_name="rig", watchdog=WatchdogConfig(call_timeout=0.2, exit_after=0.5))
+    agent = build_agent(settings, fake=scenario, costing=False, rules=())
+    assert agent.node is not None
+    try:
+        agent.pipeline.poll_once()
+        agent.node.clock.advance(120)
+        agent.pipeline.poll_once()  # GPU 1 gets stuck
+        time.sleep(0.6)
+        with pytest.raises(DriverHung, match=r"has not returned for \ds \(GPU GPU-"):
+            agent.pipeline.poll_once()
+    finally:
+        agent.close()
+
+
+# -- the daemon -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def healthz(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def wait_until(condition: object, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def daemon(scenario: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
+    """`run` on the hung node at 60x (the hang starts a second in), polling every 0.5 s, a
+    call budget of 1 s and a hard deadline of 6 s; with a ledger flushed only at exit."""
+    port, ledger = free_port(), tmp_path / "ledger.db"
+    env = {
+        **os.environ,
+        "GPULEDGER_POLL_INTERVAL": "0.5s",
+        "GPULEDGER_WATCHDOG__CALL_TIMEOUT": "1s",
+        "GPULEDGER_WATCHDOG__EXIT_AFTER": "6s",
+        "GPULEDGER_LEDGER__FLUSH_INTERVAL": "1h",
+        "NOTIFY_SOCKET": str(tmp_path / "notify.sock"),
+        "WATCHDOG_USEC": "400000",
+    }
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(10)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent", "run", "--fake", str(scenario), "--fake-speed", "60",
+         "--listen", f"127.0.0.1:{port}", "--ledger", str(ledger)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert notify.recv(100) == b"READY=1"  # serving
+        assert notify.recv(100) == b"WATCHDOG=1"  # healthy, before the hang
+        notify.close()
+        yield process, port, ledger
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()  # reaps it and closes its pipes
+
+
+def ledger_rows(ledger: Path) -> int:
+    with sqlite3.connect(ledger) as db:
+        return int(db.execute("SELECT count(*) FROM gpu_hours").fetchone()[0])
+
+
+def test_the_daemon_exits_at_the_hard_deadline_with_the_ledger_flushed(
+    daemon: tuple[subprocess.Popen[str], int, Path],
+) -> None:
+    process, port, ledger = daemon
+    assert wait_until(lambda: healthz(port) == 503, 10)  # the stuck call fails /healthz
+    _, stderr = process.communicate(timeout=20)
+    code = process.returncode
+    assert code == 1, stderr
+    assert "flushing the ledger and exiting" in stderr
+    assert "Traceback" not in stderr
+    assert ledger_rows(ledger) == 2  # both GPUs' hour, written at exit (flushes were hourly)
+
+
+def test_sigterm_during_a_hang_ends_the_daemon_within_5s(daemon: tuple[subprocess.Popen[str], int, Path]) -> None:
+    process, port, ledger = daemon
+    assert wait_until(lambda: healthz(port) == 503, 10)
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=10)
+    code = process.returncode
+    assert time.monotonic() - started < 5.0
+    assert code == 0, stderr
+    assert ledger_rows(ledger) == 2
