@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from agent.accounting.pricing import Catalogue, parse_catalogue
-from agent.attribution.resolve import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
+from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
 from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS

@@ -18,9 +18,10 @@ attribution, a failed accounting charges nothing for its interval, failed rules 
 previous flags, a failed publish leaves the previous state in place. Each stage's latest
 duration and last success are exported too (`StageHealth`).
 
-The agent's periodic work (polls, kubelet refreshes, ledger flushes) is described once, by
-`Pipeline.jobs()`: the daemon hands the jobs to APScheduler (`start`), `simulate` runs the same
-jobs on scenario time (`run_on_scenario_time`). Either way a scrape only reads `state`.
+The agent's periodic work (polls, the attribution sources' refreshers such as the kubelet's,
+ledger flushes) is described once, by `Pipeline.jobs()`: the daemon hands the jobs to
+APScheduler (`start`), `simulate` runs the same jobs on scenario time (`run_on_scenario_time`).
+Either way a scrape only reads `state`.
 """
 
 from __future__ import annotations
@@ -166,7 +167,6 @@ class Pipeline:
         poll_interval_s: float,
         monotonic: Callable[[], float] = time.monotonic,
         attributor: Attributor | None = None,
-        kubelet_interval_s: float = 10.0,
         costing: Costing | None = None,
         rules: Sequence[RuleSpec] = (),
         call_timeout_s: float | None = None,
@@ -185,7 +185,6 @@ class Pipeline:
         self.attributor = attributor
         self.costing = costing
         self.rules = tuple(rules)
-        self.kubelet_interval_s = kubelet_interval_s
         self.poll_interval_s = poll_interval_s
         self._monotonic = monotonic
         # Each stage's last good result, which a failing stage leaves in place.
@@ -459,16 +458,18 @@ class Pipeline:
             self.costing.sink.flush()
 
     def refresh_allocations(self) -> None:
-        """Ask the kubelet for its GPU allocations (the daemon does this on its own schedule)."""
-        if self.attributor is not None and self.attributor.kubelet is not None:
-            self.attributor.kubelet.refresh()
+        """Run every attribution source's refresher now, e.g. ask the kubelet for its GPU
+        allocations (the daemon does this on each refresher's own schedule)."""
+        if self.attributor is not None:
+            self.attributor.refresh()
 
     def jobs(self) -> tuple[PeriodicJob, ...]:
-        """The agent's periodic work, in the order jobs due at the same moment run: allocations
-        refreshed before the poll that uses them, the ledger flushed after the poll that fed it."""
+        """The agent's periodic work, in the order jobs due at the same moment run: the sources'
+        refreshers (allocations) before the poll that uses them, the ledger flushed after the
+        poll that fed it."""
         jobs: list[PeriodicJob] = []
-        if self.attributor is not None and self.attributor.kubelet is not None:
-            jobs.append(PeriodicJob("kubelet", self.kubelet_interval_s, self.refresh_allocations))
+        if self.attributor is not None:
+            jobs += [PeriodicJob(r.name, r.interval_s, r.refresh) for r in self.attributor.refreshers()]
         jobs.append(
             PeriodicJob(
                 "poll", self.poll_interval_s, self._scheduled_poll, misfire_grace_s=max(1, int(self.poll_interval_s))

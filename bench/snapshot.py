@@ -45,6 +45,7 @@ import pynvml
 import yaml
 
 import fake_nvml
+from agent.attribution.sources.procfs import ProcessSource
 from agent.cli.wiring import Agent, build_agent
 from agent.config import Settings
 from agent.model import Snapshot
@@ -396,13 +397,14 @@ def poll_cost_section(readers: list[Reader], polls: int) -> list[str]:
 def attribution_section(agent: Agent, polls: int, warmup: int) -> list[str]:
     """Per-poll cost of sampling plus attribution, with the process cache warm and cold."""
     node, sampler, attributor = agent.node, agent.sampler, agent.attributor
+    processes = attributor.source(ProcessSource)
     assert node is not None
     times: dict[str, list[float]] = {"sampler only": [], "steady (cached)": [], "cold (all new)": []}
     for i in range(warmup + polls):
         for name, samples in times.items():
             node.clock.advance(STEP_S)
             if name == "cold (all new)":
-                attributor._cache.clear()
+                processes.forget()
             gc.disable()
             started = time.perf_counter()
             snapshot = sampler.poll()

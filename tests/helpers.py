@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.attribution.sources.kubelet import KubeletSource
+from agent.attribution.sources.procfs import ProcessSource
 from agent.cli.wiring import Agent, build_agent
 from agent.config import AttributionConfig, AttributionRule, Settings
 from agent.model import AgentState
@@ -59,8 +61,8 @@ class Rig:
         self.pipeline = self.agent.pipeline
         self.attributor = self.agent.attributor
         self.sampler = self.agent.sampler
-        assert self.attributor.kubelet is not None
-        self.kubelet = self.attributor.kubelet
+        self.kubelet = self.attributor.source(KubeletSource)
+        self.processes = self.attributor.source(ProcessSource)
 
     def poll(self, advance_s: float = 0.0) -> AgentState:
         if advance_s:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.attribution.labels import apply_rules, compile_rules, rule_env_keys
 from agent.attribution.recognise import recognise_model
-from agent.attribution.resolve import compile_rules, rule_env_keys
 from agent.attribution.sources.procfs import ProcessUnreadable, ProcFS
 from agent.model import WORKLOAD_LABELS, AgentState, Workload
 from tests.helpers import Rig
@@ -116,9 +116,9 @@ def test_a_reused_pid_is_reported_with_its_new_owner_from_the_next_poll(rig: Any
     )
     first = owners(r.poll(5))["0"]
     assert first == [Workload(hpc_job="41", user="ann")]
-    reads = r.attributor.full_reads
+    reads = r.processes.full_reads
     r.poll(60)
-    assert r.attributor.full_reads == reads  # same process: served from the cache
+    assert r.processes.full_reads == reads  # same process: served from the cache
     second = owners(r.poll(120))["0"]
     assert second == [Workload(namespace="ml", pod="trainer-0", container="main", model="qwen2-7b")]
 
@@ -126,11 +126,11 @@ def test_a_reused_pid_is_reported_with_its_new_owner_from_the_next_poll(rig: Any
 def test_steady_state_polls_read_only_each_process_stat(rig: Any) -> None:
     r = rig("demo")
     r.poll()
-    reads = r.attributor.full_reads
+    reads = r.processes.full_reads
     assert reads == 7
     for _ in range(5):
         r.poll(5)
-    assert r.attributor.full_reads == reads
+    assert r.processes.full_reads == reads
 
 
 def test_unresolvable_pids_are_counted_and_attributed_as_unknown(rig: Any) -> None:
@@ -183,7 +183,7 @@ def test_slurm_allocation_without_a_process_still_holds_its_gpus(rig: Any) -> No
 
 
 def test_kubelet_socket_vanishing_falls_back_to_cgroups(rig: Any, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="agent.attribution.gather")
+    caplog.set_level(logging.INFO, logger="agent.attribution.sources.kubelet")
     r = rig("demo")
     assert owners(r.poll())["7"] == [Workload(namespace="research-cv", pod="notebook-3", container="jupyter")]
     r.node.host.server.stop()
@@ -240,8 +240,7 @@ def test_model_recognisers(cmdline: str, model: str | None) -> None:
 
 
 def test_rules_first_match_wins_per_field_and_fill_groups() -> None:
-    from agent.attribution.resolve import _apply_rules  # the rule engine itself, without a host
-
+    # the labelling rules themselves, without a host
     rules = compile_rules(
         [
             ({"cmdline": r"--config configs/(\w+)\.yaml"}, {"model": "$1"}),
@@ -250,11 +249,11 @@ def test_rules_first_match_wins_per_field_and_fill_groups() -> None:
             ({"env.TEAM": "(.+)"}, {"team": "$1"}),
         ]
     )
-    w = _apply_rules(
+    w = apply_rules(
         Workload(namespace="research-cv", pod="p"), ("python", "train.py", "--config", "configs/yolo.yaml"), None, rules
     )
     assert (w.model, w.team) == ("yolo", "research-cv")
-    plain = _apply_rules(Workload(user="ann"), ("python", "x.py", "--model", "bert-base"), None, rules)
+    plain = apply_rules(Workload(user="ann"), ("python", "x.py", "--model", "bert-base"), None, rules)
     assert (plain.model, plain.team) == ("bert-base", "")  # no rule: the recogniser names it
     assert rule_env_keys(rules) == {"TEAM"}
 

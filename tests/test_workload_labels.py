@@ -12,7 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fake_nvml
-from agent.attribution.resolve import Inputs, SlurmAllocation, attribute, compile_rules
+from agent.attribution.facts import SlurmAllocation
+from agent.attribution.labels import compile_rules
+from agent.attribution.resolve import Inputs, attribute
 from agent.config import ConfigError, load_config
 from agent.model import (
     WORKLOAD_LABELS,

@@ -18,9 +18,10 @@ from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from agent.accounting.pricing import resolve_price
-from agent.attribution.gather import Attributor, KubeletWatcher
-from agent.attribution.resolve import compile_rules, rule_env_keys
-from agent.attribution.sources.procfs import Passwd, ProcFS
+from agent.attribution.gather import Attributor
+from agent.attribution.labels import compile_rules, rule_env_keys
+from agent.attribution.sources import open_sources
+from agent.attribution.sources.base import SourceOptions
 from agent.config import Settings, host_problems, load_catalogue
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
@@ -78,9 +79,10 @@ class Agent:
 
     def close(self) -> bool:
         """Stop the schedules, flush and close the ledger, write the last state to the textfile,
-        then let go of the kubelet, NVML and the fake node. A driver call still stuck is left
-        alone (shutting the library down under it could hang too). False when charges could not
-        be written to the ledger (logged, with their rows and dollars): `run` then exits 1."""
+        then let go of the attribution sources (the kubelet), NVML and the fake node. A driver
+        call still stuck is left alone (shutting the library down under it could hang too).
+        False when charges could not be written to the ledger (logged, with their rows and
+        dollars): `run` then exits 1."""
         if self._closed:
             return self._ledger_written
         self._closed = True
@@ -90,8 +92,7 @@ class Agent:
             self._ledger_written = self.costing.sink.close()
         if self.textfile is not None:
             self.textfile.stop()  # the last poll reaches the file too
-        if self.attributor.kubelet is not None:
-            self.attributor.kubelet.close()
+        self.attributor.close()
         if idle:
             self.sampler.close()
         if self.node is not None:
@@ -151,7 +152,6 @@ def build_agent(
             interval_s,
             monotonic=monotonic,
             attributor=attributor,
-            kubelet_interval_s=settings.attribution.kubelet_interval,
             costing=priced,
             rules=rule_specs(settings) if rules is None else rules,
             call_timeout_s=settings.watchdog.call_timeout,
@@ -231,15 +231,17 @@ def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Att
         proc_root, passwd, slurm_dir, pod_logs, socket_path = (
             settings.proc_root, a.passwd_file, a.slurm_map_dir, a.pod_logs_dir, a.podresources_socket
         )  # fmt: skip
-    return Attributor(
-        ProcFS(proc_root, env_allowlist=allowlist),
-        Passwd(passwd),
-        rules=rules,
+    options = SourceOptions(
+        proc_root=proc_root,
+        passwd_file=passwd,
+        env_allowlist=frozenset(allowlist),
         slurm_map_dir=slurm_dir,
         pod_logs_dir=pod_logs,
-        kubelet=KubeletWatcher(socket_path, timeout_s=a.kubelet_timeout),
-        per_pid=a.per_pid_series,
+        podresources_socket=socket_path,
+        kubelet_timeout_s=a.kubelet_timeout,
+        kubelet_interval_s=a.kubelet_interval,
     )
+    return Attributor(open_sources(options), rules=rules, per_pid=a.per_pid_series)
 
 
 def _costing(

@@ -4,15 +4,18 @@ The kubelet answers ``List`` with every pod's containers and the device-plugin d
 handed. The NVIDIA device plugin reports its devices by UUID ("GPU-..." for a whole GPU,
 "MIG-..." for a MIG instance), which is how an allocation is tied to a GPU. Everything above
 this module sees `PodDeviceAllocation` rows and `KubeletUnavailable`, never a grpc or protobuf
-type.
+type. `KubeletSource` is the attribution source built on the client: the allocations, refreshed
+on their own schedule and cached, never fetched on a poll.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 # gRPC's C core logs connection events (a kubelet restarting sends GOAWAY) straight to stderr
@@ -21,8 +24,13 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import grpc
 
+from agent.attribution.facts import HostFacts, PodAllocation
+from agent.attribution.sources.base import AttributionSource, Refresher, SourceOptions
 from agent.attribution.sources.podresources import api_pb2, api_pb2_grpc
 from agent.errors import GpuledgerError
+from agent.model import Snapshot
+
+log = logging.getLogger(__name__)
 
 NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
 
@@ -155,3 +163,66 @@ def _describe_rpc_error(exc: grpc.RpcError, timeout_s: float) -> str:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+class KubeletSource(AttributionSource):
+    """The kubelet's GPU allocations, fetched by its refresher (on a schedule) and cached; each
+    poll reads the cache.
+
+    A node without the socket is a node without Kubernetes: quiet, and no health series.
+    Once the socket has been seen, losing it is an outage: logged once per change of state.
+    """
+
+    def __init__(self, socket_path: str, timeout_s: float = 2.0, interval_s: float = 10.0) -> None:
+        self.socket_path = socket_path
+        self.interval_s = interval_s
+        self._client = PodResourcesClient(socket_path, timeout_s=timeout_s)
+        self._lock = threading.Lock()
+        self._allocations: tuple[PodAllocation, ...] = ()
+        self._up: bool | None = None
+        self._seen_socket = False
+
+    @classmethod
+    def from_options(cls, options: SourceOptions) -> KubeletSource:
+        return cls(options.podresources_socket or "", options.kubelet_timeout_s, options.kubelet_interval_s)
+
+    @property
+    def up(self) -> bool | None:
+        return self._up
+
+    def allocations(self) -> tuple[PodAllocation, ...]:
+        return self._allocations
+
+    def gather(self, snapshot: Snapshot, found: HostFacts) -> HostFacts:
+        return replace(
+            found,
+            pod_allocations=(*found.pod_allocations, *self._allocations),
+            kubelet_up=self._up if self._up is not None else found.kubelet_up,
+        )
+
+    def refreshers(self) -> Iterable[Refresher]:
+        return (Refresher("kubelet", self.interval_s, self.refresh),)
+
+    def refresh(self) -> None:
+        if not self.socket_path or (not self._seen_socket and not os.path.exists(self.socket_path)):
+            return
+        self._seen_socket = True
+        try:
+            rows = self._client.list_gpu_allocations()
+        except KubeletUnavailable as exc:
+            if self._up is not False:
+                log.warning("kubelet pod-resources unavailable (%s): attributing pods from cgroups only", exc)
+            self._up = False
+            # Stale allocations would bill pods that may be gone: cgroups alone until it is back.
+            with self._lock:
+                self._allocations = ()
+            return
+        allocations = tuple(PodAllocation(r.namespace, r.pod, r.container, r.device_id) for r in rows)
+        with self._lock:
+            self._allocations = allocations
+        if self._up is not True:
+            log.info("kubelet pod-resources answering at %s", self.socket_path)
+        self._up = True
+
+    def close(self) -> None:
+        self._client.close()

@@ -7,6 +7,9 @@ or the tree the fake node writes.
 
 Environment variables are secrets until proven otherwise: `environ` is parsed here and only
 allowlisted keys leave this module; every other value is dropped with the buffer it came in.
+
+`ProcessSource` is the attribution source built on them: the facts of every process on a GPU,
+and its user's name.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import errno
 import logging
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
+from agent.attribution.facts import HostFacts
+from agent.attribution.sources.base import AttributionSource, SourceOptions
 from agent.errors import GpuledgerError
-from agent.model import ProcessFacts, ProcessIdentity
+from agent.model import ProcessFacts, ProcessIdentity, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -130,3 +136,50 @@ class Passwd:
             if len(fields) >= 3 and fields[2].isdigit():
                 names.setdefault(int(fields[2]), fields[0])
         self._names, self._mtime = names, mtime
+
+
+class ProcessSource(AttributionSource):
+    """The facts of every process on a GPU (uid, cmdline, cgroup, allowlisted environment) and
+    the names of their users.
+
+    Facts are cached per identity (pid, start time): a process is read in full once, and each
+    later poll costs one small read of its stat file to notice an exit or a reused pid.
+    """
+
+    def __init__(self, procfs: ProcFS, passwd: Passwd) -> None:
+        self.procfs = procfs
+        self.passwd = passwd
+        self._cache: dict[int, ProcessFacts] = {}
+        self.full_reads = 0  # how many processes were read in full (for tests and benchmarks)
+
+    @classmethod
+    def from_options(cls, options: SourceOptions) -> ProcessSource:
+        return cls(ProcFS(options.proc_root, env_allowlist=options.env_allowlist), Passwd(options.passwd_file))
+
+    def gather(self, snapshot: Snapshot, found: HostFacts) -> HostFacts:
+        pids = {p.pid for d in snapshot.devices for p in d.processes}
+        processes = {pid: self._facts(pid) for pid in sorted(pids)}
+        for gone in set(self._cache) - pids:
+            del self._cache[gone]
+        uids = {f.uid for f in processes.values() if f is not None and f.uid is not None}
+        user_names = {uid: name for uid in uids if (name := self.passwd.name(uid)) is not None}
+        return replace(found, processes={**found.processes, **processes}, user_names={**found.user_names, **user_names})
+
+    def forget(self) -> None:
+        """Drop every cached process, so the next poll reads each in full (a cold start)."""
+        self._cache.clear()
+
+    def _facts(self, pid: int) -> ProcessFacts | None:
+        try:
+            identity: ProcessIdentity = self.procfs.identity(pid)
+            cached = self._cache.get(pid)
+            if cached is not None and cached.identity == identity:
+                return cached
+            facts = self.procfs.facts(identity)
+        except GpuledgerError as exc:
+            log.debug("cannot resolve pid %d: %s", pid, exc)
+            self._cache.pop(pid, None)
+            return None
+        self.full_reads += 1
+        self._cache[pid] = facts
+        return facts

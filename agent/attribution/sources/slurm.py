@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
+
+from agent.attribution.facts import HostFacts, SlurmAllocation
+from agent.attribution.sources.base import AttributionSource, SourceOptions
+from agent.model import Snapshot
 
 log = logging.getLogger(__name__)
 
 _MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
 
 
-@dataclass(frozen=True, slots=True)
-class SlurmGpuAllocation:
-    gpu_index: int
-    gpu_instance_id: int | None  # a MIG GPU instance, from a `<gpu>.<gi>` file name
-    job: str
-    user: str | None
-
-
-def read_slurm_map(directory: str | Path) -> list[SlurmGpuAllocation]:
+def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
     """One file per GPU index (`3`) or MIG instance (`0.2`), as a prolog writes them and an
     epilog removes them; the first line holds the job id and, optionally, the user."""
     root = Path(directory)
@@ -29,7 +25,7 @@ def read_slurm_map(directory: str | Path) -> list[SlurmGpuAllocation]:
         entries = sorted(root.iterdir())
     except OSError:
         return []
-    found: list[SlurmGpuAllocation] = []
+    found: list[SlurmAllocation] = []
     for entry in entries:
         match = _MAP_NAME.match(entry.name)
         if not match:
@@ -43,7 +39,7 @@ def read_slurm_map(directory: str | Path) -> list[SlurmGpuAllocation]:
             log.debug("ignoring %s: no job id on its first line", entry)
             continue
         found.append(
-            SlurmGpuAllocation(
+            SlurmAllocation(
                 gpu_index=int(match.group(1)),
                 gpu_instance_id=int(match.group(2)) if match.group(2) else None,
                 job=fields[0],
@@ -51,3 +47,20 @@ def read_slurm_map(directory: str | Path) -> list[SlurmGpuAllocation]:
             )
         )
     return found
+
+
+class SlurmMapSource(AttributionSource):
+    """The Slurm jobs each GPU is allocated to, from the map directory, read every poll (a
+    prolog or epilog may have run since the last)."""
+
+    def __init__(self, directory: str | Path | None) -> None:
+        self.directory = directory
+
+    @classmethod
+    def from_options(cls, options: SourceOptions) -> SlurmMapSource:
+        return cls(options.slurm_map_dir)
+
+    def gather(self, snapshot: Snapshot, found: HostFacts) -> HostFacts:
+        if not self.directory:
+            return found
+        return replace(found, slurm_allocations=(*found.slurm_allocations, *read_slurm_map(self.directory)))

@@ -1,0 +1,45 @@
+"""What the workload sources find, as plain data: the vocabulary between the sources (which
+read the host) and `agent.attribution.resolve` (which turns it into workloads, purely).
+
+Each poll starts from an empty `HostFacts`; every registered source adds what it knows and
+hands it on, and the result goes to `attribute`. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from agent.model import ProcessFacts
+
+
+@dataclass(frozen=True, slots=True)
+class PodAllocation:
+    """One device the kubelet has allocated to one container."""
+
+    namespace: str
+    pod: str
+    container: str
+    device_id: str  # a GPU or MIG UUID, or a GPU index, as the device plugin reports it
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmAllocation:
+    """One GPU, or MIG instance, allocated to a Slurm job (as its prolog's map file says)."""
+
+    gpu_index: int
+    gpu_instance_id: int | None  # a MIG GPU instance (a `<gpu>.<gi>` map file); None for a whole GPU
+    job: str
+    user: str | None
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """Everything the sources found in one poll, each field added by the source that knows it."""
+
+    processes: Mapping[int, ProcessFacts | None] = field(default_factory=dict)  # None: pid unresolvable
+    user_names: Mapping[int, str] = field(default_factory=dict)  # uid -> user name
+    pod_names: Mapping[str, tuple[str, str]] = field(default_factory=dict)  # pod uid -> (namespace, name)
+    pod_allocations: tuple[PodAllocation, ...] = ()
+    slurm_allocations: tuple[SlurmAllocation, ...] = ()
+    kubelet_up: bool | None = None  # None: no kubelet on this node

@@ -1,0 +1,104 @@
+"""The labelling rules (`attribution.rules` in the config): how a workload gets its `model` and
+`team` labels. Pure.
+
+Each rule matches fields of a workload (or its process's cmdline, Slurm account and allowlisted
+environment) against regular expressions and sets labels from templates that may use the
+match's groups (`$1`). The first rule that sets a label wins it; a model no rule names is
+recognised from the cmdline (`agent.attribution.recognise`). These are not the flag rules, which
+judge GPUs (`rules/`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from agent.attribution.recognise import recognise_model
+from agent.model import ProcessFacts, Workload
+
+# Pure, and sees the same few cmdlines every poll: remember its answers.
+_model_of = lru_cache(maxsize=8192)(recognise_model)
+
+# Fields a rule may match on, beyond `env.<KEY>` for allowlisted environment variables.
+MATCH_FIELDS = ("cmdline", "namespace", "pod", "container", "hpc_job", "unit", "user", "account")
+# Older names a rule may still use: `job` was the Slurm job's label before it became `hpc_job`.
+MATCH_ALIASES = {"job": "hpc_job"}
+SET_FIELDS = ("model", "team")
+
+
+@dataclass(frozen=True, slots=True)
+class LabelRule:
+    """One rule: every `match` (field, pattern) must match for its `set` (label, template) to apply."""
+
+    match: tuple[tuple[str, re.Pattern[str]], ...]
+    set: tuple[tuple[str, str], ...]
+
+
+def compile_rules(rules: Sequence[tuple[Mapping[str, str], Mapping[str, str]]]) -> tuple[LabelRule, ...]:
+    """(match, set) pairs, as the config validated them, into rules."""
+    return tuple(
+        LabelRule(
+            match=tuple((MATCH_ALIASES.get(key, key), re.compile(pattern)) for key, pattern in match.items()),
+            set=tuple(sets.items()),
+        )
+        for match, sets in rules
+    )
+
+
+def rule_env_keys(rules: Sequence[LabelRule]) -> set[str]:
+    """Environment keys the rules read: they join the allowlist, and nothing else does."""
+    return {key.removeprefix("env.") for rule in rules for key, _ in rule.match if key.startswith("env.")}
+
+
+def _field_value(
+    key: str, w: Workload, cmdline: Sequence[str], facts: ProcessFacts | None, account: str | None
+) -> str | None:
+    if key == "cmdline":
+        return " ".join(cmdline) if cmdline else None
+    if key == "account":
+        return account
+    if key.startswith("env."):
+        return facts.env_value(key[4:]) if facts is not None else None
+    value = str(getattr(w, key))
+    return value or None
+
+
+def apply_rules(
+    w: Workload,
+    cmdline: Sequence[str],
+    facts: ProcessFacts | None,
+    rules: Sequence[LabelRule],
+    account: str | None = None,
+) -> Workload:
+    """`w` with the labels the rules set: config rules first (the first rule that sets a
+    field wins it), then the built-in recognisers for a model no rule named. `cmdline`, `facts`
+    (for `env.` keys) and `account` are what a rule may match besides the workload's fields;
+    an allocation without a process has none of them."""
+    chosen: dict[str, str] = {}
+    for rule in rules:
+        if all(name in chosen for name, _ in rule.set):
+            continue
+        groups: list[str] = []
+        for key, pattern in rule.match:
+            value = _field_value(key, w, cmdline, facts, account)
+            found = pattern.search(value) if value is not None else None
+            if found is None:
+                break
+            groups.extend(g or "" for g in found.groups())
+        else:
+            for name, template in rule.set:
+                if name not in chosen:
+                    chosen[name] = _expand(template, groups)
+    if "model" not in chosen and cmdline:
+        recognised = _model_of(tuple(cmdline))
+        if recognised:
+            chosen["model"] = recognised
+    return replace(w, **chosen) if chosen else w
+
+
+def _expand(template: str, groups: Sequence[str]) -> str:
+    return re.sub(
+        r"\$(\d)", lambda m: groups[int(m.group(1)) - 1] if 0 < int(m.group(1)) <= len(groups) else "", template
+    )

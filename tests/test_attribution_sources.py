@@ -1,0 +1,117 @@
+"""The attribution source seam: a new workload source is one module plus one registration, and
+the agent gathers from it, schedules its refreshers and closes it without knowing what it is."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agent.attribution import sources
+from agent.attribution.facts import HostFacts, SlurmAllocation
+from agent.attribution.sources.base import AttributionSource, Refresher, SourceOptions
+from agent.model import NodeInfo, Snapshot, Workload
+from tests.helpers import Rig
+
+# One whole GPU busy with an unlabelled process of ann's, one idle GPU.
+NODE = {
+    "gpus": [{"count": 2}],
+    "processes": [{"pid": 700, "gpus": [0], "sm_util": 50, "uid": 2001, "user": "ann", "cmdline": "python job.py"}],
+}
+
+
+class JobMapSource(AttributionSource):
+    """A site's own map of batch jobs, `{"<gpu index>": "<job id>"}` in a JSON file: the whole
+    of a new source (the module a site would add under agent/attribution/sources/)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.refreshes = 0
+        self.closed = False
+
+    def gather(self, snapshot: Snapshot, found: HostFacts) -> HostFacts:
+        mapped = json.loads(self.path.read_text())
+        jobs = tuple(SlurmAllocation(int(gpu), None, job, None) for gpu, job in mapped.items())
+        return replace(found, slurm_allocations=(*found.slurm_allocations, *jobs))
+
+    def refreshers(self) -> Iterable[Refresher]:
+        return (Refresher("job-map", 30.0, self.refresh),)
+
+    def refresh(self) -> None:
+        self.refreshes += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def job_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The JSON map file, with `JobMapSource` registered for this test only (monkeypatch puts
+    the registry back afterwards)."""
+    monkeypatch.setattr(sources, "_SOURCES", dict(sources._SOURCES))
+    path = tmp_path / "jobs.json"
+    path.write_text(json.dumps({"0": "5150", "1": "5151"}))
+    sources.register("job-map", lambda options: JobMapSource(path))  # the one registration line
+    return path
+
+
+def test_the_built_in_sources_gather_processes_first() -> None:
+    # Later sources read what earlier ones found: pod log dirs are read only for pods' processes.
+    assert sources.source_names() == ("procfs", "kubelet", "slurm", "podlogs")
+
+
+def test_a_registered_source_attributes_its_workloads(job_map: Path) -> None:
+    rig = Rig(NODE)
+    try:
+        rig.poll()
+        state = rig.poll(5)
+        extra = rig.attributor.source(JobMapSource)
+    finally:
+        rig.close()
+    assert state.snapshot is not None
+    gpu0, gpu1 = (state.attribution.for_device(g.uuid) for g in state.snapshot.gpus)
+    # ann's process runs in no job's cgroup and with no job in its environment: the map names its job.
+    assert [(h.workload, h.pids, h.allocated) for h in gpu0] == [(Workload(hpc_job="5150", user="ann"), (700,), True)]
+    # The idle GPU is held by its allocation alone, using none of it.
+    assert [(h.workload, h.pids, h.allocated, h.sm_util) for h in gpu1] == [(Workload(hpc_job="5151"), (), True, 0.0)]
+    assert extra.closed  # closed with the agent, as every source is
+
+
+def test_a_sources_refreshers_become_periodic_jobs(job_map: Path) -> None:
+    rig = Rig(NODE)
+    try:
+        jobs = {job.name: job for job in rig.pipeline.jobs()}
+        extra = rig.attributor.source(JobMapSource)
+        jobs["job-map"].run()
+        rig.poll()  # a one-off poll runs every refresher first, as `snapshot` does
+    finally:
+        rig.close()
+    assert list(jobs) == ["kubelet", "job-map", "poll"]  # refreshers in registration order, then the poll
+    assert (jobs["job-map"].interval_s, jobs["job-map"].at_start) == (30.0, True)
+    assert extra.refreshes == 2
+
+
+def test_a_source_registered_twice_is_refused(job_map: Path) -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        sources.register("job-map", lambda options: JobMapSource(job_map))
+
+
+def test_sources_are_opened_from_the_options_alone(tmp_path: Path) -> None:
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "3").write_text("4242 bob\n")
+    (tmp_path / "slurm" / "0.2").write_text("4243\n")  # MIG GPU instance 2 of GPU 0, no user
+    options = SourceOptions(proc_root=str(tmp_path / "proc"), slurm_map_dir=str(tmp_path / "slurm"))
+    opened = sources.open_sources(options)
+    try:
+        found = HostFacts()
+        for source in opened:
+            found = source.gather(Snapshot(0.0, NodeInfo("n"), ()), found)
+    finally:
+        for source in opened:
+            source.close()
+    # The map files' own type is the one attribution reads: no conversion between them.
+    assert found.slurm_allocations == (SlurmAllocation(0, 2, "4243", None), SlurmAllocation(3, None, "4242", "bob"))
+    assert found.kubelet_up is None  # no socket configured: no kubelet, and no health series
