@@ -1,6 +1,9 @@
 """What a scrape costs under load: gpuledger's HTTP endpoint against prometheus_client's own.
 
-    python bench/http.py [--requests 2000] [--idle 500] [--compare-tree DIR]
+(Named scrape.py, not http.py: run as a script, bench/ comes first on sys.path, and a
+bench/http.py would stand in for the standard library's http module in every benchmark.)
+
+    python bench/scrape.py [--requests 2000] [--idle 500] [--compare-tree DIR]
 
 Each server runs in its own process on loopback, one at a time, serving the same fake node:
 
@@ -125,14 +128,14 @@ def wait_until_serving(proc: subprocess.Popen[bytes], port: int, log: Path) -> N
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"bench/http.py: the server exited with {proc.returncode}:\n{log.read_text()}")
+            raise SystemExit(f"bench/scrape.py: the server exited with {proc.returncode}:\n{log.read_text()}")
         try:
             if series_count(plain_exposition(port)) >= MIN_SERIES:
                 return
         except OSError:
             pass
         time.sleep(0.2)
-    raise SystemExit(f"bench/http.py: no exposition of {MIN_SERIES}+ series within 60 s:\n{log.read_text()}")
+    raise SystemExit(f"bench/scrape.py: no exposition of {MIN_SERIES}+ series within 60 s:\n{log.read_text()}")
 
 
 def start_daemon(tree: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
