@@ -108,3 +108,38 @@ def test_a_driver_outage_is_unobserved_not_idle(run: Any) -> None:
     assert unobserved == {"DRIVER_NOT_LOADED": pytest.approx(0.675)}
     assert idle == pytest.approx(1.125)
     assert charged + idle + sum(unobserved.values()) == pytest.approx(1800 * PRICE / 3600)  # $1.80
+
+
+# -- utilization over the interval --------------------------------------------------------------
+
+
+def bursty(busy_s: int, every_s: int, hours: float, util: int = 90) -> list[dict[str, Any]]:
+    """An sm_util schedule: `util`% for busy_s seconds of every every_s seconds, each burst
+    starting 2 s into its period (so that no burst straddles a poll at the period's start)."""
+    points: list[dict[str, Any]] = [{"at": "0s", "sm_util": 0}]
+    for start in range(2, int(hours * 3600), every_s):
+        points += [{"at": f"{start}s", "sm_util": util}, {"at": f"{start + busy_s}s", "sm_util": 0}]
+    return points
+
+
+def test_bursty_work_reads_its_time_weighted_utilization(run: Any) -> None:
+    # 90% for 5 s of every 15 s: 30% over time. The driver only keeps samples of periods with
+    # work, so the mean of the samples present read 90%, and an hour booked 3240 busy seconds
+    # (0.9 x 3600); the truth is 0.9 x 5/15 x 3600 = 1080.
+    process = {**BUSY, "sm_util": bursty(5, 15, 1.0)}
+    state = run({"gpus": [{"count": 1}], "processes": [process]}, 3600)
+    [(_key, totals)] = state.costs.workloads.items()
+    assert totals.busy_s == pytest.approx(1080, rel=0.01)
+    holding = state.attribution.holdings[0]
+    assert holding.sm_util == pytest.approx(0.30, abs=0.01)  # the last interval, within 1 point
+    # The job held the GPU the whole hour: all of it is charged to it, 3600 s x $0.001 = $3.60.
+    assert totals.dollars == pytest.approx(3.60)
+
+
+def test_steady_work_still_reads_its_utilization_at_long_intervals(run: Any) -> None:
+    # A steady 70% polled every minute, longer than the fake driver keeps samples (32 s): the
+    # full ring covers only the last 32 s, so that is the span it is averaged over, not 60 s.
+    state = run({"gpus": [{"count": 1}], "processes": [BUSY]}, 1800, step_s=60)
+    [totals] = state.costs.workloads.values()
+    assert state.attribution.holdings[0].sm_util == pytest.approx(0.70)
+    assert totals.busy_s == pytest.approx(0.70 * 1800, rel=0.01)  # 1260 s
