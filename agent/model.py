@@ -350,6 +350,7 @@ class GpuCharge:
 
 # Why time was not observed (besides a GPU's own NVML error, such as GPU_IS_LOST or TIMEOUT).
 UNOBSERVED_NO_POLL = "no_poll"  # polls too far apart: the agent stopped, the node slept
+UNOBSERVED_AGENT_DOWN = "agent_down"  # between the ledger's last record and this run's first poll
 UNOBSERVED_PROCESSES = "processes_unreadable"  # the process list failed: who held it is unknown
 UNOBSERVED_UNREADABLE = "unreadable"  # the GPU could not be read, no error given
 

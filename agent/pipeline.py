@@ -38,13 +38,14 @@ from typing import Any, Protocol, TypeVar
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from agent.accounting.cost import account, accumulate
+from agent.accounting.cost import account, accumulate, downtime
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.deadline import CallTimeout, Worker
 from agent.devices.sampler import Sampler
 from agent.errors import GpuledgerError
 from agent.model import (
+    UNOBSERVED_AGENT_DOWN,
     AgentHealth,
     AgentState,
     Attribution,
@@ -71,6 +72,9 @@ CLEAN_WORKLOADS_KEPT = 4096
 # (at least a minute, or 12 intervals) makes the daemon exit so systemd or the kubelet restarts it.
 CALL_TIMEOUT_POLLS = 3
 EXIT_AFTER_MIN_S = 60.0
+# Downtime between runs longer than this is not booked: a ledger copied from another machine
+# or a clock that jumped, more likely than an agent stopped for over a year.
+MAX_DOWNTIME_S = 366 * 86400.0
 STOP_WAIT_S = 2.0  # how long stop() waits for a poll in progress
 TIMEOUT = "TIMEOUT"  # the down reason of a GPU whose call is stuck (NVML's own name for it)
 STAGES = ("sample", "attribute", "account", "rules", "publish")
@@ -97,6 +101,11 @@ class ChargeSink(Protocol):
 
     def close(self) -> bool:
         """Flush and close; False when some charges could not be written (the sink logs them)."""
+        ...
+
+    @property
+    def recorded_until(self) -> float | None:
+        """Where the sink's record ended before this run (None: it records nothing yet)."""
         ...
 
 
@@ -361,6 +370,7 @@ class Pipeline:
         if any(g.uuid not in self._prices for g in snapshot.gpus):
             self._prices.update(costing.prices(snapshot))
         if sampled.previous is None:
+            self._book_downtime(snapshot, costing)
             return None
         charges = account(
             sampled.previous,
@@ -375,6 +385,29 @@ class Pipeline:
             costing.sink.add(charges)
         self._totals = totals  # only once the ledger has them too: counters and ledger agree
         return charges
+
+    def _book_downtime(self, snapshot: Snapshot, costing: Costing) -> None:
+        """At the first poll: the time since the ledger's record ended, when nobody watched,
+        charged to nobody as unobserved (agent_down), so downtime between runs is in the
+        ledger and in report, not missing from both."""
+        since = costing.sink.recorded_until if costing.sink is not None else None
+        if since is None or not 0 < snapshot.taken_at - since <= MAX_DOWNTIME_S or not snapshot.driver_up:
+            return
+        charges = downtime(
+            since,
+            snapshot.taken_at,
+            snapshot,
+            self._prices,
+            reason=UNOBSERVED_AGENT_DOWN,
+            energy_per_kwh=costing.energy_per_kwh,
+        )
+        log.info(
+            "the agent was not running for %s before this start (the ledger's record ended then): booked as unobserved",
+            format_duration(charges.end - charges.start),
+        )
+        self._totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
+        if costing.sink is not None:
+            costing.sink.add(charges)
 
     def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
         if not self.rules:

@@ -4,11 +4,14 @@ of what used to be booked as idle, or lost; each checks the partition adds up to
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent.ledger.sink import LedgerSink
 from agent.model import AgentState, Price
 from agent.pipeline import Costing
 from tests.helpers import Rig
@@ -143,3 +146,39 @@ def test_steady_work_still_reads_its_utilization_at_long_intervals(run: Any) -> 
     [totals] = state.costs.workloads.values()
     assert state.attribution.holdings[0].sm_util == pytest.approx(0.70)
     assert totals.busy_s == pytest.approx(0.70 * 1800, rel=0.01)  # 1260 s
+
+
+# -- downtime between runs ------------------------------------------------------------------
+
+
+def test_the_time_between_two_runs_is_unobserved_in_the_ledger(tmp_path: Path) -> None:
+    # Run 1 watches an idle GPU from 0:00 to 0:10 into a ledger; run 2, on the same node and
+    # ledger, starts at 1:00 (the scenario's clock moved on while nothing ran) and watches to
+    # 1:10. The 50 minutes between, 3000 s x $0.001 = $3.000, are unobserved (agent_down), not
+    # missing: the ledger then holds every second from 0:00 to 1:10, 4200 s = $4.20.
+    ledger = tmp_path / "ledger.db"
+    scenario = {"node": {"hostname": "n1"}, "gpus": [{"count": 1}]}
+    prices = lambda snapshot: {g.uuid: Price(PRICE, "test") for g in snapshot.gpus}  # noqa: E731
+
+    def watch(from_s: float) -> AgentState:
+        sink = LedgerSink(ledger, retention_s=None, clock=lambda: 1_795_300_000.0, node="n1")
+        rig = Rig(scenario, costing=Costing(prices=prices, sink=sink, max_interval_s=300.0))
+        try:
+            rig.node.clock.advance(from_s)
+            return rig.run(600, 15)
+        finally:
+            rig.close()
+            assert sink.close()
+
+    watch(0)
+    second = watch(3600)
+    [gpu] = second.costs.gpus.values()
+    assert gpu.unobserved_by_reason == {"agent_down": (pytest.approx(3000.0), pytest.approx(3.000))}
+    with sqlite3.connect(ledger) as db:
+        idle, unobserved, observed = db.execute(
+            "SELECT sum(idle_dollars), sum(unobserved_dollars), sum(observed_s) FROM gpu_hours"
+        ).fetchone()
+    assert idle == pytest.approx(1.200)  # 2 x 600 s watched, nobody on the GPU
+    assert unobserved == pytest.approx(3.000)
+    assert idle + unobserved == pytest.approx(4200 * PRICE / 3600)  # $4.20: the whole span
+    assert observed == pytest.approx(1200)

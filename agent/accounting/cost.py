@@ -243,6 +243,44 @@ def _by_reason(old: Mapping[str, tuple[float, float]], g: GpuCharge) -> Mapping[
     return {**old, g.unobserved_reason: (seconds + g.unobserved_s, dollars + g.unobserved_dollars)}
 
 
+def downtime(
+    start: float,
+    end: float,
+    snapshot: Snapshot,
+    prices: Mapping[str, Price | None],
+    *,
+    reason: str,
+    energy_per_kwh: float | None = None,
+) -> Charges:
+    """Charges for (start, end], a stretch nobody watched (the agent was not running): every
+    GPU of `snapshot` unobserved for all of it, at its price, for `reason`."""
+    dt = end - start
+    hourly_of = {
+        gpu.uuid: p.dollars_per_hour if (p := prices.get(gpu.uuid)) is not None else 0.0 for gpu in snapshot.gpus
+    }
+    gpus = tuple(
+        GpuCharge(
+            gpu=gpu.index,
+            uuid=gpu.uuid,
+            model=gpu.model,
+            dollars_per_hour=hourly_of[gpu.uuid],
+            observed_s=0.0,
+            dollars=0.0,
+            idle_s=0.0,
+            idle_dollars=0.0,
+            unobserved_s=dt,
+            joules=0.0,
+            idle_joules=0.0,
+            unobserved_dollars=hourly_of[gpu.uuid] * dt / 3600,
+            energy_dollars=energy_dollars(0.0, energy_per_kwh),
+            idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
+            unobserved_reason=reason,
+        )
+        for gpu in snapshot.gpus
+    )
+    return Charges(start=start, end=end, node=snapshot.node.hostname, energy_per_kwh=energy_per_kwh, gpus=gpus)
+
+
 def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -> CostTotals:
     """Totals plus one interval's charges. A workload not charged for `forget_after_s` is
     dropped, so finished jobs do not keep series alive forever (their dollars stay in the
