@@ -228,6 +228,20 @@ class Flag:
 
 
 @dataclass(frozen=True, slots=True)
+class LeftBy:
+    """A GPU nobody holds now, and who left it so: the workloads that held it at the last poll
+    that saw it held, and that poll's time (the stretch of idle began after it)."""
+
+    gpu: int
+    uuid: str
+    workloads: tuple[Workload, ...]
+    at: float
+
+    def describe(self) -> str:
+        return ", ".join(w.describe() for w in self.workloads)
+
+
+@dataclass(frozen=True, slots=True)
 class StageHealth:
     """How one pipeline stage fared: its latest run's duration, its failures since the agent
     started, and when it last succeeded (backend clock: the time of the poll it ran for)."""
@@ -302,6 +316,7 @@ class AgentState:
     prices: tuple[tuple[str, Price | None], ...] = ()  # GPU uuid -> price (None: no price known)
     ledger: LedgerHealth | None = None
     flags: tuple[Flag, ...] = ()  # the rules stage's output, rendered as is
+    left_by: tuple[LeftBy, ...] = ()  # GPUs nobody holds now, and who held them last
     health: AgentHealth = field(default_factory=AgentHealth)
 
 

@@ -53,6 +53,7 @@ from agent.model import (
     CostTotals,
     Flag,
     LedgerHealth,
+    LeftBy,
     Price,
     Snapshot,
     StageHealth,
@@ -75,7 +76,10 @@ EXIT_AFTER_MIN_S = 60.0
 # Downtime between runs longer than this is not booked: a ledger copied from another machine
 # or a clock that jumped, more likely than an agent stopped for over a year.
 MAX_DOWNTIME_S = 366 * 86400.0
-STOP_WAIT_S = 2.0  # how long stop() waits for a poll in progress
+STOP_WAIT_S = 2.0
+IDLE_RULES = frozenset(
+    {"idle"}
+)  # flags whose log lines name who left the GPU idle  # how long stop() waits for a poll in progress
 TIMEOUT = "TIMEOUT"  # the down reason of a GPU whose call is stuck (NVML's own name for it)
 STAGES = ("sample", "attribute", "account", "rules", "publish")
 
@@ -200,6 +204,8 @@ class Pipeline:
         self._previous: Snapshot | None = None
         self._attribution = Attribution()
         self._clean_workloads: dict[Workload, Workload] = {}
+        self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
+        self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
         self._rule_states: Mapping[tuple[str, str], RuleState] = {}
@@ -410,16 +416,20 @@ class Pipeline:
             costing.sink.add(charges)
 
     def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
-        if not self.rules:
-            return
         snapshot = sampled.snapshot
-        cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
         parent = {d.uuid: d.parent_uuid or d.uuid for d in snapshot.devices}
         holders: dict[str, set[Workload]] = {}
         for h in attribution.holdings:
             gpu_uuid = parent.get(h.device_uuid)
             if gpu_uuid is not None:
                 holders.setdefault(gpu_uuid, set()).add(h.workload)
+        # Who left each GPU idle, as of before this poll: a clearing idle flag names them, not
+        # the workload whose arrival cleared it.
+        left_before = dict(self._left_by)
+        self._track_left_by(snapshot, holders)
+        if not self.rules:
+            return
+        cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
         observations = []
         for gpu in snapshot.gpus:
             charge = cost.get(gpu.uuid)
@@ -442,7 +452,21 @@ class Pipeline:
         self._rule_states = result.states
         self._flags = result.flags
         for t in result.transitions:
-            _log_transition(t)
+            left = self._left_by.get(t.uuid) or left_before.get(t.uuid)
+            _log_transition(t, left if t.rule in IDLE_RULES else None)
+
+    def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, set[Workload]]) -> None:
+        """Remember who held each GPU at the last poll that saw it held; once nobody holds it,
+        they are who left it idle (`left_by`), until someone holds it again."""
+        for gpu in snapshot.gpus:
+            if not gpu.up:
+                continue
+            held = holders.get(gpu.uuid)
+            if held:
+                self._last_held[gpu.uuid] = LeftBy(gpu.index, gpu.uuid, tuple(sorted(held)), snapshot.taken_at)
+                self._left_by.pop(gpu.uuid, None)
+            elif gpu.uuid in self._last_held:
+                self._left_by[gpu.uuid] = self._last_held[gpu.uuid]
 
     def _publish(self, sampled: Sampled | None, poll_duration_s: float) -> AgentState:
         previous = self._state
@@ -469,6 +493,7 @@ class Pipeline:
             prices=tuple(sorted(self._prices.items())) if costing is not None else (),
             ledger=costing.sink.health() if costing is not None and costing.sink is not None else None,
             flags=self._flags,
+            left_by=tuple(self._left_by[uuid] for uuid in sorted(self._left_by)),
             health=health,
         )
 
@@ -597,11 +622,15 @@ def run_on_scenario_time(
     return steps
 
 
-def _log_transition(t: Transition) -> None:
-    """One structured line per flag change: GPU, rule, workload, how long, what it cost so far."""
+def _log_transition(t: Transition, left_by: LeftBy | None = None) -> None:
+    """One structured line per flag change: GPU, rule, workload, how long, what it cost so far;
+    for the idle rules, who left the GPU idle and when (not whoever ends the idle stretch)."""
     workloads = ", ".join(w.describe() for w in t.holders) or "(nobody)"
+    left = ""
+    if left_by is not None:
+        left = f" left_by={left_by.describe()} left_at={datetime.fromtimestamp(left_by.at, UTC).isoformat()}"
     log.warning(
-        "flag %s: rule=%s gpu=%d uuid=%s workload=%s for=%s cost_so_far=$%.2f",
+        "flag %s: rule=%s gpu=%d uuid=%s workload=%s for=%s cost_so_far=$%.2f%s",
         "raised" if t.raised else "cleared",
         t.rule,
         t.gpu,
@@ -609,6 +638,7 @@ def _log_transition(t: Transition) -> None:
         workloads,
         format_duration(t.held_s),
         t.dollars,
+        left,
         extra={
             "event": "flag_raised" if t.raised else "flag_cleared",
             "rule": t.rule,
@@ -617,5 +647,6 @@ def _log_transition(t: Transition) -> None:
             "workload": workloads,
             "held_s": t.held_s,
             "cost_dollars": t.dollars,
+            "left_by": left_by.describe() if left_by is not None else None,
         },
     )

@@ -217,6 +217,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("gpuledger_gpu_flag", Kind.GAUGE, "1 while the rule holds for the GPU, 0 otherwise.", (*DEVICE, "rule")),
     MetricSpec(
+        "gpuledger_gpu_idle_left_by_timestamp_seconds",
+        Kind.GAUGE,
+        "While nobody holds the GPU: who held it last (the labels) and when they were last seen on it "
+        "(the value, unix seconds): who left it idle.",
+        WORKLOAD,
+        "seconds",
+    ),
+    MetricSpec(
         "gpuledger_gpu_flag_seconds",
         Kind.GAUGE,
         "How long the rule's condition has held on the GPU (while the flag is raised; 0 otherwise).",

@@ -158,6 +158,10 @@ def _flag_series(out: _Families, state: AgentState) -> None:
         if flag.raised:
             for workload in flag.holders:
                 out.add("gpuledger_workload_flag", (str(flag.gpu), flag.uuid, *workload.labels(), flag.rule), 1.0)
+    for left in state.left_by:
+        for workload in left.workloads:
+            labels = (str(left.gpu), left.uuid, *workload.labels())
+            out.add("gpuledger_gpu_idle_left_by_timestamp_seconds", labels, left.at)
 
 
 def _cost_series(out: _Families, state: AgentState) -> None:

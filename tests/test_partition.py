@@ -14,6 +14,7 @@ import pytest
 from agent.ledger.sink import LedgerSink
 from agent.model import AgentState, Price
 from agent.pipeline import Costing
+from rules.engine import RuleSpec
 from tests.helpers import Rig
 
 PRICE = 3.6  # $/GPU-hour: $0.001 a second, so seconds read as thousandths of a dollar
@@ -182,3 +183,42 @@ def test_the_time_between_two_runs_is_unobserved_in_the_ledger(tmp_path: Path) -
     assert unobserved == pytest.approx(3.000)
     assert idle + unobserved == pytest.approx(4200 * PRICE / 3600)  # $4.20: the whole span
     assert observed == pytest.approx(1200)
+
+
+# -- who left it idle -------------------------------------------------------------------------
+
+
+def test_the_idle_flag_and_the_metrics_name_who_left_the_gpu_idle(caplog: pytest.LogCaptureFixture) -> None:
+    # Job 100 runs from 0:00 to 10:00, nobody from then until job 200 starts at 50:00. The idle
+    # flag (30 min) raises at 40:00 and clears at 50:00; both lines, and the metrics while the
+    # GPU sits idle, name job 100, last seen on it at the poll at 9:45. Before, the clearing
+    # line named job 200, which ended the idle stretch, and nothing named job 100.
+    scenario = {
+        "gpus": [{"count": 1}],
+        "processes": [
+            {"pid": 1, "gpus": [0], "sm_util": 80, "end": "10m", "slurm_job": "100", "uid": 1000, "user": "ann"},
+            {"pid": 2, "gpus": [0], "sm_util": 80, "start": "50m", "slurm_job": "200", "uid": 1001, "user": "bob"},
+        ],
+    }
+    rig = Rig(scenario, flag_rules=[RuleSpec("idle", "idle", utilization_below=0.05, for_s=1800)])
+    try:
+        caplog.set_level("WARNING", logger="agent.pipeline")
+        state = rig.run(45 * 60, 15)
+        [left] = state.left_by
+        assert [w.hpc_job for w in left.workloads] == ["100"]
+        assert left.at == rig.node.clock.wall_time() - 45 * 60 + 9 * 60 + 45  # the poll at 9:45
+        series = rig.samples(state, {"gpuledger_gpu_idle_left_by_timestamp_seconds"})
+        assert [(labels["hpc_job"], value) for _name, labels, value in series] == [("100", left.at)]
+        for _ in range(21):  # on to 50:15: job 200 holds it
+            state = rig.poll(15)
+        assert state.left_by == ()
+        assert rig.samples(state, {"gpuledger_gpu_idle_left_by_timestamp_seconds"}) == []
+    finally:
+        rig.close()
+    lines = [r.getMessage() for r in caplog.records if "rule=idle" in r.getMessage()]
+    assert len(lines) == 2
+    assert lines[0].startswith("flag raised")
+    assert "left_by=job 100" in lines[0]
+    assert lines[1].startswith("flag cleared")
+    assert "left_by=job 100" in lines[1]
+    assert "job 200" in lines[1]  # the workload that ended the stretch is still named as such
