@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEALTHY_WITHIN_POLLS = 3
+HEALTHY_WITHIN_MIN_S = 1.0  # a sped-up fake node polls every few ms: one slow poll is not sickness
 # Distinct workloads whose scrubbed labels are remembered (a few hundred on a busy node).
 CLEAN_WORKLOADS_KEPT = 4096
 # A poll waits on the driver for this many intervals at most; a stuck call past EXIT_AFTER
@@ -228,7 +229,8 @@ class Pipeline:
         """True while a poll has succeeded within the last HEALTHY_WITHIN_POLLS intervals and no
         driver call is stuck."""
         last = self._last_success_monotonic
-        recent = last is not None and self._monotonic() - last <= HEALTHY_WITHIN_POLLS * self.poll_interval_s
+        window = max(HEALTHY_WITHIN_POLLS * self.poll_interval_s, HEALTHY_WITHIN_MIN_S)
+        recent = last is not None and self._monotonic() - last <= window
         return recent and not self._stuck
 
     def open_devices(self) -> None:
