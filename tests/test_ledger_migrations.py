@@ -224,7 +224,9 @@ def check_report_matches_the_first_release(path: Path) -> None:
     assert {line.key[0]: line.dollars for line in by_user.lines} == BEFORE_BY_USER
     assert by_user.idle.dollars == IDLE
     assert by_user.total.dollars == TOTAL
-    assert by_user.total.gpu_hours_held == 6.0  # 3 GPUs x 2 hours
+    # 3 GPUs x 2 hours; each GPU had one holder at a time, whose charged seconds the migration
+    # reads from its dollars: 4 x 3600 s + 1800 s of workloads + 1800 s + 3600 s idle = 21600 s.
+    assert by_user.total.gpu_hours_charged == 6.0
     # Energy: 900k + 360k + 450k + 1.08M + 180k J of workloads = 2.97 MJ = 0.825 kWh; idle
     # 90k + 180k J = 0.075 kWh. The first release stored no energy price: no energy dollars.
     assert by_user.total.energy_kwh == pytest.approx((2_970_000 + 270_000) / 3.6e6, rel=1e-12)
