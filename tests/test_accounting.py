@@ -360,6 +360,10 @@ def test_cost_metrics_are_exported_and_add_up(simulate: Any) -> None:
         pytest.approx(total)
     )
     assert values["gpuledger_gpu_price_dollars_per_hour"] == pytest.approx(2 * PRICE)
+    # ann's 600 s on GPU 0 plus GPU 1's 600 idle seconds: both GPUs' observed time, 2 x 600 s.
+    charged = values["gpuledger_workload_gpu_charged_seconds_total"] + values["gpuledger_gpu_idle_seconds_total"]
+    assert charged == pytest.approx(2 * 600)
+    assert values["gpuledger_gpu_observed_seconds_total"] == pytest.approx(2 * 600)
     joules = values["gpuledger_gpu_energy_joules_total"]  # the driver counters themselves
     assert values["gpuledger_workload_energy_cost_dollars_total"] + 0 > 0
     assert joules > 0
