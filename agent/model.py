@@ -268,6 +268,7 @@ class AgentHealth:
 class WorkloadTotals:
     held_s: float = 0.0
     busy_s: float = 0.0
+    charged_s: float = 0.0  # its share of the unit's time (see WorkloadCharge.charged_s)
     dollars: float = 0.0
     joules: float = 0.0
     last_charged_at: float = 0.0
@@ -335,11 +336,15 @@ class WorkloadCharge:
     gpu: int  # index of the physical GPU
     uuid: str  # the unit's uuid: the GPU's, or the MIG instance's
     workload: Workload
-    held_s: float
+    held_s: float  # how long it held the unit, whoever held it besides (shared units count twice)
     busy_s: float
     dollars: float
     joules: float
     energy_dollars: float | None = None  # joules at the energy price; None where none is set
+    # Its share of the unit's time: held seconds x the share that splits the dollars. A unit's
+    # holders' charged seconds plus its idle seconds are its observed seconds, so these add up
+    # across workloads where held seconds count a shared GPU once per holder.
+    charged_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

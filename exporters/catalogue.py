@@ -135,6 +135,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "seconds",
     ),
     MetricSpec(
+        "gpuledger_workload_gpu_charged_seconds_total",
+        Kind.COUNTER,
+        "GPU time charged to the workload: held time x its share of the GPU (the share that splits "
+        "cost), so the workloads' charged time plus idle time is the GPU's observed time.",
+        WORKLOAD,
+        "seconds",
+    ),
+    MetricSpec(
         "gpuledger_workload_gpu_busy_seconds_total",
         Kind.COUNTER,
         "GPU time the workload used: held time x its measured SM utilization; 1 - busy/held is waste.",

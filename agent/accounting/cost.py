@@ -7,6 +7,9 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
     all of that is idle cost. Otherwise it is split among its holders by measured SM
     utilization; where none was measured, by memory held; where neither, equally.
   - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization.
+    Charged seconds are held seconds x the holder's share (the share that splits the dollars):
+    a unit's charged seconds plus its idle seconds are its observed seconds, so they add up
+    across holders where held seconds count a shared unit once per holder.
   - Energy comes from the GPU's own energy counter (not integrated power), split like cost.
     With a price per kWh it becomes dollars here, once (`energy_dollars`): /metrics, the ledger
     and `report` all show sums of these figures, so they cannot disagree.
@@ -119,6 +122,7 @@ def _energy_delta(prev: DeviceReading | None, curr: DeviceReading) -> float:
 class _Acc:
     held_s: float = 0.0
     busy_s: float = 0.0
+    charged_s: float = 0.0
     dollars: float = 0.0
     joules: float = 0.0
 
@@ -193,6 +197,8 @@ def account(
                 # Per-pid holdings of one workload each held the unit: count its time once.
                 acc.held_s = max(acc.held_s, held)
                 acc.busy_s += held * min(util or 0.0, 1.0)
+                # Summed, unlike held: each of a workload's holdings is its own part of the share.
+                acc.charged_s += held * share
                 acc.dollars += unit_dollars * share
                 acc.joules += unit_joules * share
         gpus.append(
@@ -229,6 +235,7 @@ def account(
                 dollars=acc.dollars,
                 joules=acc.joules,
                 energy_dollars=energy_dollars(acc.joules, energy_per_kwh),
+                charged_s=acc.charged_s,
             )
             for (gpu, uuid, workload), acc in workloads.items()
         ),
@@ -298,6 +305,7 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
         workloads[key] = WorkloadTotals(
             held_s=old.held_s + c.held_s,
             busy_s=old.busy_s + c.busy_s,
+            charged_s=old.charged_s + c.charged_s,
             dollars=old.dollars + c.dollars,
             joules=joules,
             last_charged_at=charges.end,
