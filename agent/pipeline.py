@@ -264,12 +264,13 @@ class Pipeline:
         sampled = self._run("sample", self._sample, None)
         if sampled is not None:
             snapshot = sampled.snapshot
+            earlier = self._attribution
             attribution = self._run("attribute", lambda: self._attribute(snapshot), self._attribution)
             self._attribution = attribution
             # The poll's duration, as exported and checked against the interval: reading the
             # GPUs and their owners. Accounting and the rules are the agent's own bookkeeping.
             poll_duration_s = self._monotonic() - started
-            charges = self._run("account", lambda: self._account(sampled, attribution), None)
+            charges = self._run("account", lambda: self._account(sampled, attribution, earlier), None)
             self._run("rules", lambda: self._judge(sampled, attribution, charges), None)
         else:
             poll_duration_s = self._monotonic() - started
@@ -370,7 +371,7 @@ class Pipeline:
             holdings.append(holding if scrubbed is workload else replace(holding, workload=scrubbed))
         return replace(attribution, holdings=tuple(holdings)) if changed else attribution
 
-    def _account(self, sampled: Sampled, attribution: Attribution) -> Charges | None:
+    def _account(self, sampled: Sampled, attribution: Attribution, earlier: Attribution) -> Charges | None:
         costing = self.costing
         if costing is None:
             return None
@@ -387,6 +388,7 @@ class Pipeline:
             self._prices,
             max_interval_s=costing.max_interval_s,
             energy_per_kwh=costing.energy_per_kwh,
+            earlier=earlier,
         )
         totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
         if costing.sink is not None:

@@ -4,13 +4,18 @@ of what used to be booked as idle, or lost; each checks the partition adds up to
 
 from __future__ import annotations
 
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent.config import load_catalogue
 from agent.ledger.sink import LedgerSink
 from agent.model import AgentState, Price
 from agent.pipeline import Costing
@@ -222,3 +227,63 @@ def test_the_idle_flag_and_the_metrics_name_who_left_the_gpu_idle(caplog: pytest
     assert lines[1].startswith("flag cleared")
     assert "left_by=job 100" in lines[1]
     assert "job 200" in lines[1]  # the workload that ended the stretch is still named as such
+
+
+# -- a sped-up daemon charges what simulate charges ---------------------------------------------
+
+
+def job_dollars(ledger: Path, job: str) -> float:
+    with sqlite3.connect(ledger) as db:
+        (dollars,) = db.execute("SELECT sum(dollars) FROM workload_hours WHERE hpc_job = ?", (job,)).fetchone()
+    return float(dollars)
+
+
+def test_run_at_3600x_charges_the_job_what_simulate_charges(tmp_path: Path) -> None:
+    # weekend-idle's job 9001 holds 8 GPUs for its 4 hours, then dies. `run --fake-speed 3600`
+    # polled every 5 real seconds, 5 scenario hours, never saw it and booked it all as idle;
+    # polling every 72 scenario seconds now, it charges the job within 1% of simulate's 15 s
+    # steps (each boundary costs at most one poll's 72 s of 4 h: 0.5%).
+    simulated, ran = tmp_path / "simulate.db", tmp_path / "run.db"
+    sim = subprocess.run(
+        [sys.executable, "-m", "agent", "simulate", "weekend-idle", "--for", "5h", "--ledger", str(simulated)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert sim.returncode == 0, sim.stderr
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "agent", "run", "--fake", "weekend-idle", "--fake-speed", "3600",
+         "--listen", "127.0.0.1:0", "--ledger", str(ran)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(7)  # about 7 scenario hours: past the job's end at 4 h
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        _, stderr = daemon.communicate(timeout=30)
+    assert daemon.returncode == 0, stderr
+    expected = job_dollars(simulated, "9001")
+    # 8 GPUs x 4 h at the p4d.24xlarge's price per GPU: the job's whole life, as simulate saw it.
+    assert expected == pytest.approx(
+        8 * 4 * load_catalogue().instance_types["p4d.24xlarge"].dollars_per_hour / 8, rel=0.01
+    )
+    assert job_dollars(ran, "9001") == pytest.approx(expected, rel=0.01)
+
+
+def test_a_change_of_holder_between_two_polls_splits_the_interval_at_its_midpoint(run: Any) -> None:
+    # Polls every 60 s for 30 minutes. Job A runs from 0:00 and ends at 10:20; job B starts at
+    # 20:40. The interval 10:00-11:00 saw A at its start and nobody at its end: A pays its first
+    # half, so A is charged 0:00-10:30, 630 s = $0.630 (it was 600 s: its last interval went to
+    # idle). B is charged from the midpoint of 20:00-21:00: 20:30-30:00, 570 s = $0.570 (it was
+    # 600 s: it paid for the 40 s before it started). Idle: 10:30-20:30, 600 s = $0.600.
+    scenario = {
+        "gpus": [{"count": 1}],
+        "processes": [
+            {**BUSY, "pid": 1, "end": "620s", "slurm_job": "1"},
+            {**BUSY, "pid": 2, "start": "1240s", "slurm_job": "2"},
+        ],
+    }
+    state = run(scenario, 1800, step_s=60)
+    by_job = {w.hpc_job: t.dollars for (_gpu, _uuid, w), t in state.costs.workloads.items()}
+    assert by_job == {"1": pytest.approx(0.630), "2": pytest.approx(0.570)}
+    charged, idle, unobserved = partition(state)
+    assert idle == pytest.approx(0.600)
+    assert charged + idle + sum(unobserved.values()) == pytest.approx(1800 * PRICE / 3600)  # $1.80

@@ -99,6 +99,31 @@ def energy_dollars(joules: float, per_kwh: float | None) -> float | None:
     return None if per_kwh is None else joules_to_kwh(joules) * per_kwh
 
 
+def _charge(
+    workloads: dict[tuple[int, str, Workload], _Acc],
+    gpu_index: int,
+    unit: CostUnit,
+    holders: tuple[Holding, ...],
+    held: float,
+    dollars: float,
+    joules: float,
+) -> None:
+    """`held` unit-seconds costing `dollars` and `joules`, split among `holders`."""
+    utils = [holder_utilization(h, unit, len(holders)) for h in holders]
+    seen: dict[Workload, float] = {}
+    for holding, share, util in zip(holders, split_shares(holders, utils), utils, strict=True):
+        acc = workloads.setdefault((gpu_index, unit.uuid, holding.workload), _Acc())
+        # Per-pid holdings of one workload each held the unit: count its time once (per part).
+        if held > seen.get(holding.workload, 0.0):
+            acc.held_s += held - seen.get(holding.workload, 0.0)
+            seen[holding.workload] = held
+        acc.busy_s += held * min(util or 0.0, 1.0)
+        # Summed, unlike held: each of a workload's holdings is its own part of the share.
+        acc.charged_s += held * share
+        acc.dollars += dollars * share
+        acc.joules += joules * share
+
+
 def _unobserved(prev: DeviceReading | None, curr: DeviceReading, dt: float, max_interval_s: float) -> str | None:
     """Why the whole GPU goes unobserved over the interval, or None when it was observed: polls
     too far apart, or the GPU unreadable at either end (what it did in between is unknown)."""
@@ -135,14 +160,21 @@ def account(
     *,
     max_interval_s: float,
     energy_per_kwh: float | None = None,
+    earlier: Attribution | None = None,
 ) -> Charges:
     """Charges for the interval (prev.taken_at, curr.taken_at]. `prices` is keyed by GPU uuid;
-    with `energy_per_kwh` every charge's joules are priced too."""
+    with `energy_per_kwh` every charge's joules are priced too.
+
+    `earlier` is the attribution at `prev`. Where a unit's holders changed between the two
+    polls, all that is known is that the change fell between them: the first half of the
+    interval goes to the holders at its start, the second half to those at its end (a job's
+    last interval is not all idle, a new job does not pay for time before it started)."""
     dt = curr.taken_at - prev.taken_at
     charges = Charges(start=prev.taken_at, end=curr.taken_at, node=curr.node.hostname, energy_per_kwh=energy_per_kwh)
     if dt <= 0:
         return charges
     previous = {d.uuid: d for d in prev.gpus}
+    prev_devices = {d.uuid: d for d in prev.devices}
     workloads: dict[tuple[int, str, Workload], _Acc] = {}
     gpus: list[GpuCharge] = []
     for gpu in curr.gpus:
@@ -179,28 +211,27 @@ def account(
             unit_dollars = gpu_dollars * unit.weight
             unit_joules = gpu_joules * unit.weight
             holders = attribution.for_device(unit.uuid) if unit.uuid else ()
+            was = prev_devices.get(unit.uuid)
+            # Who held it at the start, where that is known (its process list was read then).
+            known = earlier is not None and was is not None and was.processes_known
+            before = earlier.for_device(unit.uuid) if known and earlier is not None and unit.uuid else holders
             if unit.device is not None and not unit.device.processes_known and not holders:
                 # Nobody is known to hold it, but its processes could not be listed: not idle.
                 unobserved_s += dt * unit.weight
                 unobserved_dollars += unit_dollars
                 unobserved_reason = UNOBSERVED_PROCESSES
                 continue
-            if not holders:
-                idle_s += dt * unit.weight
-                idle_dollars += unit_dollars
-                idle_joules += unit_joules
-                continue
-            utils = [holder_utilization(h, unit, len(holders)) for h in holders]
-            for holding, share, util in zip(holders, split_shares(holders, utils), utils, strict=True):
-                acc = workloads.setdefault((gpu.index, unit.uuid, holding.workload), _Acc())
-                held = dt * unit.weight
-                # Per-pid holdings of one workload each held the unit: count its time once.
-                acc.held_s = max(acc.held_s, held)
-                acc.busy_s += held * min(util or 0.0, 1.0)
-                # Summed, unlike held: each of a workload's holdings is its own part of the share.
-                acc.charged_s += held * share
-                acc.dollars += unit_dollars * share
-                acc.joules += unit_joules * share
+            same = {h.workload for h in before} == {h.workload for h in holders}
+            halves = [(holders, 1.0)] if same else [(before, 0.5), (holders, 0.5)]
+            for owners, part in halves:
+                if not owners:
+                    idle_s += dt * unit.weight * part
+                    idle_dollars += unit_dollars * part
+                    idle_joules += unit_joules * part
+                    continue
+                _charge(
+                    workloads, gpu.index, unit, owners, dt * unit.weight * part, unit_dollars * part, unit_joules * part
+                )
         gpus.append(
             GpuCharge(
                 gpu=gpu.index,
