@@ -131,6 +131,7 @@ SERIES = DEVICE_SERIES | {
     "gpuledger_polls_total",
     "gpuledger_stage_failures_total",
     "gpuledger_workload_cost_dollars_total",
+    "gpuledger_workload_energy_joules_total",
     "gpuledger_gpu_idle_cost_dollars_total",
     "gpuledger_gpu_unobserved_cost_dollars_total",
     "gpuledger_gpu_unobserved_seconds_total",
@@ -692,7 +693,26 @@ def node_cases() -> list[Case]:
             bug="gpuledger_gpu_processes reads 0 while the process list cannot be read: unknown shows as none",
         )
     )
+    # GPU 1's energy counter cannot be read at 0:30, 0:45 and 1:00, and reads again at 1:15: the
+    # counter went on counting meanwhile, so the run's energy is all there, bob's: 331 W (55 W idle
+    # + 80% of the 345 W up to the 400 W limit) x 120 s = 39,720 J.
+    cases.append(
+        Case(
+            "energy unreadable: its joules still counted/UNKNOWN/transient",
+            [{**_window(True), "gpu": FAULTED, "call": "nvmlDeviceGetTotalEnergyConsumption", "error": "UNKNOWN"}],
+            error="UNKNOWN",
+            absent=("gpuledger_gpu_energy_joules_total",),
+            check=energy_check,
+            bug="an interval at either end of which the energy counter could not be read gets 0 J: 45 s "
+            "without the reading drops 60 s of energy (19,860 of 39,720 J) instead of the counter's "
+            "difference across the gap",
+        )
+    )
     return [replace(case, ledger=True) for case in cases]
+
+
+def energy_check(run: Run) -> None:
+    assert run.total(RUN_S, "gpuledger_workload_energy_joules_total", gpu="1", user="bob") == pytest.approx(39_720)
 
 
 def pod_paid_check(run: Run, pod: str, dollars: float) -> None:
