@@ -228,6 +228,20 @@ class Flag:
 
 
 @dataclass(frozen=True, slots=True)
+class LeftBy:
+    """A GPU nobody holds now, and who left it so: the workloads that held it at the last poll
+    that saw it held, and that poll's time (the stretch of idle began after it)."""
+
+    gpu: int
+    uuid: str
+    workloads: tuple[Workload, ...]
+    at: float
+
+    def describe(self) -> str:
+        return ", ".join(w.describe() for w in self.workloads)
+
+
+@dataclass(frozen=True, slots=True)
 class StageHealth:
     """How one pipeline stage fared: its latest run's duration, its failures since the agent
     started, and when it last succeeded (backend clock: the time of the poll it ran for)."""
@@ -254,6 +268,7 @@ class AgentHealth:
 class WorkloadTotals:
     held_s: float = 0.0
     busy_s: float = 0.0
+    charged_s: float = 0.0  # its share of the unit's time (see WorkloadCharge.charged_s)
     dollars: float = 0.0
     joules: float = 0.0
     last_charged_at: float = 0.0
@@ -302,6 +317,7 @@ class AgentState:
     prices: tuple[tuple[str, Price | None], ...] = ()  # GPU uuid -> price (None: no price known)
     ledger: LedgerHealth | None = None
     flags: tuple[Flag, ...] = ()  # the rules stage's output, rendered as is
+    left_by: tuple[LeftBy, ...] = ()  # GPUs nobody holds now, and who held them last
     health: AgentHealth = field(default_factory=AgentHealth)
 
 
@@ -320,11 +336,15 @@ class WorkloadCharge:
     gpu: int  # index of the physical GPU
     uuid: str  # the unit's uuid: the GPU's, or the MIG instance's
     workload: Workload
-    held_s: float
+    held_s: float  # how long it held the unit, whoever held it besides (shared units count twice)
     busy_s: float
     dollars: float
     joules: float
     energy_dollars: float | None = None  # joules at the energy price; None where none is set
+    # Its share of the unit's time: held seconds x the share that splits the dollars. A unit's
+    # holders' charged seconds plus its idle seconds are its observed seconds, so these add up
+    # across workloads where held seconds count a shared GPU once per holder.
+    charged_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +370,7 @@ class GpuCharge:
 
 # Why time was not observed (besides a GPU's own NVML error, such as GPU_IS_LOST or TIMEOUT).
 UNOBSERVED_NO_POLL = "no_poll"  # polls too far apart: the agent stopped, the node slept
+UNOBSERVED_AGENT_DOWN = "agent_down"  # between the ledger's last record and this run's first poll
 UNOBSERVED_PROCESSES = "processes_unreadable"  # the process list failed: who held it is unknown
 UNOBSERVED_UNREADABLE = "unreadable"  # the GPU could not be read, no error given
 

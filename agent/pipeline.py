@@ -38,13 +38,14 @@ from typing import Any, Protocol, TypeVar
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from agent.accounting.cost import account, accumulate
+from agent.accounting.cost import account, accumulate, downtime
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.deadline import CallTimeout, Worker
 from agent.devices.sampler import Sampler
 from agent.errors import GpuledgerError
 from agent.model import (
+    UNOBSERVED_AGENT_DOWN,
     AgentHealth,
     AgentState,
     Attribution,
@@ -52,6 +53,7 @@ from agent.model import (
     CostTotals,
     Flag,
     LedgerHealth,
+    LeftBy,
     Price,
     Snapshot,
     StageHealth,
@@ -65,13 +67,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEALTHY_WITHIN_POLLS = 3
+HEALTHY_WITHIN_MIN_S = 1.0  # a sped-up fake node polls every few ms: one slow poll is not sickness
 # Distinct workloads whose scrubbed labels are remembered (a few hundred on a busy node).
 CLEAN_WORKLOADS_KEPT = 4096
 # A poll waits on the driver for this many intervals at most; a stuck call past EXIT_AFTER
 # (at least a minute, or 12 intervals) makes the daemon exit so systemd or the kubelet restarts it.
 CALL_TIMEOUT_POLLS = 3
 EXIT_AFTER_MIN_S = 60.0
-STOP_WAIT_S = 2.0  # how long stop() waits for a poll in progress
+# Downtime between runs longer than this is not booked: a ledger copied from another machine
+# or a clock that jumped, more likely than an agent stopped for over a year.
+MAX_DOWNTIME_S = 366 * 86400.0
+STOP_WAIT_S = 2.0
+IDLE_RULES = frozenset(
+    {"idle"}
+)  # flags whose log lines name who left the GPU idle  # how long stop() waits for a poll in progress
 TIMEOUT = "TIMEOUT"  # the down reason of a GPU whose call is stuck (NVML's own name for it)
 STAGES = ("sample", "attribute", "account", "rules", "publish")
 
@@ -97,6 +106,11 @@ class ChargeSink(Protocol):
 
     def close(self) -> bool:
         """Flush and close; False when some charges could not be written (the sink logs them)."""
+        ...
+
+    @property
+    def recorded_until(self) -> float | None:
+        """Where the sink's record ended before this run (None: it records nothing yet)."""
         ...
 
 
@@ -191,6 +205,8 @@ class Pipeline:
         self._previous: Snapshot | None = None
         self._attribution = Attribution()
         self._clean_workloads: dict[Workload, Workload] = {}
+        self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
+        self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
         self._rule_states: Mapping[tuple[str, str], RuleState] = {}
@@ -213,7 +229,8 @@ class Pipeline:
         """True while a poll has succeeded within the last HEALTHY_WITHIN_POLLS intervals and no
         driver call is stuck."""
         last = self._last_success_monotonic
-        recent = last is not None and self._monotonic() - last <= HEALTHY_WITHIN_POLLS * self.poll_interval_s
+        window = max(HEALTHY_WITHIN_POLLS * self.poll_interval_s, HEALTHY_WITHIN_MIN_S)
+        recent = last is not None and self._monotonic() - last <= window
         return recent and not self._stuck
 
     def open_devices(self) -> None:
@@ -361,6 +378,7 @@ class Pipeline:
         if any(g.uuid not in self._prices for g in snapshot.gpus):
             self._prices.update(costing.prices(snapshot))
         if sampled.previous is None:
+            self._book_downtime(snapshot, costing)
             return None
         charges = account(
             sampled.previous,
@@ -376,17 +394,44 @@ class Pipeline:
         self._totals = totals  # only once the ledger has them too: counters and ledger agree
         return charges
 
-    def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
-        if not self.rules:
+    def _book_downtime(self, snapshot: Snapshot, costing: Costing) -> None:
+        """At the first poll: the time since the ledger's record ended, when nobody watched,
+        charged to nobody as unobserved (agent_down), so downtime between runs is in the
+        ledger and in report, not missing from both."""
+        since = costing.sink.recorded_until if costing.sink is not None else None
+        if since is None or not 0 < snapshot.taken_at - since <= MAX_DOWNTIME_S or not snapshot.driver_up:
             return
+        charges = downtime(
+            since,
+            snapshot.taken_at,
+            snapshot,
+            self._prices,
+            reason=UNOBSERVED_AGENT_DOWN,
+            energy_per_kwh=costing.energy_per_kwh,
+        )
+        log.info(
+            "the agent was not running for %s before this start (the ledger's record ended then): booked as unobserved",
+            format_duration(charges.end - charges.start),
+        )
+        self._totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
+        if costing.sink is not None:
+            costing.sink.add(charges)
+
+    def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
         snapshot = sampled.snapshot
-        cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
         parent = {d.uuid: d.parent_uuid or d.uuid for d in snapshot.devices}
         holders: dict[str, set[Workload]] = {}
         for h in attribution.holdings:
             gpu_uuid = parent.get(h.device_uuid)
             if gpu_uuid is not None:
                 holders.setdefault(gpu_uuid, set()).add(h.workload)
+        # Who left each GPU idle, as of before this poll: a clearing idle flag names them, not
+        # the workload whose arrival cleared it.
+        left_before = dict(self._left_by)
+        self._track_left_by(snapshot, holders)
+        if not self.rules:
+            return
+        cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
         observations = []
         for gpu in snapshot.gpus:
             charge = cost.get(gpu.uuid)
@@ -409,7 +454,21 @@ class Pipeline:
         self._rule_states = result.states
         self._flags = result.flags
         for t in result.transitions:
-            _log_transition(t)
+            left = self._left_by.get(t.uuid) or left_before.get(t.uuid)
+            _log_transition(t, left if t.rule in IDLE_RULES else None)
+
+    def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, set[Workload]]) -> None:
+        """Remember who held each GPU at the last poll that saw it held; once nobody holds it,
+        they are who left it idle (`left_by`), until someone holds it again."""
+        for gpu in snapshot.gpus:
+            if not gpu.up:
+                continue
+            held = holders.get(gpu.uuid)
+            if held:
+                self._last_held[gpu.uuid] = LeftBy(gpu.index, gpu.uuid, tuple(sorted(held)), snapshot.taken_at)
+                self._left_by.pop(gpu.uuid, None)
+            elif gpu.uuid in self._last_held:
+                self._left_by[gpu.uuid] = self._last_held[gpu.uuid]
 
     def _publish(self, sampled: Sampled | None, poll_duration_s: float) -> AgentState:
         previous = self._state
@@ -436,6 +495,7 @@ class Pipeline:
             prices=tuple(sorted(self._prices.items())) if costing is not None else (),
             ledger=costing.sink.health() if costing is not None and costing.sink is not None else None,
             flags=self._flags,
+            left_by=tuple(self._left_by[uuid] for uuid in sorted(self._left_by)),
             health=health,
         )
 
@@ -564,11 +624,15 @@ def run_on_scenario_time(
     return steps
 
 
-def _log_transition(t: Transition) -> None:
-    """One structured line per flag change: GPU, rule, workload, how long, what it cost so far."""
+def _log_transition(t: Transition, left_by: LeftBy | None = None) -> None:
+    """One structured line per flag change: GPU, rule, workload, how long, what it cost so far;
+    for the idle rules, who left the GPU idle and when (not whoever ends the idle stretch)."""
     workloads = ", ".join(w.describe() for w in t.holders) or "(nobody)"
+    left = ""
+    if left_by is not None:
+        left = f" left_by={left_by.describe()} left_at={datetime.fromtimestamp(left_by.at, UTC).isoformat()}"
     log.warning(
-        "flag %s: rule=%s gpu=%d uuid=%s workload=%s for=%s cost_so_far=$%.2f",
+        "flag %s: rule=%s gpu=%d uuid=%s workload=%s for=%s cost_so_far=$%.2f%s",
         "raised" if t.raised else "cleared",
         t.rule,
         t.gpu,
@@ -576,6 +640,7 @@ def _log_transition(t: Transition) -> None:
         workloads,
         format_duration(t.held_s),
         t.dollars,
+        left,
         extra={
             "event": "flag_raised" if t.raised else "flag_cleared",
             "rule": t.rule,
@@ -584,5 +649,6 @@ def _log_transition(t: Transition) -> None:
             "workload": workloads,
             "held_s": t.held_s,
             "cost_dollars": t.dollars,
+            "left_by": left_by.describe() if left_by is not None else None,
         },
     )

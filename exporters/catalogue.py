@@ -135,6 +135,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "seconds",
     ),
     MetricSpec(
+        "gpuledger_workload_gpu_charged_seconds_total",
+        Kind.COUNTER,
+        "GPU time charged to the workload: held time x its share of the GPU (the share that splits "
+        "cost), so the workloads' charged time plus idle time is the GPU's observed time.",
+        WORKLOAD,
+        "seconds",
+    ),
+    MetricSpec(
         "gpuledger_workload_gpu_busy_seconds_total",
         Kind.COUNTER,
         "GPU time the workload used: held time x its measured SM utilization; 1 - busy/held is waste.",
@@ -216,6 +224,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         (*DEVICE, "source"),
     ),
     MetricSpec("gpuledger_gpu_flag", Kind.GAUGE, "1 while the rule holds for the GPU, 0 otherwise.", (*DEVICE, "rule")),
+    MetricSpec(
+        "gpuledger_gpu_idle_left_by_timestamp_seconds",
+        Kind.GAUGE,
+        "While nobody holds the GPU: who held it last (the labels) and when they were last seen on it "
+        "(the value, unix seconds): who left it idle.",
+        WORKLOAD,
+        "seconds",
+    ),
     MetricSpec(
         "gpuledger_gpu_flag_seconds",
         Kind.GAUGE,

@@ -158,6 +158,10 @@ def _flag_series(out: _Families, state: AgentState) -> None:
         if flag.raised:
             for workload in flag.holders:
                 out.add("gpuledger_workload_flag", (str(flag.gpu), flag.uuid, *workload.labels(), flag.rule), 1.0)
+    for left in state.left_by:
+        for workload in left.workloads:
+            labels = (str(left.gpu), left.uuid, *workload.labels())
+            out.add("gpuledger_gpu_idle_left_by_timestamp_seconds", labels, left.at)
 
 
 def _cost_series(out: _Families, state: AgentState) -> None:
@@ -167,6 +171,7 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         labels = (str(gpu), uuid, *workload.labels())
         out.add("gpuledger_workload_gpu_seconds_total", labels, w.held_s)
         out.add("gpuledger_workload_gpu_busy_seconds_total", labels, w.busy_s)
+        out.add("gpuledger_workload_gpu_charged_seconds_total", labels, w.charged_s)
         out.add("gpuledger_workload_cost_dollars_total", labels, w.dollars)
         out.add("gpuledger_workload_energy_joules_total", labels, w.joules)
         if w.energy_dollars is not None:

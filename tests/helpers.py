@@ -94,7 +94,12 @@ class Rig:
 
 
 # What the weekend alert test feeds promtool: the series the shipped rules read, once a minute.
-WEEKEND_ALERT_SERIES = ("gpuledger_gpu_flag", "gpuledger_gpu_up", "gpuledger_gpu_idle_cost_dollars_total")
+WEEKEND_ALERT_SERIES = (
+    "gpuledger_gpu_flag",
+    "gpuledger_gpu_up",
+    "gpuledger_gpu_idle_cost_dollars_total",
+    "gpuledger_gpu_idle_left_by_timestamp_seconds",
+)
 
 
 @dataclass

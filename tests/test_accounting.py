@@ -133,9 +133,13 @@ def test_workload_plus_idle_dollars_and_joules_add_up_to_each_gpus_cost(case: An
     for w in charges.workloads:
         assert 0 <= w.busy_s <= w.held_s + 1e-9
         assert w.held_s <= dt + 1e-9
+        assert 0 <= w.charged_s <= w.held_s + 1e-9
     for g in charges.gpus:
         assert g.observed_s + g.unobserved_s == pytest.approx(dt)
         assert g.idle_s <= g.observed_s + 1e-9
+        # Charged seconds are shares: the holders' and the idle seconds are the observed seconds.
+        charged_s = sum(w.charged_s for w in charges.workloads if w.gpu == g.gpu)
+        assert charged_s + g.idle_s == pytest.approx(g.observed_s, rel=1e-9, abs=1e-9)
 
 
 def test_mig_units_weigh_by_sm_share_and_the_rest_is_unassigned() -> None:
@@ -244,6 +248,12 @@ def test_a_shared_gpu_splits_60_20_by_measured_sm_use(simulate: Any) -> None:
     assert idle_dollars(state) == pytest.approx(0.0)
     busy = {w.user: t.busy_s for (_g, _u, w), t in state.costs.workloads.items()}
     assert busy == pytest.approx({"ann": 0.60 * 3600, "bob": 0.20 * 3600})  # held 3600 s each
+    # Each held the GPU the whole hour, but the hour is charged once, split like the dollars:
+    #   ann 3600 x 60/80 = 2700 s, bob 3600 x 20/80 = 900 s; together the GPU's 3600 s.
+    charged = {w.user: t.charged_s for (_g, _u, w), t in state.costs.workloads.items()}
+    assert charged == pytest.approx({"ann": 2700, "bob": 900})
+    held = {w.user: t.held_s for (_g, _u, w), t in state.costs.workloads.items()}
+    assert held == pytest.approx({"ann": 3600, "bob": 3600})
 
 
 def test_a_notebook_holding_an_idle_gpu_pays_for_it_all(simulate: Any) -> None:
@@ -262,6 +272,7 @@ def test_a_notebook_holding_an_idle_gpu_pays_for_it_all(simulate: Any) -> None:
     assert idle_dollars(state) == pytest.approx(7.20)
     (totals,) = state.costs.workloads.values()
     assert (totals.held_s, totals.busy_s) == (7200, 0)
+    assert totals.charged_s == pytest.approx(7200)  # the sole holder: its share is the whole GPU
 
 
 def test_mig_3g_3g_instances_pay_their_sm_share(simulate: Any) -> None:
@@ -349,6 +360,10 @@ def test_cost_metrics_are_exported_and_add_up(simulate: Any) -> None:
         pytest.approx(total)
     )
     assert values["gpuledger_gpu_price_dollars_per_hour"] == pytest.approx(2 * PRICE)
+    # ann's 600 s on GPU 0 plus GPU 1's 600 idle seconds: both GPUs' observed time, 2 x 600 s.
+    charged = values["gpuledger_workload_gpu_charged_seconds_total"] + values["gpuledger_gpu_idle_seconds_total"]
+    assert charged == pytest.approx(2 * 600)
+    assert values["gpuledger_gpu_observed_seconds_total"] == pytest.approx(2 * 600)
     joules = values["gpuledger_gpu_energy_joules_total"]  # the driver counters themselves
     assert values["gpuledger_workload_energy_cost_dollars_total"] + 0 > 0
     assert joules > 0
@@ -417,3 +432,7 @@ def test_random_nodes_conserve_dollars_and_joules_through_the_pipeline(case: Any
     for w in state.costs.workloads.values():
         assert w.held_s <= max(g.observed_s for g in gpus) + 1e-9
         assert 0 <= w.busy_s <= w.held_s + 1e-9
+        assert 0 <= w.charged_s <= w.held_s + 1e-9
+    for (index, uuid), g in state.costs.gpus.items():
+        charged_s = sum(t.charged_s for (gpu, _u, _w), t in state.costs.workloads.items() if gpu == index)
+        assert charged_s + g.idle_s == pytest.approx(g.observed_s, rel=1e-9, abs=1e-6), uuid

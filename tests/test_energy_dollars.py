@@ -99,5 +99,6 @@ def test_the_table_shows_energy_columns_when_there_is_energy_and_a_price(an_hour
     _, path = an_hour
     table = render(report_from_ledger(path, by=["user"]), "table").splitlines()
     assert table[2].endswith("ENERGY KWH  ENERGY $")
-    # ann: $3.60 (an hour at $3.60/h), 1 GPU-hour held, 0.5 used, 0.25 kWh and $0.05 of it
-    assert table[4].split() == ["ann", "3.60", "1.00", "0.50", "50.0%", "0.25", "0.05"]
+    # ann: $3.60 (an hour at $3.60/h), 1 GPU-hour charged (the sole holder), 0.5 used, waste
+    # $3.60 x (1 - 0.5) = $1.80, 0.25 kWh and $0.05 of it
+    assert table[4].split() == ["ann", "3.60", "1.00", "0.50", "50.0%", "1.80", "0.25", "0.05"]

@@ -110,6 +110,10 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
             30,
             tmp_path / "claim",
         ),
+        # A job that ends, leaving its GPU idle: the left-by series.
+        simulate(
+            {"gpus": [{"count": 1}], "processes": [{"pid": 301, "gpus": [0], "end": "15s"}]}, 30, tmp_path / "left"
+        ),
     ]
     emitted = _emitted(states)
     catalogued = {spec.name for spec in CATALOGUE}

@@ -43,10 +43,13 @@ def charges(
     node: str = "gpu-node-01",
 ) -> Charges:
     """One interval: each workload holds its GPU for the whole interval at `dollars`; each idle GPU
-    costs `dollars` with nobody on it. Busy is half of held, joules 100 per dollar."""
+    costs `dollars` with nobody on it. Busy is half of held, joules 100 per dollar; each workload
+    is its GPU's sole holder, so it is charged all the time it held it."""
     dt = end - start
     wcs = tuple(
-        WorkloadCharge(gpu=gpu, uuid=f"GPU-{gpu}", workload=w, held_s=dt, busy_s=dt / 2, dollars=d, joules=100 * d)
+        WorkloadCharge(
+            gpu=gpu, uuid=f"GPU-{gpu}", workload=w, held_s=dt, busy_s=dt / 2, dollars=d, joules=100 * d, charged_s=dt
+        )
         for gpu, w, d in workloads
     )
     gcs = [
@@ -84,16 +87,16 @@ def test_sums_survive_flush_and_reopen(tmp_path: Path) -> None:
     ledger.close()
 
     assert stored(
-        path, "SELECT hour, pod, hpc_job, held_s, busy_s, dollars, joules FROM workload_hours ORDER BY gpu"
+        path, "SELECT hour, pod, hpc_job, held_s, busy_s, dollars, joules, charged_s FROM workload_hours ORDER BY gpu"
     ) == [
-        (int(T0), "vllm-llama-0", "", 30.0, 15.0, 0.5, 50.0),
-        (int(T0), "", "8812", 30.0, 15.0, 1.0, 100.0),
+        (int(T0), "vllm-llama-0", "", 30.0, 15.0, 0.5, 50.0, 30.0),
+        (int(T0), "", "8812", 30.0, 15.0, 1.0, 100.0, 30.0),
     ]
     assert stored(path, "SELECT uuid, model, dollars_per_hour, observed_s, dollars FROM gpu_hours ORDER BY gpu") == [
         ("GPU-0", "A100-SXM4-80GB", 2.5, 30.0, 0.5),
         ("GPU-1", "A100-SXM4-80GB", 2.5, 30.0, 1.0),
     ]
-    assert stored(path, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,)]
+    assert stored(path, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,), (4,)]
     assert stored(path, "PRAGMA journal_mode") == [("wal",)]
 
 
@@ -175,6 +178,9 @@ def test_read_usage_reads_hours_overlapping_the_range(tmp_path: Path) -> None:
     assert sorted({r.hour for r in rows}) == [int(T0 + H), int(T0 + 2 * H)]
     idle = [r for r in rows if r.idle]
     assert [(r.gpu, r.held_s, r.dollars, r.workload) for r in idle] == [(1, 60.0, 0.5, Workload())] * 2
+    assert [(r.gpu, r.charged_s) for r in idle] == [(1, 60.0)] * 2  # idle time is charged to the idle row
+    assert [(r.gpu, r.held_s, r.charged_s) for r in rows if not r.idle] == [(0, 60.0, 60.0)] * 2
+    assert not any(r.unobserved for r in rows)  # every second was observed
     assert len(read_usage(path, since=None, until=None)) == 8
 
 

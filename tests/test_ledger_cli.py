@@ -201,7 +201,8 @@ def test_report_merges_every_ledger_flag(two_nodes: Path) -> None:
     assert dollars_by_user(document) == pytest.approx(BOTH_NODES, rel=1e-9)
     assert document["idle"]["dollars"] == pytest.approx(BOTH_IDLE, rel=1e-9)
     assert document["total"]["dollars"] == pytest.approx(BOTH_TOTAL, rel=1e-9)
-    assert document["total"]["gpu_hours_held"] == pytest.approx(8.0)  # 2 nodes x 2 GPUs x 2 h
+    # 2 nodes x 2 GPUs x 2 h = 8 GPU-hours: ann's 2 x 2 h charged as sole holder, 2 x 2 h idle
+    assert document["total"]["gpu_hours_charged"] == pytest.approx(8.0)
     by_node = report_json(a, b, by="node")
     assert {r["node"]: r["dollars"] for r in by_node["rows"]} == pytest.approx(
         {"gpu-node-01": 5.0, "gpu-node-02": 5.0}, rel=1e-9

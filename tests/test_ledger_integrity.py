@@ -138,7 +138,7 @@ def test_report_reads_a_ledger_in_a_directory_it_may_not_write(stopped_agents_le
     rows = {line.split(",")[1]: line.split(",")[2] for line in result.stdout.splitlines()[1:]}
     # ann: 2 h x $2.50 = $5.00; GPU 1 idle 2 h = $5.00; TOTAL $10.00
     assert (float(rows["ann"]), float(rows[""])) == (5.0, 10.0)  # the idle and total rows have no user
-    assert [line.split(",")[0] for line in result.stdout.splitlines()[1:]] == ["group", "idle", "total"]
+    assert [line.split(",")[0] for line in result.stdout.splitlines()[1:]] == ["group", "idle", "unobserved", "total"]
     assert listing == ["ledger.db"]
 
 

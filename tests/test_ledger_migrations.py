@@ -1,6 +1,6 @@
 """Ledger schema migrations, from every schema a release has shipped.
 
-Versions 1 (the first release) and 2 are rebuilt here with raw SQL, their DDL copied from those
+Versions 1 (the first release), 2 and 3 are rebuilt here with raw SQL, their DDL copied from those
 releases, so these tests keep describing the files people have on disk whatever the code
 becomes. Opening one migrates it in one transaction; `report` reads it before and after with the
 same dollars; a ledger from a newer gpuledger is refused in one line.
@@ -148,9 +148,40 @@ def write_v2_ledger(path: Path) -> None:
         conn.close()
 
 
+# --- version 3, as that release wrote it: version 2's tables and `ledger_meta` -------------------
+
+V3_DDL = (
+    *V2_DDL,
+    """CREATE TABLE ledger_meta (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        ledger_id TEXT NOT NULL, node TEXT NOT NULL, created_at REAL NOT NULL, created_by TEXT NOT NULL,
+        first_at REAL, last_at REAL
+    )""",
+)
+
+
+def write_v3_ledger(path: Path) -> None:
+    """The same two hours as a version-3 agent left them (created at version 1, migrated through
+    both later steps): version 2's rows, and the `ledger_meta` row that version 3 learnt from them."""
+    write_v2_ledger(path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(V3_DDL[-1])
+        conn.execute(
+            "INSERT INTO ledger_meta (id, ledger_id, node, created_at, created_by, first_at, last_at)"
+            " VALUES (1, ?, 'node-a', ?, '', ?, ?)",
+            ("5f0c2a9e" * 4, 1_795_000_000.0, float(H0), float(H1 + H)),
+        )
+        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (3, ?)", (1_795_200_000.0,))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 # One writer per schema a release shipped before the current one: a new schema version must add
 # the writer of the one it replaces (the test below fails until it does).
-WRITERS = {1: write_v1_ledger, 2: write_v2_ledger}
+WRITERS = {1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger}
 
 
 def rows(path: Path, sql: str) -> list[tuple[object, ...]]:
@@ -193,7 +224,9 @@ def check_report_matches_the_first_release(path: Path) -> None:
     assert {line.key[0]: line.dollars for line in by_user.lines} == BEFORE_BY_USER
     assert by_user.idle.dollars == IDLE
     assert by_user.total.dollars == TOTAL
-    assert by_user.total.gpu_hours_held == 6.0  # 3 GPUs x 2 hours
+    # 3 GPUs x 2 hours; each GPU had one holder at a time, whose charged seconds the migration
+    # reads from its dollars: 4 x 3600 s + 1800 s of workloads + 1800 s + 3600 s idle = 21600 s.
+    assert by_user.total.gpu_hours_charged == 6.0
     # Energy: 900k + 360k + 450k + 1.08M + 180k J of workloads = 2.97 MJ = 0.825 kWh; idle
     # 90k + 180k J = 0.075 kWh. The first release stored no energy price: no energy dollars.
     assert by_user.total.energy_kwh == pytest.approx((2_970_000 + 270_000) / 3.6e6, rel=1e-12)
@@ -211,8 +244,8 @@ def test_report_reads_a_first_release_ledger_without_writing_it(v1_ledger: Path)
 def test_opening_a_first_release_ledger_migrates_it_in_place(v1_ledger: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="gpuledger.ledger")
     Ledger(v1_ledger).close()
-    assert rows(v1_ledger, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,)]
-    assert [r.getMessage() for r in caplog.records] == [f"ledger {v1_ledger}: schema migrated from version 1 to 3"]
+    assert rows(v1_ledger, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,), (4,)]
+    assert [r.getMessage() for r in caplog.records] == [f"ledger {v1_ledger}: schema migrated from version 1 to 4"]
     assert rows(v1_ledger, "SELECT gpu, hour, hpc_job, unit, user, dollars FROM workload_hours ORDER BY gpu, hour") == [
         (0, H0, "8812", "", "alice", 2.5),
         (0, H1, "9911_3", "", "bob", 2.5),  # an array task's id is a Slurm job id too
@@ -222,9 +255,18 @@ def test_opening_a_first_release_ledger_migrates_it_in_place(v1_ledger: Path, ca
     ]
     assert rows(v1_ledger, "SELECT COUNT(*) FROM workload_hours WHERE energy_dollars IS NOT NULL") == [(0,)]
     assert rows(v1_ledger, "SELECT COUNT(*) FROM gpu_hours WHERE energy_dollars IS NOT NULL") == [(0,)]
+    # Charged seconds from the dollars at the hour's $2.50: $2.50 / 2.50 x 3600 = 3600 s each
+    # (every GPU had one holder), and vllm-0's $1.25 / 2.50 x 3600 = 1800 s, its held half hour.
+    assert rows(v1_ledger, "SELECT gpu, hour, held_s, charged_s FROM workload_hours ORDER BY gpu, hour") == [
+        (0, H0, 3600.0, 3600.0),
+        (0, H1, 3600.0, 3600.0),
+        (1, H0, 3600.0, 3600.0),
+        (1, H1, 3600.0, 3600.0),
+        (2, H0, 1800.0, 1800.0),
+    ]
     check_report_matches_the_first_release(v1_ledger)
     Ledger(v1_ledger).close()  # opening it again changes nothing
-    assert rows(v1_ledger, "SELECT COUNT(*) FROM schema_version") == [(3,)]
+    assert rows(v1_ledger, "SELECT COUNT(*) FROM schema_version") == [(4,)]
 
 
 def test_the_agent_keeps_adding_to_migrated_rows(v1_ledger: Path) -> None:
@@ -259,6 +301,7 @@ def test_the_latest_schema_has_a_column_for_every_workload_label(tmp_path: Path)
     columns = [name for _cid, name, *_ in rows(path, "PRAGMA table_info(workload_hours)")]
     assert columns == [
         "hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "held_s", "busy_s", "dollars", "joules", "energy_dollars",
+        "charged_s",
     ]  # fmt: skip
     assert rows(path, "SELECT version FROM schema_version ORDER BY version") == [
         (v,) for v in range(1, SCHEMA_VERSION + 1)
@@ -317,15 +360,70 @@ def test_every_earlier_schema_migrates_to_the_latest_keeping_its_dollars(
         range(1, SCHEMA_VERSION + 1)
     )
     check_report_matches_the_first_release(path)
-    # What version 3 learns of an older file: its node from its rows, the hours they cover as
-    # its period (18:00 to 20:00: hours H0 and H1), its creation from the first step's time, and
-    # that the release which created it is unknown.
+    # What version 3 learns of an older file (and a version-3 file recorded, having learnt it
+    # so): its node from its rows, the hours they cover as its period (18:00 to 20:00: hours H0
+    # and H1), its creation from the first step's time, and that the release which created it is
+    # unknown.
     meta = rows(path, "SELECT node, created_at, created_by, first_at, last_at, length(ledger_id) FROM ledger_meta")
     assert meta == [("node-a", 1_795_000_000.0, "", float(H0), float(H1 + H), 32)]
     after = read_info(path)
     assert (after.node, after.created_at, after.created_by, after.first_at, after.last_at, after.nodes) == (
         before.node, before.created_at, before.created_by, before.first_at, before.last_at, before.nodes,
     ) == ("node-a", 1_795_000_000.0, "", float(H0), float(H1 + H), frozenset({"node-a"}))  # fmt: skip
+
+
+# --- version 4: charged seconds, a workload's share of the unit's time ---
+
+
+def test_version_4_fills_charged_seconds_from_dollars_or_else_held_seconds(tmp_path: Path) -> None:
+    path = tmp_path / "v3.db"
+    write_v3_ledger(path)
+    workload_sql = (
+        "INSERT INTO workload_hours (hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model,"
+        " team, held_s, busy_s, dollars, joules, energy_dollars)"
+        " VALUES (?, 'node-a', ?, ?, '', '', '', '', '', ?, '', '', ?, ?, ?, 0.0, NULL)"
+    )
+    gpu_sql = (
+        "INSERT INTO gpu_hours (hour, node, uuid, gpu, model, dollars_per_hour, observed_s, dollars, idle_s,"
+        " idle_dollars, unobserved_s, unobserved_dollars, joules, idle_joules, energy_dollars, idle_energy_dollars)"
+        " VALUES (?, 'node-a', ?, ?, 'A100-SXM4-80GB', ?, 3600.0, ?, ?, ?, 0.0, 0.0, 0.0, 0.0, NULL, NULL)"
+    )
+    with sqlite3.connect(path) as conn:
+        conn.executemany(
+            workload_sql,
+            [
+                # GPU 3 at $3.60/h, shared all of H0 by ann at 60% and bob at 20%: each held it
+                # 3600 s; the dollars were split 60:20, ann $2.70, bob $0.90.
+                (H0, 3, "GPU-3", "ann", 3600.0, 2160.0, 2.70),
+                (H0, 3, "GPU-3", "bob", 3600.0, 720.0, 0.90),
+                # GPU 4 has no price: its $0 says nothing of the share.
+                (H0, 4, "GPU-4", "carol", 3600.0, 1800.0, 0.0),
+                # GPU 5 at $3.60/h split 3g+3g: dave held MIG instance 0 (42 of 108 SMs) all hour
+                # for 3.60 x 42/108 = $1.40; its row names the instance, found by the GPU index.
+                (H0, 5, "MIG-5-0", "dave", 3600.0 * 42 / 108, 0.0, 1.40),
+                # GPU 6 at H1 has no GPU row at all (no price to read).
+                (H1, 6, "GPU-6", "erin", 1200.0, 600.0, 1.0),
+            ],
+        )
+        conn.executemany(
+            gpu_sql,
+            [
+                (H0, "GPU-3", 3, 3.6, 3.6, 0.0, 0.0),
+                (H0, "GPU-4", 4, 0.0, 0.0, 0.0, 0.0),
+                # the 24 SMs nobody could hold are idle: 3600 x 24/108 s, 3.60 x 24/108 = $0.80
+                (H0, "GPU-5", 5, 3.6, 3.6, 3600.0 * 24 / 108, 0.80),
+            ],
+        )
+    Ledger(path).close()
+    stored = rows(path, "SELECT user, held_s, charged_s FROM workload_hours WHERE gpu >= 3")
+    charged = {user: (held, charged) for user, held, charged in stored}
+    assert charged == {
+        "ann": (3600.0, pytest.approx(2700.0, rel=1e-12)),  # $2.70 / $3.60 x 3600 s
+        "bob": (3600.0, pytest.approx(900.0, rel=1e-12)),  # $0.90 / $3.60 x 3600 s: 2700 + 900 = the hour
+        "carol": (3600.0, 3600.0),  # unpriced: its held seconds
+        "dave": (pytest.approx(1400.0), pytest.approx(1400.0, rel=1e-12)),  # $1.40 / $3.60 x 3600 s
+        "erin": (1200.0, 1200.0),  # no GPU-hour: its held seconds
+    }
 
 
 def test_a_renamed_node_is_known_by_the_name_most_of_its_rows_carry(v1_ledger: Path) -> None:

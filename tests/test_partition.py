@@ -4,13 +4,17 @@ of what used to be booked as idle, or lost; each checks the partition adds up to
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent.ledger.sink import LedgerSink
 from agent.model import AgentState, Price
 from agent.pipeline import Costing
+from rules.engine import RuleSpec
 from tests.helpers import Rig
 
 PRICE = 3.6  # $/GPU-hour: $0.001 a second, so seconds read as thousandths of a dollar
@@ -108,3 +112,113 @@ def test_a_driver_outage_is_unobserved_not_idle(run: Any) -> None:
     assert unobserved == {"DRIVER_NOT_LOADED": pytest.approx(0.675)}
     assert idle == pytest.approx(1.125)
     assert charged + idle + sum(unobserved.values()) == pytest.approx(1800 * PRICE / 3600)  # $1.80
+
+
+# -- utilization over the interval --------------------------------------------------------------
+
+
+def bursty(busy_s: int, every_s: int, hours: float, util: int = 90) -> list[dict[str, Any]]:
+    """An sm_util schedule: `util`% for busy_s seconds of every every_s seconds, each burst
+    starting 2 s into its period (so that no burst straddles a poll at the period's start)."""
+    points: list[dict[str, Any]] = [{"at": "0s", "sm_util": 0}]
+    for start in range(2, int(hours * 3600), every_s):
+        points += [{"at": f"{start}s", "sm_util": util}, {"at": f"{start + busy_s}s", "sm_util": 0}]
+    return points
+
+
+def test_bursty_work_reads_its_time_weighted_utilization(run: Any) -> None:
+    # 90% for 5 s of every 15 s: 30% over time. The driver only keeps samples of periods with
+    # work, so the mean of the samples present read 90%, and an hour booked 3240 busy seconds
+    # (0.9 x 3600); the truth is 0.9 x 5/15 x 3600 = 1080.
+    process = {**BUSY, "sm_util": bursty(5, 15, 1.0)}
+    state = run({"gpus": [{"count": 1}], "processes": [process]}, 3600)
+    [(_key, totals)] = state.costs.workloads.items()
+    assert totals.busy_s == pytest.approx(1080, rel=0.01)
+    holding = state.attribution.holdings[0]
+    assert holding.sm_util == pytest.approx(0.30, abs=0.01)  # the last interval, within 1 point
+    # The job held the GPU the whole hour: all of it is charged to it, 3600 s x $0.001 = $3.60.
+    assert totals.dollars == pytest.approx(3.60)
+
+
+def test_steady_work_still_reads_its_utilization_at_long_intervals(run: Any) -> None:
+    # A steady 70% polled every minute, longer than the fake driver keeps samples (32 s): the
+    # full ring covers only the last 32 s, so that is the span it is averaged over, not 60 s.
+    state = run({"gpus": [{"count": 1}], "processes": [BUSY]}, 1800, step_s=60)
+    [totals] = state.costs.workloads.values()
+    assert state.attribution.holdings[0].sm_util == pytest.approx(0.70)
+    assert totals.busy_s == pytest.approx(0.70 * 1800, rel=0.01)  # 1260 s
+
+
+# -- downtime between runs ------------------------------------------------------------------
+
+
+def test_the_time_between_two_runs_is_unobserved_in_the_ledger(tmp_path: Path) -> None:
+    # Run 1 watches an idle GPU from 0:00 to 0:10 into a ledger; run 2, on the same node and
+    # ledger, starts at 1:00 (the scenario's clock moved on while nothing ran) and watches to
+    # 1:10. The 50 minutes between, 3000 s x $0.001 = $3.000, are unobserved (agent_down), not
+    # missing: the ledger then holds every second from 0:00 to 1:10, 4200 s = $4.20.
+    ledger = tmp_path / "ledger.db"
+    scenario = {"node": {"hostname": "n1"}, "gpus": [{"count": 1}]}
+    prices = lambda snapshot: {g.uuid: Price(PRICE, "test") for g in snapshot.gpus}  # noqa: E731
+
+    def watch(from_s: float) -> AgentState:
+        sink = LedgerSink(ledger, retention_s=None, clock=lambda: 1_795_300_000.0, node="n1")
+        rig = Rig(scenario, costing=Costing(prices=prices, sink=sink, max_interval_s=300.0))
+        try:
+            rig.node.clock.advance(from_s)
+            return rig.run(600, 15)
+        finally:
+            rig.close()
+            assert sink.close()
+
+    watch(0)
+    second = watch(3600)
+    [gpu] = second.costs.gpus.values()
+    assert gpu.unobserved_by_reason == {"agent_down": (pytest.approx(3000.0), pytest.approx(3.000))}
+    with sqlite3.connect(ledger) as db:
+        idle, unobserved, observed = db.execute(
+            "SELECT sum(idle_dollars), sum(unobserved_dollars), sum(observed_s) FROM gpu_hours"
+        ).fetchone()
+    assert idle == pytest.approx(1.200)  # 2 x 600 s watched, nobody on the GPU
+    assert unobserved == pytest.approx(3.000)
+    assert idle + unobserved == pytest.approx(4200 * PRICE / 3600)  # $4.20: the whole span
+    assert observed == pytest.approx(1200)
+
+
+# -- who left it idle -------------------------------------------------------------------------
+
+
+def test_the_idle_flag_and_the_metrics_name_who_left_the_gpu_idle(caplog: pytest.LogCaptureFixture) -> None:
+    # Job 100 runs from 0:00 to 10:00, nobody from then until job 200 starts at 50:00. The idle
+    # flag (30 min) raises at 40:00 and clears at 50:00; both lines, and the metrics while the
+    # GPU sits idle, name job 100, last seen on it at the poll at 9:45. Before, the clearing
+    # line named job 200, which ended the idle stretch, and nothing named job 100.
+    scenario = {
+        "gpus": [{"count": 1}],
+        "processes": [
+            {"pid": 1, "gpus": [0], "sm_util": 80, "end": "10m", "slurm_job": "100", "uid": 1000, "user": "ann"},
+            {"pid": 2, "gpus": [0], "sm_util": 80, "start": "50m", "slurm_job": "200", "uid": 1001, "user": "bob"},
+        ],
+    }
+    rig = Rig(scenario, flag_rules=[RuleSpec("idle", "idle", utilization_below=0.05, for_s=1800)])
+    try:
+        caplog.set_level("WARNING", logger="agent.pipeline")
+        state = rig.run(45 * 60, 15)
+        [left] = state.left_by
+        assert [w.hpc_job for w in left.workloads] == ["100"]
+        assert left.at == rig.node.clock.wall_time() - 45 * 60 + 9 * 60 + 45  # the poll at 9:45
+        series = rig.samples(state, {"gpuledger_gpu_idle_left_by_timestamp_seconds"})
+        assert [(labels["hpc_job"], value) for _name, labels, value in series] == [("100", left.at)]
+        for _ in range(21):  # on to 50:15: job 200 holds it
+            state = rig.poll(15)
+        assert state.left_by == ()
+        assert rig.samples(state, {"gpuledger_gpu_idle_left_by_timestamp_seconds"}) == []
+    finally:
+        rig.close()
+    lines = [r.getMessage() for r in caplog.records if "rule=idle" in r.getMessage()]
+    assert len(lines) == 2
+    assert lines[0].startswith("flag raised")
+    assert "left_by=job 100" in lines[0]
+    assert lines[1].startswith("flag cleared")
+    assert "left_by=job 100" in lines[1]
+    assert "job 200" in lines[1]  # the workload that ended the stretch is still named as such

@@ -193,6 +193,7 @@ class FlakySink:
         self.added: list[Charges] = []
         self.calls = 0
         self.fail_on = fail_on
+        self.recorded_until: float | None = None  # a new ledger: no downtime to book
 
     def add(self, charges: Charges) -> None:
         self.calls += 1

@@ -55,7 +55,8 @@ def test_the_idle_weekend_is_flagged_and_priced(weekend_idle: WeekendIdleRun) ->
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["idle"]["dollars"] == pytest.approx(PRICE * 8 * 48, rel=1e-9)
-    assert report["idle"]["gpu_hours_held"] == pytest.approx(8 * 48)
+    assert report["idle"]["gpu_hours_charged"] == pytest.approx(8 * 48)  # 8 GPUs x 48 h, all idle
+    assert report["total"]["gpu_hours_charged"] == pytest.approx(8 * 48)  # GPUs x hours, not more
     assert report["rows"] == []  # nobody held a GPU all weekend
     whole = json.loads(gpuledger("report", "--ledger", str(ledger_path), "--by", "job", "--format", "json").stdout)
     # Friday 22:00 to Monday 09:00 is 59 idle hours on each GPU.
@@ -94,6 +95,14 @@ def test_report_on_a_week_of_the_demo_node_matches_the_counters(tmp_path: Path) 
     assert as_json["total"]["dollars"] == pytest.approx(total, rel=1e-9)
     assert as_json["idle"]["dollars"] == pytest.approx(idle, rel=1e-9)
     assert sum(row["dollars"] for row in as_json["rows"]) == pytest.approx(workloads, rel=1e-9)
+    # GPU 4 is shared (vllm and an embedding container): held hours count it twice, charged hours
+    # once, so the rows add up to 8 GPUs x 168 h = 1344 GPU-hours, as the counters do.
+    week_s = 8 * 7 * 24 * HOUR
+    charged_s = counters["gpuledger_workload_gpu_charged_seconds_total"]
+    assert charged_s + counters["gpuledger_gpu_idle_seconds_total"] == pytest.approx(week_s, rel=1e-9)
+    assert sum(row["gpu_hours_charged"] for row in as_json["rows"]) == pytest.approx(charged_s / HOUR, rel=1e-9)
+    assert as_json["total"]["gpu_hours_charged"] == pytest.approx(week_s / HOUR, rel=1e-9)
+    assert as_json["unobserved"]["gpu_hours_charged"] == 0.0  # every poll 5 min apart: all observed
     rows = list(csv.DictReader(io.StringIO(reports["csv"])))
     assert float(next(r for r in rows if r["kind"] == "total")["dollars"]) == pytest.approx(total, rel=1e-9)
     assert float(next(r for r in rows if r["kind"] == "idle")["dollars"]) == pytest.approx(idle, rel=1e-9)

@@ -69,7 +69,11 @@ def test_the_weekend_idle_simulation_fires_the_weekend_alert_with_its_dollars(
     description = (
         "8 of 8 GPUs in cluster sim are idle with no workload, and most have been for 4h or more this weekend. "
         f"Idle cost this weekend so far (since Saturday 00:00 UTC): ${weekend_dollars:.2f}; over the last 4h: "
-        f"${last_4h:.2f}; burning ${BURN:.2f}/h now. Scale the node pool down or give the GPUs to a batch queue."
+        f"${last_4h:.2f}; burning ${BURN:.2f}/h now. "
+        # Who left them idle: job 9001 ends at 22:00 Friday; the last minute's poll that saw it
+        # on its GPUs was 21:59.
+        "Left idle by job 9001 (user dave), last seen on them at 2026-11-20 21:59:00 +0000 UTC. "
+        "Scale the node pool down or give the GPUs to a batch queue."
     )
     test = {
         "rule_files": [str(RULES / "gpuledger-recording.rules.yml"), str(RULES / "gpuledger-alerts.rules.yml")],

@@ -7,6 +7,9 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
     all of that is idle cost. Otherwise it is split among its holders by measured SM
     utilization; where none was measured, by memory held; where neither, equally.
   - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization.
+    Charged seconds are held seconds x the holder's share (the share that splits the dollars):
+    a unit's charged seconds plus its idle seconds are its observed seconds, so they add up
+    across holders where held seconds count a shared unit once per holder.
   - Energy comes from the GPU's own energy counter (not integrated power), split like cost.
     With a price per kWh it becomes dollars here, once (`energy_dollars`): /metrics, the ledger
     and `report` all show sums of these figures, so they cannot disagree.
@@ -119,6 +122,7 @@ def _energy_delta(prev: DeviceReading | None, curr: DeviceReading) -> float:
 class _Acc:
     held_s: float = 0.0
     busy_s: float = 0.0
+    charged_s: float = 0.0
     dollars: float = 0.0
     joules: float = 0.0
 
@@ -193,6 +197,8 @@ def account(
                 # Per-pid holdings of one workload each held the unit: count its time once.
                 acc.held_s = max(acc.held_s, held)
                 acc.busy_s += held * min(util or 0.0, 1.0)
+                # Summed, unlike held: each of a workload's holdings is its own part of the share.
+                acc.charged_s += held * share
                 acc.dollars += unit_dollars * share
                 acc.joules += unit_joules * share
         gpus.append(
@@ -229,6 +235,7 @@ def account(
                 dollars=acc.dollars,
                 joules=acc.joules,
                 energy_dollars=energy_dollars(acc.joules, energy_per_kwh),
+                charged_s=acc.charged_s,
             )
             for (gpu, uuid, workload), acc in workloads.items()
         ),
@@ -241,6 +248,44 @@ def _by_reason(old: Mapping[str, tuple[float, float]], g: GpuCharge) -> Mapping[
         return old
     seconds, dollars = old.get(g.unobserved_reason, (0.0, 0.0))
     return {**old, g.unobserved_reason: (seconds + g.unobserved_s, dollars + g.unobserved_dollars)}
+
+
+def downtime(
+    start: float,
+    end: float,
+    snapshot: Snapshot,
+    prices: Mapping[str, Price | None],
+    *,
+    reason: str,
+    energy_per_kwh: float | None = None,
+) -> Charges:
+    """Charges for (start, end], a stretch nobody watched (the agent was not running): every
+    GPU of `snapshot` unobserved for all of it, at its price, for `reason`."""
+    dt = end - start
+    hourly_of = {
+        gpu.uuid: p.dollars_per_hour if (p := prices.get(gpu.uuid)) is not None else 0.0 for gpu in snapshot.gpus
+    }
+    gpus = tuple(
+        GpuCharge(
+            gpu=gpu.index,
+            uuid=gpu.uuid,
+            model=gpu.model,
+            dollars_per_hour=hourly_of[gpu.uuid],
+            observed_s=0.0,
+            dollars=0.0,
+            idle_s=0.0,
+            idle_dollars=0.0,
+            unobserved_s=dt,
+            joules=0.0,
+            idle_joules=0.0,
+            unobserved_dollars=hourly_of[gpu.uuid] * dt / 3600,
+            energy_dollars=energy_dollars(0.0, energy_per_kwh),
+            idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
+            unobserved_reason=reason,
+        )
+        for gpu in snapshot.gpus
+    )
+    return Charges(start=start, end=end, node=snapshot.node.hostname, energy_per_kwh=energy_per_kwh, gpus=gpus)
 
 
 def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -> CostTotals:
@@ -260,6 +305,7 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
         workloads[key] = WorkloadTotals(
             held_s=old.held_s + c.held_s,
             busy_s=old.busy_s + c.busy_s,
+            charged_s=old.charged_s + c.charged_s,
             dollars=old.dollars + c.dollars,
             joules=joules,
             last_charged_at=charges.end,

@@ -229,7 +229,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         host,
         server.port,
         where,
-        format_duration(settings.poll_interval),
+        format_duration(agent.pipeline.poll_interval_s),
     )
     notify("READY=1")
     beat = watchdog_interval_s()

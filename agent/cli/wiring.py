@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpuledger")
 
+FAKE_MIN_POLL_S = 0.02
+
 
 @dataclass(eq=False)
 class Agent:
@@ -54,6 +56,7 @@ class Agent:
     costing: Costing | None
     pipeline: Pipeline
     textfile: TextfileWriter | None
+    fake_speed: float = 0.0  # scenario seconds per real second once started (0: moved by hand)
     _closed: bool = False
     _ledger_written: bool = True
 
@@ -72,7 +75,11 @@ class Agent:
         return generate_latest(self.registry((lambda: state) if state is not None else None))
 
     def start(self) -> None:
-        """Poll, refresh allocations, flush the ledger and write the textfile in the background."""
+        """Poll, refresh allocations, flush the ledger and write the textfile in the background.
+        A sped-up fake node's clock starts now, with the first poll: scenario time spent while
+        the agent was still being built would be time nobody watched."""
+        if self.node is not None and self.fake_speed:
+            self.node.clock.set_speed(self.fake_speed)
         self.pipeline.start()
         if self.textfile is not None:
             self.textfile.start(self.pipeline.poll_interval_s)
@@ -132,10 +139,27 @@ def build_agent(
         raise BadInputError(problems[0])
     textfile_path = settings.exporters.textfile_path
     interval_s = settings.poll_interval if poll_interval_s is None else poll_interval_s
-    backend, node = _backend(fake, fake_speed, settings.backend)
+    if fake is not None and fake_speed > 1 and poll_interval_s is None:
+        # A sped-up fake node is polled as often in scenario time as the daemon polls in real
+        # time, as far as one real poll every FAKE_MIN_POLL_S allows (every 72 scenario seconds
+        # at 3600x): polling every 5 real seconds would see the node every 5 scenario hours,
+        # miss a 4-hour job and book it as idle.
+        interval_s = max(interval_s / fake_speed, FAKE_MIN_POLL_S)
+    backend, node = _backend(fake, 0.0, settings.backend)  # the clock starts with Agent.start
     try:
         sampler = Sampler(backend, hostname=node_name(settings, node))
-        attributor = _attributor(settings, node)
+        # The devices first (within the call budget): without a driver nothing else is built,
+        # so `run` says that, and only that, in its one line.
+        pipeline = Pipeline(
+            sampler,
+            interval_s,
+            monotonic=monotonic,
+            rules=rule_specs(settings) if rules is None else rules,
+            call_timeout_s=settings.watchdog.call_timeout,
+            exit_after_s=settings.watchdog.exit_after,
+        )
+        pipeline.open_devices()
+        attributor = pipeline.attributor = _attributor(settings, node)
         priced: Costing | None = None
         if isinstance(costing, Costing):
             priced = costing
@@ -147,24 +171,14 @@ def build_agent(
                 # leave uncharged.
                 rhythm_s = interval_s * fake_speed if fake_speed else interval_s
                 priced = replace(priced, max_interval_s=max(priced.max_interval_s, 3 * rhythm_s))
-        pipeline = Pipeline(
-            sampler,
-            interval_s,
-            monotonic=monotonic,
-            attributor=attributor,
-            costing=priced,
-            rules=rule_specs(settings) if rules is None else rules,
-            call_timeout_s=settings.watchdog.call_timeout,
-            exit_after_s=settings.watchdog.exit_after,
-        )
-        pipeline.open_devices()
+        pipeline.costing = priced
     except BaseException:
         if node is not None:
             import fake_nvml
 
             fake_nvml.uninstall()
         raise
-    agent = Agent(settings, node, backend, sampler, attributor, priced, pipeline, None)
+    agent = Agent(settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed)
     if textfile_path:
         agent.textfile = TextfileWriter(textfile_path, lambda: pipeline.state, agent.exposition)
     return agent

@@ -6,6 +6,7 @@ sampler never names a vendor library. See `Sampler` for the policy.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 from collections import Counter, defaultdict
@@ -38,6 +39,10 @@ class PollAbandoned(Exception):
 
 
 REINIT_BACKOFF_FIRST_S = 5.0
+# The fewest per-process samples a driver's ring can plausibly hold: a process seen with fewer
+# has not shown the ring's size yet (a job busy 5 s of every 15 s gives 5 a poll), so no
+# sample of it is taken to be lost.
+MIN_RING_SAMPLES = 20
 REINIT_BACKOFF_MAX_S = 300.0
 
 _UTILIZATION = ReadingKey(Quantity.UTILIZATION)
@@ -93,6 +98,14 @@ class _Gpu:
     memory_total_bytes: int | None = None
     mig_by_instance: dict[tuple[int, int], _Mig] | None = None
     last_seen_us: int = 0
+    # When this poll and the one before read the GPU (backend clock), and the driver's
+    # per-process sampling period as observed (the smallest gap between two sample times).
+    poll_at: float | None = None
+    previous_poll_at: float | None = None
+    sample_period_us: int | None = None
+    # The most samples one process has had in one poll: the driver's ring buffer holds at most
+    # that many (as far as we have seen), so a process with that many may have lost older ones.
+    samples_kept: int = 0
     unsupported: Unsupported = field(default_factory=Unsupported)
     lost_reason: str | None = None
     retry_at: float = 0.0
@@ -343,6 +356,7 @@ class Sampler:
                     return [_down(rediscovered, rediscovered.lost_reason)]
                 self._gpus[gpu.index] = gpu = rediscovered
         try:
+            gpu.previous_poll_at, gpu.poll_at = gpu.poll_at, now
             readings = self._read_healthy(gpu)
         except DeviceLost as exc:
             return [self._lost(gpu, now, exc)]
@@ -526,7 +540,18 @@ class Sampler:
         return found
 
     def _process_utils(self, gpu: _Gpu, where: str) -> dict[int, float] | None:
-        """Mean SM utilization per pid over the samples since the previous poll."""
+        """SM utilization per pid, time-weighted over the interval since the previous poll.
+
+        The driver keeps one sample per sampling period, and only for processes that did some
+        work in it: a period with no sample is a period at 0%. So the sum of a process's samples
+        is divided by the periods the interval holds, not by the samples present: a job at 90%
+        for 5 s of every 15 s reads 30%, not 90%. The period is learned from the samples (the
+        smallest gap between two sample times); until it is known, and at the first poll, the
+        mean of the samples present is all there is.
+
+        The driver keeps a short ring of samples per process. A process with fewer samples than
+        the ring holds lost none; one with a full ring may have lost older ones, so its figure
+        is over the span its samples cover (its oldest to now), not the whole interval."""
         since = gpu.last_seen_us
         samples = self._call(
             where, gpu.unsupported, "process utilization", lambda: self.backend.process_utilization(gpu.handle, since)
@@ -535,12 +560,35 @@ class Sampler:
             return None
         # A busy GPU gives thousands of samples a poll: one dict lookup per sample.
         by_pid: defaultdict[int, list[int]] = defaultdict(list)
+        oldest: dict[int, int] = {}
+        stamps: set[int] = set()
         for pid, stamp_us, util in samples:
             if stamp_us > since:
                 by_pid[pid].append(util)
-        gpu.last_seen_us = max(since, max((stamp_us for _pid, stamp_us, _util in samples), default=since))
-        # Sum whole percents and divide once, so a steady 92% reads 0.92, not 0.9200000000000002.
-        return {pid: sum(utils) / len(utils) / 100 for pid, utils in by_pid.items()}
+                stamps.add(stamp_us)
+                if stamp_us < oldest.get(pid, stamp_us + 1):
+                    oldest[pid] = stamp_us
+        gpu.last_seen_us = max(since, max(stamps, default=since))
+        ordered = sorted(stamps)
+        gaps = [b - a for a, b in itertools.pairwise(ordered) if b > a]
+        if gaps:
+            gpu.sample_period_us = min(*gaps, gpu.sample_period_us or min(gaps))
+        gpu.samples_kept = max(gpu.samples_kept, max((len(u) for u in by_pid.values()), default=0))
+        period_us, kept = gpu.sample_period_us, gpu.samples_kept
+        if not period_us or gpu.previous_poll_at is None or gpu.poll_at is None:
+            # Sum whole percents and divide once: a steady 92% reads 0.92, not 0.9200000000000002.
+            return {pid: sum(utils) / len(utils) / 100 for pid, utils in by_pid.items()}
+        now_us = gpu.poll_at * 1_000_000
+        interval_periods = (gpu.poll_at - gpu.previous_poll_at) * 1_000_000 / period_us
+        found: dict[int, float] = {}
+        for pid, utils in by_pid.items():
+            periods = interval_periods
+            if kept >= MIN_RING_SAMPLES and len(utils) >= kept and interval_periods > kept:
+                # A full ring over an interval longer than it: older samples may be gone, so
+                # only the span its samples cover (oldest to now) is known.
+                periods = min(periods, (now_us - oldest[pid]) / period_us + 1)
+            found[pid] = min(sum(utils) / max(periods, len(utils)) / 100, 1.0)
+        return found
 
 
 def _readings(infos: Sequence[ProcessInfo]) -> tuple[ProcessReading, ...]:

@@ -9,15 +9,28 @@ Choices a reader of the output should know:
   over overlapping periods are refused (`check_overlaps`): they are one ledger copied twice,
   or one simulation written twice, and summing them would count that time twice.
 - Rows are sorted by dollars, largest first (ties by the group's names). The `(idle)` row, the
-  cost of GPUs nobody held, is not a workload: it comes after them, just above TOTAL, always in
-  the same place, so neither people nor scripts have to look for it.
-- TOTAL is the sum of every workload row and the idle row: all the GPU time paid for. Its
-  dollars are summed (math.fsum, exactly rounded) from the ledger's own figures, never from the
-  rounded ones shown; its efficiency is GPU-hours used over all GPU-hours paid for.
+  cost of GPUs nobody held, and the `(unobserved)` row, the cost of GPU time nobody could see
+  (the agent stopped, the driver or GPU unreadable, polls too far apart), are not workloads:
+  they come after them, just above TOTAL, always in the same place (shown at 0.00 when empty),
+  so neither people nor scripts have to look for them.
+- GPU-hours charged are each workload's share of its GPUs' time (the share that splits the
+  dollars), not the time it held them: two workloads sharing a GPU for an hour held it an hour
+  each, and are charged, say, 0.75 and 0.25 of it. So the rows add up: workloads + idle +
+  unobserved is every GPU-hour of the window, and TOTAL can never exceed GPUs x hours.
+- TOTAL is the sum of every workload row, the idle row and the unobserved row: all the GPU time
+  paid for. Its figures are summed (math.fsum, exactly rounded) from the ledger's own, never
+  from the rounded ones shown; its efficiency is GPU-hours used over all GPU-hours paid for
+  (time nobody observed counts as unused: as far as anyone saw).
 - The ledger keeps hours, so a range is read as whole hours: every hour that overlaps
   [since, until) counts, and the output states the hours it covers.
-- Efficiency is used/held: a percent in the table; in CSV and JSON `efficiency_ratio`, 0-1
-  like every ratio gpuledger exports, empty / null where nothing was held.
+- Efficiency is used/charged: a percent in the table; in CSV and JSON `efficiency_ratio`, 0-1
+  like every ratio gpuledger exports, empty / null where nothing was charged, for the idle row
+  (nobody held it) and for the unobserved row (what it was used for is unknown; its GPU-hours
+  used, waste and energy are unknown too: "-", empty, null).
+- Waste dollars are what was paid for and not used: dollars x (1 - used/charged), summed stored
+  hour by stored hour, so that a workload on GPUs of different prices wastes what each idle
+  GPU-hour cost (with one price it is the row's dollars x (1 - efficiency)). All the idle row's
+  dollars are waste; TOTAL's waste is the workloads' plus the idle row's.
 - Energy is the GPUs' own energy counters split like cost, in kWh; its dollars are the ledger's
   (priced once, by accounting, at `pricing.energy_per_kwh`), summed over the hours that had a
   price. CSV and JSON always carry `energy_kwh` and `energy_dollars` (empty / null where
@@ -49,26 +62,29 @@ DEFAULT_BY = ("namespace", "hpc_job")
 FORMATS = ("table", "csv", "json")
 
 IDLE_LABEL = "(idle)"
+UNOBSERVED_LABEL = "(unobserved)"
 TOTAL_LABEL = "TOTAL"
 NONE_LABEL = "(none)"  # a workload with no value for a grouping key (a Slurm job has no namespace)
 
 
 @dataclass(frozen=True, slots=True)
 class ReportLine:
-    key: tuple[str, ...]  # the values of the report's `by` keys; () for the idle and total lines
+    key: tuple[str, ...]  # the values of the report's `by` keys; () for the idle, unobserved and total lines
     dollars: float
-    held_s: float
+    charged_s: float  # its share of the GPUs' time: the lines' charged seconds add up to the window's
     busy_s: float
     joules: float = 0.0
     energy_dollars: float | None = None  # None where no hour of the line had an energy price
+    waste_dollars: float | None = None  # paid for and not used; None where use is unknown
+    observed: bool = True  # False for unobserved time: its use, waste and energy are unknown
 
     @property
     def energy_kwh(self) -> float:
         return joules_to_kwh(self.joules)
 
     @property
-    def gpu_hours_held(self) -> float:
-        return self.held_s / HOUR_S
+    def gpu_hours_charged(self) -> float:
+        return self.charged_s / HOUR_S
 
     @property
     def gpu_hours_used(self) -> float:
@@ -76,8 +92,12 @@ class ReportLine:
 
     @property
     def efficiency(self) -> float | None:
-        """Used over held (0-1); None where nothing was held."""
-        return self.busy_s / self.held_s if self.held_s > 0 else None
+        """Used over charged (0-1); None where nothing was charged or nobody observed it."""
+        return self.busy_s / self.charged_s if self.charged_s > 0 and self.observed else None
+
+
+def _unobserved_line() -> ReportLine:
+    return ReportLine((), 0.0, 0.0, 0.0, observed=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +105,11 @@ class Report:
     by: tuple[str, ...]
     lines: tuple[ReportLine, ...]  # dollars descending
     idle: ReportLine
-    total: ReportLine
+    total: ReportLine  # lines + idle + unobserved
     since: float | None = None  # start of the first hour covered; None: nothing recorded
     until: float | None = None  # end of the last hour covered
     ledgers: int = 1  # how many ledger files were merged
+    unobserved: ReportLine = field(default_factory=_unobserved_line)
 
 
 def parse_by(text: str) -> tuple[str, ...]:
@@ -121,18 +142,25 @@ def _key_value(row: UsageRow, key: str) -> str:
 def build_report(
     rows: Iterable[UsageRow], by: Sequence[str], *, since: float | None = None, until: float | None = None
 ) -> Report:
-    """Group workload rows by `by`; idle rows make the idle line; every row counts in the total.
+    """Group workload rows by `by`; idle rows make the idle line, unobserved rows the unobserved
+    line; every row counts in the total.
 
     `since` / `until` say what the report covers; where None, the first / last hour in `rows`.
     """
     keys = check_by(by)
     groups: dict[tuple[str, ...], _Sums] = {}
     idle = _Sums()
+    unobserved = _Sums(observed=False)
     everything = _Sums()
     hours: set[int] = set()
     for row in rows:
         hours.add(row.hour)
-        sums = idle if row.idle else groups.setdefault(tuple(_key_value(row, key) for key in keys), _Sums())
+        if row.unobserved:
+            sums = unobserved
+        elif row.idle:
+            sums = idle
+        else:
+            sums = groups.setdefault(tuple(_key_value(row, key) for key in keys), _Sums())
         sums.add(row)
         everything.add(row)
 
@@ -141,7 +169,19 @@ def build_report(
         since = float(min(hours))
     if until is None and hours:
         until = float(max(hours) + HOUR_S)
-    return Report(keys, tuple(lines), idle.line(()), everything.line(()), since, until)
+    return Report(keys, tuple(lines), idle.line(()), everything.line(()), since, until, unobserved=unobserved.line(()))
+
+
+def row_waste(row: UsageRow) -> float | None:
+    """What the row's dollars paid for and nobody used: dollars x (1 - used/charged); all of an
+    idle row's dollars; None for unobserved time (what it was used for is unknown).
+
+    Busy seconds above the charged ones (per-process readings that add up to more than the GPU
+    can do) count as fully used, never as negative waste."""
+    if row.unobserved:
+        return None
+    used = min(row.busy_s / row.charged_s, 1.0) if row.charged_s > 0 else 0.0
+    return row.dollars * (1.0 - used)
 
 
 @dataclass(slots=True)
@@ -149,17 +189,22 @@ class _Sums:
     """The figures of one report line, kept whole so that each is summed once, exactly (fsum)."""
 
     dollars: list[float] = field(default_factory=list)
-    held_s: list[float] = field(default_factory=list)
+    charged_s: list[float] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     joules: list[float] = field(default_factory=list)
     energy_dollars: list[float] = field(default_factory=list)
+    waste_dollars: list[float] = field(default_factory=list)
     priced: bool = False
+    observed: bool = True  # False: the unobserved line, whose use, waste and energy are unknown
 
     def add(self, row: UsageRow) -> None:
         self.dollars.append(row.dollars)
-        self.held_s.append(row.held_s)
+        self.charged_s.append(row.charged_s)
         self.busy_s.append(row.busy_s)
         self.joules.append(row.joules)
+        waste = row_waste(row)
+        if waste is not None:
+            self.waste_dollars.append(waste)
         if row.energy_dollars is not None:
             self.energy_dollars.append(row.energy_dollars)
             self.priced = True
@@ -168,10 +213,12 @@ class _Sums:
         return ReportLine(
             key=key,
             dollars=math.fsum(self.dollars),
-            held_s=math.fsum(self.held_s),
+            charged_s=math.fsum(self.charged_s),
             busy_s=math.fsum(self.busy_s),
             joules=math.fsum(self.joules),
             energy_dollars=math.fsum(self.energy_dollars) if self.priced else None,
+            waste_dollars=math.fsum(self.waste_dollars) if self.observed else None,
+            observed=self.observed,
         )
 
 
@@ -291,7 +338,7 @@ def render(report: Report, fmt: str = "table") -> str:
 
 # --- table: for people, finance among them ---
 
-_NUMBER_HEADERS = ("DOLLARS", "GPU-HOURS HELD", "GPU-HOURS USED", "EFFICIENCY")
+_NUMBER_HEADERS = ("DOLLARS", "GPU-HOURS CHARGED", "GPU-HOURS USED", "EFFICIENCY", "WASTE $")
 _ENERGY_HEADERS = ("ENERGY KWH", "ENERGY $")
 
 
@@ -304,16 +351,23 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
 
 
+def _maybe(value: float | None) -> str:
+    return "-" if value is None else _amount(value)
+
+
 def _numbers(line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = True) -> list[str]:
-    """The line's figures; `energy` says whether the table shows (kWh, energy dollars)."""
+    """The line's figures, "-" where unknown; `energy` says whether the table shows (kWh, energy
+    dollars)."""
     with_kwh, with_energy_dollars = energy
+    figures = _figures(line, efficiency=efficiency)
     return [
         _amount(line.dollars),
-        _amount(line.gpu_hours_held),
-        _amount(line.gpu_hours_used),
-        _percent(line.efficiency) if efficiency else "-",
-        *([_amount(line.energy_kwh)] if with_kwh else []),
-        *([("-" if line.energy_dollars is None else _amount(line.energy_dollars))] if with_energy_dollars else []),
+        _amount(line.gpu_hours_charged),
+        _maybe(figures["gpu_hours_used"]),
+        _percent(figures["efficiency_ratio"]),
+        _maybe(figures["waste_dollars"]),
+        *([_maybe(figures["energy_kwh"])] if with_kwh else []),
+        *([_maybe(figures["energy_dollars"])] if with_energy_dollars else []),
     ]
 
 
@@ -334,10 +388,11 @@ def _render_table(report: Report) -> str:
     shown_energy = [name for name, shown in zip(_ENERGY_HEADERS, energy, strict=True) if shown]
     header = [key.upper() for key in report.by] + list(_NUMBER_HEADERS) + shown_energy
     body = [[value or NONE_LABEL for value in line.key] + _numbers(line, energy) for line in report.lines]
-    # Nobody held the idle GPUs, so there is no used/held to speak of.
+    # Nobody held the idle GPUs, so there is no used/charged to speak of.
     idle = [IDLE_LABEL] + [""] * (key_count - 1) + _numbers(report.idle, energy, efficiency=False)
+    unobserved = [UNOBSERVED_LABEL] + [""] * (key_count - 1) + _numbers(report.unobserved, energy)
     total = [TOTAL_LABEL] + [""] * (key_count - 1) + _numbers(report.total, energy)
-    widths = [max(len(row[i]) for row in [header, *body, idle, total]) for i in range(len(header))]
+    widths = [max(len(row[i]) for row in [header, *body, idle, unobserved, total]) for i in range(len(header))]
 
     def fmt(row: list[str]) -> str:
         cells = [
@@ -354,6 +409,7 @@ def _render_table(report: Report) -> str:
         rule,
         *(fmt(row) for row in body),
         fmt(idle),
+        fmt(unobserved),
         rule,
         fmt(total),
     ]
@@ -362,16 +418,21 @@ def _render_table(report: Report) -> str:
 
 # --- CSV and JSON: for programs; plain numbers at full precision ---
 
-_NUMBER_FIELDS = ("dollars", "gpu_hours_held", "gpu_hours_used", "efficiency_ratio", "energy_kwh", "energy_dollars")
+_NUMBER_FIELDS = (
+    "dollars", "gpu_hours_charged", "gpu_hours_used", "efficiency_ratio", "waste_dollars", "energy_kwh",
+    "energy_dollars",
+)  # fmt: skip
 
 
 def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | None]:
+    """The line's figures by field name, None where unknown (the table, CSV and JSON all show these)."""
     return {
         "dollars": line.dollars,
-        "gpu_hours_held": line.gpu_hours_held,
-        "gpu_hours_used": line.gpu_hours_used,
+        "gpu_hours_charged": line.gpu_hours_charged,
+        "gpu_hours_used": line.gpu_hours_used if line.observed else None,
         "efficiency_ratio": line.efficiency if efficiency else None,
-        "energy_kwh": line.energy_kwh,
+        "waste_dollars": line.waste_dollars,
+        "energy_kwh": line.energy_kwh if line.observed else None,
         "energy_dollars": line.energy_dollars,
     }
 
@@ -389,6 +450,7 @@ def _render_csv(report: Report) -> str:
     for line in report.lines:
         writer.writerow(["group", *line.key, *numbers(line)])
     writer.writerow(["idle", *blank, *numbers(report.idle, efficiency=False)])
+    writer.writerow(["unobserved", *blank, *numbers(report.unobserved)])
     writer.writerow(["total", *blank, *numbers(report.total)])
     return out.getvalue()
 
@@ -400,6 +462,7 @@ def _render_json(report: Report) -> str:
         "by": list(report.by),
         "rows": [dict(zip(report.by, line.key, strict=True)) | _figures(line) for line in report.lines],
         "idle": _figures(report.idle, efficiency=False),
+        "unobserved": _figures(report.unobserved),
         "total": _figures(report.total),
     }
     return json.dumps(document, indent=2) + "\n"

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS, Ledger, LedgerError, PendingCharges
+from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS, Ledger, LedgerError, PendingCharges, recorded_period
 from agent.model import Charges, LedgerHealth
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,13 @@ class LedgerSink:
         self._pending = PendingCharges(self.path, max_pending_rows)  # handed to the ledger once it opens
         self._ledger: Ledger | None = None
         self._open_failed = False
+        try:
+            period = recorded_period(self.path)
+        except LedgerError:
+            period = None  # not a ledger: _open says so
+        # Where the ledger's record ended before this run: the time up to this run's first poll
+        # went unwatched, and is booked as unobserved (agent_down).
+        self.recorded_until: float | None = period[1] if period is not None else None
         self._open()
 
     def _open(self) -> Ledger | None:

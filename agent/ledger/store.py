@@ -7,10 +7,10 @@ per hour and key) and `flush()` every `ledger.flush_interval`. A flush is one tr
 adds the pending sums to the stored ones, so a restarted agent simply keeps adding to the same
 file, and a crash at any moment leaves either the whole flush or none of it on disk.
 
-Schema (version 3; `schema_version` holds one row per applied version):
+Schema (version 4; `schema_version` holds one row per applied version):
 
     workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team
-                    | held_s, busy_s, dollars, joules, energy_dollars
+                    | held_s, busy_s, dollars, joules, energy_dollars, charged_s
     gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour (latest seen in the hour),
                     observed_s, dollars, idle_s, idle_dollars, unobserved_s, unobserved_dollars, joules,
                     idle_joules, energy_dollars, idle_energy_dollars
@@ -21,7 +21,9 @@ are listed below `_MIGRATIONS`); a file from a newer gpuledger is refused, never
 Version 1 (the first release) had `job` where version 2 has `hpc_job` and `unit`, and no energy
 dollars: its rows keep NULL there (their price per kWh was never recorded). Version 3 added
 `ledger_meta`: which node the ledger belongs to and the period it records, so that `report`
-can merge the ledgers of many nodes and refuse to count one node's time twice.
+can merge the ledgers of many nodes and refuse to count one node's time twice. Version 4 added
+`charged_s`, a workload's share of the unit's time (held seconds count a shared GPU once per
+holder, so only charged seconds add up to the GPU's hours); older rows get it from their dollars.
 
 `hour` is the unix time of the start of the UTC hour. Both tables are WITHOUT ROWID with a primary
 key that starts with `hour`: the table itself is the index that reports scan by time range and
@@ -79,7 +81,7 @@ MAX_INTERVAL_S = 366 * 86400
 DEFAULT_MAX_PENDING_ROWS = 5000
 
 _WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS)
-_WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules", "energy_dollars")
+_WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules", "energy_dollars", "charged_s")
 _GPU_KEYS = ("hour", "node", "uuid")
 _GPU_ATTRIBUTES = ("gpu", "model", "dollars_per_hour")
 _GPU_MEASURES = (
@@ -187,11 +189,40 @@ def _new_ledger_id() -> str:
     return uuid.uuid4().hex
 
 
+# Version 4: a workload's charged seconds, its share of the unit's time (held seconds x the
+# share that split the dollars), which add up over a shared GPU's holders where held seconds
+# count the GPU once per holder. Accounting split seconds and dollars by the same share, so an
+# older row's charged seconds are its dollars over what the whole hour cost: dollars / the
+# GPU-hour's dollars_per_hour x 3600 (a MIG instance's weight is already in its dollars). Where
+# that price is not above 0 (unpriced GPUs, or no GPU row for the hour) the dollars say nothing
+# and the row keeps its held seconds, as `report` counted it before. The price is the latest
+# seen in the hour: where it changed within the hour the figure is approximate, so it is capped
+# at the held seconds, the most a share can be.
+_SCHEMA_V4 = (
+    "ALTER TABLE workload_hours ADD COLUMN charged_s REAL NOT NULL DEFAULT 0.0",
+    # The GPU-hour is found by the row's uuid (a whole GPU's), else by its GPU index (a MIG
+    # instance's row names the instance; the first uuid where a GPU was swapped within the hour).
+    """UPDATE workload_hours SET charged_s = coalesce(
+        (SELECT min(workload_hours.held_s, workload_hours.dollars / g.dollars_per_hour * 3600)
+         FROM gpu_hours AS g
+         WHERE g.hour = workload_hours.hour AND g.node = workload_hours.node AND g.uuid = workload_hours.uuid
+             AND g.dollars_per_hour > 0),
+        (SELECT min(workload_hours.held_s, workload_hours.dollars / g.dollars_per_hour * 3600)
+         FROM gpu_hours AS g
+         WHERE g.hour = workload_hours.hour AND g.node = workload_hours.node AND g.gpu = workload_hours.gpu
+             AND g.dollars_per_hour > 0
+         ORDER BY g.uuid
+         LIMIT 1),
+        held_s)""",
+)
+
+
 # Step n (from 1) brings a file at version n - 1 (0: empty) to version n.
 _MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V1),
     _run(_SCHEMA_V2),
     _run(_SCHEMA_V3),
+    _run(_SCHEMA_V4),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -221,11 +252,15 @@ class LedgerError(GpuledgerError):
 
 @dataclass(frozen=True, slots=True)
 class UsageRow:
-    """One stored hour: a workload on one cost unit, or (`idle`) the part of a GPU nobody held.
+    """One stored hour: a workload on one cost unit, (`idle`) the part of a GPU nobody held, or
+    (`unobserved`) the part of a GPU nobody could see.
 
-    For an idle row `held_s` is the GPU's idle seconds, `dollars`, `joules` and `energy_dollars`
-    its idle cost and energy, `busy_s` 0 and the workload empty. `energy_dollars` is None where
-    no price per kWh was set (and for hours written before the ledger stored it).
+    `held_s` counts a shared unit once per holder; `charged_s` is the workload's share of it, so
+    the charged seconds of every row of a GPU-hour add up to the hour. For an idle row both are
+    the GPU's idle seconds, `dollars`, `joules` and `energy_dollars` its idle cost and energy,
+    `busy_s` 0 and the workload empty; an unobserved row likewise carries the unobserved seconds
+    and dollars, no energy (nobody read the counter) and no energy dollars. `energy_dollars` is
+    None where no price per kWh was set (and for hours written before the ledger stored it).
     """
 
     hour: int
@@ -239,6 +274,8 @@ class UsageRow:
     joules: float
     energy_dollars: float | None = None
     idle: bool = False
+    charged_s: float = 0.0
+    unobserved: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -1026,7 +1063,8 @@ def read_ledger(
     path: str | Path, *, since: float | None = None, until: float | None = None, rows: bool = True
 ) -> LedgerContents:
     """The ledger's own record (`LedgerInfo`) and every stored hour that overlaps [since, until):
-    workload rows, then one idle row per GPU hour (those with idle time); no rows unless `rows`.
+    workload rows, then one idle row per GPU hour with idle time, then one unobserved row per GPU
+    hour with unobserved time; no rows unless `rows`.
     Hours are the ledger's resolution, so a partly covered hour is read whole.
 
     Opens the file read-only (`open_read_only`; a missing file is an error, never created) and
@@ -1125,6 +1163,7 @@ def _read(
             dollars=r["dollars"],
             joules=r["joules"],
             energy_dollars=r["energy_dollars"],
+            charged_s=r["charged_s"],
         )
         for r in workload
     ]
@@ -1141,9 +1180,27 @@ def _read(
             joules=r["idle_joules"],
             energy_dollars=r["idle_energy_dollars"],
             idle=True,
+            charged_s=r["idle_s"],
         )
         for r in gpu
         if r["idle_s"] or r["idle_dollars"] or r["idle_joules"]
+    )
+    usage.extend(
+        UsageRow(
+            hour=r["hour"],
+            node=r["node"],
+            gpu=r["gpu"],
+            uuid=r["uuid"],
+            workload=Workload(),
+            held_s=r["unobserved_s"],
+            busy_s=0.0,
+            dollars=r["unobserved_dollars"],
+            joules=0.0,
+            charged_s=r["unobserved_s"],
+            unobserved=True,
+        )
+        for r in gpu
+        if r["unobserved_s"] or r["unobserved_dollars"]
     )
     return LedgerContents(info, usage)
 
