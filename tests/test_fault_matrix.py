@@ -531,8 +531,11 @@ def discovery_case(what: str, kind: str) -> Case:
 
 
 DISCOVERY_BUGS = {
-    "other": "an error discovering one GPU aborts discovery of every GPU: no GPU is polled or shown (none "
-    "down) until it clears, and the time before is recorded nowhere",
+    # The other GPUs are discovered and polled, and this one reads as down for its error; what
+    # is left is the money: until it answers it has no uuid, so no price, and its unobserved
+    # seconds before then are booked at $0 under an empty uuid.
+    "other": "a GPU that could not be identified at discovery has no uuid and so no price until it "
+    "answers: its unobserved time before then is booked at $0",
     "driver": "while discovery fails with a driver error no GPU is known: none shows as down, and the time "
     "until discovery succeeds is recorded nowhere",
     "gone": "a GPU lost at discovery has no uuid and no price: its unobserved time is charged $0",

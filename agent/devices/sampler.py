@@ -206,7 +206,12 @@ class Sampler:
             handle = b.handle_by_index(index)
             uuid = b.uuid(handle)
             name = b.name(handle)
-        except DeviceLost as exc:
+        except (DriverUnavailable, DriverLibraryMissing):
+            raise  # the driver itself: discovery as a whole is retried
+        except DeviceError as exc:
+            # One GPU that cannot be identified (lost, NOT_READY at boot, a corrupted inforom)
+            # must not hide the others: it reads as down for its error, and is looked up again
+            # with backoff.
             self._count(exc)
             gpu = _Gpu(index, None, self._known_uuids.get(index, ""), self._known_names.get(index, ""))
             gpu.lost_reason = exc.error
