@@ -73,6 +73,9 @@ def family(name: str) -> str:
     return _VERSION_SUFFIX.sub("", name)
 
 
+_FIELD_FAMILIES = {call: family(call) for call in _FIELD_CALLS.values()}
+
+
 def _obj(arg: Any) -> Any:
     """The ctypes object behind a ``byref()`` wrapper, or the argument itself."""
     return getattr(arg, "_obj", arg)
@@ -130,6 +133,7 @@ class FakeNvmlLibrary:
         self._hidden = set(node.scenario.node.missing_functions)
         self._hidden.update(n for n, since in FUNCTION_SINCE_DRIVER.items() if major < since)
         self._fields_hidden = {f for f, since in FIELD_SINCE_DRIVER.items() if major < since}
+        self._devices: dict[int, Dev | None] = {}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         spec = _REGISTRY.get(name)
@@ -145,35 +149,45 @@ class FakeNvmlLibrary:
         node = self._node
         fam = family(name)
         impl = spec.impl
+        calls = node.calls
+        now = node.now
+        sync_host = node.sync_host
+        faults_for = node.faults_for
+        takes_device = spec.takes_device
+        needs_init = name not in ("nvmlInit_v2", "nvmlInitWithFlags", "nvmlInit")
+        # Node-wide faults that can touch this call, found once: the scenario's faults are fixed.
+        node_errors, node_latencies = faults_for(name, fam, None)
 
         def symbol(*args: Any) -> Any:
-            node.calls[name] += 1
-            t = node.now()
-            node.sync_host(t)
-            latency = node.call_latency_s(name, fam, None, t)
-            if latency:
-                time.sleep(latency)
+            calls[name] += 1
+            t = now()
+            sync_host(t)
+            if node_latencies:
+                latency = node.call_latency_s(name, fam, None, t)
+                if latency:
+                    time.sleep(latency)
             if name == "nvmlErrorString":
                 return impl(self, t, *args)
-            if not self._initialised and name not in (
-                "nvmlInit_v2",
-                "nvmlInitWithFlags",
-                "nvmlInit",
-            ):
+            if needs_init and not self._initialised:
                 return UNINITIALIZED
             gpu: int | None = None
-            if spec.takes_device:
+            if takes_device:
                 dev = self._decode(args[0])
                 if dev is None:
                     return INVALID_ARGUMENT
                 gpu = dev.gpu
                 args = (dev, *args[1:])
-                latency = node.call_latency_s(name, fam, gpu, t)
-                if latency:
-                    time.sleep(latency)
-            error = node.fault_error(name, fam, gpu, t)
-            if error is not None:
-                return ERROR_CODES[error]
+                errors, latencies = faults_for(name, fam, gpu)
+                if latencies:
+                    latency = node.call_latency_s(name, fam, gpu, t)
+                    if latency:
+                        time.sleep(latency)
+            else:
+                errors = node_errors
+            if errors:
+                error = node.fault_error(name, fam, gpu, t)
+                if error is not None:
+                    return ERROR_CODES[error]
             return impl(self, t, *args)
 
         symbol.__name__ = name
@@ -183,7 +197,15 @@ class FakeNvmlLibrary:
 
     def _decode(self, handle: Any) -> Dev | None:
         value = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
-        if value is None or value & _HANDLE_MASK != _HANDLE_TAG:
+        if value is None:
+            return None
+        # A handle names the same device for the node's whole life: decode each value once.
+        if value not in self._devices:
+            self._devices[value] = self._decode_value(value)
+        return self._devices[value]
+
+    def _decode_value(self, value: int) -> Dev | None:
+        if value & _HANDLE_MASK != _HANDLE_TAG:
             return None
         gpu = ((value >> 8) & 0xFF) - 1
         mig_code = value & 0xFF
@@ -668,13 +690,21 @@ def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: 
     node = lib._node
     gpu = node.gpu(dev.gpu)
     stamp_us = int(node.clock.start_epoch * 1_000_000 + t * 1_000_000)
+    # A batch asks for many fields of few calls (every NVLink's state is one call's): each
+    # call's fault is looked up once per batch.
+    errors: dict[str, str | None] = {}
     for i in range(_int(count)):
         field = array[i]
         fid = field.fieldId
         field.timestamp = stamp_us
         field.latencyUsec = 0
         call = _FIELD_CALLS.get(fid)
-        error = node.fault_error(call, family(call), dev.gpu, t) if call else None
+        if call is None:
+            error = None
+        elif call in errors:
+            error = errors[call]
+        else:
+            error = errors[call] = node.fault_error(call, _FIELD_FAMILIES[call], dev.gpu, t)
         if call is None or fid in lib._fields_hidden:
             field.nvmlReturn = NOT_SUPPORTED
         elif error is not None:

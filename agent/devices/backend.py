@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from agent.errors import GpuledgerError
 
@@ -74,10 +74,16 @@ class Quantity(enum.Enum):
     ENERGY = "energy"  # joules since the driver loaded
     NVLINK_UP = "nvlink"  # 1.0 when the link (ReadingKey.link) is up, 0.0 when down
 
+    # Members are singletons compared by identity, so identity hashing is exact; Enum's own
+    # __hash__ is Python code, and the sampler hashes reading keys millions of times a day.
+    __hash__ = object.__hash__
 
-@dataclass(frozen=True, slots=True)
-class ReadingKey:
-    """One reading of one device: a quantity, and the link for per-link quantities."""
+
+class ReadingKey(NamedTuple):
+    """One reading of one device: a quantity, and the link for per-link quantities.
+
+    A named tuple rather than a frozen dataclass: it is a dict key on every reading of every
+    poll, and a tuple hashes and compares in C."""
 
     quantity: Quantity
     link: int | None = None
