@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import sys
 import threading
 import time
 from collections import Counter
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fake_nvml.node import FakeNode
-from fake_nvml.scenario import ERROR_CODES, MODEL_FACTS
+from fake_nvml.scenario import ERROR_CODES, MODEL_FACTS, Fault
 
 SUCCESS = 0
 INVALID_ARGUMENT = ERROR_CODES["INVALID_ARGUMENT"]
@@ -158,6 +159,9 @@ class FakeNvmlLibrary:
         # Node-wide faults that can touch this call, found once: the scenario's faults are fixed.
         node_errors, node_latencies = faults_for(name, fam, None)
 
+        # Faults that can touch this call on each GPU, found at the GPU's first call.
+        gpu_faults: dict[int, tuple[tuple[Fault, ...], tuple[Fault, ...]]] = {}
+
         def symbol(*args: Any) -> Any:
             calls[name] += 1
             t = now()
@@ -170,25 +174,29 @@ class FakeNvmlLibrary:
                 return impl(self, t, *args)
             if needs_init and not self._initialised:
                 return UNINITIALIZED
-            gpu: int | None = None
-            if takes_device:
-                dev = self._decode(args[0])
-                if dev is None:
-                    return INVALID_ARGUMENT
-                gpu = dev.gpu
-                args = (dev, *args[1:])
-                errors, latencies = faults_for(name, fam, gpu)
-                if latencies:
-                    latency = node.call_latency_s(name, fam, gpu, t)
-                    if latency:
-                        time.sleep(latency)
-            else:
-                errors = node_errors
+            if not takes_device:
+                if node_errors:
+                    error = node.fault_error(name, fam, None, t)
+                    if error is not None:
+                        return ERROR_CODES[error]
+                return impl(self, t, *args)
+            dev = self._decode(args[0])
+            if dev is None:
+                return INVALID_ARGUMENT
+            gpu = dev.gpu
+            faults = gpu_faults.get(gpu)
+            if faults is None:
+                faults = gpu_faults[gpu] = faults_for(name, fam, gpu)
+            errors, latencies = faults
+            if latencies:
+                latency = node.call_latency_s(name, fam, gpu, t)
+                if latency:
+                    time.sleep(latency)
             if errors:
                 error = node.fault_error(name, fam, gpu, t)
                 if error is not None:
                     return ERROR_CODES[error]
-            return impl(self, t, *args)
+            return impl(self, t, dev, *args[1:])
 
         symbol.__name__ = name
         return symbol
@@ -196,7 +204,12 @@ class FakeNvmlLibrary:
     # -- handles ------------------------------------------------------------------------------
 
     def _decode(self, handle: Any) -> Dev | None:
-        value = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
+        if isinstance(handle, ctypes._Pointer):
+            # A pointer's bytes are its address: read them rather than cast, which costs five
+            # times as much, and every device call decodes its handle.
+            value: int | None = int.from_bytes(bytes(handle), sys.byteorder) or None
+        else:
+            value = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
         if value is None:
             return None
         # A handle names the same device for the node's whole life: decode each value once.
@@ -688,51 +701,54 @@ def _nvlink_state(lib: FakeNvmlLibrary, t: float, dev: Dev, link: Any, out: Any)
 def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: Any) -> int:
     array = _obj(values)
     node = lib._node
-    gpu = node.gpu(dev.gpu)
+    index, is_mig = dev.gpu, dev.mig is not None
+    gpu = node.gpu(index)
+    links = gpu.nvlink_links
+    hidden = lib._fields_hidden
     stamp_us = int(node.clock.start_epoch * 1_000_000 + t * 1_000_000)
     # A batch asks for many fields of few calls (every NVLink's state is one call's): each
-    # call's fault is looked up once per batch.
+    # call's fault, and which links are down, is looked up once per batch.
     errors: dict[str, str | None] = {}
+    links_down = node.nvlinks_down(index, t)
     for i in range(_int(count)):
         field = array[i]
         fid = field.fieldId
         field.timestamp = stamp_us
         field.latencyUsec = 0
         call = _FIELD_CALLS.get(fid)
-        if call is None:
-            error = None
-        elif call in errors:
+        if call is None or fid in hidden:
+            field.nvmlReturn = NOT_SUPPORTED
+            continue
+        if call in errors:
             error = errors[call]
         else:
-            error = errors[call] = node.fault_error(call, _FIELD_FAMILIES[call], dev.gpu, t)
-        if call is None or fid in lib._fields_hidden:
-            field.nvmlReturn = NOT_SUPPORTED
-        elif error is not None:
+            error = errors[call] = node.fault_error(call, _FIELD_FAMILIES[call], index, t)
+        if error is not None:
             field.nvmlReturn = ERROR_CODES[error]
-        elif dev.mig is not None and fid != FI_NVLINK_LINK_COUNT:
+        elif is_mig and fid != FI_NVLINK_LINK_COUNT:
             field.nvmlReturn = NOT_SUPPORTED
-        elif fid == FI_POWER_INSTANT:
-            field.valueType = _VALUE_TYPE_UINT
-            field.value.uiVal = round(node.power_w(dev.gpu, t) * 1000)
-            field.nvmlReturn = SUCCESS
-        elif fid == FI_TOTAL_ENERGY_CONSUMPTION:
-            field.valueType = _VALUE_TYPE_ULONGLONG
-            field.value.ullVal = int(node.energy_j(dev.gpu, t) * 1000)
-            field.nvmlReturn = SUCCESS
-        elif fid == FI_NVLINK_LINK_COUNT:
-            field.valueType = _VALUE_TYPE_UINT
-            field.value.uiVal = gpu.nvlink_links if dev.mig is None else 0
-            field.nvmlReturn = SUCCESS
         elif fid == FI_NVLINK_GET_STATE:
             link = field.scopeId
-            if gpu.nvlink_links == 0:
+            if links == 0:
                 field.nvmlReturn = NOT_SUPPORTED
-            elif link >= gpu.nvlink_links:
+            elif link >= links:
                 field.nvmlReturn = INVALID_ARGUMENT
             else:
                 field.valueType = _VALUE_TYPE_UINT
-                field.value.uiVal = 1 if node.nvlink_up(dev.gpu, link, t) else 0
+                field.value.uiVal = 0 if link in links_down else 1
                 field.nvmlReturn = SUCCESS
+        elif fid == FI_POWER_INSTANT:
+            field.valueType = _VALUE_TYPE_UINT
+            field.value.uiVal = round(node.power_w(index, t) * 1000)
+            field.nvmlReturn = SUCCESS
+        elif fid == FI_TOTAL_ENERGY_CONSUMPTION:
+            field.valueType = _VALUE_TYPE_ULONGLONG
+            field.value.ullVal = int(node.energy_j(index, t) * 1000)
+            field.nvmlReturn = SUCCESS
+        elif fid == FI_NVLINK_LINK_COUNT:
+            field.valueType = _VALUE_TYPE_UINT
+            field.value.uiVal = links if not is_mig else 0
+            field.nvmlReturn = SUCCESS
         else:
             field.nvmlReturn = NOT_SUPPORTED
     return SUCCESS

@@ -17,6 +17,7 @@ from fake_nvml.scenario import Fault, Gpu, Process, Scenario
 # and how many it keeps per process (the real driver keeps a short ring buffer too).
 PROCESS_SAMPLE_PERIOD_S = 1.0
 PROCESS_SAMPLES_KEPT = 32
+_NONE_DOWN: frozenset[int] = frozenset()
 
 
 class ScenarioClock:
@@ -105,6 +106,9 @@ class FakeNode:
         self._utilization_memo: dict[int, tuple[float, float]] = {}
         # The faults that can touch a call, per (call, family, gpu): the scenario's faults never
         # change, so each call looks through only its own.
+        self._nvlink_faults = {
+            gpu: tuple(f for f in faults if f.nvlink_down) for gpu, faults in self._faults_by_gpu.items()
+        }
         self._call_faults: dict[tuple[str, str, int | None], tuple[tuple[Fault, ...], tuple[Fault, ...]]] = {}
 
     # -- time ---------------------------------------------------------------------------------
@@ -175,7 +179,14 @@ class FakeNode:
             return energy
 
     def nvlink_up(self, gpu: int, link: int, t: float) -> bool:
-        return not any(link in f.nvlink_down and f.active(t) for f in self._faults_by_gpu.get(gpu, ()))
+        return link not in self.nvlinks_down(gpu, t)
+
+    def nvlinks_down(self, gpu: int, t: float) -> frozenset[int]:
+        """The GPU's links that a fault holds down at t."""
+        faults = self._nvlink_faults.get(gpu)
+        if not faults:
+            return _NONE_DOWN
+        return frozenset(link for f in faults if f.active(t) for link in f.nvlink_down)
 
     def process_samples(self, gpu: int, last_seen_us: int, t: float) -> list[tuple[int, int, int]]:
         """(pid, timestamp_us, sm_util) samples newer than `last_seen_us`, as the driver keeps them.
@@ -196,14 +207,22 @@ class FakeNode:
                 int(-(-process.start_s // PROCESS_SAMPLE_PERIOD_S)),
                 unseen_k,
             )
+            # The segments in force are those before the first one starting after the sample:
+            # as samples move forward in time that boundary only moves forward too, so it is
+            # walked once per process rather than searched for every sample (`sm_util_at`).
+            segments, start_s, pid = process.segments, process.start_s, process.pid
+            in_force, util = 0, 0
             for k in range(max(first_k, 0), newest_k + 1):
                 at = k * PROCESS_SAMPLE_PERIOD_S
                 stamp_us = round((start_epoch + at) * 1_000_000)
                 if stamp_us <= last_seen_us:
                     continue
-                util = round(self.process_util(process, at))
+                if in_force < len(segments) and segments[in_force].at_s <= at - start_s:
+                    while in_force < len(segments) and segments[in_force].at_s <= at - start_s:
+                        in_force += 1
+                    util = round(segments[in_force - 1].sm_util)
                 if util > 0:
-                    samples.append((process.pid, stamp_us, util))
+                    samples.append((pid, stamp_us, util))
         return samples
 
     # -- faults -------------------------------------------------------------------------------

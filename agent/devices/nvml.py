@@ -54,6 +54,8 @@ _FIELD_IDS = {
 _MEMORY = (Quantity.MEMORY_USED, Quantity.MEMORY_TOTAL)
 _NOT_AVAILABLE_U64 = 0xFFFFFFFFFFFFFFFF  # usedGpuMemory where the driver cannot tell (WDDM)
 _NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a process outside MIG
+_SENSOR_GPU = pynvml.NVML_TEMPERATURE_GPU
+_SENSOR = pynvml._nvmlTemperatureSensors_t(_SENSOR_GPU)
 
 _NAMES: dict[int, str] = {
     value: name.removeprefix("NVML_ERROR_")
@@ -158,8 +160,13 @@ class _Utilization(ctypes.Structure):
     _fields_ = pynvml.c_nvmlUtilization_t._fields_
 
 
-class _Temperature(ctypes.Structure):
-    _fields_ = pynvml.c_nvmlTemperature_v1_t._fields_
+# nvmlDeviceGetTemperatureV (R565) came with nvidia-ml-py 12.560: older bindings lack its struct,
+# and then only the older call is made.
+_TemperatureV1: type[ctypes.Structure] | None = (
+    type("_TemperatureV1", (ctypes.Structure,), {"_fields_": pynvml.c_nvmlTemperature_v1_t._fields_})
+    if hasattr(pynvml, "nvmlDeviceGetTemperatureV")
+    else None
+)
 
 
 # The union member that holds a field's value, by its NVML_VALUE_TYPE_*.
@@ -215,6 +222,7 @@ class _Device:
     """A handle plus what this module has learned about reading that device."""
 
     __slots__ = (
+        "celsius",
         "handle",
         "memory",
         "memory_v2",
@@ -239,7 +247,8 @@ class _Device:
         self.memory = _Memory()
         self.memory_v2 = _MemoryV2()
         self.utilization = _Utilization()
-        self.temperature = _Temperature()
+        self.temperature: ctypes.Structure | None = None
+        self.celsius = ctypes.c_uint()
 
 
 def mig_profile_from_name(name: str) -> str:
@@ -469,17 +478,21 @@ class NvmlBackend:
 
     def _temperature_c(self, handle: _Device) -> float:
         call = "nvmlDeviceGetTemperature"
-        sensor = pynvml.NVML_TEMPERATURE_GPU
-        if self._temperature_v is not False and hasattr(pynvml, "nvmlDeviceGetTemperatureV"):
+        if self._temperature_v is not False and _TemperatureV1 is not None:
             reading = handle.temperature
-            reading.version, reading.sensorType = pynvml.nvmlTemperature_v1, sensor
+            if reading is None:
+                reading = handle.temperature = _TemperatureV1()
+            reading.version, reading.sensorType = pynvml.nvmlTemperature_v1, _SENSOR_GPU
             try:
                 self._struct_call(call, "nvmlDeviceGetTemperatureV", handle, reading)
                 self._temperature_v = True
                 return float(reading.temperature)
             except _FunctionMissing:
                 self._temperature_v = False
-        return float(_call(call, pynvml.nvmlDeviceGetTemperature, handle.handle, sensor))
+        # As pynvml's nvmlDeviceGetTemperature calls it, into the device's reused output.
+        celsius = handle.celsius
+        _check(call, _function(call, call)(handle.handle, _SENSOR, ctypes.byref(celsius)))
+        return float(celsius.value)
 
     def _nvlink_up(self, handle: _Device, link: int) -> bool:
         state = _call("nvmlDeviceGetNvLinkState", pynvml.nvmlDeviceGetNvLinkState, handle.handle, link)
