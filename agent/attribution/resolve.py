@@ -280,7 +280,14 @@ def _apply_rules(
         recognised = _model_of(tuple(cmdline))
         if recognised:
             chosen["model"] = recognised
-    return replace(w, **chosen) if chosen else w
+    return _with_fields(w, tuple(chosen.items())) if chosen else w
+
+
+@lru_cache(maxsize=8192)
+def _with_fields(w: Workload, fields: tuple[tuple[str, str], ...]) -> Workload:
+    # The same few workloads get the same labels every poll, and `replace` inspects the
+    # dataclass each time it is called: remember its answers.
+    return replace(w, **dict(fields))
 
 
 def _expand(template: str, groups: Sequence[str]) -> str:
