@@ -80,6 +80,7 @@ class FakeHost:
         self._points = sorted(points)
         self._window: tuple[float, float] | None = None
         self._written_pids: set[int] = set()
+        self._rows: tuple[float, float, list[tuple[str, str, str, str, list[str]]]] | None = None
         for d in (self.proc_root, self.slurm_map_dir, self.pod_logs_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._write_static()
@@ -182,8 +183,20 @@ class FakeHost:
     # -- kubelet ------------------------------------------------------------------------------
 
     def _pod_rows(self) -> list[tuple[str, str, str, str, list[str]]]:
-        """(namespace, pod, container, resource, device ids) the kubelet reports now."""
+        """(namespace, pod, container, resource, device ids) the kubelet reports now: the same
+        rows from one start or end of a process or allocation to the next."""
         t = self.node.now()
+        cached = self._rows
+        if cached is not None and cached[0] <= t < cached[1]:
+            return cached[2]
+        rows = self._pod_rows_at(t)
+        i = bisect.bisect_right(self._points, t)
+        lo = self._points[i - 1] if i > 0 else float("-inf")
+        hi = self._points[i] if i < len(self._points) else float("inf")
+        self._rows = (lo, hi, rows)
+        return rows
+
+    def _pod_rows_at(self, t: float) -> list[tuple[str, str, str, str, list[str]]]:
         held: dict[tuple[str, str, str, str], list[str]] = {}
         scenario = self.node.scenario
         entries: list[tuple[PodRef, tuple[GpuRef, ...]]] = [

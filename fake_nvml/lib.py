@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import sys
 import threading
 import time
 from collections import Counter
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fake_nvml.node import FakeNode
-from fake_nvml.scenario import ERROR_CODES, MODEL_FACTS
+from fake_nvml.scenario import ERROR_CODES, MODEL_FACTS, Fault
 
 SUCCESS = 0
 INVALID_ARGUMENT = ERROR_CODES["INVALID_ARGUMENT"]
@@ -71,6 +72,9 @@ _VERSION_SUFFIX = re.compile(r"(_v\d+|V)$")
 def family(name: str) -> str:
     """The unversioned name of a C function: nvmlDeviceGetMemoryInfo_v2 -> nvmlDeviceGetMemoryInfo."""
     return _VERSION_SUFFIX.sub("", name)
+
+
+_FIELD_FAMILIES = {call: family(call) for call in _FIELD_CALLS.values()}
 
 
 def _obj(arg: Any) -> Any:
@@ -130,6 +134,7 @@ class FakeNvmlLibrary:
         self._hidden = set(node.scenario.node.missing_functions)
         self._hidden.update(n for n, since in FUNCTION_SINCE_DRIVER.items() if major < since)
         self._fields_hidden = {f for f, since in FIELD_SINCE_DRIVER.items() if major < since}
+        self._devices: dict[int, Dev | None] = {}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         spec = _REGISTRY.get(name)
@@ -145,36 +150,53 @@ class FakeNvmlLibrary:
         node = self._node
         fam = family(name)
         impl = spec.impl
+        calls = node.calls
+        now = node.now
+        sync_host = node.sync_host
+        faults_for = node.faults_for
+        takes_device = spec.takes_device
+        needs_init = name not in ("nvmlInit_v2", "nvmlInitWithFlags", "nvmlInit")
+        # Node-wide faults that can touch this call, found once: the scenario's faults are fixed.
+        node_errors, node_latencies = faults_for(name, fam, None)
+
+        # Faults that can touch this call on each GPU, found at the GPU's first call.
+        gpu_faults: dict[int, tuple[tuple[Fault, ...], tuple[Fault, ...]]] = {}
 
         def symbol(*args: Any) -> Any:
-            node.calls[name] += 1
-            t = node.now()
-            node.sync_host(t)
-            latency = node.call_latency_s(name, fam, None, t)
-            if latency:
-                time.sleep(latency)
+            calls[name] += 1
+            t = now()
+            sync_host(t)
+            if node_latencies:
+                latency = node.call_latency_s(name, fam, None, t)
+                if latency:
+                    time.sleep(latency)
             if name == "nvmlErrorString":
                 return impl(self, t, *args)
-            if not self._initialised and name not in (
-                "nvmlInit_v2",
-                "nvmlInitWithFlags",
-                "nvmlInit",
-            ):
+            if needs_init and not self._initialised:
                 return UNINITIALIZED
-            gpu: int | None = None
-            if spec.takes_device:
-                dev = self._decode(args[0])
-                if dev is None:
-                    return INVALID_ARGUMENT
-                gpu = dev.gpu
-                args = (dev, *args[1:])
+            if not takes_device:
+                if node_errors:
+                    error = node.fault_error(name, fam, None, t)
+                    if error is not None:
+                        return ERROR_CODES[error]
+                return impl(self, t, *args)
+            dev = self._decode(args[0])
+            if dev is None:
+                return INVALID_ARGUMENT
+            gpu = dev.gpu
+            faults = gpu_faults.get(gpu)
+            if faults is None:
+                faults = gpu_faults[gpu] = faults_for(name, fam, gpu)
+            errors, latencies = faults
+            if latencies:
                 latency = node.call_latency_s(name, fam, gpu, t)
                 if latency:
                     time.sleep(latency)
-            error = node.fault_error(name, fam, gpu, t)
-            if error is not None:
-                return ERROR_CODES[error]
-            return impl(self, t, *args)
+            if errors:
+                error = node.fault_error(name, fam, gpu, t)
+                if error is not None:
+                    return ERROR_CODES[error]
+            return impl(self, t, dev, *args[1:])
 
         symbol.__name__ = name
         return symbol
@@ -182,8 +204,21 @@ class FakeNvmlLibrary:
     # -- handles ------------------------------------------------------------------------------
 
     def _decode(self, handle: Any) -> Dev | None:
-        value = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
-        if value is None or value & _HANDLE_MASK != _HANDLE_TAG:
+        if isinstance(handle, ctypes._Pointer):
+            # A pointer's bytes are its address: read them rather than cast, which costs five
+            # times as much, and every device call decodes its handle.
+            value: int | None = int.from_bytes(bytes(handle), sys.byteorder) or None
+        else:
+            value = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
+        if value is None:
+            return None
+        # A handle names the same device for the node's whole life: decode each value once.
+        if value not in self._devices:
+            self._devices[value] = self._decode_value(value)
+        return self._devices[value]
+
+    def _decode_value(self, value: int) -> Dev | None:
+        if value & _HANDLE_MASK != _HANDLE_TAG:
             return None
         gpu = ((value >> 8) & 0xFF) - 1
         mig_code = value & 0xFF
@@ -666,43 +701,54 @@ def _nvlink_state(lib: FakeNvmlLibrary, t: float, dev: Dev, link: Any, out: Any)
 def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: Any) -> int:
     array = _obj(values)
     node = lib._node
-    gpu = node.gpu(dev.gpu)
+    index, is_mig = dev.gpu, dev.mig is not None
+    gpu = node.gpu(index)
+    links = gpu.nvlink_links
+    hidden = lib._fields_hidden
     stamp_us = int(node.clock.start_epoch * 1_000_000 + t * 1_000_000)
+    # A batch asks for many fields of few calls (every NVLink's state is one call's): each
+    # call's fault, and which links are down, is looked up once per batch.
+    errors: dict[str, str | None] = {}
+    links_down = node.nvlinks_down(index, t)
     for i in range(_int(count)):
         field = array[i]
         fid = field.fieldId
         field.timestamp = stamp_us
         field.latencyUsec = 0
         call = _FIELD_CALLS.get(fid)
-        error = node.fault_error(call, family(call), dev.gpu, t) if call else None
-        if call is None or fid in lib._fields_hidden:
+        if call is None or fid in hidden:
             field.nvmlReturn = NOT_SUPPORTED
-        elif error is not None:
+            continue
+        if call in errors:
+            error = errors[call]
+        else:
+            error = errors[call] = node.fault_error(call, _FIELD_FAMILIES[call], index, t)
+        if error is not None:
             field.nvmlReturn = ERROR_CODES[error]
-        elif dev.mig is not None and fid != FI_NVLINK_LINK_COUNT:
+        elif is_mig and fid != FI_NVLINK_LINK_COUNT:
             field.nvmlReturn = NOT_SUPPORTED
-        elif fid == FI_POWER_INSTANT:
-            field.valueType = _VALUE_TYPE_UINT
-            field.value.uiVal = round(node.power_w(dev.gpu, t) * 1000)
-            field.nvmlReturn = SUCCESS
-        elif fid == FI_TOTAL_ENERGY_CONSUMPTION:
-            field.valueType = _VALUE_TYPE_ULONGLONG
-            field.value.ullVal = int(node.energy_j(dev.gpu, t) * 1000)
-            field.nvmlReturn = SUCCESS
-        elif fid == FI_NVLINK_LINK_COUNT:
-            field.valueType = _VALUE_TYPE_UINT
-            field.value.uiVal = gpu.nvlink_links if dev.mig is None else 0
-            field.nvmlReturn = SUCCESS
         elif fid == FI_NVLINK_GET_STATE:
             link = field.scopeId
-            if gpu.nvlink_links == 0:
+            if links == 0:
                 field.nvmlReturn = NOT_SUPPORTED
-            elif link >= gpu.nvlink_links:
+            elif link >= links:
                 field.nvmlReturn = INVALID_ARGUMENT
             else:
                 field.valueType = _VALUE_TYPE_UINT
-                field.value.uiVal = 1 if node.nvlink_up(dev.gpu, link, t) else 0
+                field.value.uiVal = 0 if link in links_down else 1
                 field.nvmlReturn = SUCCESS
+        elif fid == FI_POWER_INSTANT:
+            field.valueType = _VALUE_TYPE_UINT
+            field.value.uiVal = round(node.power_w(index, t) * 1000)
+            field.nvmlReturn = SUCCESS
+        elif fid == FI_TOTAL_ENERGY_CONSUMPTION:
+            field.valueType = _VALUE_TYPE_ULONGLONG
+            field.value.ullVal = int(node.energy_j(index, t) * 1000)
+            field.nvmlReturn = SUCCESS
+        elif fid == FI_NVLINK_LINK_COUNT:
+            field.valueType = _VALUE_TYPE_UINT
+            field.value.uiVal = links if not is_mig else 0
+            field.nvmlReturn = SUCCESS
         else:
             field.nvmlReturn = NOT_SUPPORTED
     return SUCCESS

@@ -17,6 +17,7 @@ from fake_nvml.scenario import Fault, Gpu, Process, Scenario
 # and how many it keeps per process (the real driver keeps a short ring buffer too).
 PROCESS_SAMPLE_PERIOD_S = 1.0
 PROCESS_SAMPLES_KEPT = 32
+_NONE_DOWN: frozenset[int] = frozenset()
 
 
 class ScenarioClock:
@@ -98,6 +99,17 @@ class FakeNode:
         self._faults_by_gpu: dict[int | None, list[Fault]] = {}
         for fault in scenario.faults:
             self._faults_by_gpu.setdefault(fault.gpu, []).append(fault)
+        # Every reading is a pure function of (GPU, t) over a frozen scenario, and one poll asks
+        # for the same GPU's utilization several times at the same t (power, temperature,
+        # utilization, energy): each memo keeps the last t's answer per key.
+        self._running_memo: dict[tuple[int, int | None], tuple[float, tuple[Process, ...]]] = {}
+        self._utilization_memo: dict[int, tuple[float, float]] = {}
+        # The faults that can touch a call, per (call, family, gpu): the scenario's faults never
+        # change, so each call looks through only its own.
+        self._nvlink_faults = {
+            gpu: tuple(f for f in faults if f.nvlink_down) for gpu, faults in self._faults_by_gpu.items()
+        }
+        self._call_faults: dict[tuple[str, str, int | None], tuple[tuple[Fault, ...], tuple[Fault, ...]]] = {}
 
     # -- time ---------------------------------------------------------------------------------
 
@@ -106,13 +118,18 @@ class FakeNode:
 
     # -- processes ----------------------------------------------------------------------------
 
-    def processes_on(self, gpu: int, mig: int | None, t: float) -> list[Process]:
+    def processes_on(self, gpu: int, mig: int | None, t: float) -> tuple[Process, ...]:
         """Processes running on a GPU (mig None: on any part of it) or one MIG instance."""
-        return [
+        memo = self._running_memo.get((gpu, mig))
+        if memo is not None and memo[0] == t:
+            return memo[1]
+        running = tuple(
             entry.process
             for entry in self._by_gpu[gpu]
             if entry.process.running_at(t) and (mig is None or entry.mig == mig)
-        ]
+        )
+        self._running_memo[(gpu, mig)] = (t, running)
+        return running
 
     def process_entries(self, gpu: int, t: float) -> list[ProcessOnGpu]:
         return [entry for entry in self._by_gpu[gpu] if entry.process.running_at(t)]
@@ -125,8 +142,12 @@ class FakeNode:
 
     def utilization(self, gpu: int, t: float) -> float:
         """Percent of the GPU kept busy: the running processes' sm_util summed, capped at 100."""
-        total = sum(self.process_util(p, t) for p in self.processes_on(gpu, None, t))
-        return min(100.0, total)
+        memo = self._utilization_memo.get(gpu)
+        if memo is not None and memo[0] == t:
+            return memo[1]
+        total = min(100.0, sum(self.process_util(p, t) for p in self.processes_on(gpu, None, t)))
+        self._utilization_memo[gpu] = (t, total)
+        return total
 
     def memory_used_mib(self, gpu: int, mig: int | None, t: float) -> int:
         return sum(p.memory_mib for p in self.processes_on(gpu, mig, t))
@@ -158,7 +179,14 @@ class FakeNode:
             return energy
 
     def nvlink_up(self, gpu: int, link: int, t: float) -> bool:
-        return not any(link in f.nvlink_down and f.active(t) for f in self._faults_by_gpu.get(gpu, ()))
+        return link not in self.nvlinks_down(gpu, t)
+
+    def nvlinks_down(self, gpu: int, t: float) -> frozenset[int]:
+        """The GPU's links that a fault holds down at t."""
+        faults = self._nvlink_faults.get(gpu)
+        if not faults:
+            return _NONE_DOWN
+        return frozenset(link for f in faults if f.active(t) for link in f.nvlink_down)
 
     def process_samples(self, gpu: int, last_seen_us: int, t: float) -> list[tuple[int, int, int]]:
         """(pid, timestamp_us, sm_util) samples newer than `last_seen_us`, as the driver keeps them.
@@ -179,17 +207,47 @@ class FakeNode:
                 int(-(-process.start_s // PROCESS_SAMPLE_PERIOD_S)),
                 unseen_k,
             )
+            # The segments in force are those before the first one starting after the sample:
+            # as samples move forward in time that boundary only moves forward too, so it is
+            # walked once per process rather than searched for every sample (`sm_util_at`).
+            segments, start_s, pid = process.segments, process.start_s, process.pid
+            in_force, util = 0, 0
             for k in range(max(first_k, 0), newest_k + 1):
                 at = k * PROCESS_SAMPLE_PERIOD_S
                 stamp_us = round((start_epoch + at) * 1_000_000)
                 if stamp_us <= last_seen_us:
                     continue
-                util = round(self.process_util(process, at))
+                if in_force < len(segments) and segments[in_force].at_s <= at - start_s:
+                    while in_force < len(segments) and segments[in_force].at_s <= at - start_s:
+                        in_force += 1
+                    util = round(segments[in_force - 1].sm_util)
                 if util > 0:
-                    samples.append((process.pid, stamp_us, util))
+                    samples.append((pid, stamp_us, util))
         return samples
 
     # -- faults -------------------------------------------------------------------------------
+
+    def faults_for(self, call: str, family: str, gpu: int | None) -> tuple[tuple[Fault, ...], tuple[Fault, ...]]:
+        """(error faults, latency faults) that name this call on this GPU, in scenario order.
+
+        Error faults: node-wide ones, then the GPU's (a GPU-scoped or node-wide fault without a
+        call hits every call, like a driver that went away). Latency faults: node-wide ones when
+        gpu is None, else that GPU's. Worked out once per (call, gpu): a call with none of
+        either, the usual case, then costs two empty loops."""
+        key = (call, family, gpu)
+        found = self._call_faults.get(key)
+        if found is None:
+            names = (None, "*", call, family)
+            scopes = (None, gpu) if gpu is not None else (None,)
+            errors = tuple(
+                fault
+                for scope in scopes
+                for fault in self._faults_by_gpu.get(scope, ())
+                if fault.error is not None and fault.call in names
+            )
+            latencies = tuple(f for f in self._faults_by_gpu.get(gpu, ()) if f.latency_ms and f.call in names)
+            found = self._call_faults[key] = (errors, latencies)
+        return found
 
     def fault_error(self, call: str, family: str, gpu: int | None, t: float) -> str | None:
         """The NVML error a call fails with now, if a fault says so.
@@ -197,23 +255,16 @@ class FakeNode:
         A GPU_IS_LOST fault is sticky: once its `at` has passed the GPU stays lost, unless the
         fault gives an `until` (the GPU was reset and came back).
         """
-        for key in (None, gpu) if gpu is not None else (None,):
-            for fault in self._faults_by_gpu.get(key, ()):
-                if fault.error is None or not fault.active(t):
-                    continue
-                if fault.call is None:
-                    # GPU-scoped faults without a call hit every call on that GPU; node-wide ones
-                    # without a call hit every call, like a driver that went away.
-                    return fault.error
-                if fault.call in ("*", call, family):
-                    return fault.error
+        for fault in self.faults_for(call, family, gpu)[0]:
+            if fault.active(t):
+                return fault.error
         return None
 
     def call_latency_s(self, call: str, family: str, gpu: int | None, t: float) -> float:
         """Extra time a call takes: node-wide latency faults when gpu is None, else that GPU's."""
         latency = 0.0
-        for fault in self._faults_by_gpu.get(gpu, ()):
-            if fault.latency_ms and fault.active(t) and fault.call in (None, "*", call, family):
+        for fault in self.faults_for(call, family, gpu)[1]:
+            if fault.active(t):
                 latency = max(latency, fault.latency_ms / 1000)
         return latency
 

@@ -49,6 +49,7 @@ class FakePodResourcesServer:
         self._stopping = False
         self._server: grpc.Server | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._cached: tuple[list[AllocationRow], api_pb2.ListPodResourcesResponse] | None = None
 
     @property
     def running(self) -> bool:
@@ -130,8 +131,18 @@ class FakePodResourcesServer:
             context.abort(grpc.StatusCode.UNAVAILABLE, "fake kubelet is stopping")
         return bool(context.is_active())
 
-    def _pod_resources(self) -> list[api_pb2.PodResources]:
-        return pod_resources(self._allocations())
+    def _list_response(self) -> api_pb2.ListPodResourcesResponse:
+        """The answer to List now. The allocations change far less often than the agent asks
+        (it refreshes every few seconds), so the answer built for the same rows is reused."""
+        rows = self._allocations()
+        with self._cond:
+            cached = self._cached
+        if cached is not None and cached[0] == rows:
+            return cached[1]
+        response = api_pb2.ListPodResourcesResponse(pod_resources=pod_resources(rows))
+        with self._cond:
+            self._cached = (rows, response)
+        return response
 
 
 def pod_resources(rows: Iterable[AllocationRow]) -> list[api_pb2.PodResources]:
@@ -172,14 +183,14 @@ class _Servicer(api_pb2_grpc.PodResourcesListerServicer):
     ) -> api_pb2.ListPodResourcesResponse:
         if not self._fake._wait_while_hanging(context):
             return api_pb2.ListPodResourcesResponse()  # the call is over; nobody reads this
-        return api_pb2.ListPodResourcesResponse(pod_resources=self._fake._pod_resources())
+        return self._fake._list_response()
 
     def Get(
         self, request: api_pb2.GetPodResourcesRequest, context: grpc.ServicerContext
     ) -> api_pb2.GetPodResourcesResponse:
         if not self._fake._wait_while_hanging(context):
             return api_pb2.GetPodResourcesResponse()
-        for pod in self._fake._pod_resources():
+        for pod in self._fake._list_response().pod_resources:
             if pod.name == request.pod_name and pod.namespace == request.pod_namespace:
                 return api_pb2.GetPodResourcesResponse(pod_resources=pod)
         # The kubelet answers an unknown pod with a plain Go error, which gRPC sends as UNKNOWN.

@@ -62,6 +62,9 @@ class RuleState:
     window_weighted: float = 0.0
 
 
+_CLEAR = RuleState()  # a condition that does not hold, with nothing in its window
+
+
 @dataclass(frozen=True, slots=True)
 class Transition:
     """A flag raising or clearing: what the log line says."""
@@ -138,12 +141,15 @@ def evaluate(
     new_states: dict[tuple[str, str], RuleState] = {}
     flags: list[Flag] = []
     transitions: list[Transition] = []
+    # A node's GPUs are mostly of one model: decide which rules apply once per (model, node).
+    applicable: dict[tuple[str, str], tuple[RuleSpec, ...]] = {}
     for obs in observations:
-        for spec in specs:
-            if not spec.applies_to(obs.model, obs.node):
-                continue
+        where = (obs.model, obs.node)
+        if where not in applicable:
+            applicable[where] = tuple(spec for spec in specs if spec.applies_to(obs.model, obs.node))
+        for spec in applicable[where]:
             key = (obs.uuid, spec.name)
-            old = states.get(key, RuleState())
+            old = states.get(key, _CLEAR)
             window, w_seconds, w_weighted, mean = old.window, 0.0, 0.0, None
             if spec.condition == "underused":
                 sample = None
@@ -161,7 +167,11 @@ def evaluate(
                 state = RuleState(since, raised, dollars, window, w_seconds, w_weighted)
             else:
                 held_s = now - old.since if old.since is not None else 0.0
-                state = RuleState(window=window, window_seconds=w_seconds, window_weighted=w_weighted)
+                # Most rules hold on most GPUs at no poll: one shared cleared state for them all.
+                if window or w_seconds or w_weighted:
+                    state = RuleState(window=window, window_seconds=w_seconds, window_weighted=w_weighted)
+                else:
+                    state = _CLEAR
                 raised = False
             if raised != old.raised:
                 dollars_so_far = state.dollars if raised else old.dollars

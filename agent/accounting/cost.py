@@ -175,6 +175,10 @@ def account(
         return charges
     previous = {d.uuid: d for d in prev.gpus}
     prev_devices = {d.uuid: d for d in prev.devices}
+    # Each unit's holders, in attribution order (`Attribution.for_device`, found in one pass).
+    holders_of: dict[str, list[Holding]] = {}
+    for h in attribution.holdings:
+        holders_of.setdefault(h.device_uuid, []).append(h)
     workloads: dict[tuple[int, str, Workload], _Acc] = {}
     gpus: list[GpuCharge] = []
     for gpu in curr.gpus:
@@ -210,7 +214,7 @@ def account(
         for unit in cost_units(curr, gpu):
             unit_dollars = gpu_dollars * unit.weight
             unit_joules = gpu_joules * unit.weight
-            holders = attribution.for_device(unit.uuid) if unit.uuid else ()
+            holders = tuple(holders_of.get(unit.uuid, ())) if unit.uuid else ()
             was = prev_devices.get(unit.uuid)
             # Who held it at the start, where that is known (its process list was read then).
             known = earlier is not None and was is not None and was.processes_known
@@ -319,6 +323,10 @@ def downtime(
     return Charges(start=start, end=end, node=snapshot.node.hostname, energy_per_kwh=energy_per_kwh, gpus=gpus)
 
 
+_NO_WORKLOAD_TOTALS = WorkloadTotals()
+_NO_GPU_TOTALS = GpuTotals()
+
+
 def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -> CostTotals:
     """Totals plus one interval's charges. A workload not charged for `forget_after_s` is
     dropped, so finished jobs do not keep series alive forever (their dollars stay in the
@@ -331,7 +339,7 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
     workloads = dict(totals.workloads)
     for c in charges.workloads:
         key = (c.gpu, c.uuid, c.workload)
-        old = workloads.get(key, WorkloadTotals())
+        old = workloads.get(key, _NO_WORKLOAD_TOTALS)
         joules = old.joules + c.joules
         workloads[key] = WorkloadTotals(
             held_s=old.held_s + c.held_s,
@@ -346,7 +354,7 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
     workloads = {k: v for k, v in workloads.items() if v.last_charged_at >= horizon}
     gpus = dict(totals.gpus)
     for g in charges.gpus:
-        old_gpu = gpus.get((g.gpu, g.uuid), GpuTotals())
+        old_gpu = gpus.get((g.gpu, g.uuid), _NO_GPU_TOTALS)
         gpu_joules, idle_joules = old_gpu.joules + g.joules, old_gpu.idle_joules + g.idle_joules
         gpus[(g.gpu, g.uuid)] = GpuTotals(
             dollars=old_gpu.dollars + g.dollars,

@@ -54,6 +54,8 @@ _FIELD_IDS = {
 _MEMORY = (Quantity.MEMORY_USED, Quantity.MEMORY_TOTAL)
 _NOT_AVAILABLE_U64 = 0xFFFFFFFFFFFFFFFF  # usedGpuMemory where the driver cannot tell (WDDM)
 _NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a process outside MIG
+_SENSOR_GPU = pynvml.NVML_TEMPERATURE_GPU
+_SENSOR = pynvml._nvmlTemperatureSensors_t(_SENSOR_GPU)
 
 _NAMES: dict[int, str] = {
     value: name.removeprefix("NVML_ERROR_")
@@ -146,18 +148,107 @@ class _ProcessInfo(ctypes.Structure):
     _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
 
 
+class _Memory(ctypes.Structure):
+    _fields_ = pynvml.c_nvmlMemory_t._fields_
+
+
+class _MemoryV2(ctypes.Structure):
+    _fields_ = pynvml.c_nvmlMemory_v2_t._fields_
+
+
+class _Utilization(ctypes.Structure):
+    _fields_ = pynvml.c_nvmlUtilization_t._fields_
+
+
+# nvmlDeviceGetTemperatureV (R565) came with nvidia-ml-py 12.560: older bindings lack its struct,
+# and then only the older call is made.
+_TemperatureV1: type[ctypes.Structure] | None = (
+    type("_TemperatureV1", (ctypes.Structure,), {"_fields_": pynvml.c_nvmlTemperature_v1_t._fields_})
+    if hasattr(pynvml, "nvmlDeviceGetTemperatureV")
+    else None
+)
+
+
+# The union member that holds a field's value, by its NVML_VALUE_TYPE_*.
+_VALUE_MEMBERS = {
+    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+}
+
+
+class _FieldRequest:
+    """One field-values request, built once and sent every poll: the driver writes only the
+    outputs, so the ids stay; the outputs are reset from `template` before each call."""
+
+    __slots__ = ("array", "items", "length", "template", "values")
+
+    def __init__(self, fields: Sequence[tuple[int, int]]) -> None:
+        self.array = (_FieldValue * len(fields))()
+        for item, (field_id, scope_id) in zip(self.array, fields, strict=True):
+            item.fieldId, item.scopeId = field_id, scope_id
+        self.length = ctypes.c_int32(len(fields))
+        self.template = bytes(self.array)
+        # Views into `array`, made once: indexing a ctypes array builds a new object each time.
+        self.items = tuple(self.array)
+        self.values = tuple(item.value for item in self.items)
+
+
+class _Plan:
+    """How one list of keys is read from one device: which go in the field-values batch (with
+    its request), which by single calls. Rebuilt when the backend learns something that
+    changes the split (a field the batch lacks, or no field values at all)."""
+
+    __slots__ = ("batched", "field_values", "request", "single", "unbatched")
+
+    def __init__(self, backend: NvmlBackend, handle: _Device, keys: Sequence[ReadingKey]) -> None:
+        self.field_values = backend._field_values
+        self.unbatched = len(handle.unbatched)
+        self.batched: list[ReadingKey] = []
+        self.single: list[ReadingKey] = []
+        for key in keys:
+            batchable = self.field_values and key.quantity in _FIELD_IDS and key.quantity not in handle.unbatched
+            (self.batched if batchable else self.single).append(key)
+        self.request = _FieldRequest([(_FIELD_IDS[k.quantity], k.link or 0) for k in self.batched])
+
+    def current(self, backend: NvmlBackend, handle: _Device) -> bool:
+        return self.field_values == backend._field_values and self.unbatched == len(handle.unbatched)
+
+
 class _Device:
     """A handle plus what this module has learned about reading that device."""
 
-    __slots__ = ("handle", "processes", "samples", "unbatched")
+    __slots__ = (
+        "celsius",
+        "handle",
+        "memory",
+        "memory_v2",
+        "plans",
+        "processes",
+        "samples",
+        "temperature",
+        "unbatched",
+        "utilization",
+    )
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
         # Quantities the field-values call lacks on this device, but a single call may have.
         self.unbatched: set[Quantity] = set()
+        # How each list of keys the sampler asks for is read, by that list.
+        self.plans: dict[tuple[ReadingKey, ...], _Plan] = {}
         # Reused result buffers, grown when the driver says they are too small.
         self.processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 32)()
         self.samples: ctypes.Array[_ProcessSample] = (_ProcessSample * 64)()
+        # Reused result structs of the single calls read every poll.
+        self.memory = _Memory()
+        self.memory_v2 = _MemoryV2()
+        self.utilization = _Utilization()
+        self.temperature: ctypes.Structure | None = None
+        self.celsius = ctypes.c_uint()
 
 
 def mig_profile_from_name(name: str) -> str:
@@ -268,14 +359,13 @@ class NvmlBackend:
     def read(self, handle: Handle, keys: Sequence[ReadingKey]) -> ReadResult:
         values: dict[ReadingKey, float] = {}
         errors: dict[ReadingKey, DeviceError] = {}
-        batched: list[ReadingKey] = []
-        single: list[ReadingKey] = []
-        for key in keys:
-            batchable = self._field_values and key.quantity in _FIELD_IDS and key.quantity not in handle.unbatched
-            (batched if batchable else single).append(key)
-        self._read_singles(handle, single, values, errors)
-        if batched:
-            self._read_singles(handle, self._read_batched(handle, batched, values, errors), values, errors)
+        wanted = tuple(keys)
+        plan = handle.plans.get(wanted)
+        if plan is None or not plan.current(self, handle):
+            plan = handle.plans[wanted] = _Plan(self, handle, wanted)
+        self._read_singles(handle, plan.single, values, errors)
+        if plan.batched:
+            self._read_singles(handle, self._read_batched(handle, plan, values, errors), values, errors)
         return ReadResult(values, errors)
 
     def _read_singles(
@@ -311,15 +401,16 @@ class NvmlBackend:
     def _read_batched(
         self,
         handle: _Device,
-        keys: list[ReadingKey],
+        plan: _Plan,
         values: dict[ReadingKey, float],
         errors: dict[ReadingKey, DeviceError],
     ) -> list[ReadingKey]:
-        """Reads `keys` in one field-values call into `values`/`errors`; returns the keys left
-        for single calls."""
+        """Reads the plan's batched keys in one field-values call into `values`/`errors`;
+        returns the keys left for single calls."""
         call = "nvmlDeviceGetFieldValues"
+        keys = plan.batched
         try:
-            results = self._fields(handle, [(_FIELD_IDS[k.quantity], k.link or 0) for k in keys])
+            results = self._request(handle, plan.request)
         except ReadingNotSupported as exc:
             log.info("field values are not available (%s): reading one call per value", exc.error)
             self._field_values = False
@@ -346,46 +437,62 @@ class NvmlBackend:
         return left
 
     def _single(self, handle: _Device, key: ReadingKey) -> float:
-        h = handle.handle
         quantity = key.quantity
         if quantity is Quantity.UTILIZATION:
-            rates = _call("nvmlDeviceGetUtilizationRates", pynvml.nvmlDeviceGetUtilizationRates, h)
+            rates = handle.utilization
+            self._struct_call("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetUtilizationRates", handle, rates)
             return float(rates.gpu) / 100
         if quantity is Quantity.TEMPERATURE:
             return self._temperature_c(handle)
         if quantity is Quantity.POWER:
-            return _from_milli(_call("nvmlDeviceGetPowerUsage", pynvml.nvmlDeviceGetPowerUsage, h))
+            return _from_milli(_call("nvmlDeviceGetPowerUsage", pynvml.nvmlDeviceGetPowerUsage, handle.handle))
         if quantity is Quantity.ENERGY:
             call = "nvmlDeviceGetTotalEnergyConsumption"
-            return _from_milli(_call(call, pynvml.nvmlDeviceGetTotalEnergyConsumption, h))
+            return _from_milli(_call(call, pynvml.nvmlDeviceGetTotalEnergyConsumption, handle.handle))
         if quantity is Quantity.NVLINK_UP:
             return float(self._nvlink_up(handle, key.link or 0))
         raise ValueError(f"NVML has no single call for {key}")
+
+    @staticmethod
+    def _struct_call(call: str, name: str, handle: _Device, out: ctypes.Structure) -> None:
+        """The C function `name` filling `out`, as pynvml's wrapper of it calls it, but into the
+        device's reused plain struct: pynvml's own structs convert every field through
+        Python-level hooks, and these calls are made for every GPU every poll."""
+        _check(call, _function(call, name)(handle.handle, ctypes.byref(out)))
 
     def _memory(self, handle: _Device) -> tuple[int, int]:
         """(used, total) bytes. The v2 call counts driver-reserved memory apart, as `used` should."""
         call = "nvmlDeviceGetMemoryInfo"
         if self._memory_v2 is not False:
+            info_v2 = handle.memory_v2
+            info_v2.version = pynvml.nvmlMemory_v2
             try:
-                info = _call(call, pynvml.nvmlDeviceGetMemoryInfo, handle.handle, pynvml.nvmlMemory_v2)
+                self._struct_call(call, "nvmlDeviceGetMemoryInfo_v2", handle, info_v2)
                 self._memory_v2 = True
-                return int(info.used), int(info.total)
+                return int(info_v2.used), int(info_v2.total)
             except _FunctionMissing:
                 self._memory_v2 = False
-        info = _call(call, pynvml.nvmlDeviceGetMemoryInfo, handle.handle)
+        info = handle.memory
+        self._struct_call(call, "nvmlDeviceGetMemoryInfo", handle, info)
         return int(info.used), int(info.total)
 
     def _temperature_c(self, handle: _Device) -> float:
         call = "nvmlDeviceGetTemperature"
-        sensor = pynvml.NVML_TEMPERATURE_GPU
-        if self._temperature_v is not False and hasattr(pynvml, "nvmlDeviceGetTemperatureV"):
+        if self._temperature_v is not False and _TemperatureV1 is not None:
+            reading = handle.temperature
+            if reading is None:
+                reading = handle.temperature = _TemperatureV1()
+            reading.version, reading.sensorType = pynvml.nvmlTemperature_v1, _SENSOR_GPU
             try:
-                value = _call(call, pynvml.nvmlDeviceGetTemperatureV, handle.handle, sensor)
+                self._struct_call(call, "nvmlDeviceGetTemperatureV", handle, reading)
                 self._temperature_v = True
-                return float(value)
+                return float(reading.temperature)
             except _FunctionMissing:
                 self._temperature_v = False
-        return float(_call(call, pynvml.nvmlDeviceGetTemperature, handle.handle, sensor))
+        # As pynvml's nvmlDeviceGetTemperature calls it, into the device's reused output.
+        celsius = handle.celsius
+        _check(call, _function(call, call)(handle.handle, _SENSOR, ctypes.byref(celsius)))
+        return float(celsius.value)
 
     def _nvlink_up(self, handle: _Device, link: int) -> bool:
         state = _call("nvmlDeviceGetNvLinkState", pynvml.nvmlDeviceGetNvLinkState, handle.handle, link)
@@ -393,31 +500,22 @@ class NvmlBackend:
 
     def _fields(self, handle: _Device, fields: Sequence[tuple[int, int]]) -> list[tuple[float, int | None]]:
         """One field-values call: per field (value, None), or (0.0, its NVML return code)."""
+        return self._request(handle, _FieldRequest(fields))
+
+    @staticmethod
+    def _request(handle: _Device, request: _FieldRequest) -> list[tuple[float, int | None]]:
         call = "nvmlDeviceGetFieldValues"
-        values = (_FieldValue * len(fields))()
-        for item, (field_id, scope_id) in zip(values, fields, strict=True):
-            item.fieldId, item.scopeId = field_id, scope_id
-        _check(call, _function(call, call)(handle.handle, ctypes.c_int32(len(fields)), ctypes.byref(values)))
+        array = request.array
+        ctypes.memmove(array, request.template, len(request.template))
+        _check(call, _function(call, call)(handle.handle, request.length, ctypes.byref(array)))
         results: list[tuple[float, int | None]] = []
-        for item in values:
-            if item.nvmlReturn != pynvml.NVML_SUCCESS:
-                results.append((0.0, item.nvmlReturn))
-                continue
-            value_type = item.valueType
-            raw: float
-            if value_type == pynvml.NVML_VALUE_TYPE_DOUBLE:
-                raw = item.value.dVal
-            elif value_type == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
-                raw = item.value.uiVal
-            elif value_type == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
-                raw = item.value.ulVal
-            elif value_type == pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
-                raw = item.value.sllVal
-            elif value_type == pynvml.NVML_VALUE_TYPE_SIGNED_INT:
-                raw = item.value.siVal
+        for item, value in zip(request.items, request.values, strict=True):
+            code = item.nvmlReturn
+            if code != pynvml.NVML_SUCCESS:
+                results.append((0.0, code))
             else:
-                raw = item.value.ullVal
-            results.append((float(raw), None))
+                # An unknown type reads as unsigned long long, the widest member.
+                results.append((float(getattr(value, _VALUE_MEMBERS.get(item.valueType, "ullVal"))), None))
         return results
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:

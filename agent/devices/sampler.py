@@ -6,6 +6,7 @@ sampler never names a vendor library. See `Sampler` for the policy.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import socket
@@ -89,8 +90,10 @@ class _Gpu:
     power_limit_w: float | None = None
     sm_count: int | None = None
     mig_enabled: bool = False
-    # What one poll asks `read` for (minus what the GPU has shown it does not have).
+    # What one poll asks `read` for (minus what the GPU has shown it does not have), and the
+    # NVLink keys among them.
     keys: tuple[ReadingKey, ...] = ()
+    links: tuple[tuple[ReadingKey, int], ...] = ()
     migs: list[_Mig] = field(default_factory=list)
     # MIG-enabled GPUs: the GPU's memory total (read at discovery; `used` is the instances' sum)
     # and which MIG device a process runs on, by (GPU instance, compute instance) id. None: the
@@ -229,6 +232,7 @@ class Sampler:
         )
         nvlinks = self._optional(uuid, "nvlink_count", lambda: b.nvlink_count(handle)) or 0
         links = tuple(ReadingKey(Quantity.NVLINK_UP, link) for link in range(nvlinks))
+        gpu.links = tuple((key, link) for link, key in enumerate(links))
         if gpu.mig_enabled:
             gpu.migs = [self._discover_mig(gpu, slot, mig_handle) for slot, mig_handle in b.mig_handles(handle)]
         if gpu.migs:
@@ -375,7 +379,7 @@ class Sampler:
         self, where: str, unsupported: Unsupported, handle: Handle, keys: Sequence[ReadingKey]
     ) -> Mapping[ReadingKey, float]:
         """The readings of `keys` the device has and gave this poll; learns and counts the rest."""
-        wanted = [k for k in keys if k not in unsupported]
+        wanted = tuple(k for k in keys if k not in unsupported) if unsupported else keys
         if not wanted:
             return {}
         try:
@@ -424,11 +428,7 @@ class Sampler:
     def _read_healthy(self, gpu: _Gpu) -> list[DeviceReading]:
         where = f"GPU {gpu.index} ({gpu.uuid})"
         values = self._read(where, gpu.unsupported, gpu.handle, gpu.keys)
-        links = tuple(
-            NvLinkReading(key.link, bool(values[key]))
-            for key in gpu.keys
-            if key.quantity is Quantity.NVLINK_UP and key.link is not None and key in values
-        )
+        links = tuple(_nvlink(link, bool(values[key])) for key, link in gpu.links if key in values)
         if gpu.migs:
             return self._read_mig_gpu(gpu, where, values, links)
         memory_used = values.get(_MEMORY_USED)
@@ -594,6 +594,13 @@ class Sampler:
                 periods = min(periods, (now_us - oldest[pid]) / period_us + 1)
             found[pid] = min(sum(utils) / max(periods, len(utils)) / 100, 1.0)
         return found
+
+
+@functools.cache
+def _nvlink(link: int, up: bool) -> NvLinkReading:
+    # A link reading is one of two values per link: shared, not rebuilt for every link of every
+    # GPU every poll.
+    return NvLinkReading(link, up)
 
 
 def _readings(infos: Sequence[ProcessInfo]) -> tuple[ProcessReading, ...]:

@@ -4,6 +4,7 @@ is a node without Kubernetes."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,7 @@ _POD_DIR = re.compile(r"^([a-z0-9][a-z0-9-]*)_([a-z0-9][a-z0-9.-]*)_([0-9a-f-]{3
 def read_pod_log_dirs(directory: str | Path) -> dict[str, tuple[str, str]]:
     """pod UID -> (namespace, pod name), from the kubelet's `<namespace>_<pod>_<uid>` directories."""
     try:
-        names = [entry.name for entry in Path(directory).iterdir()]
+        names = os.listdir(directory)
     except OSError:
         return {}
     pods: dict[str, tuple[str, str]] = {}

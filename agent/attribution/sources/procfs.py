@@ -28,6 +28,8 @@ from agent.model import ProcessFacts, ProcessIdentity, Snapshot
 
 log = logging.getLogger(__name__)
 
+_READ_CHUNK_BYTES = 65536
+
 
 class ProcessGone(GpuledgerError):
     """The pid is not there (exited, or in a PID namespace we cannot see)."""
@@ -51,11 +53,20 @@ class ProcFS:
         self._environ_denied_logged = False
 
     def _read(self, pid: int, name: str) -> bytes:
+        # os.open and os.read rather than open(): a buffered file object costs more than these
+        # small reads themselves, and every process on a GPU is read every poll.
         try:
-            with open(f"{self._root}/{pid}/{name}", "rb") as f:
-                return f.read()
+            fd = os.open(f"{self._root}/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                chunks = []
+                # procfs reports no size and may return a file in pieces: read to the end.
+                while chunk := os.read(fd, _READ_CHUNK_BYTES):
+                    chunks.append(chunk)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise _map_os_error(pid, exc) from exc
+        return b"".join(chunks)
 
     def identity(self, pid: int) -> ProcessIdentity:
         """(pid, start time): one small read, done every poll to notice pid reuse."""
