@@ -491,19 +491,10 @@ def call_case(reading: str, kind: str) -> Case:
 
 def growing_buffer(kind: str, transient: bool) -> dict[str, Any]:
     """The process calls answer into a buffer the agent keeps, and grows when the driver says
-    INSUFFICIENT_SIZE: a sticky one is a bug, and too costly to run (the bounded version is
+    INSUFFICIENT_SIZE, up to a bound (see
     test_a_driver_that_keeps_saying_too_small_cannot_grow_the_agent_without_bound)."""
-    if kind != "INSUFFICIENT_SIZE" or transient:
-        return {}
-    return {"bug": INSUFFICIENT_SIZE_BUG, "runs": False}
-
-
-INSUFFICIENT_SIZE_BUG = (
-    "INSUFFICIENT_SIZE that does not say the size needed makes the process calls grow the buffer they keep "
-    "(x2 + 5 on each of three tries a poll) without bound: the sticky case passes 900 MB of RSS in its two "
-    "minutes, so it is not run; test_a_driver_that_keeps_saying_too_small_cannot_grow_the_agent_without_bound "
-    "shows the growth in four polls"
-)
+    # Fixed: the buffers stop growing at agent/devices/nvml.py's MAX_PROCESSES / MAX_SAMPLES.
+    return {}
 
 
 # Known bugs, by (reading, kind); "driver" stands for every kind in DRIVER_GONE.
@@ -1288,13 +1279,13 @@ def test_the_matrix_covers_what_it_must() -> None:
             assert {t for k, c, t in met if c == call} == {True, False}, call
 
 
-@pytest.mark.xfail(strict=True, reason=INSUFFICIENT_SIZE_BUG)
 @pytest.mark.parametrize("reading", ["processes", "process utilization"])
 def test_a_driver_that_keeps_saying_too_small_cannot_grow_the_agent_without_bound(reading: str) -> None:
     """The sticky INSUFFICIENT_SIZE of the matrix, bounded: four polls of GPU 1's process call
     answering INSUFFICIENT_SIZE without the size it needs. Whatever the agent retries, what it
-    holds for one GPU's answer must stay small. Today each poll grows the buffer eightfold (x2 + 5,
-    three tries): from 64 entries to 64 x 8^4 = 262,144 of 24 or 32 bytes, MiBs, by the fourth."""
+    holds for one GPU's answer must stay small. Each poll grew the buffer eightfold (x2 + 5, three
+    tries): from 64 entries to 64 x 8^4 = 262,144 of 24 or 32 bytes, MiBs, by the fourth; it now
+    stops at a bound."""
     call = READINGS[reading][0][0]
     scenario = {**NODE, "faults": [{"at": "0s", "gpu": FAULTED, "call": call, "error": "INSUFFICIENT_SIZE"}]}
     rig = Rig(scenario, settings=Settings(pricing=PricingConfig(gpu_hourly=PRICE)))

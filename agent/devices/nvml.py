@@ -77,6 +77,13 @@ class _NotFound(DeviceError):
     """NVML's NOT_FOUND: nothing to report (an empty MIG slot, no samples yet)."""
 
 
+# The most entries a process-list or sample buffer grows to: far beyond any real GPU's (a few
+# thousand processes, a short ring of samples each), and a bound when a driver keeps answering
+# INSUFFICIENT_SIZE without saying what would do.
+MAX_PROCESSES = 4096
+MAX_SAMPLES = 16384
+
+
 def _from_milli(value: float) -> float:
     """NVML reports power in milliwatts and energy in millijoules; the seam carries W and J."""
     return float(value) / 1000
@@ -547,7 +554,9 @@ class NvmlBackend:
             count.value = len(buffer)
             code = fn(handle.handle, ctypes.byref(count), buffer)
             if code == pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
-                handle.processes = (_ProcessInfo * (count.value * 2 + 5))()
+                if len(buffer) >= MAX_PROCESSES:
+                    break  # a driver that never says enough: not a reason to grow without bound
+                handle.processes = (_ProcessInfo * min(count.value * 2 + 5, MAX_PROCESSES))()
                 continue
             _check(call, code)
             return [
@@ -571,7 +580,9 @@ class NvmlBackend:
             count.value = len(buffer)
             code = fn(handle.handle, buffer, ctypes.byref(count), since)
             if code == pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
-                handle.samples = (_ProcessSample * (count.value * 2 + 5))()
+                if len(buffer) >= MAX_SAMPLES:
+                    break
+                handle.samples = (_ProcessSample * min(count.value * 2 + 5, MAX_SAMPLES))()
                 continue
             if code == pynvml.NVML_ERROR_NOT_FOUND:
                 return []
