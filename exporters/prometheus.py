@@ -54,10 +54,14 @@ class GpuledgerCollector(Collector):
         if snapshot is not None:
             driver = snapshot.node.driver_version
             cuda = "" if snapshot.node.cuda_driver_version is None else str(snapshot.node.cuda_driver_version)
-            process_counts: dict[str, int] = {}
+            process_counts: dict[str, int | None] = {}
             for device in snapshot.devices:
                 owner = device.parent_uuid or device.uuid
-                process_counts[owner] = process_counts.get(owner, 0) + len(device.processes)
+                known = process_counts.get(owner, 0)
+                # A list that could not be read is unknown, not empty: no count at all then.
+                process_counts[owner] = (
+                    None if known is None or not device.processes_known else known + len(device.processes)
+                )
             for device in snapshot.devices:
                 if device.parent_uuid is None:
                     _gpu_series(out, device, driver, process_counts.get(device.uuid, 0))
@@ -87,7 +91,7 @@ class GpuledgerCollector(Collector):
         yield from out
 
 
-def _gpu_series(out: _Families, d: DeviceReading, driver_version: str, processes: int) -> None:
+def _gpu_series(out: _Families, d: DeviceReading, driver_version: str, processes: int | None) -> None:
     ids = (str(d.index), d.uuid)
     out.add("gpuledger_gpu_info", (*ids, d.name, d.pci_bus_id, driver_version), 1.0)
     out.add("gpuledger_gpu_up", ids, 1.0 if d.up else 0.0)
@@ -108,7 +112,8 @@ def _gpu_series(out: _Families, d: DeviceReading, driver_version: str, processes
             out.add(name, ids, float(value))
     for link in d.nvlinks:
         out.add("gpuledger_gpu_nvlink_up", (*ids, str(link.link)), 1.0 if link.up else 0.0)
-    out.add("gpuledger_gpu_processes", ids, float(processes))
+    if processes is not None:
+        out.add("gpuledger_gpu_processes", ids, float(processes))
 
 
 def _mig_series(out: _Families, d: DeviceReading) -> None:

@@ -687,7 +687,6 @@ def node_cases() -> list[Case]:
             error="UNKNOWN",
             absent=("gpuledger_gpu_processes",),
             unobserved={FAULTED: {"processes_unreadable": 45.0}},  # as processes/*/transient
-            bug="gpuledger_gpu_processes reads 0 while the process list cannot be read: unknown shows as none",
         )
     )
     # GPU 1's energy counter cannot be read at 0:30, 0:45 and 1:00, and reads again at 1:15: the
