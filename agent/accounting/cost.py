@@ -186,25 +186,7 @@ def account(
         hourly = price.dollars_per_hour if price is not None else 0.0
         reason = _unobserved(previous.get(gpu.uuid), gpu, dt, max_interval_s)
         if reason is not None:
-            gpus.append(
-                GpuCharge(
-                    gpu=gpu.index,
-                    uuid=gpu.uuid,
-                    model=gpu.model,
-                    dollars_per_hour=hourly,
-                    observed_s=0.0,
-                    dollars=0.0,
-                    idle_s=0.0,
-                    idle_dollars=0.0,
-                    unobserved_s=dt,
-                    joules=0.0,
-                    idle_joules=0.0,
-                    unobserved_dollars=hourly * dt / 3600,
-                    energy_dollars=energy_dollars(0.0, energy_per_kwh),
-                    idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
-                    unobserved_reason=reason,
-                )
-            )
+            gpus.append(_unobserved_charge(gpu, hourly, dt, reason, energy_per_kwh))
             continue
         gpu_dollars = hourly * dt / 3600
         gpu_joules = _energy_delta(previous.get(gpu.uuid), gpu)
@@ -285,6 +267,29 @@ def _by_reason(old: Mapping[str, tuple[float, float]], g: GpuCharge) -> Mapping[
     return {**old, g.unobserved_reason: (seconds + g.unobserved_s, dollars + g.unobserved_dollars)}
 
 
+def _unobserved_charge(
+    gpu: DeviceReading, hourly: float, seconds: float, reason: str, energy_per_kwh: float | None
+) -> GpuCharge:
+    """A GPU nobody could see for `seconds`: all of its cost unobserved, for `reason`."""
+    return GpuCharge(
+        gpu=gpu.index,
+        uuid=gpu.uuid,
+        model=gpu.model,
+        dollars_per_hour=hourly,
+        observed_s=0.0,
+        dollars=0.0,
+        idle_s=0.0,
+        idle_dollars=0.0,
+        unobserved_s=seconds,
+        joules=0.0,
+        idle_joules=0.0,
+        unobserved_dollars=hourly * seconds / 3600,
+        energy_dollars=energy_dollars(0.0, energy_per_kwh),
+        idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
+        unobserved_reason=reason,
+    )
+
+
 def downtime(
     start: float,
     end: float,
@@ -296,27 +301,9 @@ def downtime(
 ) -> Charges:
     """Charges for (start, end], a stretch nobody watched (the agent was not running): every
     GPU of `snapshot` unobserved for all of it, at its price, for `reason`."""
-    dt = end - start
-    hourly_of = {
-        gpu.uuid: p.dollars_per_hour if (p := prices.get(gpu.uuid)) is not None else 0.0 for gpu in snapshot.gpus
-    }
     gpus = tuple(
-        GpuCharge(
-            gpu=gpu.index,
-            uuid=gpu.uuid,
-            model=gpu.model,
-            dollars_per_hour=hourly_of[gpu.uuid],
-            observed_s=0.0,
-            dollars=0.0,
-            idle_s=0.0,
-            idle_dollars=0.0,
-            unobserved_s=dt,
-            joules=0.0,
-            idle_joules=0.0,
-            unobserved_dollars=hourly_of[gpu.uuid] * dt / 3600,
-            energy_dollars=energy_dollars(0.0, energy_per_kwh),
-            idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
-            unobserved_reason=reason,
+        _unobserved_charge(
+            gpu, p.dollars_per_hour if (p := prices.get(gpu.uuid)) else 0.0, end - start, reason, energy_per_kwh
         )
         for gpu in snapshot.gpus
     )
