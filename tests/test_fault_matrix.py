@@ -517,7 +517,7 @@ def discovery_case(what: str, kind: str) -> Case:
             name, faults, transient, down=dict.fromkeys(GPUS, kind), driver_down=True, error=kind,
             unobserved=every_gpu({kind: None}), bug=DISCOVERY_BUGS["driver"],
         )  # fmt: skip
-    bug = DISCOVERY_BUGS["library" if kind == "LIBRARY_NOT_FOUND" else "gone" if kind in GPU_GONE else "other"]
+    bug = DISCOVERY_BUGS["gone" if kind in GPU_GONE else "other"]
     return Case(name, faults, transient, down={FAULTED: kind}, error=kind, unobserved={FAULTED: {kind: None}}, bug=bug)
 
 
@@ -530,8 +530,6 @@ DISCOVERY_BUGS = {
     "driver": "while discovery fails with a driver error no GPU is known: none shows as down, and the time "
     "until discovery succeeds is recorded nowhere",
     "gone": "a GPU lost at discovery has no uuid and no price: its unobserved time is charged $0",
-    "library": "LIBRARY_NOT_FOUND from a device call at discovery raises DriverLibraryMissing from "
-    "build_agent: the agent refuses to start although the library is loaded",
 }
 
 

@@ -108,7 +108,9 @@ def _error(call: str, code: int) -> DeviceError:
         return DeviceLost(call, name)
     if name in _DRIVER_GONE:
         return DriverUnavailable(call, name)
-    if name == "LIBRARY_NOT_FOUND":
+    if name == "LIBRARY_NOT_FOUND" and call == "nvmlInit":
+        # Only loading the library can find it missing; the same code from a device call, once
+        # it is loaded, is that call's error (some other library it needs), not a missing driver.
         return DriverLibraryMissing(call, name, "the NVML library, libnvidia-ml.so.1: is the NVIDIA driver installed?")
     return DeviceError(call, name)
 
