@@ -205,6 +205,7 @@ class Pipeline:
         self._previous: Snapshot | None = None
         self._attribution = Attribution()
         self._clean_workloads: dict[Workload, Workload] = {}
+        self._last_energy: dict[str, float] = {}  # GPU uuid -> its last energy counter reading
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
         self._totals = CostTotals()
@@ -389,7 +390,11 @@ class Pipeline:
             max_interval_s=costing.max_interval_s,
             energy_per_kwh=costing.energy_per_kwh,
             earlier=earlier,
+            energy_before=self._last_energy,
         )
+        for gpu in snapshot.gpus:
+            if gpu.energy_j is not None:
+                self._last_energy[gpu.uuid] = gpu.energy_j
         totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
         if costing.sink is not None:
             costing.sink.add(charges)

@@ -136,10 +136,13 @@ def _unobserved(prev: DeviceReading | None, curr: DeviceReading, dt: float, max_
     return None
 
 
-def _energy_delta(prev: DeviceReading | None, curr: DeviceReading) -> float:
-    if prev is None or prev.energy_j is None or curr.energy_j is None:
+def _energy_delta(prev: DeviceReading | None, curr: DeviceReading, last_known: float | None = None) -> float:
+    """Joules since the previous reading of the counter: the interval's start, or, where the
+    counter could not be read then, the last time it could (the counter kept counting)."""
+    before = prev.energy_j if prev is not None and prev.energy_j is not None else last_known
+    if before is None or curr.energy_j is None:
         return 0.0
-    delta = curr.energy_j - prev.energy_j
+    delta = curr.energy_j - before
     return delta if delta >= 0 else 0.0  # the counter restarts with the driver: skip, never go negative
 
 
@@ -161,6 +164,7 @@ def account(
     max_interval_s: float,
     energy_per_kwh: float | None = None,
     earlier: Attribution | None = None,
+    energy_before: Mapping[str, float] | None = None,
 ) -> Charges:
     """Charges for the interval (prev.taken_at, curr.taken_at]. `prices` is keyed by GPU uuid;
     with `energy_per_kwh` every charge's joules are priced too.
@@ -168,7 +172,10 @@ def account(
     `earlier` is the attribution at `prev`. Where a unit's holders changed between the two
     polls, all that is known is that the change fell between them: the first half of the
     interval goes to the holders at its start, the second half to those at its end (a job's
-    last interval is not all idle, a new job does not pay for time before it started)."""
+    last interval is not all idle, a new job does not pay for time before it started).
+
+    `energy_before` holds each GPU's last energy counter reading, for a counter that could not
+    be read at `prev`: its difference across the gap is the gap's energy, not 0."""
     dt = curr.taken_at - prev.taken_at
     charges = Charges(start=prev.taken_at, end=curr.taken_at, node=curr.node.hostname, energy_per_kwh=energy_per_kwh)
     if dt <= 0:
@@ -189,7 +196,7 @@ def account(
             gpus.append(_unobserved_charge(gpu, hourly, dt, reason, energy_per_kwh))
             continue
         gpu_dollars = hourly * dt / 3600
-        gpu_joules = _energy_delta(previous.get(gpu.uuid), gpu)
+        gpu_joules = _energy_delta(previous.get(gpu.uuid), gpu, (energy_before or {}).get(gpu.uuid))
         idle_s = idle_dollars = idle_joules = 0.0
         unobserved_s = unobserved_dollars = 0.0
         unobserved_reason = ""
