@@ -1187,8 +1187,6 @@ def removed_while_open(what: str) -> Case:
     return Case(
         f"ledger {what} deleted while open/sticky", transient=False, prepare=prepare, host=host,
         flush_s=LEDGER_FLUSH_S, ledger_holds=False, written=None, check=check,
-        bug=f"a ledger whose {what} is deleted while open goes on writing to the deleted file: ledger_up "
-        "stays 1, close() reports success, and every charge after the deletion is gone",
     )  # fmt: skip
 
 

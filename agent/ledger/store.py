@@ -616,6 +616,7 @@ class Ledger:
         self._closed = False
         self._written_at_close = True
         self._moved_aside: list[Path] = []
+        self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
         self._conn: sqlite3.Connection | None = self._open()
         self._healthy = not self._moved_aside
 
@@ -715,10 +716,12 @@ class Ledger:
         if not self._path.parent.is_dir():
             raise LedgerError(f"ledger {self._path}: directory {self._path.parent} does not exist")
         try:
-            return _open_file(self._path, self._busy_timeout_s, self._node)
+            conn = _open_file(self._path, self._busy_timeout_s, self._node)
         except _Corrupt as corrupt:
             self._move_aside(corrupt.detail)
-        return _open_file(self._path, self._busy_timeout_s, self._node)
+            conn = _open_file(self._path, self._busy_timeout_s, self._node)
+        self._file_id = _file_id(self._path)
+        return conn
 
     def _move_aside(self, detail: str) -> None:
         aside = move_aside(self._path, time.time())  # the operator's time, as in the log, not the scenario's
@@ -741,6 +744,15 @@ class Ledger:
             return True
         committed = False
         try:
+            if self._conn is not None and self._file_id != _file_id(self._path):
+                # Deleted or replaced under us (an rm -rf of the state directory): writing on
+                # would go to a file nobody can read. Start a fresh one at the path.
+                log.error(
+                    "ledger %s: the file was deleted or replaced while open; starting a new one there", self._path
+                )
+                self._conn.close()
+                self._conn = None
+                self._path.parent.mkdir(parents=True, exist_ok=True)
             if self._conn is None:  # the fresh file after a corrupt one could not be opened yet
                 self._conn = self._open()
             self._write(self._conn, batch, cutoff)
@@ -874,6 +886,15 @@ def _is_sqlite_file(path: Path) -> bool:
             return f.read(len(_SQLITE_HEADER)) == _SQLITE_HEADER
     except OSError:
         return False
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`; None where there is none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def move_aside(path: Path, now: float) -> Path:
