@@ -9,7 +9,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from fake_nvml.scenario import Fault, Gpu, Process, Scenario
 
@@ -75,11 +74,10 @@ class ProcessOnGpu:
 class FakeNode:
     """A scenario running on a clock: what NVML (and later procfs) would show at any moment."""
 
-    def __init__(self, scenario: Scenario, clock: ScenarioClock, workdir: Path | None = None) -> None:
+    def __init__(self, scenario: Scenario, clock: ScenarioClock) -> None:
         self.scenario = scenario
         self.clock = clock
         self.calls: Counter[str] = Counter()
-        self.workdir = workdir
         self._by_gpu: list[list[ProcessOnGpu]] = [[] for _ in scenario.gpus]
         for process in scenario.processes:
             for ref in process.gpus:
