@@ -124,6 +124,11 @@ def _charge(
         acc.joules += joules * share
 
 
+def _by_index(index: int) -> str:
+    """The key an undiscovered GPU's previous reading is also found by (no uuid looks like it)."""
+    return f"#{index}"
+
+
 def _unobserved(prev: DeviceReading | None, curr: DeviceReading, dt: float, max_interval_s: float) -> str | None:
     """Why the whole GPU goes unobserved over the interval, or None when it was observed: polls
     too far apart, or the GPU unreadable at either end (what it did in between is unknown)."""
@@ -181,6 +186,11 @@ def account(
     if dt <= 0:
         return charges
     previous = {d.uuid: d for d in prev.gpus}
+    # A GPU discovered at this poll went by a remembered or provisional uuid at the last one:
+    # that reading (down, for why it could not be identified) is where its interval starts.
+    for d in prev.gpus:
+        if not d.discovered:
+            previous.setdefault(_by_index(d.index), d)
     prev_devices = {d.uuid: d for d in prev.devices}
     # Each unit's holders, in attribution order (`Attribution.for_device`, found in one pass).
     holders_of: dict[str, list[Holding]] = {}
@@ -191,7 +201,8 @@ def account(
     for gpu in curr.gpus:
         price = prices.get(gpu.uuid)
         hourly = price.dollars_per_hour if price is not None else 0.0
-        reason = _unobserved(previous.get(gpu.uuid), gpu, dt, max_interval_s)
+        was_gpu = previous.get(gpu.uuid) or previous.get(_by_index(gpu.index))
+        reason = _unobserved(was_gpu, gpu, dt, max_interval_s)
         if reason is not None:
             gpus.append(_unobserved_charge(gpu, hourly, dt, reason, energy_per_kwh))
             continue
