@@ -122,13 +122,15 @@ class Unpriced:
             found += _book(held.stretches, replace(snapshot, devices=(gpu,)), prices, energy_per_kwh)
         return found
 
-    def drain(self, node: Snapshot) -> Iterator[tuple[DeviceReading, float, list[Charges]]]:
+    def drain(
+        self, last: Snapshot, energy_per_kwh: float | None
+    ) -> Iterator[tuple[DeviceReading, float, list[Charges]]]:
         """Everything still held: per GPU, its reading, its seconds and its charges at $0."""
         for index in sorted(self.held):
             held = self.held.pop(index)
-            alone = replace(node, devices=(held.reading,))
+            alone = replace(last, devices=(held.reading,))
             seconds = sum(s.end - s.start for s in held.stretches)
-            yield held.reading, seconds, _book(held.stretches, alone, {}, None)
+            yield held.reading, seconds, _book(held.stretches, alone, {}, energy_per_kwh)
 
 
 def _book(

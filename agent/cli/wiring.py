@@ -94,6 +94,7 @@ class Agent:
             return self._ledger_written
         self._closed = True
         idle = self.pipeline.stop()
+        self.pipeline.settle()  # time still waiting for a price is booked before the ledger closes
         if self.costing is not None and self.costing.sink is not None:
             # The last charges reach the ledger before anything slower.
             self._ledger_written = self.costing.sink.close()
@@ -172,6 +173,11 @@ def build_agent(
                 rhythm_s = interval_s * fake_speed if fake_speed else interval_s
                 priced = replace(priced, max_interval_s=max(priced.max_interval_s, 3 * rhythm_s))
         pipeline.costing = priced
+        if priced is not None and priced.sink is not None:
+            from agent.ledger.sink import LedgerSink
+
+            if isinstance(priced.sink, LedgerSink):
+                sampler.remember(priced.sink.known_gpus)  # what the GPUs go by while the driver cannot say
     except BaseException:
         if node is not None:
             import fake_nvml
@@ -274,6 +280,8 @@ def _costing(
     instance_type = node.scenario.node.instance_type if node is not None else detect_instance_type()
 
     def prices(snapshot: Snapshot) -> dict[str, Price | None]:
+        # A GPU not identified yet (no name, so no model) is priced by what prices the whole
+        # node, where that is set (gpu_hourly, the instance type); else it waits for its own.
         gpus = snapshot.gpus
         found = {
             g.uuid: resolve_price(
@@ -285,10 +293,9 @@ def _costing(
                 catalogue=catalogue,
             )
             for g in gpus
-            if g.name
         }
         for g in gpus:
-            if g.name and found.get(g.uuid) is None:
+            if g.discovered and found.get(g.uuid) is None:
                 log.warning("no price for GPU %d (%s): set pricing.by_model or pricing.gpu_hourly", g.index, g.model)
         return found
 
