@@ -205,6 +205,8 @@ class Settings(BaseSettings):
     poll_interval: Duration = Field(default=5.0, gt=0)
     listen: Annotated[str, BeforeValidator(_check_listen)] = "0.0.0.0:9835"
     proc_root: str = "/proc"
+    # Where sysfs is: the GPUs on the PCI bus are listed from it while the driver cannot list them.
+    sys_root: str = "/sys"
     pricing: PricingConfig = PricingConfig()
     ledger: LedgerConfig = LedgerConfig()
     watchdog: WatchdogConfig = WatchdogConfig()

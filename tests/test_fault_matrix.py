@@ -140,6 +140,7 @@ SERIES = DEVICE_SERIES | {
     "gpuledger_ledger_up",
     "gpuledger_ledger_pending_rows",
     "gpuledger_ledger_corrupt_files_total",
+    "gpuledger_undiscovered_gpus",
 }
 
 ANN = {"pid": 100, "gpus": [0], "sm_util": 60, "memory_mib": 4000, "uid": 1000, "user": "ann",
@@ -623,28 +624,60 @@ def node_cases() -> list[Case]:
             unobserved={FAULTED: {"GPU_IS_LOST": 105.0}},
         )
     )
-    # The driver is not loaded when the agent starts, and loads at 1:15.
+    # The driver is not loaded when the agent starts, and loads at 1:15. The GPUs are on the PCI
+    # bus all along: sysfs names them, so they show down for the missing driver from the start.
+    # nvmlInit is retried with backoff (5 s, doubling): it fails at 0:00 (next 0:05), 0:15 (next
+    # 0:25), 0:30 (next 0:50) and 1:00 (next 1:40), and succeeds at 1:45: 0:00 to 1:45 is
+    # unobserved, 105 s a GPU; the jobs pay for the last 15 s.
+    driver_absent = {"at": "0s", "until": "75s", "error": "DRIVER_NOT_LOADED"}
     cases.append(
         Case(
             "driver absent then present",
-            [{"at": "0s", "until": "75s", "error": "DRIVER_NOT_LOADED"}],
+            [driver_absent],
             down=dict.fromkeys(GPUS, "DRIVER_NOT_LOADED"),
             driver_down=True,
             error="DRIVER_NOT_LOADED",
-            unobserved=every_gpu({"DRIVER_NOT_LOADED": None}),
-            bug="while the driver is absent at start no GPU is known: none shows as down, and the time until "
-            "the driver answers is recorded nowhere (the GPUs' partition starts at discovery, not at start)",
+            unobserved=every_gpu({"DRIVER_NOT_LOADED": 105.0}),
+            check=undiscovered_check({BEFORE_S: 3, DURING_S: 3, RUN_S: 0}),
         )
     )
-    # Never loaded: nothing can be known of the GPUs, but the agent runs and says so.
+    # The same on a host whose PCI bus cannot be read either (no sysfs): nothing names a GPU
+    # until the driver does at 1:45, and then the 105 s before are booked to each GPU it names.
+    cases.append(
+        Case(
+            "driver absent then present, no PCI view",
+            [driver_absent],
+            driver_down=True,
+            error="DRIVER_NOT_LOADED",
+            unobserved=every_gpu({"DRIVER_NOT_LOADED": 105.0}),
+            setup=hide_pci_bus,
+            check=undiscovered_check({BEFORE_S: 0, DURING_S: 0, RUN_S: 0}),
+        )
+    )
+    # Never loaded: the agent runs and says so, and the GPUs the PCI bus shows are down for it,
+    # their whole run unobserved (120 s each).
     cases.append(
         Case(
             "driver never present",
             [{"at": "0s", "error": "DRIVER_NOT_LOADED"}],
             transient=False,
+            down=dict.fromkeys(GPUS, "DRIVER_NOT_LOADED"),
+            driver_down=True,
+            error="DRIVER_NOT_LOADED",
+            unobserved=every_gpu({"DRIVER_NOT_LOADED": RUN_S}),
+            check=never_up_check,
+        )
+    )
+    # Never loaded, and no PCI view: nothing can be known of the GPUs.
+    cases.append(
+        Case(
+            "driver never present, no PCI view",
+            [{"at": "0s", "error": "DRIVER_NOT_LOADED"}],
+            transient=False,
             driver_down=True,
             error="DRIVER_NOT_LOADED",
             known=(),
+            setup=hide_pci_bus,
             check=never_up_check,
         )
     )
@@ -710,6 +743,22 @@ def nvlink_down_check(transient: bool) -> Callable[[Run], None]:
 
 def never_up_check(run: Run) -> None:
     assert {t: run.value(t, "gpuledger_nvml_up") for t in run.states} == dict.fromkeys(run.states, 0.0)
+    assert not any(run.healthy.values())
+
+
+def hide_pci_bus(context: Context) -> None:
+    """A host whose sysfs cannot be read: the GPUs on its PCI bus are not to be seen."""
+    shutil.rmtree(context.agent_rig.node.host.sys_root)
+
+
+def undiscovered_check(expected: Mapping[float, int]) -> Callable[[Run], None]:
+    """gpuledger_undiscovered_gpus at the given times: the GPUs the node has that discovery
+    has not identified (the agent is degraded while there are any)."""
+
+    def check(run: Run) -> None:
+        assert {t: run.value(t, "gpuledger_undiscovered_gpus") for t in expected} == expected
+
+    return check
 
 
 # --- the host: procfs and the kubelet ---------------------------------------------------------------

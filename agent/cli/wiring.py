@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from agent.config import Settings, host_problems, load_catalogue
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
 from agent.devices.instance import detect_instance_type
+from agent.devices.pci import nvidia_gpus
 from agent.devices.sampler import Sampler
 from agent.errors import BadInputError
 from agent.model import AgentState, Price, Snapshot
@@ -148,7 +150,8 @@ def build_agent(
         interval_s = max(interval_s / fake_speed, FAKE_MIN_POLL_S)
     backend, node = _backend(fake, 0.0, settings.backend)  # the clock starts with Agent.start
     try:
-        sampler = Sampler(backend, hostname=node_name(settings, node))
+        sys_root = str(node.host.sys_root) if node is not None else settings.sys_root
+        sampler = Sampler(backend, hostname=node_name(settings, node), pci_gpus=partial(nvidia_gpus, sys_root))
         # The devices first (within the call budget): without a driver nothing else is built,
         # so `run` says that, and only that, in its one line.
         pipeline = Pipeline(
