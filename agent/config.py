@@ -106,6 +106,9 @@ class AttributionConfig(_Section):
     pod_logs_dir: str = "/var/log/pods"
     kubelet_interval: Duration = Field(default=10.0, gt=0)
     kubelet_timeout: Duration = Field(default=2.0, gt=0)
+    # While the kubelet does not answer, its last allocations stand for this long; after that a
+    # GPU no process holds is booked unobserved (attribution_unavailable), never idle.
+    kubelet_stale_after: Duration = Field(default=300.0, gt=0)
     rules: list[AttributionRule] = []
 
 

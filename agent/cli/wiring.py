@@ -263,6 +263,7 @@ def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Att
         podresources_socket=socket_path,
         kubelet_timeout_s=a.kubelet_timeout,
         kubelet_interval_s=a.kubelet_interval,
+        kubelet_stale_after_s=a.kubelet_stale_after,
     )
     return Attributor(open_sources(options), rules=rules, per_pid=a.per_pid_series)
 
