@@ -416,4 +416,4 @@ def test_a_kubelet_away_past_the_staleness_limit_makes_unheld_gpus_unobserved_no
     assert notebook == pytest.approx(0.090)
     for gpu in (0, 1):  # ann's job and bob's pod, by their cgroups: $0.12 each, nothing else
         assert by_gpu(states[120.0])[gpu] == (pytest.approx(0.12), 0.0, {})
-    assert sum("booked as unobserved (attribution_unavailable)" in r.getMessage() for r in caplog.records) == 1
+    assert sum("booked as unobserved, not idle" in r.getMessage() for r in caplog.records) == 1

@@ -223,8 +223,8 @@ class KubeletSource(AttributionSource):
         elif self._answered_at is None or now - self._answered_at > self.stale_after_s:
             if not self._stale:
                 log.warning(
-                    "kubelet pod-resources unavailable %s: GPUs no process holds are booked as unobserved "
-                    "(attribution_unavailable) until it answers",
+                    "kubelet pod-resources silent %s: its allocations are not known, so GPUs no process holds "
+                    "are booked as unobserved, not idle, until it answers",
                     "since the start" if self._answered_at is None else f"for over {self.stale_after_s:g}s",
                 )
             self._stale = True
