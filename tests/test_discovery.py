@@ -12,6 +12,7 @@ import contextlib
 import logging
 import sqlite3
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,12 @@ from typing import Any
 import pytest
 import yaml
 
+from agent.accounting.cost import downtime
+from agent.accounting.unpriced import Unpriced
 from agent.config import PricingConfig, Settings
 from agent.devices.pci import nvidia_gpus, nvml_bus_id
 from agent.ledger.known import recorded_gpus
-from agent.model import AgentState
+from agent.model import AgentState, DeviceReading, NodeInfo, Price, Snapshot
 from tests.helpers import Rig
 from tests.test_cli import Daemon, daemon, fetch, polls_at_least, samples, value
 from tests.test_fault_matrix import ANN, BOB, NODE, ledger_by_gpu
@@ -64,6 +67,14 @@ def unobserved_dollars(reasons: Mapping[str, tuple[float, float]]) -> float:
     return sum(dollars for _seconds, dollars in reasons.values())
 
 
+def assert_partition(state: AgentState, seconds: float) -> None:
+    """Time is a partition: per GPU, charged + idle + unobserved dollars = $3.6/h x `seconds`."""
+    found = by_gpu(state)
+    assert set(found) == {0, 1, 2}
+    for gpu, (charged, idle, reasons) in found.items():
+        assert charged + idle + unobserved_dollars(reasons) == pytest.approx(PRICE * seconds / 3600), f"GPU {gpu}"
+
+
 def ledger_uuids(path: Path, gpu: int) -> set[str]:
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
         return {uuid for (uuid,) in conn.execute("SELECT DISTINCT uuid FROM gpu_hours WHERE gpu = ?", (gpu,))}
@@ -96,8 +107,9 @@ def test_an_unidentified_gpu_waits_for_its_price_then_books_it_under_its_own_uui
     charged, idle, reasons = by_gpu(states[120.0])[1]
     assert reasons == {"NOT_READY": (pytest.approx(105.0), pytest.approx(0.105))}
     assert (charged, idle) == (pytest.approx(0.015), 0.0)
-    # The partition: 0.015 + 0 + 0.105 = 0.12 = 120 s x $0.001.
+    # The partition: 0.015 + 0 + 0.105 = 0.12 = 120 s x $0.001, as for GPUs 0 and 2.
     assert charged + idle + unobserved_dollars(reasons) == pytest.approx(PRICE * 120 / 3600)
+    assert_partition(states[120.0], 120.0)
     # In the ledger too, all of it under GPU 1's own uuid.
     uuid = next(g.uuid for g in states[120.0].snapshot.gpus if g.index == 1)  # type: ignore[union-attr]
     assert ledger_uuids(ledger, 1) == {uuid}
@@ -151,6 +163,7 @@ def test_a_node_wide_price_prices_an_unidentified_gpu_at_once() -> None:
     assert reasons == {"CORRUPTED_INFOROM": (pytest.approx(105.0), pytest.approx(0.105))}
     assert charged + idle + unobserved_dollars(reasons) == pytest.approx(0.12)
     assert (charged, idle) == (pytest.approx(0.015), 0.0)
+    assert_partition(states[120.0], 120.0)
 
 
 def test_discovery_is_retried_with_backoff_until_the_gpu_answers() -> None:
@@ -182,6 +195,7 @@ def test_discovery_is_retried_with_backoff_until_the_gpu_answers() -> None:
     # GPU 2 went unobserved for all 40 s: $0.040 at $0.001 a second, the partition whole.
     charged, idle, reasons = by_gpu(last)[2]
     assert (charged, idle, reasons) == (0.0, 0.0, {"CORRUPTED_INFOROM": (pytest.approx(40.0), pytest.approx(0.040))})
+    assert_partition(last, 40.0)
 
 
 # --- item 9 of issue 10, through the daemon -----------------------------------------------------
@@ -241,6 +255,30 @@ def test_a_non_fatal_discovery_error_leaves_the_others_polled_and_the_agent_visi
     assert seconds > 0
     assert unobserved == pytest.approx(seconds * PRICE / 3600)
     assert ("gpuledger_gpu_up", (("gpu", "2"), ("uuid", "unidentified-2"))) in samples(later)
+    # The partition, per GPU over the uuids it went by: charged + idle + unobserved dollars is
+    # $3.6/h x its observed and unobserved seconds, and those are the same wall time for all.
+    walls = []
+    for gpu in ("0", "1", "2"):
+        dollars = sum(
+            v
+            for (name, labels), v in samples(later).items()
+            if ("gpu", gpu) in labels
+            and name
+            in (
+                "gpuledger_workload_cost_dollars_total",
+                "gpuledger_gpu_idle_cost_dollars_total",
+                "gpuledger_gpu_unobserved_cost_dollars_total",
+            )
+        )
+        wall = sum(
+            v
+            for (name, labels), v in samples(later).items()
+            if ("gpu", gpu) in labels
+            and name in ("gpuledger_gpu_observed_seconds_total", "gpuledger_gpu_unobserved_seconds_total")
+        )
+        assert dollars == pytest.approx(PRICE * wall / 3600), gpu
+        walls.append(wall)
+    assert walls == [pytest.approx(walls[0])] * 3
     assert "GPU 2 (CORRUPTED_INFOROM)" in fetch(d.url + "/healthz")[1]
     assert d.stop() == 0
 
@@ -361,6 +399,7 @@ def test_an_nvlink_count_that_cannot_be_read_is_unknown_until_it_can_never_zero(
     # Bob's job paid for GPU 1 all along: 45 s x $0.001 = $0.045, nothing idle or unobserved.
     charged, idle, reasons = by_gpu(states[45.0])[1]
     assert (charged, idle, unobserved_dollars(reasons)) == (pytest.approx(0.045), 0.0, 0.0)
+    assert_partition(states[45.0], 45.0)
 
 
 # --- the kubelet away ---------------------------------------------------------------------------
@@ -416,4 +455,36 @@ def test_a_kubelet_away_past_the_staleness_limit_makes_unheld_gpus_unobserved_no
     assert notebook == pytest.approx(0.090)
     for gpu in (0, 1):  # ann's job and bob's pod, by their cgroups: $0.12 each, nothing else
         assert by_gpu(states[120.0])[gpu] == (pytest.approx(0.12), 0.0, {})
+    assert_partition(states[120.0], 120.0)
     assert sum("booked as unobserved, not idle" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_waiting_time_stays_a_few_stretches_however_long_it_waits() -> None:
+    """A day of 15 s polls of an unidentified, unpriced GPU, with its down reason changing once:
+    two stretches held, not 5760 intervals; released at $3.6/h once it is discovered, every
+    second of the day at $0.001: $86.40."""
+    node = NodeInfo("n")
+    waiting = DeviceReading(
+        index=1, uuid="unidentified-1", name="", up=False, down_reason="NOT_READY", discovered=False
+    )
+    unpriced = Unpriced()
+    day = 86400.0
+    for start in range(0, int(day), int(STEP_S)):
+        reason = "NOT_READY" if start < day / 2 else "UNKNOWN"
+        gpu = replace(waiting, down_reason=reason)
+        snapshot = Snapshot(start + STEP_S, node, (gpu,), driver_up=True)
+        charges = downtime(start, start + STEP_S, snapshot, {}, reason=reason)
+        assert unpriced.hold(charges, snapshot, {}).gpus == ()
+    assert [len(h.stretches) for h in unpriced.held.values()] == [2]
+    assert unpriced.seconds == day
+    found = replace(waiting, uuid="GPU-1", name="NVIDIA A100-SXM4-80GB", up=True, down_reason=None, discovered=True)
+    released = unpriced.release(Snapshot(day, node, (found,)), {"GPU-1": Price(PRICE, "config")}, None)
+    assert unpriced.held == {}
+    booked = [g for charges in released for g in charges.gpus]
+    assert {g.uuid for g in booked} == {"GPU-1"}
+    # Half the day each reason: 43200 s x $0.001 = $43.20 each, $86.40 in all, all unobserved.
+    assert {g.unobserved_reason: (g.unobserved_s, g.unobserved_dollars) for g in booked} == {
+        "NOT_READY": (43200.0, pytest.approx(43.2)),
+        "UNKNOWN": (43200.0, pytest.approx(43.2)),
+    }
+    assert sum(g.unobserved_dollars + g.dollars for g in booked) == pytest.approx(PRICE * day / 3600)

@@ -217,11 +217,6 @@ class Sampler:
             if name:
                 self._known_names.setdefault(index, name)
 
-    @property
-    def undiscovered(self) -> int:
-        """GPUs the node has that discovery has not completed for (0 with none known)."""
-        return sum(not g.discovered for g in self._listed())
-
     def _init(self, now: float) -> None:
         self.backend.init()
         self._initialised = True
@@ -355,7 +350,7 @@ class Sampler:
             if what == "pci":
                 gpu.pci_bus_id = str(value or "")
             elif what == "power_limit":
-                gpu.power_limit_w = value if isinstance(value, float) else None
+                gpu.power_limit_w = float(value) if isinstance(value, int | float) else None
             elif what == "sm_count":
                 gpu.sm_count = value if isinstance(value, int) else None
             else:
