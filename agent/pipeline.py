@@ -208,6 +208,9 @@ class Pipeline:
         self._last_energy: dict[str, float] = {}  # GPU uuid -> its last energy counter reading
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
+        # Cost unit uuid -> the workloads that held it at the last poll that saw it held: whom
+        # accounting books its idle time to (`IdleCharge.left_by`).
+        self._unit_left_by: dict[str, tuple[Workload, ...]] = {}
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
         self._rule_states: Mapping[tuple[str, str], RuleState] = {}
@@ -381,6 +384,7 @@ class Pipeline:
             self._prices.update(costing.prices(snapshot))
         if sampled.previous is None:
             self._book_downtime(snapshot, costing)
+            self._remember_holders(attribution)
             return None
         charges = account(
             sampled.previous,
@@ -391,7 +395,9 @@ class Pipeline:
             energy_per_kwh=costing.energy_per_kwh,
             earlier=earlier,
             energy_before=self._last_energy,
+            left_by=self._unit_left_by,
         )
+        self._remember_holders(attribution)
         for gpu in snapshot.gpus:
             if gpu.energy_j is not None:
                 self._last_energy[gpu.uuid] = gpu.energy_j
@@ -400,6 +406,13 @@ class Pipeline:
             costing.sink.add(charges)
         self._totals = totals  # only once the ledger has them too: counters and ledger agree
         return charges
+
+    def _remember_holders(self, attribution: Attribution) -> None:
+        held: dict[str, set[Workload]] = {}
+        for h in attribution.holdings:
+            held.setdefault(h.device_uuid, set()).add(h.workload)
+        for uuid, workloads in held.items():
+            self._unit_left_by[uuid] = tuple(sorted(workloads))
 
     def _book_downtime(self, snapshot: Snapshot, costing: Costing) -> None:
         """At the first poll: the time since the ledger's record ended, when nobody watched,
