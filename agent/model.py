@@ -291,6 +291,7 @@ class IdleTotals:
 
     idle_s: float = 0.0
     idle_dollars: float = 0.0
+    last_at: float = 0.0  # the end of the last interval that added to it (backend clock)
 
 
 @dataclass(frozen=True, slots=True)

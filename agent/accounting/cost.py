@@ -305,13 +305,16 @@ def account(
     )
 
 
-def _by_left(old: Mapping[Workload, IdleTotals], g: GpuCharge) -> Mapping[Workload, IdleTotals]:
-    if not g.idle_by:
-        return old
-    found = dict(old)
+def _by_left(
+    old: Mapping[Workload, IdleTotals], g: GpuCharge, end: float, horizon: float
+) -> Mapping[Workload, IdleTotals]:
+    """The idle totals by who left the GPU idle, plus `g`'s; those nothing has added to since
+    `horizon` are dropped, as finished workloads' are, so that every job that ever left a GPU
+    idle does not keep a series alive for good."""
+    found = {w: t for w, t in old.items() if t.last_at >= horizon}
     for part in g.idle_by:
         was = found.get(part.left_by, _NO_IDLE_TOTALS)
-        found[part.left_by] = IdleTotals(was.idle_s + part.idle_s, was.idle_dollars + part.idle_dollars)
+        found[part.left_by] = IdleTotals(was.idle_s + part.idle_s, was.idle_dollars + part.idle_dollars, end)
     return found
 
 
@@ -449,7 +452,7 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
             energy_dollars=energy_dollars(gpu_joules, per_kwh),
             idle_energy_dollars=energy_dollars(idle_joules, per_kwh),
             unobserved_by_reason=_by_reason(old_gpu.unobserved_by_reason, g),
-            idle_by_left=_by_left(old_gpu.idle_by_left, g),
+            idle_by_left=_by_left(old_gpu.idle_by_left, g, charges.end, horizon),
             busy_s=old_gpu.busy_s if g.busy_s is None else (old_gpu.busy_s or 0.0) + g.busy_s,
         )
     return CostTotals(workloads, gpus)
