@@ -22,11 +22,11 @@ from agent.devices.backend import (
     PermissionDenied,
     ProcessInfo,
     ProcessSample,
-    UtilizationSample,
     Quantity,
     ReadingKey,
     ReadingNotSupported,
     ReadResult,
+    UtilizationSample,
 )
 from agent.devices.nvml import mig_profile_from_name
 from agent.devices.sampler import Sampler
