@@ -79,10 +79,8 @@ EXIT_AFTER_MIN_S = 60.0
 # Downtime between runs longer than this is not booked: a ledger copied from another machine
 # or a clock that jumped, more likely than an agent stopped for over a year.
 MAX_DOWNTIME_S = 366 * 86400.0
-STOP_WAIT_S = 2.0
-IDLE_RULES = frozenset(
-    {"idle"}
-)  # flags whose log lines name who left the GPU idle  # how long stop() waits for a poll in progress
+STOP_WAIT_S = 2.0  # how long stop() waits for a poll in progress
+IDLE_RULES = frozenset({"idle"})  # flags whose log lines name who left the GPU idle (and any rule of that condition)
 TIMEOUT = "TIMEOUT"  # the down reason of a GPU whose call is stuck (NVML's own name for it)
 STAGES = ("sample", "attribute", "account", "rules", "publish")
 
@@ -210,6 +208,9 @@ class Pipeline:
         self._last_energy: dict[str, float] = {}  # GPU uuid -> its last energy counter reading
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
+        # Cost unit uuid -> the workloads that held it at the last poll that saw it held: whom
+        # accounting books its idle time to (`IdleCharge.left_by`).
+        self._unit_left_by: dict[str, tuple[Workload, ...]] = {}
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
         # Unobserved time waiting for a GPU to book it to, or for a GPU's price (accounting/unpriced.py).
@@ -387,6 +388,7 @@ class Pipeline:
         previous = sampled.previous
         if previous is None:
             self._book_downtime(snapshot, costing)
+            self._remember_holders(attribution)
             return None
         if not previous.gpus or not snapshot.gpus:
             # No GPU known at one end (the driver could not list them and nothing else named
@@ -406,7 +408,9 @@ class Pipeline:
             energy_per_kwh=costing.energy_per_kwh,
             earlier=earlier,
             energy_before=self._last_energy,
+            left_by=self._unit_left_by,
         )
+        self._remember_holders(attribution)
         for gpu in snapshot.gpus:
             if gpu.energy_j is not None:
                 self._last_energy[gpu.uuid] = gpu.energy_j
@@ -422,6 +426,13 @@ class Pipeline:
             if costing.sink is not None:
                 costing.sink.add(booked)
             self._totals = totals  # only once the ledger has them too: counters and ledger agree
+
+    def _remember_holders(self, attribution: Attribution) -> None:
+        held: dict[str, set[Workload]] = {}
+        for h in attribution.holdings:
+            held.setdefault(h.device_uuid, set()).add(h.workload)
+        for uuid, workloads in held.items():
+            self._unit_left_by[uuid] = tuple(sorted(workloads))
 
     def _book_downtime(self, snapshot: Snapshot, costing: Costing) -> None:
         """At the first poll: the time since the ledger's record ended, when nobody watched,
@@ -512,9 +523,10 @@ class Pipeline:
         result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at)
         self._rule_states = result.states
         self._flags = result.flags
+        idle_rules = IDLE_RULES | {r.name for r in self.rules if r.condition == "idle"}
         for t in result.transitions:
             left = self._left_by.get(t.uuid) or left_before.get(t.uuid)
-            _log_transition(t, left if t.rule in IDLE_RULES else None)
+            _log_transition(t, left, idle=t.rule in idle_rules)
 
     def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, set[Workload]]) -> None:
         """Remember who held each GPU at the last poll that saw it held; once nobody holds it,
@@ -683,13 +695,21 @@ def run_on_scenario_time(
     return steps
 
 
-def _log_transition(t: Transition, left_by: LeftBy | None = None) -> None:
+NOBODY_SINCE_START = "(nobody since the agent started)"
+
+
+def _log_transition(t: Transition, left_by: LeftBy | None = None, *, idle: bool = True) -> None:
     """One structured line per flag change: GPU, rule, workload, how long, what it cost so far;
-    for the idle rules, who left the GPU idle and when (not whoever ends the idle stretch)."""
+    for the idle rules (`idle`), who left the GPU idle and when they were last seen on it (not
+    whoever ends the idle stretch), or that nobody has held it since the agent started."""
     workloads = ", ".join(w.describe() for w in t.holders) or "(nobody)"
     left = ""
-    if left_by is not None:
+    if not idle:
+        left_by = None
+    elif left_by is not None:
         left = f" left_by={left_by.describe()} left_at={datetime.fromtimestamp(left_by.at, UTC).isoformat()}"
+    else:
+        left = f" left_by={NOBODY_SINCE_START}"
     log.warning(
         "flag %s: rule=%s gpu=%d uuid=%s workload=%s for=%s cost_so_far=$%.2f%s",
         "raised" if t.raised else "cleared",
@@ -708,6 +728,6 @@ def _log_transition(t: Transition, left_by: LeftBy | None = None) -> None:
             "workload": workloads,
             "held_s": t.held_s,
             "cost_dollars": t.dollars,
-            "left_by": left_by.describe() if left_by is not None else None,
+            "left_by": left_by.describe() if left_by is not None else (NOBODY_SINCE_START if idle else None),
         },
     )

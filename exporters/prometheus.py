@@ -188,6 +188,12 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_gpu_idle_cost_dollars_total", ids, g.idle_dollars)
         out.add("gpuledger_gpu_idle_seconds_total", ids, g.idle_s)
         out.add("gpuledger_gpu_observed_seconds_total", ids, g.observed_s)
+        if g.busy_s is not None:
+            out.add("gpuledger_gpu_busy_seconds_total", ids, g.busy_s)
+        for left_by, idle in sorted(g.idle_by_left.items()):
+            labels = (*ids, *left_by.labels())
+            out.add("gpuledger_gpu_idle_left_by_seconds_total", labels, idle.idle_s)
+            out.add("gpuledger_gpu_idle_left_by_cost_dollars_total", labels, idle.idle_dollars)
         # no_poll is there from the start at 0, so that cost + idle + unobserved sums in PromQL
         # have a series to add; the other reasons appear with their first second.
         reasons = {UNOBSERVED_NO_POLL: (0.0, 0.0), **g.unobserved_by_reason}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
 import shlex
 import shutil
 import threading
@@ -166,23 +167,29 @@ class FakeHost:
         self._written_pids = set(running)
 
     def _write_slurm_map(self, t: float) -> None:
-        wanted: dict[str, str] = {}
+        """The prolog's files for the jobs running at t, each dated (its modification time) when
+        its job started, in scenario wall-clock time, as a prolog writing it then would leave it."""
+        wanted: dict[str, tuple[str, float]] = {}
         scenario = self.node.scenario
+        epoch = self.node.clock.start_epoch
         for a in scenario.allocations:
             if a.slurm_job is not None and a.start_s <= t and (a.end_s is None or t < a.end_s):
                 for ref in a.gpus:
-                    wanted[self._map_name(ref)] = f"{a.slurm_job} {a.user}" if a.user else a.slurm_job
+                    content = f"{a.slurm_job} {a.user}" if a.user else a.slurm_job
+                    wanted[self._map_name(ref)] = (content, epoch + a.start_s)
         for p in scenario.processes:
             if p.slurm_job is not None and p.running_at(t):
                 for ref in p.gpus:
-                    wanted.setdefault(self._map_name(ref), f"{p.slurm_job} {p.user}" if p.user else p.slurm_job)
+                    content = f"{p.slurm_job} {p.user}" if p.user else p.slurm_job
+                    wanted.setdefault(self._map_name(ref), (content, epoch + p.start_s))
         for existing in self.slurm_map_dir.iterdir():
             if existing.name not in wanted:
                 existing.unlink(missing_ok=True)
-        for name, content in wanted.items():
+        for name, (content, written_at) in wanted.items():
             target = self.slurm_map_dir / name
-            if not target.exists() or target.read_text().strip() != content:
+            if not target.exists() or target.read_text().strip() != content or target.stat().st_mtime != written_at:
                 target.write_text(content + "\n")
+                os.utime(target, (written_at, written_at))
 
     def _map_name(self, ref: GpuRef) -> str:
         if ref.mig is None:

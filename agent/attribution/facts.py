@@ -31,6 +31,9 @@ class SlurmAllocation:
     gpu_instance_id: int | None  # a MIG GPU instance (a `<gpu>.<gi>` map file); None for a whole GPU
     job: str
     user: str | None
+    # When the prolog wrote the map file (its modification time, unix seconds): the
+    # allocation's start. None where the file's time could not be read.
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from agent.devices.backend import (
     ReadingKey,
     ReadingNotSupported,
     ReadResult,
+    UtilizationSample,
 )
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,10 @@ class _ProcessSample(ctypes.Structure):
     _fields_ = pynvml.c_nvmlProcessUtilizationSample_t._fields_
 
 
+class _Sample(ctypes.Structure):
+    _fields_ = pynvml.c_nvmlSample_t._fields_
+
+
 class _ProcessInfo(ctypes.Structure):
     # nvmlProcessInfo_v2_t; v3 of the call returns the same struct.
     _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
@@ -244,6 +249,7 @@ class _Device:
         "temperature",
         "unbatched",
         "utilization",
+        "utilization_samples",
     )
 
     def __init__(self, handle: Any) -> None:
@@ -255,6 +261,7 @@ class _Device:
         # Reused result buffers, grown when the driver says they are too small.
         self.processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 32)()
         self.samples: ctypes.Array[_ProcessSample] = (_ProcessSample * 64)()
+        self.utilization_samples: ctypes.Array[_Sample] = (_Sample * 128)()
         # Reused result structs of the single calls read every poll.
         self.memory = _Memory()
         self.memory_v2 = _MemoryV2()
@@ -605,4 +612,30 @@ class NvmlBackend:
                 return []
             _check(call, code)
             return [(s.pid, s.timeStamp, s.smUtil) for s in buffer[: count.value]]
+        raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")
+
+    def utilization_samples(self, handle: Handle, since_us: int) -> list[UtilizationSample]:
+        """The GPU's utilization samples since `since_us` (nvmlDeviceGetSamples with
+        NVML_GPU_UTILIZATION_SAMPLES), in one call into the device's buffer: pynvml's wrapper
+        makes two (the size, then the samples)."""
+        call = "nvmlDeviceGetSamples"
+        fn = _function(call, call)
+        kind = ctypes.c_uint(pynvml.NVML_GPU_UTILIZATION_SAMPLES)
+        since = ctypes.c_ulonglong(since_us)
+        value_type = ctypes.c_uint(0)
+        count = ctypes.c_uint(0)
+        for _attempt in range(3):
+            buffer = handle.utilization_samples
+            count.value = len(buffer)
+            code = fn(handle.handle, kind, since, ctypes.byref(value_type), ctypes.byref(count), buffer)
+            if code == pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                if len(buffer) >= MAX_SAMPLES:
+                    break
+                handle.utilization_samples = (_Sample * min(count.value * 2 + 5, MAX_SAMPLES))()
+                continue
+            if code == pynvml.NVML_ERROR_NOT_FOUND:
+                return []  # nothing sampled since `since_us`
+            _check(call, code)
+            member = _VALUE_MEMBERS.get(value_type.value, "uiVal")
+            return [(s.timeStamp, float(getattr(s.sampleValue, member))) for s in buffer[: count.value]]
         raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")

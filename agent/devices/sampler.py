@@ -110,6 +110,10 @@ class _Gpu:
     # The most samples one process has had in one poll: the driver's ring buffer holds at most
     # that many (as far as we have seen), so a process with that many may have lost older ones.
     samples_kept: int = 0
+    # The device's own utilization samples: the newest one read, and the sampling period as
+    # observed (the smallest gap between two of them).
+    utilization_seen_us: int = 0
+    utilization_period_us: int | None = None
     unsupported: Unsupported = field(default_factory=Unsupported)
     lost_reason: str | None = None
     retry_at: float = 0.0
@@ -550,6 +554,7 @@ class Sampler:
         memory_used = values.get(_MEMORY_USED)
         memory_total = values.get(_MEMORY_TOTAL)
         processes = self._whole_gpu_processes(gpu, where)
+        interval_utilization = self._interval_utilization(gpu, where)
         return [
             DeviceReading(
                 index=gpu.index,
@@ -569,8 +574,44 @@ class Sampler:
                 nvlinks=links,
                 processes=processes or (),
                 processes_known=processes is not None,
+                interval_utilization=interval_utilization,
             )
         ]
+
+    def _interval_utilization(self, gpu: _Gpu, where: str) -> float | None:
+        """The GPU's utilization (0-1) time-weighted over its own samples since the last poll.
+
+        The driver records one device sample every sampling period, 0% included, so unlike the
+        per-process samples a missing period is missing data (a ring that wrapped, a driver that
+        paused), not idleness: each sample stands for the time since the one before it, at most
+        one sampling period, and the mean is over the time the samples cover. At a first poll,
+        or with a single sample, each sample counts for one period. None where the samples
+        could not be read (learned unsupported, or failed this poll: then the next poll reads
+        from the last sample seen, so the mean covers both intervals) or none were new."""
+        since = gpu.utilization_seen_us
+        samples = self._call(
+            where, gpu.unsupported, "utilization samples", lambda: self.backend.utilization_samples(gpu.handle, since)
+        )
+        if not samples:
+            return None
+        stamps = sorted((stamp, percent) for stamp, percent in samples if stamp > since)
+        if not stamps:
+            return None
+        gaps = [b - a for (a, _), (b, _) in itertools.pairwise(stamps) if b > a]
+        if gaps:
+            gpu.utilization_period_us = min(*gaps, gpu.utilization_period_us or min(gaps))
+        period = gpu.utilization_period_us
+        weighted = total = 0.0
+        previous = since if since else None
+        for stamp, percent in stamps:
+            span = period if period is not None else 1
+            if previous is not None and period is not None:
+                span = min(stamp - previous, period)
+            weighted += percent * span
+            total += span
+            previous = stamp
+        gpu.utilization_seen_us = stamps[-1][0]
+        return min(weighted / total / 100, 1.0) if total > 0 else None
 
     def _whole_gpu_processes(self, gpu: _Gpu, where: str) -> tuple[ProcessReading, ...] | None:
         """The GPU's processes; None when the list could not be read this poll (not "none")."""

@@ -15,8 +15,8 @@ from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple
 
-from agent.ledger.schema import GPU_MEASURES, WORKLOAD_MEASURES
-from agent.model import Charges, Workload
+from agent.ledger.schema import GPU_MEASURES, IDLE_MEASURES, PRICED_MEASURES, WORKLOAD_MEASURES
+from agent.model import Charges, GpuCharge, IdleCharge, Workload
 
 log = logging.getLogger("gpuledger.ledger")
 
@@ -70,17 +70,34 @@ def _add_sums(sums: Sums, names: Iterable[str], values: Iterable[float | None], 
 # The measures of a charge, in the order of the names above (attrgetter: this runs every poll).
 _workload_measures = attrgetter(*WORKLOAD_MEASURES)
 _gpu_measures = attrgetter(*GPU_MEASURES)
+_idle_measures = attrgetter(*IDLE_MEASURES)
+
+
+def idle_parts(gc: GpuCharge) -> tuple[IdleCharge, ...]:
+    """A GPU charge's idle time by who left it idle; a charge that does not break its idle time
+    down (made by hand, or by downtime booking) is all left by nobody known."""
+    if gc.idle_by or not (gc.idle_s or gc.idle_dollars or gc.idle_joules):
+        return gc.idle_by
+    return (IdleCharge(Workload(), gc.idle_s, gc.idle_dollars, gc.idle_joules, gc.idle_energy_dollars),)
 
 
 @dataclass(slots=True)
 class _PendingGpu:
+    """A pending GPU-hour row, and its idle time by who left the GPU idle (the idle_hours rows
+    of the same hour and GPU: they go wherever the GPU-hour goes, so they count as part of it)."""
+
     gpu: int
     model: str
     dollars_per_hour: float
     sums: Sums = field(default_factory=dict)
+    idle_by: dict[Workload, Sums] = field(default_factory=dict)
 
     def columns(self) -> dict[str, object]:
         return {"gpu": self.gpu, "model": self.model, "dollars_per_hour": self.dollars_per_hour}
+
+    def add_idle(self, idle_by: dict[Workload, Sums]) -> None:
+        for left_by, sums in idle_by.items():
+            _add_sums(self.idle_by.setdefault(left_by, {}), sums.keys(), sums.values())
 
 
 def hour_start(t: float) -> int:
@@ -133,6 +150,17 @@ class Batch:
     def nodes(self) -> set[str]:
         return {key.node for key in self.gpu_rows} | {key.node for key in self.workload_rows}
 
+    def idle_columns(self) -> list[dict[str, object]]:
+        """The idle_hours rows (a GPU-hour's idle time by who left it idle), as UPSERT_IDLE takes them."""
+        return [
+            key.columns()
+            | left_by.label_dict()
+            | {"gpu": p.gpu}
+            | {name: sums.get(name, None if name in PRICED_MEASURES else 0.0) for name in IDLE_MEASURES}
+            for key, p in self.gpu_rows.items()
+            for left_by, sums in p.idle_by.items()
+        ]
+
     def cover(self, start: float, end: float) -> None:
         self.first_at = start if self.first_at is None else min(self.first_at, start)
         self.last_at = end if self.last_at is None else max(self.last_at, end)
@@ -152,6 +180,7 @@ class Batch:
             else:
                 earlier.gpu, earlier.model, earlier.dollars_per_hour = later.gpu, later.model, later.dollars_per_hour
                 _add_sums(earlier.sums, later.sums.keys(), later.sums.values())
+                earlier.add_idle(later.idle_by)
         if newer.first_at is not None and newer.last_at is not None:
             self.cover(newer.first_at, newer.last_at)
 
@@ -250,6 +279,9 @@ class PendingCharges:
                     else:
                         pending.gpu, pending.model, pending.dollars_per_hour = gc.gpu, gc.model, gc.dollars_per_hour
                     _add_sums(pending.sums, GPU_MEASURES, gpu_measures, share)
+                    for idle in idle_parts(gc):
+                        sums = pending.idle_by.setdefault(idle.left_by, {})
+                        _add_sums(sums, IDLE_MEASURES, _idle_measures(idle), share)
             if charges.workloads or charges.gpus:
                 batch.cover(charges.start, charges.end)
             self._cap()

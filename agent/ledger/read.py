@@ -9,7 +9,7 @@ import logging
 import sqlite3
 from collections.abc import Sequence
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.ledger.files import (
@@ -35,7 +35,8 @@ class UsageRow:
     `held_s` counts a shared unit once per holder; `charged_s` is the workload's share of it, so
     the charged seconds of every row of a GPU-hour add up to the hour. For an idle row both are
     the GPU's idle seconds, `dollars`, `joules` and `energy_dollars` its idle cost and energy,
-    `busy_s` 0 and the workload empty; an unobserved row likewise carries the unobserved seconds
+    `busy_s` 0, the workload empty and `left_by` the workload that left the GPU idle (empty
+    where nobody is known to have held it); an unobserved row likewise carries the unobserved seconds
     and dollars, no energy (nobody read the counter) and no energy dollars. `energy_dollars` is
     None where no price per kWh was set (and for hours written before the ledger stored it).
     """
@@ -53,6 +54,7 @@ class UsageRow:
     idle: bool = False
     charged_s: float = 0.0
     unobserved: bool = False
+    left_by: Workload = field(default_factory=Workload)  # an idle row's: who left the GPU idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +168,8 @@ def read_ledger(
     path: str | Path, *, since: float | None = None, until: float | None = None, rows: bool = True
 ) -> LedgerContents:
     """The ledger's own record (`LedgerInfo`) and every stored hour that overlaps [since, until):
-    workload rows, then one idle row per GPU hour with idle time, then one unobserved row per GPU
+    workload rows, then one idle row per GPU hour with idle time and workload that left it idle,
+    then one unobserved row per GPU
     hour with unobserved time; no rows unless `rows`.
     Hours are the ledger's resolution, so a partly covered hour is read whole.
 
@@ -241,6 +244,7 @@ def _read(
     nodes = frozenset(node for (node,) in conn.execute("SELECT DISTINCT node FROM gpu_hours"))
     workload = conn.execute(f"SELECT * FROM workload_hours{where} ORDER BY hour", params).fetchall() if rows else []
     gpu = conn.execute(f"SELECT * FROM gpu_hours{where} ORDER BY hour", params).fetchall() if rows else []
+    idle = conn.execute(f"SELECT * FROM idle_hours{where} ORDER BY hour", params).fetchall() if rows else []
     conn.execute("COMMIT")
     if meta is None:
         raise LedgerError(f"ledger {path}: not a gpuledger ledger (no ledger_meta row)")
@@ -270,6 +274,8 @@ def _read(
         )
         for r in workload
     ]
+    # A GPU-hour's idle time by who left it idle (idle_hours); its rows add up to the GPU-hour's
+    # idle figures in gpu_hours.
     usage.extend(
         UsageRow(
             hour=r["hour"],
@@ -284,8 +290,9 @@ def _read(
             energy_dollars=r["idle_energy_dollars"],
             idle=True,
             charged_s=r["idle_s"],
+            left_by=Workload.from_labels(r),
         )
-        for r in gpu
+        for r in idle
         if r["idle_s"] or r["idle_dollars"] or r["idle_joules"]
     )
     usage.extend(

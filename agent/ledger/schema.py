@@ -1,13 +1,16 @@
 """The ledger's SQLite schema: its tables, and the ordered steps that bring a file written by any
 earlier release to the current version.
 
-Schema (version 4; `schema_version` holds one row per applied version):
+Schema (version 5; `schema_version` holds one row per applied version):
 
     workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team
                     | held_s, busy_s, dollars, joules, energy_dollars, charged_s
     gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour (latest seen in the hour),
                     observed_s, dollars, idle_s, idle_dollars, unobserved_s, unobserved_dollars, joules,
                     idle_joules, energy_dollars, idle_energy_dollars
+    idle_hours      hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team
+                    (the workload that left the GPU idle) | gpu, idle_s, idle_dollars, idle_joules,
+                    idle_energy_dollars
     ledger_meta     one row: ledger_id, node, created_at, created_by, first_at, last_at
 
 Opening a file applies, in one transaction, every migration step after its version (the steps
@@ -18,6 +21,7 @@ dollars: its rows keep NULL there (their price per kWh was never recorded). Vers
 can merge the ledgers of many nodes and refuse to count one node's time twice. Version 4 added
 `charged_s`, a workload's share of the unit's time (held seconds count a shared GPU once per
 holder, so only charged seconds add up to the GPU's hours); older rows get it from their dollars.
+Version 5 added `idle_hours`: a GPU-hour's idle time broken down by who left the GPU idle.
 
 `hour` is the unix time of the start of the UTC hour. Both tables are WITHOUT ROWID with a primary
 key that starts with `hour`: the table itself is the index that reports scan by time range and
@@ -40,6 +44,8 @@ log = logging.getLogger("gpuledger.ledger")
 _WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS)
 WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules", "energy_dollars", "charged_s")
 _GPU_KEYS = ("hour", "node", "uuid")
+_IDLE_KEYS = ("hour", "node", "uuid", *WORKLOAD_LABELS)
+IDLE_MEASURES = ("idle_s", "idle_dollars", "idle_joules", "idle_energy_dollars")
 _GPU_ATTRIBUTES = ("gpu", "model", "dollars_per_hour")
 GPU_MEASURES = (
     "observed_s", "dollars", "idle_s", "idle_dollars", "unobserved_s", "unobserved_dollars", "joules", "idle_joules",
@@ -174,12 +180,37 @@ _SCHEMA_V4 = (
 )
 
 
+# Version 5: idle time by who left the GPU idle. One row per hour, GPU and workload that held the
+# GPU last before its idle stretches (the workload labels; all empty where nobody is known to
+# have held it): its share of the GPU-hour's idle seconds, dollars, joules and energy dollars.
+# A GPU-hour's rows add up to its idle figures in gpu_hours. Hours written before version 5 did
+# not record who left a GPU idle: each gets one row with empty labels holding all its idle time.
+_SCHEMA_V5 = (
+    """CREATE TABLE idle_hours (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL,
+        gpu INTEGER NOT NULL,
+        idle_s REAL NOT NULL, idle_dollars REAL NOT NULL, idle_joules REAL NOT NULL, idle_energy_dollars REAL,
+        PRIMARY KEY (hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team)
+    ) WITHOUT ROWID""",
+    """INSERT INTO idle_hours (
+        hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
+        gpu, idle_s, idle_dollars, idle_joules, idle_energy_dollars
+    )
+    SELECT hour, node, uuid, '', '', '', '', '', '', '', '', gpu, idle_s, idle_dollars, idle_joules, idle_energy_dollars
+    FROM gpu_hours
+    WHERE idle_s != 0 OR idle_dollars != 0 OR idle_joules != 0""",
+)
+
+
 # Step n (from 1) brings a file at version n - 1 (0: empty) to version n.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V1),
     _run(_SCHEMA_V2),
     _run(_SCHEMA_V3),
     _run(_SCHEMA_V4),
+    _run(_SCHEMA_V5),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -201,3 +232,4 @@ def _upsert(table: str, keys: Sequence[str], replaced: Sequence[str], summed: Se
 
 UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, (), WORKLOAD_MEASURES)
 UPSERT_GPU = _upsert("gpu_hours", _GPU_KEYS, _GPU_ATTRIBUTES, GPU_MEASURES)
+UPSERT_IDLE = _upsert("idle_hours", _IDLE_KEYS, ("gpu",), IDLE_MEASURES)

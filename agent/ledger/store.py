@@ -36,7 +36,14 @@ from types import TracebackType
 
 from agent.ledger.files import CorruptLedger, LedgerError, file_id, is_corruption, move_aside, open_file
 from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS, Batch, PendingCharges, Sums, hour_start
-from agent.ledger.schema import GPU_MEASURES, PRICED_MEASURES, UPSERT_GPU, UPSERT_WORKLOAD, WORKLOAD_MEASURES
+from agent.ledger.schema import (
+    GPU_MEASURES,
+    PRICED_MEASURES,
+    UPSERT_GPU,
+    UPSERT_IDLE,
+    UPSERT_WORKLOAD,
+    WORKLOAD_MEASURES,
+)
 from agent.model import Charges
 
 log = logging.getLogger("gpuledger.ledger")
@@ -281,6 +288,7 @@ class Ledger:
                     for key, p in batch.gpu_rows.items()
                 ],
             )
+            conn.executemany(UPSERT_IDLE, batch.idle_columns())
             if batch.first_at is not None and batch.last_at is not None:
                 conn.execute(_RECORD_PERIOD, {"first": batch.first_at, "last": batch.last_at})
             nodes = batch.nodes()
@@ -289,6 +297,7 @@ class Ledger:
             if cutoff is not None:
                 conn.execute("DELETE FROM workload_hours WHERE hour < ?", (cutoff,))
                 conn.execute("DELETE FROM gpu_hours WHERE hour < ?", (cutoff,))
+                conn.execute("DELETE FROM idle_hours WHERE hour < ?", (cutoff,))
                 conn.execute(_RETAIN_PERIOD, {"cutoff": cutoff})
             conn.execute("COMMIT")
         except BaseException:
