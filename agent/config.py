@@ -17,6 +17,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from agent.accounting.pricing import Catalogue, parse_catalogue
+from agent.actions.config import ActionsConfig
+from agent.actions.config import cross_problems as action_problems
+from agent.actions.config import host_problems as action_host_problems
 from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
@@ -212,6 +215,7 @@ class Settings(BaseSettings):
     attribution: AttributionConfig = AttributionConfig()
     rules: RulesConfig = RulesConfig()
     exporters: ExportersConfig = ExportersConfig()
+    actions: ActionsConfig = ActionsConfig()
     # TLS and basic auth for the HTTP endpoint, in the exporter-toolkit web-config format
     # (like exporters' --web.config.file); read by exporters/webconfig.py when `run` starts.
     web_config_file: str | None = None
@@ -270,7 +274,7 @@ def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
     except ConfigError as exc:
         return None, [str(exc)]
     try:
-        return Settings(**data), []
+        settings = Settings(**data)
     except ValidationError as exc:
         return None, _problems(exc, source)
     except SettingsError as exc:
@@ -278,6 +282,16 @@ def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
         field = re.search(r'field "([^"]+)"', str(exc))
         name = ENV_PREFIX + (field.group(1).upper() if field else "*")
         return None, [f"environment: {name}: not a JSON object (or set its keys as {name}__KEY)"]
+    problems = action_problems(settings.actions, rule_conditions(settings.rules), source)
+    return (None, problems) if problems else (settings, [])
+
+
+def rule_conditions(rules: RulesConfig) -> dict[str, tuple[str, bool]]:
+    """Each flag rule's name -> (its condition, whether it is enabled)."""
+    built_in = ("idle", "allocated_idle", "underused", "stranded_memory")
+    found = {name: (name, bool(getattr(rules, name).enabled)) for name in built_in}
+    found.update({c.name: (c.condition, c.enabled) for c in rules.custom})
+    return found
 
 
 def host_problems(settings: Settings, source: str = "config") -> list[str]:
@@ -298,7 +312,7 @@ def host_problems(settings: Settings, source: str = "config") -> list[str]:
         parent = next((p for p in ledger.parents if p.exists()), None)
         if parent is not None and not parent.is_dir():
             problems.append(f"{source}: ledger.path: {parent} is not a directory")
-    return problems
+    return problems + action_host_problems(settings.actions, source)
 
 
 def load_config(path: str | Path | None = None) -> Settings:

@@ -319,6 +319,7 @@ class AgentState:
     flags: tuple[Flag, ...] = ()  # the rules stage's output, rendered as is
     left_by: tuple[LeftBy, ...] = ()  # GPUs nobody holds now, and who held them last
     health: AgentHealth = field(default_factory=AgentHealth)
+    actions: tuple[tuple[str, str, int], ...] = ()  # (action, result, count) since the agent started
 
 
 @dataclass(frozen=True, slots=True)

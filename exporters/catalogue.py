@@ -245,6 +245,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "1 for each workload holding a GPU flagged allocated_idle or stranded_memory: who to ask.",
         (*WORKLOAD, "rule"),
     ),
+    MetricSpec(
+        "gpuledger_actions_total",
+        Kind.COUNTER,
+        "Decisions and outcomes of the configured actions (config actions.triggers), by result: executed, "
+        "failed, timeout, dry_run, denied, cooldown, deferred.",
+        ("action", "result"),
+    ),
     MetricSpec("gpuledger_ledger_up", Kind.GAUGE, "1 while the ledger's last flush succeeded, 0 while failing.", ()),
     MetricSpec("gpuledger_ledger_pending_rows", Kind.GAUGE, "Ledger rows waiting for the next flush.", ()),
     MetricSpec(

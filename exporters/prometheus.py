@@ -87,6 +87,8 @@ class GpuledgerCollector(Collector):
                 out.add("gpuledger_stage_last_success_timestamp_seconds", (stage.stage,), stage.last_success_at)
         for call, error, count in health.nvml_errors:
             out.add("gpuledger_nvml_errors_total", (call, error), count)
+        for action, result, count in state.actions:
+            out.add("gpuledger_actions_total", (action, result), count)
         out.add("gpuledger_build_info", (__version__, driver, cuda), 1.0)
         yield from out
 

@@ -12,12 +12,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from agent.accounting.pricing import resolve_price
+from agent.actions import Actions, Selector, Trigger
+from agent.actions.config import TargetList
 from agent.attribution.gather import Attributor
 from agent.attribution.labels import compile_rules, rule_env_keys
 from agent.attribution.sources import open_sources
@@ -57,6 +59,7 @@ class Agent:
     pipeline: Pipeline
     textfile: TextfileWriter | None
     fake_speed: float = 0.0  # scenario seconds per real second once started (0: moved by hand)
+    actions: Actions | None = None  # the configured actions (config `actions:`), if any
     _closed: bool = False
     _ledger_written: bool = True
 
@@ -94,6 +97,8 @@ class Agent:
             return self._ledger_written
         self._closed = True
         idle = self.pipeline.stop()
+        if self.actions is not None:
+            self.actions.close()
         if self.costing is not None and self.costing.sink is not None:
             # The last charges reach the ledger before anything slower.
             self._ledger_written = self.costing.sink.close()
@@ -120,6 +125,7 @@ def build_agent(
     monotonic: Callable[[], float] = time.monotonic,
     costing: Costing | bool = True,
     rules: Sequence[RuleSpec] | None = None,
+    actions: Literal["on", "dry_run", "off"] = "on",
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
 
@@ -133,6 +139,9 @@ def build_agent(
     costing        True: prices from the settings; False: no accounting; a `Costing`: that one
                    (tests and benchmarks with prices of their own)
     rules          the flag rules; by default those the settings enable
+    actions        "on": the configured actions, as configured; "dry_run": every one a dry run,
+                   with no state file (`simulate`); "off": none. On a fake node the state file
+                   is never used (a demo must not mark the host's real episodes as acted on).
     """
     problems = host_problems(settings, "gpuledger")
     if problems:
@@ -150,11 +159,12 @@ def build_agent(
         sampler = Sampler(backend, hostname=node_name(settings, node))
         # The devices first (within the call budget): without a driver nothing else is built,
         # so `run` says that, and only that, in its one line.
+        specs = rule_specs(settings) if rules is None else rules
         pipeline = Pipeline(
             sampler,
             interval_s,
             monotonic=monotonic,
-            rules=rule_specs(settings) if rules is None else rules,
+            rules=specs,
             call_timeout_s=settings.watchdog.call_timeout,
             exit_after_s=settings.watchdog.exit_after,
         )
@@ -172,13 +182,17 @@ def build_agent(
                 rhythm_s = interval_s * fake_speed if fake_speed else interval_s
                 priced = replace(priced, max_interval_s=max(priced.max_interval_s, 3 * rhythm_s))
         pipeline.costing = priced
+        acting = _actions(settings, specs, actions, fake=node is not None, interval_s=interval_s)
+        pipeline.actions = acting
     except BaseException:
         if node is not None:
             import fake_nvml
 
             fake_nvml.uninstall()
         raise
-    agent = Agent(settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed)
+    agent = Agent(
+        settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed, actions=acting
+    )
     if textfile_path:
         agent.textfile = TextfileWriter(textfile_path, lambda: pipeline.state, agent.exposition)
     return agent
@@ -208,6 +222,50 @@ def rule_specs(settings: Settings) -> list[RuleSpec]:
         for name, condition, c in configured
         if c.enabled
     ]
+
+
+# An episode decided before a restart waits this long, past its rule's `for`, for its flag to
+# raise again (at least this many polls).
+RESUME_GRACE_S = 300.0
+RESUME_GRACE_POLLS = 3
+
+
+def _actions(
+    settings: Settings, specs: Sequence[RuleSpec], mode: str, *, fake: bool, interval_s: float
+) -> Actions | None:
+    """The configured actions as the pipeline runs them; None when there are none (or "off")."""
+    config = settings.actions
+    if mode == "off" or not config.triggers:
+        return None
+    for_s = {spec.name: spec.for_s for spec in specs}
+    grace_s = max(RESUME_GRACE_S, RESUME_GRACE_POLLS * interval_s)
+    triggers = [
+        Trigger(
+            name=name,
+            flag=t.flag,
+            scope=t.scope,
+            after_s=t.after,
+            cooldown_s=t.cooldown,
+            dry_run=mode == "dry_run" or (config.dry_run if t.dry_run is None else t.dry_run),
+            allow=(_selector(config.allow), _selector(t.allow)),
+            deny=(_selector(config.deny), _selector(t.deny)),
+            resume_s=for_s.get(t.flag, 0.0) + grace_s,
+            command=tuple(t.command or ()),
+            timeout_s=t.webhook.timeout if t.webhook is not None else t.timeout,
+            env=tuple(sorted(t.env.items())),
+            pass_env=tuple(t.pass_env),
+            webhook_url=t.webhook.url if t.webhook is not None else "",
+            webhook_format=t.webhook.format if t.webhook is not None else "alertmanager",
+            webhook_headers=tuple(sorted(t.webhook.headers.items())) if t.webhook is not None else (),
+        )
+        for name, t in config.triggers.items()
+    ]
+    state_file = None if fake or mode == "dry_run" else config.state_file
+    return Actions(triggers, workers=config.workers, queue_size=config.queue_size, state_file=state_file)
+
+
+def _selector(names: TargetList) -> Selector:
+    return Selector(tuple(names.namespaces), tuple(names.hpc_jobs), tuple(names.users), tuple(names.nodes))
 
 
 def node_name(settings: Settings, node: fake_nvml.InstalledNode | None) -> str | None:
