@@ -23,7 +23,7 @@ from agent.actions.config import host_problems as action_host_problems
 from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
-from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS
+from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS
 from agent.scrub import escape_control
 from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
