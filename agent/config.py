@@ -6,14 +6,24 @@ problem is reported with the key it concerns (and the variable, when one set it)
 
 from __future__ import annotations
 
+import datetime
 import functools
+import itertools
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from agent.accounting.pricing import Catalogue, parse_catalogue
@@ -39,6 +49,32 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+Purchase = Literal["on_demand", "spot", "reserved", "savings_plan", "committed"]
+Dollars = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# Purchase options whose price cannot be guessed from the on-demand one: they need a rate or a
+# discount (spot may have its price per instance type in spot_hourly instead).
+_NEEDS_TERMS = ("reserved", "savings_plan", "committed")
+
+
+class PriceChange(_Section):
+    """From `at` on, these pricing keys have these values (the others keep theirs)."""
+
+    at: datetime.datetime
+    gpu_hourly: Dollars | None = None
+    by_uuid: dict[str, Dollars] | None = None
+    by_model: dict[str, Dollars] | None = None
+    instance_hourly: dict[str, Dollars] | None = None
+    purchase: Purchase | None = None
+    rate: Dollars | None = None
+    discount: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    spot_hourly: dict[str, Dollars] | None = None
+
+    @field_validator("at")
+    @classmethod
+    def _utc(cls, value: datetime.datetime) -> datetime.datetime:
+        return value if value.tzinfo is not None else value.replace(tzinfo=datetime.UTC)
+
+
 class PricingConfig(_Section):
     gpu_hourly: float | None = Field(default=None, ge=0)
     by_uuid: dict[str, Annotated[float, Field(ge=0)]] = {}
@@ -46,6 +82,55 @@ class PricingConfig(_Section):
     instance_type: str | None = None
     instance_hourly: dict[str, Annotated[float, Field(ge=0)]] = {}
     energy_per_kwh: float | None = Field(default=None, ge=0)
+    # How this node is bought, and at what terms: `rate` ($/GPU-hour) replaces the price found
+    # above, `discount` (0-1) takes that fraction off it; spot takes its price per instance type
+    # from spot_hourly ($/instance-hour, like instance_hourly) where listed.
+    purchase: Purchase = "on_demand"
+    rate: Dollars | None = None
+    discount: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    spot_hourly: dict[str, Dollars] = {}
+    # The price history: each change applies from its `at` (UTC unless it says) on.
+    changes: list[PriceChange] = []
+
+    @model_validator(mode="after")
+    def _terms(self) -> PricingConfig:
+        for at, pricing in self.epochs():
+            where = "" if at is None else f" (from pricing.changes at {_iso(at)})"
+            if pricing.rate is not None and pricing.discount is not None:
+                raise ValueError(f"give rate or discount, not both{where}")
+            if pricing.purchase in _NEEDS_TERMS and pricing.rate is None and pricing.discount is None:
+                raise ValueError(f"purchase {pricing.purchase} needs its rate or discount{where}")
+            terms = pricing.rate is not None or pricing.discount is not None or pricing.spot_hourly
+            if pricing.purchase == "spot" and not terms:
+                raise ValueError(f"purchase spot needs spot_hourly, a rate or a discount{where}")
+        return self
+
+    @field_validator("changes")
+    @classmethod
+    def _in_order(cls, value: list[PriceChange]) -> list[PriceChange]:
+        for earlier, later in itertools.pairwise(value):
+            if later.at <= earlier.at:
+                raise ValueError(f"changes must be in time order: {_iso(later.at.timestamp())} is not after "
+                                 f"{_iso(earlier.at.timestamp())}")  # fmt: skip
+        return value
+
+    def epochs(self) -> list[tuple[float | None, PricingConfig]]:
+        """(from, the pricing in force) for each period: this section from always, then each
+        change merged into what was in force before it."""
+        base = self.model_copy(update={"changes": []})
+        found: list[tuple[float | None, PricingConfig]] = [(None, base)]
+        for change in self.changes:
+            update = change.model_dump(exclude={"at"}, exclude_none=True)
+            if "rate" in update:
+                update.setdefault("discount", None)  # a new rate replaces a discount in force
+            elif "discount" in update:
+                update.setdefault("rate", None)
+            found.append((change.at.timestamp(), found[-1][1].model_copy(update=update)))
+        return found
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 class LedgerConfig(_Section):

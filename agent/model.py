@@ -324,10 +324,47 @@ class AgentState:
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """What one GPU costs per hour, and why that figure (shown in `snapshot`)."""
+    """What one GPU costs per hour, and why that figure (shown in `snapshot`).
+
+    A price that changes later (config `pricing.changes`) carries its later prices in `changes`,
+    each from its time on: `at(t)` is the price in force at t, `dollars(start, end)` what the
+    GPU costs over that span. The fields after `source` do not take part in equality: two
+    prices are the same figure for the same reason.
+    """
 
     dollars_per_hour: float
     source: str  # e.g. "config pricing.gpu_hourly", "instance p4d.24xlarge / 8 GPUs (AWS, read 2026-11-01)"
+    # Where the figure comes from, in one stable word: config, instance or catalogue.
+    origin: str = field(default="config", compare=False)
+    # How the node is bought: on_demand, spot, reserved, savings_plan or committed.
+    purchase: str = field(default="on_demand", compare=False)
+    # Set where the instance type's GPU model is not the GPU's: why the instance was not used.
+    mismatch: str = field(default="", compare=False)
+    changes: tuple[tuple[float, Price], ...] = field(default=(), compare=False)  # (from, price), in time order
+
+    def at(self, t: float) -> Price:
+        """The price in force at `t` (backend clock, unix seconds)."""
+        current = self
+        for start, later in self.changes:
+            if start > t:
+                break
+            current = later
+        return current
+
+    def dollars(self, start: float, end: float) -> float:
+        """What the GPU costs from `start` to `end`: each part at the price in force then."""
+        if not self.changes:
+            return self.dollars_per_hour * (end - start) / 3600
+        total = 0.0
+        t, rate = start, self.dollars_per_hour
+        for at, later in self.changes:
+            if at >= end:
+                break
+            if at > t:
+                total += rate * (at - t) / 3600
+                t = at
+            rate = later.dollars_per_hour
+        return total + rate * (end - t) / 3600
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +404,8 @@ class GpuCharge:
     energy_dollars: float | None = None  # joules at the energy price; None where none is set
     idle_energy_dollars: float | None = None
     unobserved_reason: str = ""  # why, when unobserved_s > 0 (UNOBSERVED_* or the NVML error)
+    purchase: str = ""  # how the GPU is bought (Price.purchase) at the interval's end; "" where unpriced
+    price_source: str = ""  # where its price comes from (Price.origin); "" where unpriced
 
 
 # Why time was not observed (besides a GPU's own NVML error, such as GPU_IS_LOST or TIMEOUT).

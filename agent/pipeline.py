@@ -523,11 +523,18 @@ class Pipeline:
             snapshot=snapshot,
             attribution=self._attribution if sampled is not None else previous.attribution,
             costs=self._totals if costing is not None else CostTotals(),
-            prices=tuple(sorted(self._prices.items())) if costing is not None else (),
+            prices=self._prices_at(snapshot.taken_at if snapshot is not None else None) if costing is not None else (),
             ledger=costing.sink.health() if costing is not None and costing.sink is not None else None,
             flags=self._flags,
             left_by=tuple(self._left_by[uuid] for uuid in sorted(self._left_by)),
             health=health,
+        )
+
+    def _prices_at(self, t: float | None) -> tuple[tuple[str, Price | None], ...]:
+        """Each GPU's price in force at `t` (a price history changes it over time)."""
+        return tuple(
+            (uuid, price.at(t) if price is not None and t is not None else price)
+            for uuid, price in sorted(self._prices.items())
         )
 
     def _stage_health(self, taken_at: float | None) -> tuple[StageHealth, ...]:

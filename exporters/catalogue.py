@@ -220,8 +220,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuledger_gpu_price_info",
         Kind.INFO,
-        "Where the GPU's price comes from (config override, instance type, catalogue); always 1.",
-        (*DEVICE, "source"),
+        "Where the GPU's price comes from (source: config, instance or catalogue; `snapshot` cites it in "
+        "full) and how the node is bought (purchase: on_demand, spot, reserved, savings_plan, committed); always 1.",
+        (*DEVICE, "source", "purchase"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_price_mismatch",
+        Kind.GAUGE,
+        "1 when the node's instance type comes with another GPU model than the one NVML reports (the GPU is "
+        "then priced by its own model), 0 otherwise.",
+        DEVICE,
     ),
     MetricSpec("gpuledger_gpu_flag", Kind.GAUGE, "1 while the rule holds for the GPU, 0 otherwise.", (*DEVICE, "rule")),
     MetricSpec(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from agent.accounting.pricing import resolve_price
+from agent.accounting.pricing import NO_SPOT_PRICE, price_schedule
 from agent.actions import Actions, Selector, Trigger
 from agent.actions.config import TargetList
 from agent.attribution.gather import Attributor
@@ -331,15 +331,18 @@ def _costing(
     pricing = settings.pricing
     instance_type = node.scenario.node.instance_type if node is not None else detect_instance_type()
 
+    epochs = pricing.epochs()
+    warned: set[str] = set()  # each warning once per run, however often GPUs are priced
+
     def prices(snapshot: Snapshot) -> dict[str, Price | None]:
         gpus = snapshot.gpus
         found = {
-            g.uuid: resolve_price(
+            g.uuid: price_schedule(
+                epochs,
                 model=g.model,
                 uuid=g.uuid,
                 gpu_count=len(gpus),
                 instance_type=instance_type,
-                pricing=pricing,
                 catalogue=catalogue,
             )
             for g in gpus
@@ -348,6 +351,14 @@ def _costing(
         for g in gpus:
             if g.name and found.get(g.uuid) is None:
                 log.warning("no price for GPU %d (%s): set pricing.by_model or pricing.gpu_hourly", g.index, g.model)
+        periods = [p for price in found.values() if price is not None for p in (price, *(c for _, c in price.changes))]
+        for message in sorted({p.mismatch for p in periods if p.mismatch} - warned):
+            warned.add(message)
+            log.warning("pricing: %s (set pricing.instance_type if the detected one is wrong)", message)
+        for p in periods:
+            if p.source.startswith(NO_SPOT_PRICE) and "spot" not in warned:
+                warned.add("spot")
+                log.warning("pricing: %s; add the instance type to pricing.spot_hourly", p.source.split(":")[0])
         return found
 
     sink = (
