@@ -195,6 +195,8 @@ class AttributionConfig(_Section):
     kubelet_interval: Duration = Field(default=10.0, gt=0)
     kubelet_timeout: Duration = Field(default=2.0, gt=0)
     rules: list[AttributionRule] = []
+    # A Slurm job's account is its `team` where no rule sets one.
+    team_from_account: bool = True
 
 
 class _RuleBase(_Section):

@@ -202,6 +202,9 @@ class Holding:
     # Named only by what its processes say of themselves (SLURM_JOB_ID in their environment),
     # which nothing trusted (cgroup, kubelet, the prolog's map file) confirmed.
     self_reported: bool = False
+    # The Slurm account a job's holding is billed to (the prolog's map file, else the process's
+    # SLURM_JOB_ACCOUNT); not a metric label: the ledger and `report --by account` carry it.
+    account: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,6 +386,7 @@ class WorkloadCharge:
     # holders' charged seconds plus its idle seconds are its observed seconds, so these add up
     # across workloads where held seconds count a shared GPU once per holder.
     charged_s: float = 0.0
+    account: str = ""  # the Slurm account (Holding.account), "" where none
 
 
 @dataclass(frozen=True, slots=True)

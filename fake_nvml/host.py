@@ -4,7 +4,7 @@ For the scenario time the node is at, it keeps up to date
   - a procfs-shaped tree (`proc/<pid>/{stat,status,cmdline,environ,cgroup}`) of the running
     scenario processes, with the cgroup paths their pod / Slurm job / container implies,
   - a passwd-format file naming the scenario's users,
-  - Slurm's GPU mapping directory (one file per GPU index or MIG `gpu.gi`: job id and user),
+  - Slurm's GPU mapping directory (one file per GPU index or MIG `gpu.gi`: job id, user, account),
   - the kubelet's `/var/log/pods/<namespace>_<pod>_<uid>` directories,
   - and serves the kubelet pod-resources v1 API on a unix socket (a real gRPC server),
 so the agent reads them with its production code, exactly as on a real node.
@@ -162,7 +162,7 @@ class FakeHost:
         for a in scenario.allocations:
             if a.slurm_job is not None and a.start_s <= t and (a.end_s is None or t < a.end_s):
                 for ref in a.gpus:
-                    wanted[self._map_name(ref)] = f"{a.slurm_job} {a.user}" if a.user else a.slurm_job
+                    wanted[self._map_name(ref)] = " ".join(f for f in (a.slurm_job, a.user, a.account) if f)
         for p in scenario.processes:
             if p.slurm_job is not None and p.running_at(t):
                 for ref in p.gpus:

@@ -100,7 +100,7 @@ def test_sums_survive_flush_and_reopen(tmp_path: Path) -> None:
         ("GPU-0", "A100-SXM4-80GB", 2.5, 30.0, 0.5),
         ("GPU-1", "A100-SXM4-80GB", 2.5, 30.0, 1.0),
     ]
-    assert stored(path, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,), (4,)]
+    assert stored(path, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,), (4,), (5,)]
     assert stored(path, "PRAGMA journal_mode") == [("wal",)]
 
 

@@ -1,6 +1,6 @@
 """Ledger schema migrations, from every schema a release has shipped.
 
-Versions 1 (the first release), 2 and 3 are rebuilt here with raw SQL, their DDL copied from those
+Versions 1 (the first release) to 4 are rebuilt here with raw SQL, their DDL copied from those
 releases, so these tests keep describing the files people have on disk whatever the code
 becomes. Opening one migrates it in one transaction; `report` reads it before and after with the
 same dollars; a ledger from a newer gpuledger is refused in one line.
@@ -182,9 +182,24 @@ def write_v3_ledger(path: Path) -> None:
         conn.close()
 
 
+def write_v4_ledger(path: Path) -> None:
+    """The same two hours as a version-4 agent left them: version 3's file with the charged
+    seconds version 4 added (each GPU had one holder at a time, so its held seconds)."""
+    write_v3_ledger(path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ALTER TABLE workload_hours ADD COLUMN charged_s REAL NOT NULL DEFAULT 0.0")
+        conn.execute("UPDATE workload_hours SET charged_s = held_s")
+        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (4, ?)", (1_795_300_000.0,))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 # One writer per schema a release shipped before the current one: a new schema version must add
 # the writer of the one it replaces (the test below fails until it does).
-WRITERS = {1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger}
+WRITERS = {1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger, 4: write_v4_ledger}
 
 
 def rows(path: Path, sql: str) -> list[tuple[object, ...]]:
@@ -247,8 +262,8 @@ def test_report_reads_a_first_release_ledger_without_writing_it(v1_ledger: Path)
 def test_opening_a_first_release_ledger_migrates_it_in_place(v1_ledger: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="gpuledger.ledger")
     Ledger(v1_ledger).close()
-    assert rows(v1_ledger, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,), (4,)]
-    assert [r.getMessage() for r in caplog.records] == [f"ledger {v1_ledger}: schema migrated from version 1 to 4"]
+    assert rows(v1_ledger, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,), (4,), (5,)]
+    assert [r.getMessage() for r in caplog.records] == [f"ledger {v1_ledger}: schema migrated from version 1 to 5"]
     assert rows(v1_ledger, "SELECT gpu, hour, hpc_job, unit, user, dollars FROM workload_hours ORDER BY gpu, hour") == [
         (0, H0, "8812", "", "alice", 2.5),
         (0, H1, "9911_3", "", "bob", 2.5),  # an array task's id is a Slurm job id too
@@ -269,7 +284,7 @@ def test_opening_a_first_release_ledger_migrates_it_in_place(v1_ledger: Path, ca
     ]
     check_report_matches_the_first_release(v1_ledger)
     Ledger(v1_ledger).close()  # opening it again changes nothing
-    assert rows(v1_ledger, "SELECT COUNT(*) FROM schema_version") == [(4,)]
+    assert rows(v1_ledger, "SELECT COUNT(*) FROM schema_version") == [(5,)]
 
 
 def test_the_agent_keeps_adding_to_migrated_rows(v1_ledger: Path) -> None:
@@ -303,8 +318,8 @@ def test_the_latest_schema_has_a_column_for_every_workload_label(tmp_path: Path)
     Ledger(path).close()
     columns = [name for _cid, name, *_ in rows(path, "PRAGMA table_info(workload_hours)")]
     assert columns == [
-        "hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "held_s", "busy_s", "dollars", "joules", "energy_dollars",
-        "charged_s",
+        "hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "account", "held_s", "busy_s", "dollars", "joules",
+        "energy_dollars", "charged_s", "dollars_per_hour", "purchase", "price_source",
     ]  # fmt: skip
     assert rows(path, "SELECT version FROM schema_version ORDER BY version") == [
         (v,) for v in range(1, SCHEMA_VERSION + 1)
@@ -505,3 +520,50 @@ def gpu_charge(seconds: float) -> GpuCharge:
         gpu=0, uuid="GPU-0", model="A100-SXM4-80GB", dollars_per_hour=3.6, observed_s=seconds, dollars=seconds / 1000,
         idle_s=seconds, idle_dollars=seconds / 1000, unobserved_s=0.0, joules=0.0, idle_joules=0.0,
     )  # fmt: skip
+
+
+# --- version 5: the Slurm account in the key, the price each row was charged at ---
+
+
+def test_version_4_rows_get_no_account_and_no_recorded_purchase(tmp_path: Path) -> None:
+    path = tmp_path / "v4.db"
+    write_v4_ledger(path)
+    Ledger(path).close()
+    assert rows(path, "SELECT DISTINCT account, dollars_per_hour, purchase, price_source FROM workload_hours") == [
+        ("", None, None, None)
+    ]
+    # GPU rows had their price; how it was bought and where it came from were not recorded.
+    assert rows(path, "SELECT DISTINCT dollars_per_hour, purchase, price_source FROM gpu_hours") == [(2.5, None, None)]
+    check_report_matches_the_first_release(path)
+    assert {line.key: line.dollars for line in report_from_ledger(path, by=["account"]).lines} == {("",): 15.0 - IDLE}
+
+
+def test_after_version_5_a_job_is_kept_by_its_account_with_its_price(tmp_path: Path) -> None:
+    path = tmp_path / "v4.db"
+    write_v4_ledger(path)
+    alice = Workload(hpc_job="8812", user="alice", model="llama-3-8b", team="research")
+
+    def charge(account: str, dollars: float) -> WorkloadCharge:
+        return WorkloadCharge(0, "GPU-0", alice, 60.0, 45.0, dollars, 0.0, charged_s=60.0, account=account)
+
+    gpu = GpuCharge(
+        gpu=0, uuid="GPU-0", model="A100-SXM4-80GB", dollars_per_hour=1.5, observed_s=60.0, dollars=0.025,
+        idle_s=0.0, idle_dollars=0.0, unobserved_s=0.0, joules=0.0, idle_joules=0.0, purchase="spot",
+        price_source="instance",
+    )  # fmt: skip
+    with Ledger(path, retention_s=None) as ledger:
+        # Upgraded mid-hour: the job without an account lands on the row version 4 wrote ...
+        ledger.add(Charges(H0 + 1800.0, H0 + 1860.0, "node-a", (charge("", 0.025),), (gpu,)))
+        # ... and with one, beside it: $1.50/h spot x 60 s = $0.025.
+        ledger.add(Charges(H0 + 1860.0, H0 + 1920.0, "node-a", (charge("nlp", 0.025),), (gpu,)))
+    stored = rows(
+        path,
+        "SELECT account, held_s, dollars, dollars_per_hour, purchase, price_source FROM workload_hours"
+        " WHERE hpc_job = '8812' ORDER BY account",
+    )
+    assert stored == [
+        ("", 3660.0, 2.525, 1.5, "spot", "instance"),  # 3600 + 60 s, $2.50 + $0.025; the hour's latest price
+        ("nlp", 60.0, 0.025, 1.5, "spot", "instance"),
+    ]
+    by_account = {line.key: line.dollars for line in report_from_ledger(path, by=["account"]).lines}
+    assert by_account == {("",): pytest.approx(15.0 - IDLE + 0.025), ("nlp",): pytest.approx(0.025)}

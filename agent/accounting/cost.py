@@ -113,6 +113,7 @@ def _charge(
     seen: dict[Workload, float] = {}
     for holding, share, util in zip(holders, split_shares(holders, utils), utils, strict=True):
         acc = workloads.setdefault((gpu_index, unit.uuid, holding.workload), _Acc())
+        acc.account = acc.account or holding.account
         # Per-pid holdings of one workload each held the unit: count its time once (per part).
         if held > seen.get(holding.workload, 0.0):
             acc.held_s += held - seen.get(holding.workload, 0.0)
@@ -153,6 +154,7 @@ class _Acc:
     charged_s: float = 0.0
     dollars: float = 0.0
     joules: float = 0.0
+    account: str = ""
 
 
 def account(
@@ -263,6 +265,7 @@ def account(
                 joules=acc.joules,
                 energy_dollars=energy_dollars(acc.joules, energy_per_kwh),
                 charged_s=acc.charged_s,
+                account=acc.account,
             )
             for (gpu, uuid, workload), acc in workloads.items()
         ),

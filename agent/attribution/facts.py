@@ -31,6 +31,7 @@ class SlurmAllocation:
     gpu_instance_id: int | None  # a MIG GPU instance (a `<gpu>.<gi>` map file); None for a whole GPU
     job: str
     user: str | None
+    account: str | None = None  # the job's Slurm account, where the map file names it
 
 
 @dataclass(frozen=True)

@@ -313,7 +313,9 @@ def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Att
         kubelet_timeout_s=a.kubelet_timeout,
         kubelet_interval_s=a.kubelet_interval,
     )
-    return Attributor(open_sources(options), rules=rules, per_pid=a.per_pid_series)
+    return Attributor(
+        open_sources(options), rules=rules, per_pid=a.per_pid_series, team_from_account=a.team_from_account
+    )
 
 
 def _costing(

@@ -38,6 +38,10 @@ class UsageRow:
     `busy_s` 0 and the workload empty; an unobserved row likewise carries the unobserved seconds
     and dollars, no energy (nobody read the counter) and no energy dollars. `energy_dollars` is
     None where no price per kWh was set (and for hours written before the ledger stored it).
+
+    `account` is the Slurm account of a job's row ('' otherwise, and in rows written before
+    schema version 5); `dollars_per_hour`, `purchase` and `price_source` are the price the row was
+    charged at, the GPU's latest in the hour (None where it was not recorded).
     """
 
     hour: int
@@ -53,6 +57,10 @@ class UsageRow:
     idle: bool = False
     charged_s: float = 0.0
     unobserved: bool = False
+    account: str = ""
+    dollars_per_hour: float | None = None
+    purchase: str | None = None
+    price_source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +275,10 @@ def _read(
             joules=r["joules"],
             energy_dollars=r["energy_dollars"],
             charged_s=r["charged_s"],
+            account=r["account"],
+            dollars_per_hour=r["dollars_per_hour"],
+            purchase=r["purchase"],
+            price_source=r["price_source"],
         )
         for r in workload
     ]
@@ -284,6 +296,9 @@ def _read(
             energy_dollars=r["idle_energy_dollars"],
             idle=True,
             charged_s=r["idle_s"],
+            dollars_per_hour=r["dollars_per_hour"],
+            purchase=r["purchase"],
+            price_source=r["price_source"],
         )
         for r in gpu
         if r["idle_s"] or r["idle_dollars"] or r["idle_joules"]
@@ -301,6 +316,9 @@ def _read(
             joules=0.0,
             charged_s=r["unobserved_s"],
             unobserved=True,
+            dollars_per_hour=r["dollars_per_hour"],
+            purchase=r["purchase"],
+            price_source=r["price_source"],
         )
         for r in gpu
         if r["unobserved_s"] or r["unobserved_dollars"]

@@ -1,13 +1,14 @@
 """The ledger's SQLite schema: its tables, and the ordered steps that bring a file written by any
 earlier release to the current version.
 
-Schema (version 4; `schema_version` holds one row per applied version):
+Schema (version 5; `schema_version` holds one row per applied version):
 
-    workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team
-                    | held_s, busy_s, dollars, joules, energy_dollars, charged_s
-    gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour (latest seen in the hour),
-                    observed_s, dollars, idle_s, idle_dollars, unobserved_s, unobserved_dollars, joules,
-                    idle_joules, energy_dollars, idle_energy_dollars
+    workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
+                    account | held_s, busy_s, dollars, joules, energy_dollars, charged_s,
+                    dollars_per_hour, purchase, price_source (the GPU's price, latest seen in the hour)
+    gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour, purchase, price_source (latest
+                    seen in the hour), observed_s, dollars, idle_s, idle_dollars, unobserved_s,
+                    unobserved_dollars, joules, idle_joules, energy_dollars, idle_energy_dollars
     ledger_meta     one row: ledger_id, node, created_at, created_by, first_at, last_at
 
 Opening a file applies, in one transaction, every migration step after its version (the steps
@@ -18,6 +19,10 @@ dollars: its rows keep NULL there (their price per kWh was never recorded). Vers
 can merge the ledgers of many nodes and refuse to count one node's time twice. Version 4 added
 `charged_s`, a workload's share of the unit's time (held seconds count a shared GPU once per
 holder, so only charged seconds add up to the GPU's hours); older rows get it from their dollars.
+Version 5 added the Slurm `account` to the workload key, and to every row the price it was
+charged at: dollars per hour, the purchase option (on_demand, spot, ...) and where the price came
+from (config, instance, catalogue); older rows keep '' for the account and NULL for what was not
+recorded then (a GPU row's dollars_per_hour was).
 
 `hour` is the unix time of the start of the UTC hour. Both tables are WITHOUT ROWID with a primary
 key that starts with `hour`: the table itself is the index that reports scan by time range and
@@ -37,10 +42,12 @@ from agent.model import WORKLOAD_LABELS
 log = logging.getLogger("gpuledger.ledger")
 
 
-_WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS)
+_WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "account")
 WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules", "energy_dollars", "charged_s")
+# The price a row was charged at, as its GPU's row has it (the latest in the hour).
+PRICE_ATTRIBUTES = ("dollars_per_hour", "purchase", "price_source")
 _GPU_KEYS = ("hour", "node", "uuid")
-_GPU_ATTRIBUTES = ("gpu", "model", "dollars_per_hour")
+_GPU_ATTRIBUTES = ("gpu", "model", *PRICE_ATTRIBUTES)
 GPU_MEASURES = (
     "observed_s", "dollars", "idle_s", "idle_dollars", "unobserved_s", "unobserved_dollars", "joules", "idle_joules",
     "energy_dollars", "idle_energy_dollars",
@@ -174,12 +181,41 @@ _SCHEMA_V4 = (
 )
 
 
+# Version 5: the Slurm account a job is billed to joins the workload key (`report --by account`;
+# it is no metric label), and each row records the price it was charged at. The key changes, so
+# the table is rebuilt; older rows get '' for the account (one row each: nothing meets) and
+# NULL for the price they were not recorded with.
+_SCHEMA_V5 = (
+    """CREATE TABLE workload_hours_v5 (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL, account TEXT NOT NULL,
+        held_s REAL NOT NULL, busy_s REAL NOT NULL, dollars REAL NOT NULL, joules REAL NOT NULL,
+        energy_dollars REAL, charged_s REAL NOT NULL DEFAULT 0.0,
+        dollars_per_hour REAL, purchase TEXT, price_source TEXT,
+        PRIMARY KEY (hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, account)
+    ) WITHOUT ROWID""",
+    """INSERT INTO workload_hours_v5 (
+        hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, account,
+        held_s, busy_s, dollars, joules, energy_dollars, charged_s, dollars_per_hour, purchase, price_source
+    )
+    SELECT hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, '',
+        held_s, busy_s, dollars, joules, energy_dollars, charged_s, NULL, NULL, NULL
+    FROM workload_hours""",
+    "DROP TABLE workload_hours",
+    "ALTER TABLE workload_hours_v5 RENAME TO workload_hours",
+    "ALTER TABLE gpu_hours ADD COLUMN purchase TEXT",
+    "ALTER TABLE gpu_hours ADD COLUMN price_source TEXT",
+)
+
+
 # Step n (from 1) brings a file at version n - 1 (0: empty) to version n.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V1),
     _run(_SCHEMA_V2),
     _run(_SCHEMA_V3),
     _run(_SCHEMA_V4),
+    _run(_SCHEMA_V5),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -199,5 +235,5 @@ def _upsert(table: str, keys: Sequence[str], replaced: Sequence[str], summed: Se
     )
 
 
-UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, (), WORKLOAD_MEASURES)
+UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, PRICE_ATTRIBUTES, WORKLOAD_MEASURES)
 UPSERT_GPU = _upsert("gpu_hours", _GPU_KEYS, _GPU_ATTRIBUTES, GPU_MEASURES)
