@@ -354,6 +354,16 @@ class Price:
             current = later
         return current
 
+    def during(self, start: float, end: float) -> Price:
+        """The price that applied last within [start, end): a change at `end` is the next
+        interval's, not this one's (what the ledger records for the interval's hour)."""
+        current = self
+        for at, later in self.changes:
+            if at > end or (at == end and end > start):
+                break
+            current = later
+        return current
+
     def dollars(self, start: float, end: float) -> float:
         """What the GPU costs from `start` to `end`: each part at the price in force then."""
         if not self.changes:

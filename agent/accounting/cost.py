@@ -194,7 +194,7 @@ def account(
         price = prices.get(gpu.uuid)
         # A price that changed within the interval charges each part at its own figure.
         gpu_dollars = price.dollars(prev.taken_at, curr.taken_at) if price is not None else 0.0
-        in_force = price.at(curr.taken_at) if price is not None else None
+        in_force = price.during(prev.taken_at, curr.taken_at) if price is not None else None
         reason = _unobserved(previous.get(gpu.uuid), gpu, dt, max_interval_s)
         if reason is not None:
             gpus.append(_unobserved_charge(gpu, in_force, gpu_dollars, dt, reason, energy_per_kwh))
@@ -320,7 +320,7 @@ def downtime(
     gpus = tuple(
         _unobserved_charge(
             gpu,
-            p.at(end) if (p := prices.get(gpu.uuid)) else None,
+            p.during(start, end) if (p := prices.get(gpu.uuid)) else None,
             p.dollars(start, end) if p else 0.0,
             end - start,
             reason,
