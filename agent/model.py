@@ -418,7 +418,7 @@ class GpuCharge:
     energy_dollars: float | None = None  # joules at the energy price; None where none is set
     idle_energy_dollars: float | None = None
     unobserved_reason: str = ""  # why, when unobserved_s > 0 (UNOBSERVED_* or the NVML error)
-    purchase: str = ""  # how the GPU is bought (Price.purchase) at the interval's end; "" where unpriced
+    purchase: str = ""  # how the GPU is bought (Price.purchase), the last price within the interval
     price_source: str = ""  # where its price comes from (Price.origin); "" where unpriced
 
 
