@@ -228,6 +228,9 @@ class Holding:
     # start of its processes, or of its allocation (a Slurm map file's time). Accounting
     # charges a new holder from then rather than from the midpoint of the interval.
     started_at: float | None = None
+    # The Slurm account a job's holding is billed to (the prolog's map file, else the process's
+    # SLURM_JOB_ACCOUNT); not a metric label: the ledger and `report --by account` carry it.
+    account: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,14 +365,62 @@ class AgentState:
     flags: tuple[Flag, ...] = ()  # the rules stage's output, rendered as is
     left_by: tuple[LeftBy, ...] = ()  # GPUs nobody holds now, and who held them last
     health: AgentHealth = field(default_factory=AgentHealth)
+    actions: tuple[tuple[str, str, int], ...] = ()  # (action, result, count) since the agent started
 
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """What one GPU costs per hour, and why that figure (shown in `snapshot`)."""
+    """What one GPU costs per hour, and why that figure (shown in `snapshot`).
+
+    A price that changes later (config `pricing.changes`) carries its later prices in `changes`,
+    each from its time on: `at(t)` is the price in force at t, `dollars(start, end)` what the
+    GPU costs over that span. The fields after `source` do not take part in equality: two
+    prices are the same figure for the same reason.
+    """
 
     dollars_per_hour: float
     source: str  # e.g. "config pricing.gpu_hourly", "instance p4d.24xlarge / 8 GPUs (AWS, read 2026-11-01)"
+    # Where the figure comes from, in one stable word: config, instance or catalogue.
+    origin: str = field(default="config", compare=False)
+    # How the node is bought: on_demand, spot, reserved, savings_plan or committed.
+    purchase: str = field(default="on_demand", compare=False)
+    # Set where the instance type's GPU model is not the GPU's: why the instance was not used.
+    mismatch: str = field(default="", compare=False)
+    changes: tuple[tuple[float, Price], ...] = field(default=(), compare=False)  # (from, price), in time order
+
+    def at(self, t: float) -> Price:
+        """The price in force at `t` (backend clock, unix seconds)."""
+        current = self
+        for start, later in self.changes:
+            if start > t:
+                break
+            current = later
+        return current
+
+    def during(self, start: float, end: float) -> Price:
+        """The price that applied last within [start, end): a change at `end` is the next
+        interval's, not this one's (what the ledger records for the interval's hour)."""
+        current = self
+        for at, later in self.changes:
+            if at > end or (at == end and end > start):
+                break
+            current = later
+        return current
+
+    def dollars(self, start: float, end: float) -> float:
+        """What the GPU costs from `start` to `end`: each part at the price in force then."""
+        if not self.changes:
+            return self.dollars_per_hour * (end - start) / 3600
+        total = 0.0
+        t, rate = start, self.dollars_per_hour
+        for at, later in self.changes:
+            if at >= end:
+                break
+            if at > t:
+                total += rate * (at - t) / 3600
+                t = at
+            rate = later.dollars_per_hour
+        return total + rate * (end - t) / 3600
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,6 +439,7 @@ class WorkloadCharge:
     # holders' charged seconds plus its idle seconds are its observed seconds, so these add up
     # across workloads where held seconds count a shared GPU once per holder.
     charged_s: float = 0.0
+    account: str = ""  # the Slurm account (Holding.account), "" where none
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,6 +481,8 @@ class GpuCharge:
     # of the interval (its latest reading where those could not be read) x the observed seconds.
     # Its holders' busy seconds never add up to more. None where the GPU measures no utilization.
     busy_s: float | None = None
+    purchase: str = ""  # how the GPU is bought (Price.purchase), the last price within the interval
+    price_source: str = ""  # where its price comes from (Price.origin); "" where unpriced
 
 
 # Why time was not observed (besides a GPU's own NVML error, such as GPU_IS_LOST or TIMEOUT).

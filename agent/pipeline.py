@@ -114,6 +114,15 @@ class ChargeSink(Protocol):
         ...
 
 
+class ActionHook(Protocol):
+    """What acts on each poll's published state (agent.actions.Actions): it decides on the poll
+    thread, runs elsewhere, and reports its counts for the next state published."""
+
+    def observe(self, state: AgentState) -> None: ...
+
+    def counts(self) -> tuple[tuple[str, str, int], ...]: ...
+
+
 @dataclass(frozen=True)
 class Costing:
     """How the pipeline prices GPU time: a price per GPU, the longest interval it will charge
@@ -227,6 +236,7 @@ class Pipeline:
         self._scheduler: BackgroundScheduler | None = None
         self._overrun_lock = threading.Lock()
         self._polling = threading.Lock()  # held by a scheduled poll while it runs
+        self.actions: ActionHook | None = None  # set by the wiring when actions are configured
 
     @property
     def state(self) -> AgentState:
@@ -296,8 +306,22 @@ class Pipeline:
             self._last_success_monotonic = self._monotonic()
         state = self._run("publish", lambda: self._publish(sampled, poll_duration_s), None)
         if state is not None:
+            state = self._act(state)
             self._state = state  # one reference assignment: scrapes see old or new, never half
         return self._state
+
+    def _act(self, state: AgentState) -> AgentState:
+        """The actions' decisions on the state about to be published, and their counts in it."""
+        actions = self.actions
+        if actions is None:
+            return state
+        try:
+            actions.observe(state)
+            return replace(state, actions=actions.counts())
+        except Exception:
+            # Like a failing stage: logged, and the poll's state is published all the same.
+            log.exception("the actions failed")
+            return state
 
     def _run(self, name: str, work: Callable[[], T], fallback: T) -> T:
         """Run one stage: time it, count its failure and hand back `fallback` if it raises."""
@@ -563,11 +587,18 @@ class Pipeline:
             snapshot=snapshot,
             attribution=self._attribution if sampled is not None else previous.attribution,
             costs=self._totals if costing is not None else CostTotals(),
-            prices=tuple(sorted(self._prices.items())) if costing is not None else (),
+            prices=self._prices_at(snapshot.taken_at if snapshot is not None else None) if costing is not None else (),
             ledger=costing.sink.health() if costing is not None and costing.sink is not None else None,
             flags=self._flags,
             left_by=tuple(self._left_by[uuid] for uuid in sorted(self._left_by)),
             health=health,
+        )
+
+    def _prices_at(self, t: float | None) -> tuple[tuple[str, Price | None], ...]:
+        """Each GPU's price in force at `t` (a price history changes it over time)."""
+        return tuple(
+            (uuid, price.at(t) if price is not None and t is not None else price)
+            for uuid, price in sorted(self._prices.items())
         )
 
     def _stage_health(self, taken_at: float | None) -> tuple[StageHealth, ...]:

@@ -245,8 +245,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuledger_gpu_price_info",
         Kind.INFO,
-        "Where the GPU's price comes from (config override, instance type, catalogue); always 1.",
-        (*DEVICE, "source"),
+        "Where the GPU's price comes from (source: config, instance or catalogue; `snapshot` cites it in "
+        "full) and how the node is bought (purchase: on_demand, spot, reserved, savings_plan, committed); always 1.",
+        (*DEVICE, "source", "purchase"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_price_mismatch",
+        Kind.GAUGE,
+        "1 when the node's instance type comes with another GPU model than the one NVML reports (the GPU is "
+        "then priced by its own model), 0 otherwise.",
+        DEVICE,
     ),
     MetricSpec("gpuledger_gpu_flag", Kind.GAUGE, "1 while the rule holds for the GPU, 0 otherwise.", (*DEVICE, "rule")),
     MetricSpec(
@@ -269,6 +277,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         Kind.GAUGE,
         "1 for each workload holding a GPU flagged allocated_idle or stranded_memory: who to ask.",
         (*WORKLOAD, "rule"),
+    ),
+    MetricSpec(
+        "gpuledger_actions_total",
+        Kind.COUNTER,
+        "Decisions and outcomes of the configured actions (config actions.triggers), by result: executed, "
+        "failed, timeout, dry_run, denied, cooldown, deferred.",
+        ("action", "result"),
     ),
     MetricSpec("gpuledger_ledger_up", Kind.GAUGE, "1 while the ledger's last flush succeeded, 0 while failing.", ()),
     MetricSpec("gpuledger_ledger_pending_rows", Kind.GAUGE, "Ledger rows waiting for the next flush.", ()),

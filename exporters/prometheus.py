@@ -88,6 +88,8 @@ class GpuledgerCollector(Collector):
                 out.add("gpuledger_stage_last_success_timestamp_seconds", (stage.stage,), stage.last_success_at)
         for call, error, count in health.nvml_errors:
             out.add("gpuledger_nvml_errors_total", (call, error), count)
+        for action, result, count in state.actions:
+            out.add("gpuledger_actions_total", (action, result), count)
         out.add("gpuledger_build_info", (__version__, driver, cuda), 1.0)
         yield from out
 
@@ -207,7 +209,8 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         for uuid, price in state.prices:
             if price is not None and uuid in index:
                 out.add("gpuledger_gpu_price_dollars_per_hour", (str(index[uuid]), uuid), price.dollars_per_hour)
-                out.add("gpuledger_gpu_price_info", (str(index[uuid]), uuid, price.source), 1.0)
+                out.add("gpuledger_gpu_price_info", (str(index[uuid]), uuid, price.origin, price.purchase), 1.0)
+                out.add("gpuledger_gpu_price_mismatch", (str(index[uuid]), uuid), 1.0 if price.mismatch else 0.0)
     if state.ledger is not None:
         out.add("gpuledger_ledger_up", (), 1.0 if state.ledger.healthy else 0.0)
         out.add("gpuledger_ledger_pending_rows", (), float(state.ledger.pending_rows))

@@ -374,9 +374,9 @@ def test_simulate_prints_a_summary_whose_dollars_add_up(tmp_path: Path) -> None:
     assert "16.00 GPU-hours observed, 0.00 unobserved" in gpu_time  # 8 GPUs x 2 h, watched throughout
     cost = next(line for line in lines if line.strip().startswith("cost"))
     charged, idle, unobserved = (float(part.split("$")[1].split()[0].replace(",", "")) for part in cost.split(","))
-    # The demo node is a p4d.24xlarge: its hourly price over its 8 GPUs, for 8 GPUs x 2 h.
-    p4d = load_catalogue().instance_types["p4d.24xlarge"]
-    whole = p4d.dollars_per_hour / 8 * 8 * 2
+    # The demo node is a p4de.24xlarge: its hourly price over its 8 GPUs, for 8 GPUs x 2 h.
+    p4de = load_catalogue().instance_types["p4de.24xlarge"]
+    whole = p4de.dollars_per_hour / 8 * 8 * 2
     assert unobserved == 0.0
     assert charged > 0
     assert idle > 0

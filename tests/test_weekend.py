@@ -20,9 +20,9 @@ from tests.helpers import WeekendIdleRun
 
 REPO = Path(__file__).resolve().parent.parent
 HOUR = 3600.0
-# p4d.24xlarge from the shipped catalogue, per GPU: what the weekend-idle node's GPUs cost.
-P4D = load_catalogue().instance_types["p4d.24xlarge"]
-PRICE = P4D.dollars_per_hour / P4D.gpus
+# p4de.24xlarge (8 x A100 80GB) from the shipped catalogue, per GPU: what the weekend-idle node's GPUs cost.
+P4DE = load_catalogue().instance_types["p4de.24xlarge"]
+PRICE = P4DE.dollars_per_hour / P4DE.gpus
 
 
 def gpuledger(*args: str) -> subprocess.CompletedProcess[str]:

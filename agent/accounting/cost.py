@@ -138,6 +138,7 @@ def _charge(
     seen: dict[Workload, float] = {}
     for holding, share, util in zip(holders, split_shares(holders, utils), utils, strict=True):
         acc = workloads.setdefault((gpu_index, unit.uuid, holding.workload), _Acc())
+        acc.account = acc.account or holding.account
         # Per-pid holdings of one workload each held the unit: count its time once (per part).
         if held > seen.get(holding.workload, 0.0):
             acc.held_s += held - seen.get(holding.workload, 0.0)
@@ -183,6 +184,7 @@ class _Acc:
     charged_s: float = 0.0
     dollars: float = 0.0
     joules: float = 0.0
+    account: str = ""
 
 
 def account(
@@ -231,13 +233,14 @@ def account(
     allocated_before = earlier.allocations_known if earlier is not None else allocated
     for gpu in curr.gpus:
         price = prices.get(gpu.uuid)
-        hourly = price.dollars_per_hour if price is not None else 0.0
+        # A price that changed within the interval charges each part at its own figure.
+        gpu_dollars = price.dollars(prev.taken_at, curr.taken_at) if price is not None else 0.0
+        in_force = price.during(prev.taken_at, curr.taken_at) if price is not None else None
         was_gpu = previous.get(gpu.uuid) or previous.get(_by_index(gpu.index))
         reason = _unobserved(was_gpu, gpu, dt, max_interval_s)
         if reason is not None:
-            gpus.append(_unobserved_charge(gpu, hourly, dt, reason, energy_per_kwh))
+            gpus.append(_unobserved_charge(gpu, in_force, gpu_dollars, dt, reason, energy_per_kwh))
             continue
-        gpu_dollars = hourly * dt / 3600
         gpu_joules = _energy_delta(previous.get(gpu.uuid), gpu, (energy_before or {}).get(gpu.uuid))
         idle_s = idle_dollars = idle_joules = 0.0
         unobserved_s = unobserved_dollars = 0.0
@@ -291,7 +294,7 @@ def account(
                 gpu=gpu.index,
                 uuid=gpu.uuid,
                 model=gpu.model,
-                dollars_per_hour=hourly,
+                dollars_per_hour=in_force.dollars_per_hour if in_force is not None else 0.0,
                 observed_s=dt - unobserved_s,
                 dollars=gpu_dollars - unobserved_dollars,
                 idle_s=idle_s,
@@ -308,6 +311,8 @@ def account(
                     for w, (seconds, dollars, joules) in sorted(idle_by.items())
                 ),
                 busy_s=_gpu_busy_s(curr, gpu, dt - unobserved_s),
+                purchase=in_force.purchase if in_force is not None else "",
+                price_source=in_force.origin if in_force is not None else "",
             )
         )
     return Charges(
@@ -326,6 +331,7 @@ def account(
                 joules=acc.joules,
                 energy_dollars=energy_dollars(acc.joules, energy_per_kwh),
                 charged_s=acc.charged_s,
+                account=acc.account,
             )
             for (gpu, uuid, workload), acc in workloads.items()
         ),
@@ -392,14 +398,15 @@ def _by_reason(old: Mapping[str, tuple[float, float]], g: GpuCharge) -> Mapping[
 
 
 def _unobserved_charge(
-    gpu: DeviceReading, hourly: float, seconds: float, reason: str, energy_per_kwh: float | None
+    gpu: DeviceReading, price: Price | None, dollars: float, seconds: float, reason: str, energy_per_kwh: float | None
 ) -> GpuCharge:
-    """A GPU nobody could see for `seconds`: all of its cost unobserved, for `reason`."""
+    """A GPU nobody could see for `seconds`, costing `dollars` at `price` (the one in force at its
+    end): all of it unobserved, for `reason`."""
     return GpuCharge(
         gpu=gpu.index,
         uuid=gpu.uuid,
         model=gpu.model,
-        dollars_per_hour=hourly,
+        dollars_per_hour=price.dollars_per_hour if price is not None else 0.0,
         observed_s=0.0,
         dollars=0.0,
         idle_s=0.0,
@@ -407,10 +414,12 @@ def _unobserved_charge(
         unobserved_s=seconds,
         joules=0.0,
         idle_joules=0.0,
-        unobserved_dollars=hourly * seconds / 3600,
+        unobserved_dollars=dollars,
         energy_dollars=energy_dollars(0.0, energy_per_kwh),
         idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
         unobserved_reason=reason,
+        purchase=price.purchase if price is not None else "",
+        price_source=price.origin if price is not None else "",
     )
 
 
@@ -427,7 +436,12 @@ def downtime(
     GPU of `snapshot` unobserved for all of it, at its price, for `reason`."""
     gpus = tuple(
         _unobserved_charge(
-            gpu, p.dollars_per_hour if (p := prices.get(gpu.uuid)) else 0.0, end - start, reason, energy_per_kwh
+            gpu,
+            p.during(start, end) if (p := prices.get(gpu.uuid)) else None,
+            p.dollars(start, end) if p else 0.0,
+            end - start,
+            reason,
+            energy_per_kwh,
         )
         for gpu in snapshot.gpus
     )

@@ -71,11 +71,13 @@ def apply_rules(
     facts: ProcessFacts | None,
     rules: Sequence[LabelRule],
     account: str | None = None,
+    team_from_account: bool = False,
 ) -> Workload:
     """`w` with the labels the rules set: config rules first (the first rule that sets a
-    field wins it), then the built-in recognisers for a model no rule named. `cmdline`, `facts`
-    (for `env.` keys) and `account` are what a rule may match besides the workload's fields;
-    an allocation without a process has none of them."""
+    field wins it), then the built-in recognisers for a model no rule named, and (with
+    `team_from_account`) the Slurm account as the team no rule named. `cmdline`, `facts` (for
+    `env.` keys) and `account` are what a rule may match besides the workload's fields; an
+    allocation without a process has only the account its map file names."""
     chosen: dict[str, str] = {}
     for rule in rules:
         if all(name in chosen for name, _ in rule.set):
@@ -95,6 +97,8 @@ def apply_rules(
         recognised = _model_of(tuple(cmdline))
         if recognised:
             chosen["model"] = recognised
+    if "team" not in chosen and team_from_account and account:
+        chosen["team"] = account
     return replace(w, **chosen) if chosen else w
 
 

@@ -13,12 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from agent.accounting.pricing import resolve_price
+from agent.accounting.pricing import NO_SPOT_PRICE, price_schedule
+from agent.actions import Actions, Selector, Trigger
+from agent.actions.config import TargetList
 from agent.attribution.gather import Attributor
 from agent.attribution.labels import compile_rules, rule_env_keys
 from agent.attribution.sources import open_sources
@@ -59,6 +61,7 @@ class Agent:
     pipeline: Pipeline
     textfile: TextfileWriter | None
     fake_speed: float = 0.0  # scenario seconds per real second once started (0: moved by hand)
+    actions: Actions | None = None  # the configured actions (config `actions:`), if any
     _closed: bool = False
     _ledger_written: bool = True
 
@@ -97,6 +100,8 @@ class Agent:
         self._closed = True
         idle = self.pipeline.stop()
         self.pipeline.settle()  # time still waiting for a price is booked before the ledger closes
+        if self.actions is not None:
+            self.actions.close()
         if self.costing is not None and self.costing.sink is not None:
             # The last charges reach the ledger before anything slower.
             self._ledger_written = self.costing.sink.close()
@@ -123,6 +128,7 @@ def build_agent(
     monotonic: Callable[[], float] = time.monotonic,
     costing: Costing | bool = True,
     rules: Sequence[RuleSpec] | None = None,
+    actions: Literal["on", "dry_run", "off"] = "on",
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
 
@@ -136,6 +142,9 @@ def build_agent(
     costing        True: prices from the settings; False: no accounting; a `Costing`: that one
                    (tests and benchmarks with prices of their own)
     rules          the flag rules; by default those the settings enable
+    actions        "on": the configured actions, as configured; "dry_run": every one a dry run,
+                   with no state file (`simulate`); "off": none. On a fake node the state file
+                   is never used (a demo must not mark the host's real episodes as acted on).
     """
     problems = host_problems(settings, "gpuledger")
     if problems:
@@ -154,11 +163,12 @@ def build_agent(
         sampler = Sampler(backend, hostname=node_name(settings, node), pci_gpus=partial(nvidia_gpus, sys_root))
         # The devices first (within the call budget): without a driver nothing else is built,
         # so `run` says that, and only that, in its one line.
+        specs = rule_specs(settings) if rules is None else rules
         pipeline = Pipeline(
             sampler,
             interval_s,
             monotonic=monotonic,
-            rules=rule_specs(settings) if rules is None else rules,
+            rules=specs,
             call_timeout_s=settings.watchdog.call_timeout,
             exit_after_s=settings.watchdog.exit_after,
         )
@@ -181,13 +191,17 @@ def build_agent(
 
             if isinstance(priced.sink, LedgerSink):
                 sampler.remember(priced.sink.known_gpus)  # what the GPUs go by while the driver cannot say
+        acting = _actions(settings, specs, actions, fake=node is not None, interval_s=interval_s)
+        pipeline.actions = acting
     except BaseException:
         if node is not None:
             import fake_nvml
 
             fake_nvml.uninstall()
         raise
-    agent = Agent(settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed)
+    agent = Agent(
+        settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed, actions=acting
+    )
     if textfile_path:
         agent.textfile = TextfileWriter(textfile_path, lambda: pipeline.state, agent.exposition)
     return agent
@@ -217,6 +231,50 @@ def rule_specs(settings: Settings) -> list[RuleSpec]:
         for name, condition, c in configured
         if c.enabled
     ]
+
+
+# An episode decided before a restart waits this long, past its rule's `for`, for its flag to
+# raise again (at least this many polls).
+RESUME_GRACE_S = 300.0
+RESUME_GRACE_POLLS = 3
+
+
+def _actions(
+    settings: Settings, specs: Sequence[RuleSpec], mode: str, *, fake: bool, interval_s: float
+) -> Actions | None:
+    """The configured actions as the pipeline runs them; None when there are none (or "off")."""
+    config = settings.actions
+    if mode == "off" or not config.triggers:
+        return None
+    for_s = {spec.name: spec.for_s for spec in specs}
+    grace_s = max(RESUME_GRACE_S, RESUME_GRACE_POLLS * interval_s)
+    triggers = [
+        Trigger(
+            name=name,
+            flag=t.flag,
+            scope=t.scope,
+            after_s=t.after,
+            cooldown_s=t.cooldown,
+            dry_run=mode == "dry_run" or (config.dry_run if t.dry_run is None else t.dry_run),
+            allow=(_selector(config.allow), _selector(t.allow)),
+            deny=(_selector(config.deny), _selector(t.deny)),
+            resume_s=for_s.get(t.flag, 0.0) + grace_s,
+            command=tuple(t.command or ()),
+            timeout_s=t.webhook.timeout if t.webhook is not None else t.timeout,
+            env=tuple(sorted(t.env.items())),
+            pass_env=tuple(t.pass_env),
+            webhook_url=t.webhook.url if t.webhook is not None else "",
+            webhook_format=t.webhook.format if t.webhook is not None else "alertmanager",
+            webhook_headers=tuple(sorted(t.webhook.headers.items())) if t.webhook is not None else (),
+        )
+        for name, t in config.triggers.items()
+    ]
+    state_file = None if fake or mode == "dry_run" else config.state_file
+    return Actions(triggers, workers=config.workers, queue_size=config.queue_size, state_file=state_file)
+
+
+def _selector(names: TargetList) -> Selector:
+    return Selector(tuple(names.namespaces), tuple(names.hpc_jobs), tuple(names.users), tuple(names.nodes))
 
 
 def node_name(settings: Settings, node: fake_nvml.InstalledNode | None) -> str | None:
@@ -265,7 +323,9 @@ def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Att
         kubelet_interval_s=a.kubelet_interval,
         kubelet_stale_after_s=a.kubelet_stale_after,
     )
-    return Attributor(open_sources(options), rules=rules, per_pid=a.per_pid_series)
+    return Attributor(
+        open_sources(options), rules=rules, per_pid=a.per_pid_series, team_from_account=a.team_from_account
+    )
 
 
 def _costing(
@@ -283,17 +343,20 @@ def _costing(
     pricing = settings.pricing
     instance_type = node.scenario.node.instance_type if node is not None else detect_instance_type()
 
+    epochs = pricing.epochs()
+    warned: set[str] = set()  # each warning once per run, however often GPUs are priced
+
     def prices(snapshot: Snapshot) -> dict[str, Price | None]:
         # A GPU not identified yet (no name, so no model) is priced by what prices the whole
         # node, where that is set (gpu_hourly, the instance type); else it waits for its own.
         gpus = snapshot.gpus
         found = {
-            g.uuid: resolve_price(
+            g.uuid: price_schedule(
+                epochs,
                 model=g.model,
                 uuid=g.uuid,
                 gpu_count=len(gpus),
                 instance_type=instance_type,
-                pricing=pricing,
                 catalogue=catalogue,
             )
             for g in gpus
@@ -301,6 +364,14 @@ def _costing(
         for g in gpus:
             if g.discovered and found.get(g.uuid) is None:
                 log.warning("no price for GPU %d (%s): set pricing.by_model or pricing.gpu_hourly", g.index, g.model)
+        periods = [p for price in found.values() if price is not None for p in (price, *(c for _, c in price.changes))]
+        for message in sorted({p.mismatch for p in periods if p.mismatch} - warned):
+            warned.add(message)
+            log.warning("pricing: %s (set pricing.instance_type if the detected one is wrong)", message)
+        for p in periods:
+            if p.source.startswith(NO_SPOT_PRICE) and "spot" not in warned:
+                warned.add("spot")
+                log.warning("pricing: %s; add the instance type to pricing.spot_hourly", p.source.split(":")[0])
         return found
 
     sink = (

@@ -15,7 +15,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple
 
-from agent.ledger.schema import GPU_MEASURES, IDLE_MEASURES, PRICED_MEASURES, WORKLOAD_MEASURES
+from agent.ledger.schema import GPU_MEASURES, IDLE_MEASURES, PRICE_ATTRIBUTES, PRICED_MEASURES, WORKLOAD_MEASURES
 from agent.model import Charges, GpuCharge, IdleCharge, Workload
 
 log = logging.getLogger("gpuledger.ledger")
@@ -39,9 +39,17 @@ class _WorkloadHour(NamedTuple):
     gpu: int
     uuid: str
     workload: Workload
+    account: str = ""
 
     def columns(self) -> dict[str, object]:
-        return {"hour": self.hour, "node": self.node, "gpu": self.gpu, "uuid": self.uuid, **self.workload.label_dict()}
+        return {
+            "hour": self.hour,
+            "node": self.node,
+            "gpu": self.gpu,
+            "uuid": self.uuid,
+            **self.workload.label_dict(),
+            "account": self.account,
+        }
 
 
 class _GpuHour(NamedTuple):
@@ -91,9 +99,24 @@ class _PendingGpu:
     dollars_per_hour: float
     sums: Sums = field(default_factory=dict)
     idle_by: dict[Workload, Sums] = field(default_factory=dict)
+    purchase: str = ""
+    price_source: str = ""
 
     def columns(self) -> dict[str, object]:
-        return {"gpu": self.gpu, "model": self.model, "dollars_per_hour": self.dollars_per_hour}
+        return {"gpu": self.gpu, "model": self.model, **self.price()}
+
+    def price(self) -> dict[str, object]:
+        """The price columns (PRICE_ATTRIBUTES); '' is stored as NULL: not known."""
+        return {
+            "dollars_per_hour": self.dollars_per_hour,
+            "purchase": self.purchase or None,
+            "price_source": self.price_source or None,
+        }
+
+    def update(self, gpu: int, model: str, dollars_per_hour: float, purchase: str, price_source: str) -> None:
+        """The GPU's attributes as a later charge gives them (the latest in the hour wins)."""
+        self.gpu, self.model, self.dollars_per_hour = gpu, model, dollars_per_hour
+        self.purchase, self.price_source = purchase, price_source
 
     def add_idle(self, idle_by: dict[Workload, Sums]) -> None:
         for left_by, sums in idle_by.items():
@@ -147,6 +170,16 @@ class Batch:
             + [p.sums.get("idle_dollars") or 0.0 for p in self.gpu_rows.values()]
         )
 
+    def workload_prices(self) -> dict[_WorkloadHour, dict[str, object]]:
+        """The price columns of each workload row: its GPU's in the same hour (a GPU's row and
+        its workloads' rows are added, dropped and restored together)."""
+        gpus = {(k.hour, k.node, p.gpu): p for k, p in self.gpu_rows.items()}
+        unknown = dict.fromkeys(PRICE_ATTRIBUTES)
+        return {
+            key: found.price() if (found := gpus.get((key.hour, key.node, key.gpu))) is not None else unknown
+            for key in self.workload_rows
+        }
+
     def nodes(self) -> set[str]:
         return {key.node for key in self.gpu_rows} | {key.node for key in self.workload_rows}
 
@@ -178,7 +211,7 @@ class Batch:
             if earlier is None:
                 self.gpu_rows[gpu_key] = later
             else:
-                earlier.gpu, earlier.model, earlier.dollars_per_hour = later.gpu, later.model, later.dollars_per_hour
+                earlier.update(later.gpu, later.model, later.dollars_per_hour, later.purchase, later.price_source)
                 _add_sums(earlier.sums, later.sums.keys(), later.sums.values())
                 earlier.add_idle(later.idle_by)
         if newer.first_at is not None and newer.last_at is not None:
@@ -264,7 +297,7 @@ class PendingCharges:
                     self._reject(f"workload charge {wc.workload.describe()} on {wc.uuid}: {measures}")
                     continue
                 for hour, share in shares:
-                    key = _WorkloadHour(hour, node, wc.gpu, wc.uuid, wc.workload)
+                    key = _WorkloadHour(hour, node, wc.gpu, wc.uuid, wc.workload, wc.account)
                     _add_sums(batch.workload_rows.setdefault(key, {}), WORKLOAD_MEASURES, measures, share)
             for gc in charges.gpus:
                 gpu_measures: tuple[float | None, ...] = _gpu_measures(gc)
@@ -275,9 +308,11 @@ class PendingCharges:
                     gpu_key = _GpuHour(hour, node, gc.uuid)
                     pending = batch.gpu_rows.get(gpu_key)
                     if pending is None:
-                        pending = batch.gpu_rows[gpu_key] = _PendingGpu(gc.gpu, gc.model, gc.dollars_per_hour)
+                        pending = batch.gpu_rows[gpu_key] = _PendingGpu(
+                            gc.gpu, gc.model, gc.dollars_per_hour, purchase=gc.purchase, price_source=gc.price_source
+                        )
                     else:
-                        pending.gpu, pending.model, pending.dollars_per_hour = gc.gpu, gc.model, gc.dollars_per_hour
+                        pending.update(gc.gpu, gc.model, gc.dollars_per_hour, gc.purchase, gc.price_source)
                     _add_sums(pending.sums, GPU_MEASURES, gpu_measures, share)
                     for idle in idle_parts(gc):
                         sums = pending.idle_by.setdefault(idle.left_by, {})

@@ -62,7 +62,8 @@ from agent.ledger.read import LedgerInfo, UsageRow, read_ledger
 from agent.model import WORKLOAD_LABELS, Workload
 from agent.units import joules_to_kwh, parse_duration
 
-GROUP_KEYS = ("node", "gpu", *WORKLOAD_LABELS)
+# `account`: the Slurm account a job is billed to, kept in the ledger (it is no metric label).
+GROUP_KEYS = ("node", "gpu", *WORKLOAD_LABELS, "account")
 # Older names `--by` still accepts: `job` was the Slurm job's label before it became `hpc_job`.
 GROUP_ALIASES = {"job": "hpc_job"}
 DEFAULT_BY = ("namespace", "hpc_job")
@@ -145,6 +146,8 @@ def _key_value(row: UsageRow, key: str) -> str:
         return row.node
     if key == "gpu":
         return str(row.gpu)
+    if key == "account":
+        return row.account
     value: str = getattr(row.workload, key)
     return value
 

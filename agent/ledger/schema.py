@@ -1,13 +1,14 @@
 """The ledger's SQLite schema: its tables, and the ordered steps that bring a file written by any
 earlier release to the current version.
 
-Schema (version 5; `schema_version` holds one row per applied version):
+Schema (version 6; `schema_version` holds one row per applied version):
 
-    workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team
-                    | held_s, busy_s, dollars, joules, energy_dollars, charged_s
-    gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour (latest seen in the hour),
-                    observed_s, dollars, idle_s, idle_dollars, unobserved_s, unobserved_dollars, joules,
-                    idle_joules, energy_dollars, idle_energy_dollars
+    workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
+                    account | held_s, busy_s, dollars, joules, energy_dollars, charged_s,
+                    dollars_per_hour, purchase, price_source (the GPU's price, latest seen in the hour)
+    gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour, purchase, price_source (latest
+                    seen in the hour), observed_s, dollars, idle_s, idle_dollars, unobserved_s,
+                    unobserved_dollars, joules, idle_joules, energy_dollars, idle_energy_dollars
     idle_hours      hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team
                     (the workload that left the GPU idle) | gpu, idle_s, idle_dollars, idle_joules,
                     idle_energy_dollars
@@ -22,8 +23,12 @@ can merge the ledgers of many nodes and refuse to count one node's time twice. V
 `charged_s`, a workload's share of the unit's time (held seconds count a shared GPU once per
 holder, so only charged seconds add up to the GPU's hours); older rows get it from their dollars.
 Version 5 added `idle_hours`: a GPU-hour's idle time broken down by who left the GPU idle.
+Version 6 added the Slurm `account` to the workload key, and to every row the price it was
+charged at: dollars per hour, the purchase option (on_demand, spot, ...) and where the price came
+from (config, instance, catalogue); older rows keep '' for the account and NULL for what was not
+recorded then (a GPU row's dollars_per_hour was).
 
-`hour` is the unix time of the start of the UTC hour. Both tables are WITHOUT ROWID with a primary
+`hour` is the unix time of the start of the UTC hour. The hour tables are WITHOUT ROWID with a primary
 key that starts with `hour`: the table itself is the index that reports scan by time range and
 that retention deletes by, so no second index has to be kept in step.
 """
@@ -41,12 +46,14 @@ from agent.model import WORKLOAD_LABELS
 log = logging.getLogger("gpuledger.ledger")
 
 
-_WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS)
+_WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "account")
 WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules", "energy_dollars", "charged_s")
+# The price a row was charged at, as its GPU's row has it (the latest in the hour).
+PRICE_ATTRIBUTES = ("dollars_per_hour", "purchase", "price_source")
 _GPU_KEYS = ("hour", "node", "uuid")
 _IDLE_KEYS = ("hour", "node", "uuid", *WORKLOAD_LABELS)
 IDLE_MEASURES = ("idle_s", "idle_dollars", "idle_joules", "idle_energy_dollars")
-_GPU_ATTRIBUTES = ("gpu", "model", "dollars_per_hour")
+_GPU_ATTRIBUTES = ("gpu", "model", *PRICE_ATTRIBUTES)
 GPU_MEASURES = (
     "observed_s", "dollars", "idle_s", "idle_dollars", "unobserved_s", "unobserved_dollars", "joules", "idle_joules",
     "energy_dollars", "idle_energy_dollars",
@@ -204,6 +211,34 @@ _SCHEMA_V5 = (
 )
 
 
+# Version 6: the Slurm account a job is billed to joins the workload key (`report --by account`;
+# it is no metric label), and each row records the price it was charged at. The key changes, so
+# the table is rebuilt; older rows get '' for the account (one row each: nothing meets) and
+# NULL for the price they were not recorded with.
+_SCHEMA_V6 = (
+    """CREATE TABLE workload_hours_v6 (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL, account TEXT NOT NULL,
+        held_s REAL NOT NULL, busy_s REAL NOT NULL, dollars REAL NOT NULL, joules REAL NOT NULL,
+        energy_dollars REAL, charged_s REAL NOT NULL DEFAULT 0.0,
+        dollars_per_hour REAL, purchase TEXT, price_source TEXT,
+        PRIMARY KEY (hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, account)
+    ) WITHOUT ROWID""",
+    """INSERT INTO workload_hours_v6 (
+        hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, account,
+        held_s, busy_s, dollars, joules, energy_dollars, charged_s, dollars_per_hour, purchase, price_source
+    )
+    SELECT hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, '',
+        held_s, busy_s, dollars, joules, energy_dollars, charged_s, NULL, NULL, NULL
+    FROM workload_hours""",
+    "DROP TABLE workload_hours",
+    "ALTER TABLE workload_hours_v6 RENAME TO workload_hours",
+    "ALTER TABLE gpu_hours ADD COLUMN purchase TEXT",
+    "ALTER TABLE gpu_hours ADD COLUMN price_source TEXT",
+)
+
+
 # Step n (from 1) brings a file at version n - 1 (0: empty) to version n.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V1),
@@ -211,6 +246,7 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V3),
     _run(_SCHEMA_V4),
     _run(_SCHEMA_V5),
+    _run(_SCHEMA_V6),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -230,6 +266,6 @@ def _upsert(table: str, keys: Sequence[str], replaced: Sequence[str], summed: Se
     )
 
 
-UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, (), WORKLOAD_MEASURES)
+UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, PRICE_ATTRIBUTES, WORKLOAD_MEASURES)
 UPSERT_GPU = _upsert("gpu_hours", _GPU_KEYS, _GPU_ATTRIBUTES, GPU_MEASURES)
 UPSERT_IDLE = _upsert("idle_hours", _IDLE_KEYS, ("gpu",), IDLE_MEASURES)

@@ -274,10 +274,11 @@ class Ledger:
     def _write(self, conn: sqlite3.Connection, batch: Batch, cutoff: int | None) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
+            prices = batch.workload_prices()
             conn.executemany(
                 UPSERT_WORKLOAD,
                 [
-                    key.columns() | _measure_columns(sums, WORKLOAD_MEASURES)
+                    key.columns() | prices[key] | _measure_columns(sums, WORKLOAD_MEASURES)
                     for key, sums in batch.workload_rows.items()
                 ],
             )

@@ -1,6 +1,6 @@
 """Slurm's GPU mapping directory, as a prolog writes it and an epilog removes it: one file per
-GPU index (or MIG `gpu.gi`) holding `JOBID [USER]`, its modification time the job's start there.
-A missing directory is a node without Slurm."""
+GPU index (or MIG `gpu.gi`) holding `JOBID [USER [ACCOUNT]]`, its modification time the job's
+start there. A missing directory is a node without Slurm."""
 
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ from agent.model import Snapshot
 log = logging.getLogger(__name__)
 
 _MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
+# Slurm account names: letters, digits and a few separators (sacctmgr refuses the rest).
+_ACCOUNT = re.compile(r"[A-Za-z0-9_.@+-]{1,128}")
 
 
 def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
     """One file per GPU index (`3`) or MIG instance (`0.2`), as a prolog writes them and an
-    epilog removes them; the first line holds the job id and, optionally, the user."""
+    epilog removes them; the first line holds the job id and, optionally, the user and the
+    job's account ($SLURM_JOB_ACCOUNT in the prolog)."""
     try:
         names = sorted(os.listdir(directory))
     except OSError:
@@ -49,6 +52,7 @@ def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
                 job=fields[0],
                 user=fields[1] if len(fields) > 1 else None,
                 started_at=written_at,
+                account=fields[2] if len(fields) > 2 and _ACCOUNT.fullmatch(fields[2]) else None,
             )
         )
     return found
