@@ -6,8 +6,9 @@ A poll sees who holds each unit at its own moment only. Between two polls:
   - one holding it at the start only is gone by the end, and when it went is not known (NVML
     gives no end time): it held the first half (the midpoint rule);
   - one holding it at the end only began within the interval: from its start where that is
-    known and falls within the interval (at the later poll itself: none of it) (the earliest start of its processes, as procfs gives
-    it, or its allocation's, as the Slurm map file's time gives it), else from the midpoint.
+    known and falls within the interval (the earliest start of its processes, as procfs gives
+    it, or its allocation's, as the Slurm map file's time gives it; at the later poll itself:
+    none of it), else from the midpoint.
 
 Wherever nobody held the unit it was idle, and each idle stretch is left by the workloads whose
 part ended last before it; where none ended within the interval, by those that held the unit
