@@ -475,10 +475,12 @@ class Sampler:
             return None
         # A busy GPU gives thousands of samples a poll: one dict lookup per sample.
         by_pid: defaultdict[int, list[int]] = defaultdict(list)
+        newest_us = since
         for pid, stamp_us, util in samples:
             if stamp_us > since:
                 by_pid[pid].append(util)
-        gpu.last_seen_us = max(since, max((stamp_us for _pid, stamp_us, _util in samples), default=since))
+                newest_us = max(newest_us, stamp_us)
+        gpu.last_seen_us = newest_us
         # Sum whole percents and divide once, so a steady 92% reads 0.92, not 0.9200000000000002.
         return {pid: sum(utils) / len(utils) / 100 for pid, utils in by_pid.items()}
 
