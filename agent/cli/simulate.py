@@ -32,7 +32,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if target and not Path(target).parent.is_dir():
             raise BadInputError(f"gpuledger: {option}: no such directory {Path(target).parent}")
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
-    agent = build_agent(settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step)
+    agent = build_agent(
+        settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step, ledger_write_behind=True
+    )
     node = agent.node
     assert node is not None
     try:

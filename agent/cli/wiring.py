@@ -106,6 +106,7 @@ def build_agent(
     monotonic: Callable[[], float] = time.monotonic,
     costing: Costing | bool = True,
     rules: Sequence[RuleSpec] | None = None,
+    ledger_write_behind: bool = False,
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
 
@@ -119,6 +120,9 @@ def build_agent(
     costing        True: prices from the settings; False: no accounting; a `Costing`: that one
                    (tests and benchmarks with prices of their own)
     rules          the flag rules; by default those the settings enable
+    ledger_write_behind  let each ledger flush's fsync overlap the next poll (`LedgerSink`); for
+                   `simulate`, whose polls would otherwise wait on the disk every minute of
+                   scenario time
     """
     textfile_path = settings.exporters.textfile_path
     if textfile_path and not Path(textfile_path).parent.is_dir():
@@ -133,7 +137,7 @@ def build_agent(
         if isinstance(costing, Costing):
             priced = costing
         elif costing:
-            priced = _costing(settings, node, ledger_path, clock or backend.clock)
+            priced = _costing(settings, node, ledger_path, clock or backend.clock, ledger_write_behind)
             if node is not None:
                 # On a fake node one poll interval spans `fake_speed` times as much scenario time
                 # (or, in `simulate`, one step): that is the run's normal rhythm, not a gap to
@@ -238,6 +242,7 @@ def _costing(
     node: fake_nvml.InstalledNode | None,
     ledger_path: str | Path | None,
     clock: Callable[[], float],
+    write_behind: bool = False,
 ) -> Costing:
     """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger."""
     from agent.ledger.sink import LedgerSink
@@ -265,7 +270,11 @@ def _costing(
                 log.warning("no price for GPU %d (%s): set pricing.by_model or pricing.gpu_hourly", g.index, g.model)
         return found
 
-    sink = LedgerSink(ledger_path, retention_s=settings.ledger.retention, clock=clock) if ledger_path else None
+    sink = (
+        LedgerSink(ledger_path, retention_s=settings.ledger.retention, clock=clock, write_behind=write_behind)
+        if ledger_path
+        else None
+    )
     return Costing(
         prices=prices,
         max_interval_s=settings.accounting.max_interval,

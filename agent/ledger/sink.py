@@ -3,6 +3,12 @@
 A ledger that cannot be opened (no directory, read-only disk) or cannot flush (disk full) is
 reported through `health()` (and so `gpuledger_ledger_up`), logged once per change of state,
 and retried at the next flush; charges wait in memory meanwhile, so nothing is lost.
+
+With `write_behind` (what `simulate` uses), a flush's transaction and fsync run on a worker
+thread while the caller goes on; the next `add`, `health`, `flush` or `close` waits for it
+first. The ledger therefore sees exactly the calls, in exactly the order, that it would see
+without it (the flush even reads the clock at the moment it was asked for), so the file and
+every published health are the same: only the wait for the disk overlaps other work.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from agent.ledger.store import Ledger, LedgerError
@@ -19,21 +26,44 @@ log = logging.getLogger(__name__)
 
 
 class LedgerSink:
-    def __init__(self, path: str | Path, *, retention_s: float | None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        retention_s: float | None,
+        clock: Callable[[], float] = time.time,
+        write_behind: bool = False,
+    ) -> None:
         self.path = Path(path)
         self.retention_s = retention_s
         self.clock = clock
         self._ledger: Ledger | None = None
         self._waiting: list[Charges] = []  # charges that arrived while the ledger could not open
         self._open_failed = False
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-flush") if write_behind else None
+        self._in_flight: Future[bool] | None = None
+        self._asked_at: float | None = None  # the clock when the flush in flight was asked for
         self._open()
+
+    def _ledger_clock(self) -> float:
+        asked_at = self._asked_at
+        return self.clock() if asked_at is None else asked_at
+
+    def _settle(self) -> None:
+        """Wait for the flush in flight, if any (its outcome is in the ledger's health)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            try:
+                in_flight.result()
+            finally:
+                self._asked_at = None
 
     def _open(self) -> Ledger | None:
         if self._ledger is not None:
             return self._ledger
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._ledger = Ledger(self.path, retention_s=self.retention_s, clock=self.clock)
+            self._ledger = Ledger(self.path, retention_s=self.retention_s, clock=self._ledger_clock)
         except (OSError, LedgerError) as exc:
             if not self._open_failed:
                 log.error("ledger %s cannot be opened (%s); charges are kept in memory and retried", self.path, exc)
@@ -48,6 +78,7 @@ class LedgerSink:
         return self._ledger
 
     def add(self, charges: Charges) -> None:
+        self._settle()
         ledger = self._ledger
         if ledger is None:
             self._waiting.append(charges)
@@ -55,10 +86,20 @@ class LedgerSink:
             ledger.add(charges)
 
     def flush(self) -> bool:
+        """True when the pending charges were committed; with `write_behind`, when the flush is
+        under way (whether it committed shows in `health()`, which waits for it)."""
+        self._settle()
         ledger = self._open()
-        return ledger.flush() if ledger is not None else False
+        if ledger is None:
+            return False
+        if self._writer is None:
+            return ledger.flush()
+        self._asked_at = self.clock()
+        self._in_flight = self._writer.submit(ledger.flush)
+        return True
 
     def health(self) -> LedgerHealth:
+        self._settle()
         ledger = self._ledger
         if ledger is None:
             return LedgerHealth(healthy=False, pending_rows=len(self._waiting), last_flush_at=None)
@@ -67,6 +108,11 @@ class LedgerSink:
         )
 
     def close(self) -> None:
+        try:
+            self._settle()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
         ledger = self._open()
         if ledger is not None:
             ledger.close()
