@@ -135,6 +135,7 @@ class FakeNvmlLibrary:
         self._hidden.update(n for n, since in FUNCTION_SINCE_DRIVER.items() if major < since)
         self._fields_hidden = {f for f, since in FIELD_SINCE_DRIVER.items() if major < since}
         self._devices: dict[int, Dev | None] = {}
+        self._synced_at: float | None = None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         spec = _REGISTRY.get(name)
@@ -151,7 +152,7 @@ class FakeNvmlLibrary:
         fam = family(name)
         impl = spec.impl
         calls = node.calls
-        now = node.now
+        now = node.clock.now
         sync_host = node.sync_host
         faults_for = node.faults_for
         takes_device = spec.takes_device
@@ -165,7 +166,11 @@ class FakeNvmlLibrary:
         def symbol(*args: Any) -> Any:
             calls[name] += 1
             t = now()
-            sync_host(t)
+            # Host files depend on scenario time alone: one sync per instant is enough, and a
+            # poll makes dozens of calls at the same instant.
+            if t != self._synced_at:
+                sync_host(t)
+                self._synced_at = t
             if node_latencies:
                 latency = node.call_latency_s(name, fam, None, t)
                 if latency:

@@ -209,16 +209,19 @@ class FakeNode:
             # as samples move forward in time that boundary only moves forward too, so it is
             # walked once per process rather than searched for every sample (`sm_util_at`).
             segments, start_s, pid = process.segments, process.start_s, process.pid
+            count = len(segments)
             in_force, util = 0, 0
+            next_change_s = segments[0].at_s if count else math.inf
             for k in range(max(first_k, 0), newest_k + 1):
                 at = k * PROCESS_SAMPLE_PERIOD_S
                 stamp_us = round((start_epoch + at) * 1_000_000)
                 if stamp_us <= last_seen_us:
                     continue
-                if in_force < len(segments) and segments[in_force].at_s <= at - start_s:
-                    while in_force < len(segments) and segments[in_force].at_s <= at - start_s:
+                if at - start_s >= next_change_s:
+                    while in_force < count and segments[in_force].at_s <= at - start_s:
                         in_force += 1
                     util = round(segments[in_force - 1].sm_util)
+                    next_change_s = segments[in_force].at_s if in_force < count else math.inf
                 if util > 0:
                     samples.append((pid, stamp_us, util))
         return samples

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from agent.ledger.sink import LedgerSink
-from agent.model import Price
+from agent.model import LedgerHealth, Price
 from agent.pipeline import Costing
 from tests.helpers import Rig
+from tests.test_ledger import T0, TRAIN, VLLM, ManualClock, charges, stored
 
 
 def test_a_ledger_that_cannot_open_keeps_charges_until_it_can(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -45,3 +46,32 @@ def test_a_ledger_that_cannot_open_keeps_charges_until_it_can(tmp_path: Path, ca
     with sqlite3.connect(blocker / "ledger.db") as conn:
         (dollars,) = conn.execute("SELECT sum(dollars) FROM workload_hours").fetchone()
     assert dollars == pytest.approx(600 * 3.6 / 3600)  # ann held the GPU for all ten minutes
+
+
+def test_write_behind_leaves_the_same_ledger_and_healths_as_flushing_in_place(tmp_path: Path) -> None:
+    """`simulate` flushes behind: the flush's fsync overlaps the next poll. Everything the ledger
+    is told, and everything it reports, must be what flushing in place gives, in simulate's
+    rhythm: a charge per 15 s step, a flush every fourth, the clock moving on right after it."""
+    runs: dict[bool, tuple[list[LedgerHealth], list[tuple[object, ...]]]] = {}
+    for write_behind in (False, True):
+        clock = ManualClock(T0)
+        path = tmp_path / f"behind-{write_behind}.db"
+        sink = LedgerSink(path, retention_s=None, clock=clock, write_behind=write_behind)
+        healths = []
+        for step in range(1, 13):
+            sink.add(charges(clock.t, clock.t + 15, workloads=((0, VLLM, 0.25 * step), (1, TRAIN, 0.5))))
+            healths.append(sink.health())
+            if step % 4 == 0:
+                assert sink.flush() is True
+            clock.t += 15  # the next step begins while a flush behind may still be writing
+            healths.append(sink.health())
+        sink.close()
+        runs[write_behind] = (healths, stored(path, "SELECT * FROM workload_hours ORDER BY gpu"))
+    assert runs[True] == runs[False]
+    healths = runs[True][0]
+    # A flush is stamped with the clock at the moment it was asked for, not when it committed.
+    assert healths[7].last_flush_at == T0 + 3 * 15  # step 4 began at T0 + 45 and flushed then
+    assert healths[7].pending_rows == 0
+    # 0.25 + 0.5 + ... + 3.0 dollars on GPU 0 (0.25 x (1 + ... + 12) = 0.25 x 78 = 19.5), 12 x 0.5 on GPU 1
+    dollars = stored(tmp_path / "behind-True.db", "SELECT dollars FROM workload_hours ORDER BY gpu")
+    assert [d for (d,) in dollars] == [pytest.approx(19.5), pytest.approx(6.0)]

@@ -52,7 +52,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.ledger:
         check_ledger(Path(args.ledger), append=args.append)
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
-    agent = build_agent(settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step)
+    agent = build_agent(
+        settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step, ledger_write_behind=True
+    )
     node = agent.node
     assert node is not None
     # Progress on a terminal only (tqdm turns itself off when stderr is not a TTY): a week at

@@ -189,6 +189,15 @@ _VALUE_MEMBERS = {
 }
 
 
+_WIDEST = "ullVal"
+
+
+def _field_value(item: _FieldValue, value: ctypes.Union) -> float:
+    """A field's value, from the union member its type names (an unknown type reads as
+    unsigned long long, the widest)."""
+    return float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
+
+
 class _FieldRequest:
     """One field-values request, built once and sent every poll: the driver writes only the
     outputs, so the ids stay; the outputs are reset from `template` before each call."""
@@ -418,8 +427,9 @@ class NvmlBackend:
         returns the keys left for single calls."""
         call = "nvmlDeviceGetFieldValues"
         keys = plan.batched
+        request = plan.request
         try:
-            results = self._request(handle, plan.request)
+            self._send(handle, request)
         except ReadingNotSupported as exc:
             log.info("field values are not available (%s): reading one call per value", exc.error)
             self._field_values = False
@@ -430,9 +440,12 @@ class NvmlBackend:
             errors.update(dict.fromkeys(keys, exc))
             return []
         left: list[ReadingKey] = []
-        for key, (value, code) in zip(keys, results, strict=True):
-            if code is None:
-                values[key] = float(bool(value)) if key.quantity is Quantity.NVLINK_UP else _from_milli(value)
+        for key, item, value in zip(keys, request.items, request.values, strict=True):
+            code = item.nvmlReturn
+            if code == pynvml.NVML_SUCCESS:
+                # `_field_value`, inline: a dozen fields per GPU every poll.
+                raw = float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
+                values[key] = float(bool(raw)) if key.quantity is Quantity.NVLINK_UP else _from_milli(raw)
                 continue
             failure = _error(call, code)
             if isinstance(failure, (DeviceLost, DriverUnavailable)):
@@ -511,21 +524,21 @@ class NvmlBackend:
         """One field-values call: per field (value, None), or (0.0, its NVML return code)."""
         return self._request(handle, _FieldRequest(fields))
 
+    @classmethod
+    def _request(cls, handle: _Device, request: _FieldRequest) -> list[tuple[float, int | None]]:
+        cls._send(handle, request)
+        return [
+            (_field_value(item, value), None) if item.nvmlReturn == pynvml.NVML_SUCCESS else (0.0, item.nvmlReturn)
+            for item, value in zip(request.items, request.values, strict=True)
+        ]
+
     @staticmethod
-    def _request(handle: _Device, request: _FieldRequest) -> list[tuple[float, int | None]]:
+    def _send(handle: _Device, request: _FieldRequest) -> None:
+        """One field-values call; each field's outcome is then in `request.items`."""
         call = "nvmlDeviceGetFieldValues"
         array = request.array
         ctypes.memmove(array, request.template, len(request.template))
         _check(call, _function(call, call)(handle.handle, request.length, ctypes.byref(array)))
-        results: list[tuple[float, int | None]] = []
-        for item, value in zip(request.items, request.values, strict=True):
-            code = item.nvmlReturn
-            if code != pynvml.NVML_SUCCESS:
-                results.append((0.0, code))
-            else:
-                # An unknown type reads as unsigned long long, the widest member.
-                results.append((float(getattr(value, _VALUE_MEMBERS.get(item.valueType, "ullVal"))), None))
-        return results
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
         """Compute processes with their memory, through the newest call version the driver has."""

@@ -428,7 +428,7 @@ class Sampler:
     def _read_healthy(self, gpu: _Gpu) -> list[DeviceReading]:
         where = f"GPU {gpu.index} ({gpu.uuid})"
         values = self._read(where, gpu.unsupported, gpu.handle, gpu.keys)
-        links = tuple(_nvlink(link, bool(values[key])) for key, link in gpu.links if key in values)
+        links = tuple([_nvlink(link, bool(values[key])) for key, link in gpu.links if key in values])
         if gpu.migs:
             return self._read_mig_gpu(gpu, where, values, links)
         memory_used = values.get(_MEMORY_USED)
