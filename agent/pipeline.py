@@ -204,7 +204,7 @@ class Pipeline:
         # Each stage's last good result, which a failing stage leaves in place.
         self._previous: Snapshot | None = None
         self._attribution = Attribution()
-        self._clean_workloads: dict[Workload, Workload] = {}
+        self._clean_workloads: dict[Workload, Workload | None] = {}
         self._last_energy: dict[str, float] = {}  # GPU uuid -> its last energy counter reading
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
@@ -363,13 +363,14 @@ class Pipeline:
         changed = False
         for holding in attribution.holdings:
             workload = holding.workload
-            scrubbed = clean.get(workload)
-            if scrubbed is None:
+            if workload not in clean:
                 values = {name: scrub_label(value) for name, value in workload.label_dict().items()}
-                scrubbed = workload if values == workload.label_dict() else Workload.from_labels(values)
-                clean[workload] = scrubbed
-            changed = changed or scrubbed is not workload
-            holdings.append(holding if scrubbed is workload else replace(holding, workload=scrubbed))
+                # None: nothing to scrub. Each poll's attribution builds its workloads anew, so
+                # "the same" means equal, not the object first remembered.
+                clean[workload] = None if values == workload.label_dict() else Workload.from_labels(values)
+            scrubbed = clean[workload]
+            changed = changed or scrubbed is not None
+            holdings.append(holding if scrubbed is None else replace(holding, workload=scrubbed))
         return replace(attribution, holdings=tuple(holdings)) if changed else attribution
 
     def _account(self, sampled: Sampled, attribution: Attribution, earlier: Attribution) -> Charges | None:

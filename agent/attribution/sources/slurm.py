@@ -17,6 +17,7 @@ from agent.model import Snapshot
 log = logging.getLogger(__name__)
 
 _MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
+_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a job id, or an array task's (`1234_7`)
 
 
 def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
@@ -27,17 +28,18 @@ def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
     except OSError:
         return []
     found: list[SlurmAllocation] = []
+    encoding = locale.getpreferredencoding(False)  # asked once per read, not once per file
     for name in names:
         match = _MAP_NAME.match(name)
         if not match:
             continue
         path = os.path.join(directory, name)
         try:
-            first = _read_text(path).strip().splitlines()
+            first = _read_text(path, encoding).strip().splitlines()
         except OSError:
             continue  # removed by the epilog while we listed: the job is gone
         fields = first[0].split() if first else []
-        if not fields or not re.fullmatch(r"[0-9]+(?:_[0-9]+)?", fields[0]):
+        if not fields or not _JOB_ID.fullmatch(fields[0]):
             log.debug("ignoring %s: no job id on its first line", path)
             continue
         found.append(
@@ -68,7 +70,7 @@ class SlurmMapSource(AttributionSource):
         return replace(found, slurm_allocations=(*found.slurm_allocations, *read_slurm_map(self.directory)))
 
 
-def _read_text(path: str) -> str:
+def _read_text(path: str, encoding: str) -> str:
     """The file's text, as Path.read_text(errors="replace") gives it, through os.open and
     os.read: the map is read every poll, and a buffered text file costs more than the read."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -78,4 +80,4 @@ def _read_text(path: str) -> str:
             chunks.append(chunk)
     finally:
         os.close(fd)
-    return b"".join(chunks).decode(locale.getpreferredencoding(False), errors="replace")
+    return b"".join(chunks).decode(encoding, errors="replace")
