@@ -22,7 +22,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS, Ledger, LedgerError, PendingCharges, recorded_period
+from agent.ledger.files import LedgerError
+from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS, PendingCharges
+from agent.ledger.read import recorded_period
+from agent.ledger.store import Ledger
 from agent.model import Charges, LedgerHealth
 
 log = logging.getLogger(__name__)
