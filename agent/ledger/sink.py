@@ -8,10 +8,11 @@ most `max_pending_rows` rows (the oldest hours are dropped beyond that, counted 
 charge reached the file; where some did not, one error line says how many rows and dollars.
 
 With `write_behind` (what `simulate` uses), a flush's transaction and fsync run on a worker
-thread while the caller goes on; the next `add`, `health`, `flush` or `close` waits for it
-first. The ledger therefore sees exactly the calls, in exactly the order, that it would see
-without it (the flush even reads the clock at the moment it was asked for), so the file and
-every published health are the same: only the wait for the disk overlaps other work.
+thread while the caller goes on; the next `health`, `flush` or `close` waits for it first, and
+charges added meanwhile wait in order and reach the ledger once it is done. The ledger
+therefore sees exactly the calls, in exactly the order, that it would see without it (the
+flush even reads the clock at the moment it was asked for), so the file and every published
+health are the same: only the wait for the disk overlaps other work.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class LedgerSink:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-flush") if write_behind else None
         self._in_flight: Future[bool] | None = None
         self._asked_at: float | None = None  # the clock when the flush in flight was asked for
+        self._queued: list[Charges] = []  # added while that flush was writing, for after it
         self._open()
 
     def _ledger_clock(self) -> float:
@@ -66,13 +68,17 @@ class LedgerSink:
         return self.clock() if asked_at is None else asked_at
 
     def _settle(self) -> None:
-        """Wait for the flush in flight, if any (its outcome is in the ledger's health)."""
+        """Wait for the flush in flight, if any (its outcome is in the ledger's health), then
+        hand the ledger the charges added meanwhile."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             try:
                 in_flight.result()
             finally:
                 self._asked_at = None
+        queued, self._queued = self._queued, []
+        for charges in queued:
+            self._add(charges)
 
     def _open(self) -> Ledger | None:
         if self._ledger is not None:
@@ -93,7 +99,16 @@ class LedgerSink:
         return self._ledger
 
     def add(self, charges: Charges) -> None:
+        in_flight = self._in_flight
+        if in_flight is not None and not in_flight.done():
+            # After the flush, as without write-behind; and the poll need not wait for the disk
+            # here, only at the health it publishes at its end, by when the flush is often done.
+            self._queued.append(charges)
+            return
         self._settle()
+        self._add(charges)
+
+    def _add(self, charges: Charges) -> None:
         ledger = self._ledger
         if ledger is None:
             self._pending.add(charges)
