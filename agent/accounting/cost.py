@@ -55,8 +55,10 @@ class CostUnit:
     device: DeviceReading | None  # the unit's own reading (None for unassigned SMs)
 
 
-def cost_units(snapshot: Snapshot, gpu: DeviceReading) -> list[CostUnit]:
-    migs = snapshot.mig_devices(gpu.uuid)
+def cost_units(snapshot: Snapshot, gpu: DeviceReading, migs: tuple[DeviceReading, ...] | None = None) -> list[CostUnit]:
+    """The GPU's cost units; `migs`, its MIG devices where the caller has them at hand."""
+    if migs is None:
+        migs = snapshot.mig_devices(gpu.uuid)
     if not migs:
         return [CostUnit(gpu, gpu.uuid, 1.0, gpu)]
     if gpu.sm_count and all(m.sm_count for m in migs):
@@ -182,10 +184,18 @@ def account(
         return charges
     previous = {d.uuid: d for d in prev.gpus}
     prev_devices = {d.uuid: d for d in prev.devices}
-    # Each unit's holders, in attribution order (`Attribution.for_device`, found in one pass).
+    # Each unit's holders, now and at the start, in attribution order (`Attribution.for_device`,
+    # found in one pass each), and each GPU's MIG devices (`Snapshot.mig_devices`, likewise).
     holders_of: dict[str, list[Holding]] = {}
     for h in attribution.holdings:
         holders_of.setdefault(h.device_uuid, []).append(h)
+    earlier_of: dict[str, list[Holding]] = {}
+    for h in earlier.holdings if earlier is not None else ():
+        earlier_of.setdefault(h.device_uuid, []).append(h)
+    migs_of: dict[str, list[DeviceReading]] = {}
+    for d in curr.devices:
+        if d.parent_uuid is not None:
+            migs_of.setdefault(d.parent_uuid, []).append(d)
     workloads: dict[tuple[int, str, Workload], _Acc] = {}
     gpus: list[GpuCharge] = []
     for gpu in curr.gpus:
@@ -200,14 +210,14 @@ def account(
         idle_s = idle_dollars = idle_joules = 0.0
         unobserved_s = unobserved_dollars = 0.0
         unobserved_reason = ""
-        for unit in cost_units(curr, gpu):
+        for unit in cost_units(curr, gpu, tuple(migs_of.get(gpu.uuid, ()))):
             unit_dollars = gpu_dollars * unit.weight
             unit_joules = gpu_joules * unit.weight
             holders = tuple(holders_of.get(unit.uuid, ())) if unit.uuid else ()
             was = prev_devices.get(unit.uuid)
             # Who held it at the start, where that is known (its process list was read then).
             known = earlier is not None and was is not None and was.processes_known
-            before = earlier.for_device(unit.uuid) if known and earlier is not None and unit.uuid else holders
+            before = tuple(earlier_of.get(unit.uuid, ())) if known and unit.uuid else holders
             if unit.device is not None and not unit.device.processes_known and not holders:
                 # Nobody is known to hold it, but its processes could not be listed: not idle.
                 unobserved_s += dt * unit.weight

@@ -76,6 +76,8 @@ def apply_rules(
     field wins it), then the built-in recognisers for a model no rule named. `cmdline`, `facts`
     (for `env.` keys) and `account` are what a rule may match besides the workload's fields;
     an allocation without a process has none of them."""
+    if not rules:
+        return _recognised(w, tuple(cmdline))
     chosen: dict[str, str] = {}
     for rule in rules:
         if all(name in chosen for name, _ in rule.set):
@@ -96,6 +98,15 @@ def apply_rules(
         if recognised:
             chosen["model"] = recognised
     return replace(w, **chosen) if chosen else w
+
+
+@lru_cache(maxsize=8192)
+def _recognised(w: Workload, cmdline: tuple[str, ...]) -> Workload:
+    """`apply_rules` without configured rules: the built-in recognisers alone, which see only the
+    workload and the cmdline. Remembered, as every poll asks about the same few; answering with
+    the same object each time also lets later lookups find it by identity."""
+    model = _model_of(cmdline) if cmdline else None
+    return replace(w, model=model) if model else w
 
 
 def _expand(template: str, groups: Sequence[str]) -> str:
