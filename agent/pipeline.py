@@ -363,12 +363,12 @@ class Pipeline:
         changed = False
         for holding in attribution.holdings:
             workload = holding.workload
-            if workload not in clean:
+            scrubbed = clean.get(workload, workload)
+            if scrubbed is workload:  # not seen yet
                 values = {name: scrub_label(value) for name, value in workload.label_dict().items()}
-                # None: nothing to scrub. Each poll's attribution builds its workloads anew, so
-                # "the same" means equal, not the object first remembered.
-                clean[workload] = None if values == workload.label_dict() else Workload.from_labels(values)
-            scrubbed = clean[workload]
+                # None: nothing to scrub. Each poll's attribution may build its workloads anew,
+                # so "the same" means equal, not the object first remembered.
+                scrubbed = clean[workload] = None if values == workload.label_dict() else Workload.from_labels(values)
             changed = changed or scrubbed is not None
             holdings.append(holding if scrubbed is None else replace(holding, workload=scrubbed))
         return replace(attribution, holdings=tuple(holdings)) if changed else attribution

@@ -114,11 +114,15 @@ def _charge(
     utils = [holder_utilization(h, unit, len(holders)) for h in holders]
     seen: dict[Workload, float] = {}
     for holding, share, util in zip(holders, split_shares(holders, utils), utils, strict=True):
-        acc = workloads.setdefault((gpu_index, unit.uuid, holding.workload), _Acc())
+        workload = holding.workload
+        acc = workloads.get((gpu_index, unit.uuid, workload))
+        if acc is None:
+            acc = workloads[(gpu_index, unit.uuid, workload)] = _Acc()
         # Per-pid holdings of one workload each held the unit: count its time once (per part).
-        if held > seen.get(holding.workload, 0.0):
-            acc.held_s += held - seen.get(holding.workload, 0.0)
-            seen[holding.workload] = held
+        counted = seen.get(workload, 0.0)
+        if held > counted:
+            acc.held_s += held - counted
+            seen[workload] = held
         acc.busy_s += held * min(util or 0.0, 1.0)
         # Summed, unlike held: each of a workload's holdings is its own part of the share.
         acc.charged_s += held * share
@@ -224,7 +228,11 @@ def account(
                 unobserved_dollars += unit_dollars
                 unobserved_reason = UNOBSERVED_PROCESSES
                 continue
-            same = {h.workload for h in before} == {h.workload for h in holders}
+            # The same workloads in the same order (the usual case: one check, by identity
+            # mostly), else compared as sets.
+            same = [h.workload for h in before] == [h.workload for h in holders] or {h.workload for h in before} == {
+                h.workload for h in holders
+            }
             halves = [(holders, 1.0)] if same else [(before, 0.5), (holders, 0.5)]
             for owners, part in halves:
                 if not owners:
@@ -355,7 +363,8 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
             energy_dollars=energy_dollars(joules, per_kwh),
         )
     horizon = charges.end - forget_after_s
-    workloads = {k: v for k, v in workloads.items() if v.last_charged_at >= horizon}
+    if any(v.last_charged_at < horizon for v in workloads.values()):
+        workloads = {k: v for k, v in workloads.items() if v.last_charged_at >= horizon}
     gpus = dict(totals.gpus)
     for g in charges.gpus:
         old_gpu = gpus.get((g.gpu, g.uuid), _NO_GPU_TOTALS)
