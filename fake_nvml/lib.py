@@ -35,6 +35,7 @@ UNINITIALIZED = ERROR_CODES["UNINITIALIZED"]
 
 _HANDLE_TAG = 0x6E760000  # "nv" in the high bytes: a handle this library made
 _HANDLE_MASK = 0xFFFF0000
+_DECODED_KEPT = 1024  # handle objects remembered (a node has a few dozen devices)
 
 # Field ids (nvml.h) the fake answers in nvmlDeviceGetFieldValues, and the call each mirrors:
 # a fault on the call hits the field too, as a sensor that is missing is missing either way.
@@ -137,6 +138,7 @@ class FakeNvmlLibrary:
         self._hidden.update(n for n, since in FUNCTION_SINCE_DRIVER.items() if major < since)
         self._fields_hidden = {f for f, since in FIELD_SINCE_DRIVER.items() if major < since}
         self._devices: dict[int, Dev | None] = {}
+        self._decoded: dict[int, tuple[Any, Dev | None]] = {}  # id(handle) -> (handle, device)
         self._synced_at: float | None = None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
@@ -211,6 +213,19 @@ class FakeNvmlLibrary:
     # -- handles ------------------------------------------------------------------------------
 
     def _decode(self, handle: Any) -> Dev | None:
+        # The handles a caller keeps are asked about on every call: known by identity (the
+        # object is held, so its id is not reused) until a handle lookup writes into one.
+        known = self._decoded.get(id(handle))
+        if known is not None and known[0] is handle:
+            return known[1]
+        dev = self._decode_handle(handle)
+        if isinstance(handle, ctypes._Pointer):
+            if len(self._decoded) >= _DECODED_KEPT:
+                self._decoded.clear()
+            self._decoded[id(handle)] = (handle, dev)
+        return dev
+
+    def _decode_handle(self, handle: Any) -> Dev | None:
         if isinstance(handle, ctypes._Pointer):
             # A pointer's bytes are its address: read them rather than cast, which costs five
             # times as much, and every device call decodes its handle.
@@ -237,10 +252,11 @@ class FakeNvmlLibrary:
             return None
         return Dev(gpu, mig)
 
-    @staticmethod
-    def _store_handle(out: Any, gpu: int, mig: int | None = None) -> None:
+    def _store_handle(self, out: Any, gpu: int, mig: int | None = None) -> None:
         value = _HANDLE_TAG | ((gpu + 1) << 8) | (0 if mig is None else mig + 1)
-        ctypes.c_void_p.from_buffer(_obj(out)).value = value
+        handle = _obj(out)
+        ctypes.c_void_p.from_buffer(handle).value = value
+        self._decoded.pop(id(handle), None)
 
 
 # ---------------------------------------------------------------------------------------------
