@@ -213,7 +213,7 @@ class Pipeline:
         # Each stage's last good result, which a failing stage leaves in place.
         self._previous: Snapshot | None = None
         self._attribution = Attribution()
-        self._clean_workloads: dict[Workload, Workload] = {}
+        self._clean_workloads: dict[Workload, Workload | None] = {}
         self._last_energy: dict[str, float] = {}  # GPU uuid -> its last energy counter reading
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
@@ -393,13 +393,14 @@ class Pipeline:
         changed = False
         for holding in attribution.holdings:
             workload = holding.workload
-            scrubbed = clean.get(workload)
-            if scrubbed is None:
+            scrubbed = clean.get(workload, workload)
+            if scrubbed is workload:  # not seen yet
                 values = {name: scrub_label(value) for name, value in workload.label_dict().items()}
-                scrubbed = workload if values == workload.label_dict() else Workload.from_labels(values)
-                clean[workload] = scrubbed
-            changed = changed or scrubbed is not workload
-            holdings.append(holding if scrubbed is workload else replace(holding, workload=scrubbed))
+                # None: nothing to scrub. Each poll's attribution may build its workloads anew,
+                # so "the same" means equal, not the object first remembered.
+                scrubbed = clean[workload] = None if values == workload.label_dict() else Workload.from_labels(values)
+            changed = changed or scrubbed is not None
+            holdings.append(holding if scrubbed is None else replace(holding, workload=scrubbed))
         return replace(attribution, holdings=tuple(holdings)) if changed else attribution
 
     def _account(self, sampled: Sampled, attribution: Attribution, earlier: Attribution) -> Charges | None:
@@ -514,11 +515,12 @@ class Pipeline:
     def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
         snapshot = sampled.snapshot
         parent = {d.uuid: d.parent_uuid or d.uuid for d in snapshot.devices}
-        holders: dict[str, set[Workload]] = {}
+        held_by: dict[str, set[Workload]] = {}
         for h in attribution.holdings:
             gpu_uuid = parent.get(h.device_uuid)
             if gpu_uuid is not None:
-                holders.setdefault(gpu_uuid, set()).add(h.workload)
+                held_by.setdefault(gpu_uuid, set()).add(h.workload)
+        holders = {uuid: tuple(sorted(workloads)) for uuid, workloads in held_by.items()}
         # Who left each GPU idle, as of before this poll: a clearing idle flag names them, not
         # the workload whose arrival cleared it.
         left_before = dict(self._left_by)
@@ -527,6 +529,7 @@ class Pipeline:
             return
         cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
         observations = []
+        node, interval_s = snapshot.node.hostname, sampled.interval_s
         for gpu in snapshot.gpus:
             charge = cost.get(gpu.uuid)
             observations.append(
@@ -534,12 +537,12 @@ class Pipeline:
                     gpu=gpu.index,
                     uuid=gpu.uuid,
                     model=gpu.model,
-                    node=snapshot.node.hostname,
+                    node=node,
                     up=gpu.up,
                     utilization=gpu.utilization,
                     memory_used_bytes=gpu.memory_used_bytes,
-                    holders=tuple(sorted(holders.get(gpu.uuid, ()))),
-                    interval_s=sampled.interval_s,
+                    holders=holders.get(gpu.uuid, ()),
+                    interval_s=interval_s,
                     dollars=charge.dollars if charge is not None else 0.0,
                     idle_dollars=charge.idle_dollars if charge is not None else 0.0,
                 )
@@ -552,7 +555,7 @@ class Pipeline:
             left = self._left_by.get(t.uuid) or left_before.get(t.uuid)
             _log_transition(t, left, idle=t.rule in idle_rules)
 
-    def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, set[Workload]]) -> None:
+    def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, tuple[Workload, ...]]) -> None:
         """Remember who held each GPU at the last poll that saw it held; once nobody holds it,
         they are who left it idle (`left_by`), until someone holds it again."""
         for gpu in snapshot.gpus:
@@ -560,7 +563,7 @@ class Pipeline:
                 continue
             held = holders.get(gpu.uuid)
             if held:
-                self._last_held[gpu.uuid] = LeftBy(gpu.index, gpu.uuid, tuple(sorted(held)), snapshot.taken_at)
+                self._last_held[gpu.uuid] = LeftBy(gpu.index, gpu.uuid, held, snapshot.taken_at)
                 self._left_by.pop(gpu.uuid, None)
             elif gpu.uuid in self._last_held:
                 self._left_by[gpu.uuid] = self._last_held[gpu.uuid]

@@ -37,17 +37,18 @@ class ScenarioClock:
     ) -> None:
         self.start_epoch = start_epoch
         self._monotonic = monotonic
-        self._lock = threading.Lock()
-        self._base_s = 0.0
-        self._speed = speed
-        self._anchor = monotonic()
+        self._lock = threading.Lock()  # one writer at a time
+        # (scenario seconds at the anchor, the anchor on the monotonic clock, speed): replaced
+        # whole by a writer, so a reader needs no lock, only one read of it. Every fake driver
+        # call reads the clock.
+        self._state = (0.0, monotonic(), speed)
 
     def now(self) -> float:
         """Scenario seconds since t=0."""
-        with self._lock:
-            if self._speed:
-                return self._base_s + (self._monotonic() - self._anchor) * self._speed
-            return self._base_s
+        base_s, anchor, speed = self._state
+        if speed:
+            return base_s + (self._monotonic() - anchor) * speed
+        return base_s
 
     def wall_time(self) -> float:
         """Unix time the scenario is at now: what a real node's wall clock would show."""
@@ -58,15 +59,16 @@ class ScenarioClock:
         if seconds < 0:
             raise ValueError("the scenario clock does not run backwards")
         with self._lock:
-            self._base_s += seconds
-            return self._base_s + (self._monotonic() - self._anchor) * self._speed
+            base_s, anchor, speed = self._state
+            base_s += seconds
+            self._state = (base_s, anchor, speed)
+            return base_s + (self._monotonic() - anchor) * speed
 
     def set_speed(self, speed: float) -> None:
         with self._lock:
             now = self._monotonic()
-            self._base_s += (now - self._anchor) * self._speed
-            self._anchor = now
-            self._speed = speed
+            base_s, anchor, old_speed = self._state
+            self._state = (base_s + (now - anchor) * old_speed, now, speed)
 
 
 @dataclass(frozen=True)
@@ -246,16 +248,19 @@ class FakeNode:
             # as samples move forward in time that boundary only moves forward too, so it is
             # walked once per process rather than searched for every sample (`sm_util_at`).
             segments, start_s, pid = process.segments, process.start_s, process.pid
+            count = len(segments)
             in_force, util = 0, 0
+            next_change_s = segments[0].at_s if count else math.inf
             for k in range(max(first_k, 0), newest_k + 1):
                 at = k * PROCESS_SAMPLE_PERIOD_S
                 stamp_us = round((start_epoch + at) * 1_000_000)
                 if stamp_us <= last_seen_us:
                     continue
-                if in_force < len(segments) and segments[in_force].at_s <= at - start_s:
-                    while in_force < len(segments) and segments[in_force].at_s <= at - start_s:
+                if at - start_s >= next_change_s:
+                    while in_force < count and segments[in_force].at_s <= at - start_s:
                         in_force += 1
                     util = round(segments[in_force - 1].sm_util)
+                    next_change_s = segments[in_force].at_s if in_force < count else math.inf
                 if util > 0:
                     samples.append((pid, stamp_us, util))
         return samples

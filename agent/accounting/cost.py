@@ -68,8 +68,10 @@ class CostUnit:
     device: DeviceReading | None  # the unit's own reading (None for unassigned SMs)
 
 
-def cost_units(snapshot: Snapshot, gpu: DeviceReading) -> list[CostUnit]:
-    migs = snapshot.mig_devices(gpu.uuid)
+def cost_units(snapshot: Snapshot, gpu: DeviceReading, migs: tuple[DeviceReading, ...] | None = None) -> list[CostUnit]:
+    """The GPU's cost units; `migs`, its MIG devices where the caller has them at hand."""
+    if migs is None:
+        migs = snapshot.mig_devices(gpu.uuid)
     if not migs:
         return [CostUnit(gpu, gpu.uuid, 1.0, gpu)]
     if gpu.sm_count and all(m.sm_count for m in migs):
@@ -137,12 +139,16 @@ def _charge(
     utils = [None if u is None else min(u * p.util_scale, 1.0) for u, p in zip(utils, parts, strict=True)]
     seen: dict[Workload, float] = {}
     for holding, share, util in zip(holders, split_shares(holders, utils), utils, strict=True):
-        acc = workloads.setdefault((gpu_index, unit.uuid, holding.workload), _Acc())
+        workload = holding.workload
+        acc = workloads.get((gpu_index, unit.uuid, workload))
+        if acc is None:
+            acc = workloads[(gpu_index, unit.uuid, workload)] = _Acc()
         acc.account = acc.account or holding.account
         # Per-pid holdings of one workload each held the unit: count its time once (per part).
-        if held > seen.get(holding.workload, 0.0):
-            acc.held_s += held - seen.get(holding.workload, 0.0)
-            seen[holding.workload] = held
+        counted = seen.get(workload, 0.0)
+        if held > counted:
+            acc.held_s += held - counted
+            seen[workload] = held
         acc.busy_s += held * min(util or 0.0, 1.0)
         # Summed, unlike held: each of a workload's holdings is its own part of the share.
         acc.charged_s += held * share
@@ -222,10 +228,18 @@ def account(
         if not d.discovered:
             previous.setdefault(_by_index(d.index), d)
     prev_devices = {d.uuid: d for d in prev.devices}
-    # Each unit's holders, in attribution order (`Attribution.for_device`, found in one pass).
+    # Each unit's holders, now and at the start, in attribution order (`Attribution.for_device`,
+    # found in one pass each), and each GPU's MIG devices (`Snapshot.mig_devices`, likewise).
     holders_of: dict[str, list[Holding]] = {}
     for h in attribution.holdings:
         holders_of.setdefault(h.device_uuid, []).append(h)
+    earlier_of: dict[str, list[Holding]] = {}
+    for h in earlier.holdings if earlier is not None else ():
+        earlier_of.setdefault(h.device_uuid, []).append(h)
+    migs_of: dict[str, list[DeviceReading]] = {}
+    for d in curr.devices:
+        if d.parent_uuid is not None:
+            migs_of.setdefault(d.parent_uuid, []).append(d)
     workloads: dict[tuple[int, str, Workload], _Acc] = {}
     gpus: list[GpuCharge] = []
     # Whether a unit nobody runs on is idle or of unknown holder, at each end of the interval.
@@ -246,14 +260,14 @@ def account(
         unobserved_s = unobserved_dollars = 0.0
         unobserved_reason = ""
         idle_by: dict[Workload, list[float]] = {}  # left by -> [seconds, dollars, joules]
-        for unit in cost_units(curr, gpu):
+        for unit in cost_units(curr, gpu, tuple(migs_of.get(gpu.uuid, ()))):
             unit_dollars = gpu_dollars * unit.weight
             unit_joules = gpu_joules * unit.weight
             holders = tuple(holders_of.get(unit.uuid, ())) if unit.uuid else ()
             was = prev_devices.get(unit.uuid)
             # Who held it at the start, where that is known (its process list was read then).
             known = earlier is not None and was is not None and was.processes_known
-            before = earlier.for_device(unit.uuid) if known and earlier is not None and unit.uuid else holders
+            before = tuple(earlier_of.get(unit.uuid, ())) if known and unit.uuid else holders
             if unit.device is not None and not unit.device.processes_known and not holders:
                 # Nobody is known to hold it, but its processes could not be listed: not idle.
                 unobserved_s += dt * unit.weight
@@ -477,7 +491,8 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
             energy_dollars=energy_dollars(joules, per_kwh),
         )
     horizon = charges.end - forget_after_s
-    workloads = {k: v for k, v in workloads.items() if v.last_charged_at >= horizon}
+    if any(v.last_charged_at < horizon for v in workloads.values()):
+        workloads = {k: v for k, v in workloads.items() if v.last_charged_at >= horizon}
     gpus = dict(totals.gpus)
     for g in charges.gpus:
         old_gpu = gpus.get((g.gpu, g.uuid), _NO_GPU_TOTALS)

@@ -102,6 +102,15 @@ def apply_rules(
     return replace(w, **chosen) if chosen else w
 
 
+@lru_cache(maxsize=8192)
+def _recognised(w: Workload, cmdline: tuple[str, ...]) -> Workload:
+    """`apply_rules` without configured rules: the built-in recognisers alone, which see only the
+    workload and the cmdline. Remembered, as every poll asks about the same few; answering with
+    the same object each time also lets later lookups find it by identity."""
+    model = _model_of(cmdline) if cmdline else None
+    return replace(w, model=model) if model else w
+
+
 def _expand(template: str, groups: Sequence[str]) -> str:
     return re.sub(
         r"\$(\d)", lambda m: groups[int(m.group(1)) - 1] if 0 < int(m.group(1)) <= len(groups) else "", template

@@ -227,7 +227,6 @@ def _process_workload(
     claimed = False
     uid = facts.uid
     user = inputs.user_names.get(uid, str(uid)) if uid is not None else ""
-    w = Workload()
     account: str | None = facts.env_value("SLURM_JOB_ACCOUNT")
     if owner is not None and owner.kind == "pod" and owner.pod_uid:
         namespace, pod = inputs.pod_names.get(owner.pod_uid, ("", ""))

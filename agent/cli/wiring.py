@@ -129,6 +129,7 @@ def build_agent(
     costing: Costing | bool = True,
     rules: Sequence[RuleSpec] | None = None,
     actions: Literal["on", "dry_run", "off"] = "on",
+    ledger_write_behind: bool = False,
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
 
@@ -145,6 +146,9 @@ def build_agent(
     actions        "on": the configured actions, as configured; "dry_run": every one a dry run,
                    with no state file (`simulate`); "off": none. On a fake node the state file
                    is never used (a demo must not mark the host's real episodes as acted on).
+    ledger_write_behind  let each ledger flush's fsync overlap the next poll (`LedgerSink`); for
+                   `simulate`, whose polls would otherwise wait on the disk every minute of
+                   scenario time
     """
     problems = host_problems(settings, "gpuledger")
     if problems:
@@ -178,7 +182,9 @@ def build_agent(
         if isinstance(costing, Costing):
             priced = costing
         elif costing:
-            priced = _costing(settings, node, ledger_path, clock or backend.clock, sampler.hostname)
+            priced = _costing(
+                settings, node, ledger_path, clock or backend.clock, sampler.hostname, ledger_write_behind
+            )
             if node is not None:
                 # On a fake node one poll interval spans `fake_speed` times as much scenario time
                 # (or, in `simulate`, one step): that is the run's normal rhythm, not a gap to
@@ -334,6 +340,7 @@ def _costing(
     ledger_path: str | Path | None,
     clock: Callable[[], float],
     hostname: str,
+    write_behind: bool = False,
 ) -> Costing:
     """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger
     (which records `hostname`, the node name the charges carry)."""
@@ -381,6 +388,7 @@ def _costing(
             clock=clock,
             node=hostname,
             max_pending_rows=settings.ledger.max_pending_rows,
+            write_behind=write_behind,
         )
         if ledger_path
         else None

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -160,6 +162,17 @@ class _Sample(ctypes.Structure):
     _fields_ = pynvml.c_nvmlSample_t._fields_
 
 
+# nvmlProcessUtilizationSample_t as struct sees it: pid, timeStamp, smUtil, memUtil, encUtil,
+# decUtil, with the C struct's alignment (a test holds it to the ctypes layout).
+_SAMPLE_FORMAT = "IQIIII"
+_SAMPLE_FIELDS = len(_SAMPLE_FORMAT)
+
+
+@functools.lru_cache(maxsize=64)
+def _samples_layout(count: int) -> struct.Struct:
+    return struct.Struct("@" + _SAMPLE_FORMAT * count)
+
+
 class _ProcessInfo(ctypes.Structure):
     # nvmlProcessInfo_v2_t; v3 of the call returns the same struct.
     _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
@@ -195,6 +208,15 @@ _VALUE_MEMBERS = {
     pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
     pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
 }
+
+
+_WIDEST = "ullVal"
+
+
+def _field_value(item: _FieldValue, value: ctypes.Union) -> float:
+    """A field's value, from the union member its type names (an unknown type reads as
+    unsigned long long, the widest)."""
+    return float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
 
 
 class _FieldRequest:
@@ -440,8 +462,9 @@ class NvmlBackend:
         returns the keys left for single calls."""
         call = "nvmlDeviceGetFieldValues"
         keys = plan.batched
+        request = plan.request
         try:
-            results = self._request(handle, plan.request)
+            self._send(handle, request)
         except ReadingNotSupported as exc:
             log.info("field values are not available (%s): reading one call per value", exc.error)
             self._field_values = False
@@ -452,9 +475,12 @@ class NvmlBackend:
             errors.update(dict.fromkeys(keys, exc))
             return []
         left: list[ReadingKey] = []
-        for key, (value, code) in zip(keys, results, strict=True):
-            if code is None:
-                values[key] = float(bool(value)) if key.quantity is Quantity.NVLINK_UP else _from_milli(value)
+        for key, item, value in zip(keys, request.items, request.values, strict=True):
+            code = item.nvmlReturn
+            if code == pynvml.NVML_SUCCESS:
+                # `_field_value`, inline: a dozen fields per GPU every poll.
+                raw = float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
+                values[key] = float(bool(raw)) if key.quantity is Quantity.NVLINK_UP else _from_milli(raw)
                 continue
             failure = _error(call, code)
             if isinstance(failure, (DeviceLost, DriverUnavailable)):
@@ -533,21 +559,21 @@ class NvmlBackend:
         """One field-values call: per field (value, None), or (0.0, its NVML return code)."""
         return self._request(handle, _FieldRequest(fields))
 
+    @classmethod
+    def _request(cls, handle: _Device, request: _FieldRequest) -> list[tuple[float, int | None]]:
+        cls._send(handle, request)
+        return [
+            (_field_value(item, value), None) if item.nvmlReturn == pynvml.NVML_SUCCESS else (0.0, item.nvmlReturn)
+            for item, value in zip(request.items, request.values, strict=True)
+        ]
+
     @staticmethod
-    def _request(handle: _Device, request: _FieldRequest) -> list[tuple[float, int | None]]:
+    def _send(handle: _Device, request: _FieldRequest) -> None:
+        """One field-values call; each field's outcome is then in `request.items`."""
         call = "nvmlDeviceGetFieldValues"
         array = request.array
         ctypes.memmove(array, request.template, len(request.template))
         _check(call, _function(call, call)(handle.handle, request.length, ctypes.byref(array)))
-        results: list[tuple[float, int | None]] = []
-        for item, value in zip(request.items, request.values, strict=True):
-            code = item.nvmlReturn
-            if code != pynvml.NVML_SUCCESS:
-                results.append((0.0, code))
-            else:
-                # An unknown type reads as unsigned long long, the widest member.
-                results.append((float(getattr(value, _VALUE_MEMBERS.get(item.valueType, "ullVal"))), None))
-        return results
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
         """Compute processes with their memory, through the newest call version the driver has."""
@@ -611,7 +637,10 @@ class NvmlBackend:
             if code == pynvml.NVML_ERROR_NOT_FOUND:
                 return []
             _check(call, code)
-            return [(s.pid, s.timeStamp, s.smUtil) for s in buffer[: count.value]]
+            # The samples as one unpack of the buffer (pid, time stamp, SM utilization of each):
+            # a busy GPU has dozens a poll, and three ctypes attribute reads each cost more.
+            flat = _samples_layout(count.value).unpack_from(buffer)
+            return list(zip(flat[0::_SAMPLE_FIELDS], flat[1::_SAMPLE_FIELDS], flat[2::_SAMPLE_FIELDS], strict=True))
         raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")
 
     def utilization_samples(self, handle: Handle, since_us: int) -> list[UtilizationSample]:

@@ -548,7 +548,7 @@ class Sampler:
     def _read_healthy(self, gpu: _Gpu) -> list[DeviceReading]:
         where = f"GPU {gpu.index} ({gpu.uuid})"
         values = self._read(where, gpu.unsupported, gpu.handle, gpu.keys)
-        links = tuple(_nvlink(link, bool(values[key])) for key, link in gpu.links if key in values)
+        links = tuple([_nvlink(link, bool(values[key])) for key, link in gpu.links if key in values])
         if gpu.migs:
             return self._read_mig_gpu(gpu, where, values, links)
         memory_used = values.get(_MEMORY_USED)
@@ -721,21 +721,17 @@ class Sampler:
         if samples is None:
             return None
         # A busy GPU gives thousands of samples a poll: one dict lookup per sample.
+        fresh = [sample for sample in samples if sample[1] > since]
         by_pid: defaultdict[int, list[int]] = defaultdict(list)
-        oldest: dict[int, int] = {}
-        stamps: set[int] = set()
-        for pid, stamp_us, util in samples:
-            if stamp_us > since:
-                by_pid[pid].append(util)
-                stamps.add(stamp_us)
-                if stamp_us < oldest.get(pid, stamp_us + 1):
-                    oldest[pid] = stamp_us
+        for pid, _stamp_us, util in fresh:
+            by_pid[pid].append(util)
+        stamps = {stamp_us for _pid, stamp_us, _util in fresh}
         gpu.last_seen_us = max(since, max(stamps, default=since))
         ordered = sorted(stamps)
         gaps = [b - a for a, b in itertools.pairwise(ordered) if b > a]
         if gaps:
             gpu.sample_period_us = min(*gaps, gpu.sample_period_us or min(gaps))
-        gpu.samples_kept = max(gpu.samples_kept, max((len(u) for u in by_pid.values()), default=0))
+        gpu.samples_kept = max(gpu.samples_kept, max(map(len, by_pid.values()), default=0))
         period_us, kept = gpu.sample_period_us, gpu.samples_kept
         if not period_us or gpu.previous_poll_at is None or gpu.poll_at is None:
             # Sum whole percents and divide once: a steady 92% reads 0.92, not 0.9200000000000002.
@@ -748,7 +744,8 @@ class Sampler:
             if kept >= MIN_RING_SAMPLES and len(utils) >= kept and interval_periods > kept:
                 # A full ring over an interval longer than it: older samples may be gone, so
                 # only the span its samples cover (oldest to now) is known.
-                periods = min(periods, (now_us - oldest[pid]) / period_us + 1)
+                oldest_us = min(stamp_us for other, stamp_us, _util in fresh if other == pid)
+                periods = min(periods, (now_us - oldest_us) / period_us + 1)
             found[pid] = min(sum(utils) / max(periods, len(utils)) / 100, 1.0)
         return found
 
