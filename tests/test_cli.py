@@ -175,7 +175,10 @@ def test_run_fake_names_every_demo_workload_over_http(daemon: type[Daemon], tmp_
 
 
 def test_fake_speed_makes_energy_grow_at_the_simulated_rate(daemon: type[Daemon]) -> None:
-    d = daemon("--fake", "--fake-speed", "3600", env={"GPULEDGER_POLL_INTERVAL": "0.2s"})  # type: ignore[call-arg]
+    # max_interval 1h: at 3600x the default 5 min is 83 real ms, and a poll that late on a loaded
+    # machine would leave scenario minutes unobserved; this test is about the simulated rate.
+    env = {"GPULEDGER_POLL_INTERVAL": "0.2s", "GPULEDGER_ACCOUNTING__MAX_INTERVAL": "1h"}
+    d = daemon("--fake", "--fake-speed", "3600", env=env)  # type: ignore[call-arg]
     first = d.wait_for(polls_at_least(2))  # cost counters start with the second poll's interval
     t0 = time.monotonic()
     start_polls = value(first, "gpuledger_polls_total")
