@@ -72,6 +72,15 @@ class AccountingConfig(_Section):
     forget_after: Duration = Field(default=3600.0, gt=0)
 
 
+class EventsConfig(_Section):
+    # Read the driver's events (Xid errors, ECC errors, clock changes) on a thread of their own.
+    enabled: bool = True
+    # Each wait on the driver lasts at most this long (stopping the agent waits for one).
+    wait: Duration = Field(default=1.0, gt=0, le=10)
+    # A GPU or driver that stopped answering is registered again this often.
+    retry: Duration = Field(default=30.0, gt=0)
+
+
 class AttributionRule(_Section):
     match: dict[str, str]
     set: dict[str, str]
@@ -209,6 +218,7 @@ class Settings(BaseSettings):
     ledger: LedgerConfig = LedgerConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     accounting: AccountingConfig = AccountingConfig()
+    events: EventsConfig = EventsConfig()
     attribution: AttributionConfig = AttributionConfig()
     rules: RulesConfig = RulesConfig()
     exporters: ExportersConfig = ExportersConfig()

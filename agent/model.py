@@ -310,6 +310,26 @@ class LedgerHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuEvents:
+    """The driver events one GPU reported since the agent started (agent/devices/events.py)."""
+
+    gpu: int
+    uuid: str
+    watched: bool  # registered for its events right now (False: lost, or the driver is away)
+    counts: tuple[tuple[str, int, int], ...] = ()  # (event kind, Xid or 0, how many)
+    last_xid: int | None = None
+    last_xid_at: float | None = None  # backend clock, when the agent received it
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceEvents:
+    """What the driver-event reader has seen: per GPU, and whether it has an event set open."""
+
+    gpus: tuple[GpuEvents, ...] = ()
+    reading: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class AgentState:
     snapshot: Snapshot | None = None
     attribution: Attribution = field(default_factory=Attribution)
@@ -319,6 +339,7 @@ class AgentState:
     flags: tuple[Flag, ...] = ()  # the rules stage's output, rendered as is
     left_by: tuple[LeftBy, ...] = ()  # GPUs nobody holds now, and who held them last
     health: AgentHealth = field(default_factory=AgentHealth)
+    events: DeviceEvents | None = None  # None: no event reader (events off, or no event API)
 
 
 @dataclass(frozen=True, slots=True)

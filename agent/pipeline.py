@@ -42,6 +42,7 @@ from agent.accounting.cost import account, accumulate, downtime
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.deadline import CallTimeout, Worker
+from agent.devices.events import EventReader
 from agent.devices.sampler import Sampler
 from agent.errors import GpuledgerError
 from agent.model import (
@@ -197,6 +198,9 @@ class Pipeline:
         self._worker = Worker("gpuledger-poll")
         self._stuck: dict[str, float] = {}  # GPU key ("" for the driver) -> when its call got stuck
         self.attributor = attributor
+        # The driver-event reader: on its own thread in the daemon, caught up at each poll
+        # otherwise (`simulate`, `snapshot`), so its events land in the state either way.
+        self.events: EventReader | None = None
         self.costing = costing
         self.rules = tuple(rules)
         self.poll_interval_s = poll_interval_s
@@ -329,7 +333,7 @@ class Pipeline:
         else:
             skip = dict.fromkeys(stuck, TIMEOUT)
             try:
-                snapshot = self._worker.call(lambda: self.sampler.poll(skip), self.call_timeout_s)
+                snapshot = self._worker.call(lambda: self._read_devices(skip), self.call_timeout_s)
             except CallTimeout:
                 key = self.sampler.reading or ""
                 self.sampler.abandon()
@@ -345,6 +349,13 @@ class Pipeline:
         sampled = Sampled(snapshot, self._previous)
         self._previous = snapshot
         return sampled
+
+    def _read_devices(self, skip: Mapping[str, str]) -> Snapshot:
+        """The sampler's poll, then (when no thread reads them) the driver events up to now."""
+        snapshot = self.sampler.poll(skip)
+        if self.events is not None:
+            self.events.catch_up()
+        return snapshot
 
     def _attribute(self, snapshot: Snapshot) -> Attribution:
         if self.attributor is None:
@@ -504,6 +515,7 @@ class Pipeline:
             flags=self._flags,
             left_by=tuple(self._left_by[uuid] for uuid in sorted(self._left_by)),
             health=health,
+            events=self.events.events if self.events is not None else None,
         )
 
     def _stage_health(self, taken_at: float | None) -> tuple[StageHealth, ...]:

@@ -84,6 +84,34 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gpuledger_mig_memory_used_bytes", Kind.GAUGE, "Memory in use on a MIG instance.", (*DEVICE, "mig"), "bytes"
     ),
     MetricSpec("gpuledger_mig_memory_total_bytes", Kind.GAUGE, "Memory of a MIG instance.", (*DEVICE, "mig"), "bytes"),
+    # Driver events (agent/devices/events.py), counted since the agent started.
+    MetricSpec(
+        "gpuledger_gpu_xid_errors_total",
+        Kind.COUNTER,
+        "Xid errors the driver reported for the GPU since the agent started, by Xid code (NVML events).",
+        (*DEVICE, "xid"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_last_xid_timestamp_seconds",
+        Kind.GAUGE,
+        "When the agent received the GPU's latest Xid error (unix time); the code is the xid label of "
+        "gpuledger_gpu_xid_errors_total.",
+        DEVICE,
+        "seconds",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_events_total",
+        Kind.COUNTER,
+        "Driver events received for the GPU since the agent started: xid, single_bit_ecc, double_bit_ecc, "
+        "clock_change.",
+        (*DEVICE, "event"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_events_up",
+        Kind.GAUGE,
+        "1 while the agent receives the GPU's driver events, 0 while it cannot (GPU lost, driver away).",
+        DEVICE,
+    ),
     MetricSpec(
         "gpuledger_workload_gpu_utilization_ratio",
         Kind.GAUGE,

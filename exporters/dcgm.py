@@ -36,8 +36,10 @@ Decisions where gpuledger and dcgm-exporter differ:
   `GPU_I_ID`; `gpu` and `UUID` are the parent's, as dcgm-exporter prints them), and its
   temperature, power and energy are one series for the whole GPU, so sums over a node never
   count a board twice.
-- Not emitted: `DCGM_FI_DEV_XID_ERRORS` and `DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL` (gpuledger
-  reads neither), and the DCP `DCGM_FI_PROF_*` fields (NVML has no equivalent).
+- `DCGM_FI_DEV_XID_ERRORS` is the last Xid's code, as dcgm-exporter's gauge ("Value of the last
+  XID error encountered."), 0 for a GPU the agent watches that has had none since it started;
+  absent for a GPU whose events the agent cannot read.
+- Not emitted: `DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL` (gpuledger does not read it).
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ DCGM_CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("DCGM_FI_DEV_GPU_TEMP", Kind.GAUGE, "GPU temperature (in C).", IDENTITY, "celsius", WORKLOAD_ATTRIBUTES),
     MetricSpec("DCGM_FI_DEV_POWER_USAGE", Kind.GAUGE, "Power draw (in W).", IDENTITY, "watts", WORKLOAD_ATTRIBUTES),
     MetricSpec(
+        "DCGM_FI_DEV_XID_ERRORS",
+        Kind.GAUGE,
+        "Value of the last XID error encountered.",
+        IDENTITY,
+        "",
+        WORKLOAD_ATTRIBUTES,
+    ),
+    MetricSpec(
         "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
         Kind.GAUGE,  # a counter in dcgm-exporter: see the module docstring
         "Total energy consumption since boot (in mJ).",
@@ -105,6 +115,7 @@ class DcgmCollector(Collector):
         snapshot = state.snapshot
         if snapshot is not None:
             node = snapshot.node
+            events = {g.uuid: g for g in state.events.gpus} if state.events is not None else {}
             for gpu in snapshot.gpus:
                 if not gpu.up:
                     continue  # dcgm-exporter skips blank values; a lost GPU has none
@@ -118,6 +129,9 @@ class DcgmCollector(Collector):
                     _add(families, "DCGM_FI_DEV_POWER_USAGE", board, gpu.power_w)
                 if gpu.energy_j is not None:
                     _add(families, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", board, round(gpu.energy_j * 1000))
+                seen = events.get(gpu.uuid)
+                if seen is not None and (seen.watched or seen.last_xid is not None):
+                    _add(families, "DCGM_FI_DEV_XID_ERRORS", board, seen.last_xid or 0)
                 instances = snapshot.mig_devices(gpu.uuid)
                 if not instances:
                     _framebuffer(families, board, gpu)

@@ -72,6 +72,7 @@ class GpuledgerCollector(Collector):
             out.add("gpuledger_nvml_up", (), 1.0 if snapshot.driver_up else 0.0)
         _cost_series(out, state)
         _flag_series(out, state)
+        _event_series(out, state)
         if state.attribution.kubelet_up is not None:
             out.add("gpuledger_kubelet_up", (), 1.0 if state.attribution.kubelet_up else 0.0)
         health = state.health
@@ -153,6 +154,23 @@ def _workload_series(out: _Families, state: AgentState, per_pid: bool) -> None:
                 unresolved.get(m.uuid, 0) for m in snapshot.mig_devices(device.uuid)
             )
             out.add("gpuledger_gpu_unresolved_processes", (str(device.index), device.uuid), float(count))
+
+
+def _event_series(out: _Families, state: AgentState) -> None:
+    if state.events is None:
+        return
+    for gpu in state.events.gpus:
+        ids = (str(gpu.gpu), gpu.uuid)
+        out.add("gpuledger_gpu_events_up", ids, 1.0 if gpu.watched else 0.0)
+        by_kind: dict[str, int] = {}
+        for kind, value, count in gpu.counts:
+            by_kind[kind] = by_kind.get(kind, 0) + count
+            if kind == "xid":
+                out.add("gpuledger_gpu_xid_errors_total", (*ids, str(value)), float(count))
+        for kind, count in sorted(by_kind.items()):
+            out.add("gpuledger_gpu_events_total", (*ids, kind), float(count))
+        if gpu.last_xid_at is not None:
+            out.add("gpuledger_gpu_last_xid_timestamp_seconds", ids, gpu.last_xid_at)
 
 
 def _flag_series(out: _Families, state: AgentState) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pynvml
 
+from fake_nvml import events  # noqa: F401 - registers the event-set C functions
 from fake_nvml.host import FakeHost
 from fake_nvml.lib import FakeNvmlLibrary, implemented_functions
 from fake_nvml.node import FakeNode, ScenarioClock

@@ -34,6 +34,7 @@ DCGM_HELP = {
     "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %).",
     "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",
     "DCGM_FI_DEV_FB_USED": "Framebuffer memory used (in MiB).",
+    "DCGM_FI_DEV_XID_ERRORS": "Value of the last XID error encountered.",
 }
 # The label set of internal/pkg/rendermetrics/render_metrics.go (gpuMetricsFormat) with the
 # DCGM_FI_DRIVER_VERSION label field of dcp-metrics-included.csv.

@@ -94,6 +94,7 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
             {
                 "gpus": [{"count": 2, "nvlink_links": 2}],
                 "faults": [
+                    {"at": "5s", "gpu": 1, "xid": 79},  # the driver-event series
                     {"at": "10s", "gpu": 1, "error": "GPU_IS_LOST"},
                     {"call": "nvmlDeviceGetComputeRunningProcesses", "error": "TIMEOUT"},
                 ],

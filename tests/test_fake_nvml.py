@@ -490,7 +490,26 @@ READING_TABLE: dict[str, Reading] = {
         pynvml.NVMLError_NotSupported,
         "mig",
     ),
+    # -- driver events (tests/test_events.py specifies delivery) --------------------------------
+    "a data-centre GPU's event types: ECC errors, P-state, Xids, clocks": Reading(
+        "nvmlDeviceGetSupportedEventTypes", lambda d: pynvml.nvmlDeviceGetSupportedEventTypes(d.gpu(0)), 0x1F
+    ),
+    "an event set with nothing pending times out, and is freed": Reading(
+        "nvmlEventSetWait_v2", lambda d: _wait_on_a_new_event_set(d.gpu(0)), "timed out"
+    ),
 }
+
+
+def _wait_on_a_new_event_set(handle: Any) -> str:
+    event_set = pynvml.nvmlEventSetCreate()
+    pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+    try:
+        pynvml.nvmlEventSetWait_v2(event_set, 0)
+    except pynvml.NVMLError_Timeout:
+        return "timed out"
+    finally:
+        pynvml.nvmlEventSetFree(event_set)
+    return "an event"
 
 
 def _expects_error(expected: object) -> bool:

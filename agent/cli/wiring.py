@@ -25,6 +25,7 @@ from agent.attribution.sources.base import SourceOptions
 from agent.config import Settings, host_problems, load_catalogue
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
+from agent.devices.events import EventBackend, EventReader
 from agent.devices.instance import detect_instance_type
 from agent.devices.sampler import Sampler
 from agent.errors import BadInputError
@@ -57,6 +58,7 @@ class Agent:
     pipeline: Pipeline
     textfile: TextfileWriter | None
     fake_speed: float = 0.0  # scenario seconds per real second once started (0: moved by hand)
+    events: EventReader | None = None  # the driver-event reader (None: events off, or no event API)
     _closed: bool = False
     _ledger_written: bool = True
 
@@ -81,6 +83,8 @@ class Agent:
         if self.node is not None and self.fake_speed:
             self.node.clock.set_speed(self.fake_speed)
         self.pipeline.start()
+        if self.events is not None:
+            self.events.start()
         if self.textfile is not None:
             self.textfile.start(self.pipeline.poll_interval_s)
 
@@ -100,7 +104,8 @@ class Agent:
         if self.textfile is not None:
             self.textfile.stop()  # the last poll reaches the file too
         self.attributor.close()
-        if idle:
+        events_stopped = self.events.stop() if self.events is not None else True
+        if idle and events_stopped:
             self.sampler.close()
         if self.node is not None:
             import fake_nvml
@@ -159,6 +164,8 @@ def build_agent(
             exit_after_s=settings.watchdog.exit_after,
         )
         pipeline.open_devices()
+        if settings.events.enabled and isinstance(backend, EventBackend):
+            pipeline.events = EventReader(backend, wait_s=settings.events.wait, retry_s=settings.events.retry)
         attributor = pipeline.attributor = _attributor(settings, node)
         priced: Costing | None = None
         if isinstance(costing, Costing):
@@ -178,7 +185,10 @@ def build_agent(
 
             fake_nvml.uninstall()
         raise
-    agent = Agent(settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed)
+    agent = Agent(
+        settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed,
+        events=pipeline.events,
+    )  # fmt: skip
     if textfile_path:
         agent.textfile = TextfileWriter(textfile_path, lambda: pipeline.state, agent.exposition)
     return agent

@@ -36,6 +36,7 @@ from agent.devices.backend import (
     ReadingNotSupported,
     ReadResult,
 )
+from agent.devices.events import DeviceEvent, EventKind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -260,6 +261,72 @@ class _Device:
         self.celsius = ctypes.c_uint()
 
 
+class _EventData(ctypes.Structure):
+    _fields_ = pynvml.c_nvmlEventData_t._fields_
+
+
+class _EventSet:
+    """An NVML event set, and the token each device on it was registered with, by the address
+    of its handle (what an event's `device` holds)."""
+
+    __slots__ = ("pointer", "tokens")
+
+    def __init__(self, pointer: Any) -> None:
+        self.pointer = pointer
+        self.tokens: dict[int, int] = {}
+
+
+# nvmlEventType* for each kind of event agent/devices/events.py reads.
+_EVENT_TYPES = {
+    EventKind.XID: pynvml.nvmlEventTypeXidCriticalError,
+    EventKind.SINGLE_BIT_ECC: pynvml.nvmlEventTypeSingleBitEccError,
+    EventKind.DOUBLE_BIT_ECC: pynvml.nvmlEventTypeDoubleBitEccError,
+    EventKind.CLOCK_CHANGE: pynvml.nvmlEventTypeClock,
+}
+
+
+def _address(pointer: Any) -> int:
+    return ctypes.cast(pointer, ctypes.c_void_p).value or 0
+
+
+class _NvmlEvents:
+    """The driver's event API, as `agent.devices.events.EventBackend` (the reader's thread)."""
+
+    def supported_events(self, handle: Handle) -> frozenset[EventKind]:
+        call = "nvmlDeviceGetSupportedEventTypes"
+        mask = _call(call, pynvml.nvmlDeviceGetSupportedEventTypes, handle.handle)
+        return frozenset(kind for kind, bit in _EVENT_TYPES.items() if mask & bit)
+
+    def open_event_set(self) -> Any:
+        return _EventSet(_call("nvmlEventSetCreate", pynvml.nvmlEventSetCreate))
+
+    def register_events(self, event_set: Any, handle: Handle, kinds: frozenset[EventKind], token: int) -> None:
+        mask = 0
+        for kind in kinds:
+            mask |= _EVENT_TYPES[kind]
+        _call("nvmlDeviceRegisterEvents", pynvml.nvmlDeviceRegisterEvents, handle.handle, mask, event_set.pointer)
+        event_set.tokens[_address(handle.handle)] = token
+
+    def wait_event(self, event_set: Any, timeout_s: float) -> DeviceEvent | None:
+        # As pynvml's nvmlEventSetWait_v2 calls it, but a timeout is an answer here, not an error.
+        call = "nvmlEventSetWait"
+        data = _EventData()
+        timeout_ms = ctypes.c_uint(max(0, round(timeout_s * 1000)))
+        code = _function(call, "nvmlEventSetWait_v2")(event_set.pointer, ctypes.byref(data), timeout_ms)
+        if code == pynvml.NVML_ERROR_TIMEOUT:
+            return None
+        _check(call, code)
+        kind = next((kind for kind, bit in _EVENT_TYPES.items() if data.eventType & bit), None)
+        if kind is None:
+            return None  # a type nobody asked for
+        return DeviceEvent(event_set.tokens.get(_address(data.device)), kind, int(data.eventData))
+
+    def close_event_set(self, event_set: Any) -> None:
+        # Freeing a set of a driver that is gone is not worth reporting.
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlEventSetFree(event_set.pointer)
+
+
 def mig_profile_from_name(name: str) -> str:
     """NVML names a MIG device after its GPU and its profile: "NVIDIA A100-SXM4-80GB MIG 3g.40gb"
     -> "3g.40gb" (also "1c.3g.40gb" for a compute instance smaller than its GPU instance)."""
@@ -267,8 +334,9 @@ def mig_profile_from_name(name: str) -> str:
     return profile if sep else ""
 
 
-class NvmlBackend:
-    """NVML as the sampler uses it. `clock` is the backend's clock in unix seconds."""
+class NvmlBackend(_NvmlEvents):
+    """NVML as the sampler uses it, and as the event reader does (`_NvmlEvents`). `clock` is the
+    backend's clock in unix seconds."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock

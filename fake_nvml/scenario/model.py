@@ -123,6 +123,8 @@ class Fault:
     nvlink_down: tuple[int, ...]
     xid: int | None
     latency_ms: float
+    # A driver event other than an Xid that the GPU reports at `at_s` (`DRIVER_EVENTS`).
+    event: str | None = None
 
     def active(self, t: float) -> bool:
         return self.at_s <= t and (self.until_s is None or t < self.until_s)

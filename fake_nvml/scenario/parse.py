@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.units import parse_duration
-from fake_nvml.scenario.facts import DEFAULT_FACTS, ERROR_CODES, MIG_PROFILE, MODEL_FACTS, GpuModelFacts
+from fake_nvml.scenario.facts import DEFAULT_FACTS, DRIVER_EVENTS, ERROR_CODES, MIG_PROFILE, MODEL_FACTS, GpuModelFacts
 from fake_nvml.scenario.model import (
     Allocation,
     Fault,
@@ -339,7 +339,7 @@ def _parse_faults(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Fault, ...]:
     faults: list[Fault] = []
     for i, entry in enumerate(top.list_("faults")):
         r = top.child(f"faults[{i}]", entry)
-        r.check_keys(["at", "until", "gpu", "call", "error", "nvlink_down", "xid", "latency_ms"])
+        r.check_keys(["at", "until", "gpu", "call", "error", "nvlink_down", "xid", "event", "latency_ms"])
         at = r.duration("at", 0.0) or 0.0
         until = r.duration("until")
         if until is not None and until <= at:
@@ -369,10 +369,15 @@ def _parse_faults(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Fault, ...]:
         xid = r.int_("xid")
         if xid is not None and gpu is None:
             raise r.fail("gpu", "xid needs the GPU it happens on")
+        event = r.str_("event")
+        if event is not None and event not in DRIVER_EVENTS:
+            raise r.fail("event", f"unknown driver event {event!r} (use one of: {', '.join(DRIVER_EVENTS)})")
+        if event is not None and gpu is None:
+            raise r.fail("gpu", "event needs the GPU it happens on")
         latency_ms = r.num("latency_ms", 0.0) or 0.0
-        if error is None and not links and xid is None and latency_ms == 0:
-            raise r.fail("error", "a fault needs one of error, nvlink_down, xid or latency_ms")
-        faults.append(Fault(at, until, gpu, call, error, tuple(links), xid, latency_ms))
+        if error is None and not links and xid is None and event is None and latency_ms == 0:
+            raise r.fail("error", "a fault needs one of error, nvlink_down, xid, event or latency_ms")
+        faults.append(Fault(at, until, gpu, call, error, tuple(links), xid, latency_ms, event))
     return tuple(faults)
 
 
