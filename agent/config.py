@@ -70,6 +70,9 @@ class AccountingConfig(_Section):
     max_interval: Duration = Field(default=300.0, gt=0)
     # A finished workload's cost series stay exported this long after its last charge.
     forget_after: Duration = Field(default=3600.0, gt=0)
+    # What "busy" means for busy seconds and the flag rules: GPM's SM activity where the GPU has it
+    # (Hopper and later), else NVML's utilization (auto); NVML's utilization only; GPM's only.
+    busy_source: Literal["auto", "nvml", "gpm"] = "auto"
 
 
 class EventsConfig(_Section):

@@ -28,6 +28,27 @@ class NvLinkReading:
 
 
 @dataclass(frozen=True, slots=True)
+class Activity:
+    """What a GPU's (or MIG instance's) SMs did between the previous poll and this one, as GPU
+    Performance Monitoring measures it (Hopper and later): fractions 0-1, None where not read.
+
+    NVML's utilization counts time in which any kernel ran, so one small kernel reads 100%;
+    `sm_active` is the share of the SMs that had work, the measure of "busy" that tells the truth.
+    """
+
+    graphics_active: float | None = None  # time any kernel or graphics work ran (the GR engine)
+    sm_active: float | None = None  # SMs with at least one warp assigned
+    sm_occupancy: float | None = None  # warps resident over the SMs' maximum
+    tensor_active: float | None = None  # cycles the tensor pipes were active
+    dram_active: float | None = None  # cycles the memory interface moved data
+
+
+# Where a device's "busy" figure comes from (`DeviceReading.busy_source`).
+BUSY_GPM = "gpm"  # Activity.sm_active
+BUSY_NVML = "nvml"  # DeviceReading.utilization
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceReading:
     """One GPU, or one MIG instance of a GPU (then `parent_uuid` is set), as read in one poll.
 
@@ -58,6 +79,18 @@ class DeviceReading:
     # False when the process list could not be read this poll: `processes` is then unknown,
     # not empty, and the time is not idle (accounting books it as unobserved).
     processes_known: bool = True
+    activity: Activity | None = None  # GPM, over the interval since the previous poll
+    busy_source: str = BUSY_NVML  # BUSY_GPM, BUSY_NVML, or "" where the device has no busy measure
+
+    @property
+    def busy(self) -> float | None:
+        """How busy the device was (0-1), by its busy source: what accounting's busy seconds and
+        the flag rules measure. None where that source has no figure this poll."""
+        if self.busy_source == BUSY_GPM:
+            return self.activity.sm_active if self.activity is not None else None
+        if self.busy_source == BUSY_NVML:
+            return self.utilization
+        return None
 
     @property
     def model(self) -> str:

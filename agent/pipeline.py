@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from agent.accounting.cost import account, accumulate, downtime
+from agent.accounting.cost import account, accumulate, cost_units, downtime
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.deadline import CallTimeout, Worker
@@ -52,6 +52,7 @@ from agent.model import (
     Attribution,
     Charges,
     CostTotals,
+    DeviceReading,
     Flag,
     LedgerHealth,
     LeftBy,
@@ -453,6 +454,7 @@ class Pipeline:
         observations = []
         for gpu in snapshot.gpus:
             charge = cost.get(gpu.uuid)
+            migs = snapshot.mig_devices(gpu.uuid)
             observations.append(
                 GpuObservation(
                     gpu=gpu.index,
@@ -460,7 +462,8 @@ class Pipeline:
                     model=gpu.model,
                     node=snapshot.node.hostname,
                     up=gpu.up,
-                    utilization=gpu.utilization,
+                    # How busy, by the GPU's busy source. A MIG-enabled GPU is judged per instance.
+                    utilization=None if migs else gpu.busy,
                     memory_used_bytes=gpu.memory_used_bytes,
                     holders=tuple(sorted(holders.get(gpu.uuid, ()))),
                     interval_s=sampled.interval_s,
@@ -468,12 +471,44 @@ class Pipeline:
                     idle_dollars=charge.idle_dollars if charge is not None else 0.0,
                 )
             )
+            if migs:
+                observations += self._mig_observations(sampled, gpu, attribution, charge.dollars if charge else 0.0)
         result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at)
         self._rule_states = result.states
         self._flags = result.flags
         for t in result.transitions:
             left = self._left_by.get(t.uuid) or left_before.get(t.uuid)
             _log_transition(t, left if t.rule in IDLE_RULES else None)
+
+    def _mig_observations(
+        self, sampled: Sampled, gpu: DeviceReading, attribution: Attribution, gpu_dollars: float
+    ) -> list[GpuObservation]:
+        """Each MIG instance of `gpu` as the rules see it: a unit of its own (its uuid, its
+        holders, its share of the GPU's cost), busy by its GPM SM activity where it has that."""
+        snapshot = sampled.snapshot
+        found = []
+        for unit in cost_units(snapshot, gpu):
+            device = unit.device
+            if device is None:
+                continue  # SMs no instance holds: nobody to flag
+            held = tuple(sorted({h.workload for h in attribution.holdings if h.device_uuid == unit.uuid}))
+            dollars = gpu_dollars * unit.weight
+            found.append(
+                GpuObservation(
+                    gpu=gpu.index,
+                    uuid=device.uuid,
+                    model=gpu.model,
+                    node=snapshot.node.hostname,
+                    up=gpu.up and device.up,
+                    utilization=device.busy,
+                    memory_used_bytes=device.memory_used_bytes,
+                    holders=held,
+                    interval_s=sampled.interval_s,
+                    dollars=dollars,
+                    idle_dollars=0.0 if held else dollars,
+                )
+            )
+        return found
 
     def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, set[Workload]]) -> None:
         """Remember who held each GPU at the last poll that saw it held; once nobody holds it,

@@ -39,6 +39,11 @@ Decisions where gpuledger and dcgm-exporter differ:
 - `DCGM_FI_DEV_XID_ERRORS` is the last Xid's code, as dcgm-exporter's gauge ("Value of the last
   XID error encountered."), 0 for a GPU the agent watches that has had none since it started;
   absent for a GPU whose events the agent cannot read.
+- The DCP profiling fields (`DCGM_FI_PROF_GR_ENGINE_ACTIVE`, `_SM_ACTIVE`, `_SM_OCCUPANCY`,
+  `_PIPE_TENSOR_ACTIVE`, `_DRAM_ACTIVE`; names and HELP from `etc/dcp-metrics-included.csv`, the
+  two it leaves commented out in its words) come from NVML's GPM where the GPU has it (Hopper and
+  later): ratios 0-1 over the last poll interval, as DCGM gives them over its own sampling
+  period. Per GPU, and per MIG instance with its `GPU_I_PROFILE` and `GPU_I_ID`.
 - Not emitted: `DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL` (gpuledger does not read it).
 """
 
@@ -100,6 +105,23 @@ DCGM_CATALOGUE: tuple[MetricSpec, ...] = (
     ),
 )
 
+# The profiling fields, with the Activity attribute each renders.
+DCGM_PROFILING: tuple[tuple[MetricSpec, str], ...] = tuple(
+    (MetricSpec(name, Kind.GAUGE, help_text, IDENTITY, "ratio", (*MIG_LABELS, *WORKLOAD_ATTRIBUTES)), field)
+    for name, help_text, field in (
+        ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "Ratio of time the graphics engine is active.", "graphics_active"),
+        ("DCGM_FI_PROF_SM_ACTIVE", "The ratio of cycles an SM has at least 1 warp assigned.", "sm_active"),
+        ("DCGM_FI_PROF_SM_OCCUPANCY", "The ratio of number of warps resident on an SM.", "sm_occupancy"),
+        ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "Ratio of cycles the tensor (HMMA) pipe is active.", "tensor_active"),
+        (
+            "DCGM_FI_PROF_DRAM_ACTIVE",
+            "Ratio of cycles the device memory interface is active sending or receiving data.",
+            "dram_active",
+        ),
+    )
+)
+DCGM_CATALOGUE = (*DCGM_CATALOGUE, *(spec for spec, _ in DCGM_PROFILING))
+
 DCGM_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in DCGM_CATALOGUE}
 
 
@@ -135,6 +157,7 @@ class DcgmCollector(Collector):
                 instances = snapshot.mig_devices(gpu.uuid)
                 if not instances:
                     _framebuffer(families, board, gpu)
+                    _profiling(families, board, gpu)
                 for mig in instances:
                     mig_labels = {
                         **labels,
@@ -143,6 +166,7 @@ class DcgmCollector(Collector):
                         **_workload_attributes(state, mig.uuid),
                     }
                     _framebuffer(families, mig_labels, mig)
+                    _profiling(families, mig_labels, mig)
         yield from (family for family in families.values() if family.samples)
 
 
@@ -194,6 +218,16 @@ def _framebuffer(families: dict[str, Metric], labels: dict[str, str], device: De
         _add(families, "DCGM_FI_DEV_FB_USED", labels, used // MIB)
         if total is not None:
             _add(families, "DCGM_FI_DEV_FB_FREE", labels, max(0, total - used) // MIB)
+
+
+def _profiling(families: dict[str, Metric], labels: dict[str, str], device: DeviceReading) -> None:
+    activity = device.activity
+    if activity is None:
+        return
+    for spec, field in DCGM_PROFILING:
+        value = getattr(activity, field)
+        if value is not None:
+            _add(families, spec.name, labels, value)
 
 
 def _add(families: dict[str, Metric], name: str, labels: dict[str, str], value: float) -> None:

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent import __version__
-from agent.model import UNOBSERVED_NO_POLL, AgentState, DeviceReading
+from agent.model import UNOBSERVED_NO_POLL, Activity, AgentState, DeviceReading
 from exporters.catalogue import BY_NAME, Kind
 from exporters.dcgm import DcgmCollector
 
@@ -113,6 +113,9 @@ def _gpu_series(out: _Families, d: DeviceReading, driver_version: str, processes
             out.add(name, ids, float(value))
     for link in d.nvlinks:
         out.add("gpuledger_gpu_nvlink_up", (*ids, str(link.link)), 1.0 if link.up else 0.0)
+    _activity_series(out, "gpuledger_gpu", ids, d.activity)
+    if d.busy_source:
+        out.add("gpuledger_gpu_busy_source_info", (*ids, d.busy_source), 1.0)
     if processes is not None:
         out.add("gpuledger_gpu_processes", ids, float(processes))
 
@@ -126,6 +129,23 @@ def _mig_series(out: _Families, d: DeviceReading) -> None:
         out.add("gpuledger_mig_memory_used_bytes", ids, float(d.memory_used_bytes))
     if d.memory_total_bytes is not None:
         out.add("gpuledger_mig_memory_total_bytes", ids, float(d.memory_total_bytes))
+    _activity_series(out, "gpuledger_mig", ids, d.activity)
+    if d.busy_source:
+        # A MIG instance is a cost unit of its own: named by its uuid, as its flags and holders are.
+        out.add("gpuledger_gpu_busy_source_info", (str(d.index), d.uuid, d.busy_source), 1.0)
+
+
+def _activity_series(out: _Families, prefix: str, ids: tuple[str, ...], activity: Activity | None) -> None:
+    if activity is None:
+        return
+    for suffix, value in (
+        ("sm_active_ratio", activity.sm_active),
+        ("sm_occupancy_ratio", activity.sm_occupancy),
+        ("tensor_active_ratio", activity.tensor_active),
+        ("dram_active_ratio", activity.dram_active),
+    ):
+        if value is not None:
+            out.add(f"{prefix}_{suffix}", ids, value)
 
 
 def _workload_series(out: _Families, state: AgentState, per_pid: bool) -> None:

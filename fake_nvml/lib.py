@@ -62,6 +62,13 @@ FUNCTION_SINCE_DRIVER: dict[str, int] = {
     "nvmlDeviceGetMPSComputeRunningProcesses_v3": 510,
     "nvmlDeviceGetMemoryInfo_v2": 510,
     "nvmlDeviceGetTemperatureV": 565,
+    # GPM: the R520 API reference has the group; the MIG sample call is first listed in R525's.
+    "nvmlGpmQueryDeviceSupport": 520,
+    "nvmlGpmSampleAlloc": 520,
+    "nvmlGpmSampleFree": 520,
+    "nvmlGpmSampleGet": 520,
+    "nvmlGpmMetricsGet": 520,
+    "nvmlGpmMigSampleGet": 525,
 }
 # Fields newer than the field-values call itself (instant power arrived with the R530 fields).
 FIELD_SINCE_DRIVER = {FI_POWER_INSTANT: 530}

@@ -111,6 +111,15 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
             30,
             tmp_path / "claim",
         ),
+        # A Hopper GPU split in MIG instances: GPM activity per GPU and per instance.
+        simulate(
+            {
+                "gpus": [{"model": "H100-SXM5-80GB", "mig": ["3g.40gb"]}],
+                "processes": [{"pid": 302, "gpus": ["0:0"], "sm_util": 50, "sm_active": 20, "tensor": 50}],
+            },
+            30,
+            tmp_path / "gpm",
+        ),
         # A job that ends, leaving its GPU idle: the left-by series.
         simulate(
             {"gpus": [{"count": 1}], "processes": [{"pid": 301, "gpus": [0], "end": "15s"}]}, 30, tmp_path / "left"

@@ -6,7 +6,10 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
   - Over the interval dt between two polls a unit costs price x weight x dt. Nobody holding it:
     all of that is idle cost. Otherwise it is split among its holders by measured SM
     utilization; where none was measured, by memory held; where neither, equally.
-  - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization.
+  - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization. Where
+    the unit's busy source is GPM (`DeviceReading.busy_source`), its SM activity is how busy it
+    was, split among its holders by the shares that split its cost: a kernel that keeps one SM
+    busy is not a full GPU, whatever NVML's utilization says.
     Charged seconds are held seconds x the holder's share (the share that splits the dollars):
     a unit's charged seconds plus its idle seconds are its observed seconds, so they add up
     across holders where held seconds count a shared unit once per holder.
@@ -28,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agent.model import (
+    BUSY_GPM,
+    BUSY_NVML,
     UNOBSERVED_NO_POLL,
     UNOBSERVED_PROCESSES,
     UNOBSERVED_UNREADABLE,
@@ -82,6 +87,20 @@ def holder_utilization(holding: Holding, unit: CostUnit, holders: int) -> float 
     return None
 
 
+def holder_busy(unit: CostUnit, util: float | None, share: float) -> float:
+    """How busy (0-1) a holder kept the unit: the unit's SM activity x the holder's share where
+    its busy source is GPM; the holder's measured utilization where it is NVML; 0 where the unit
+    has no busy measure (busy_source gpm on a GPU without GPM, or a MIG instance without it)."""
+    device = unit.device
+    source = device.busy_source if device is not None else ""
+    if source == BUSY_GPM:
+        busy = device.busy if device is not None else None
+        return min(busy or 0.0, 1.0) * share
+    if source == BUSY_NVML:
+        return min(util or 0.0, 1.0)
+    return 0.0
+
+
 def split_shares(holdings: tuple[Holding, ...], utils: list[float | None]) -> list[float]:
     """Fractions summing to 1: by measured SM use, else by memory held, else equally."""
     measured = sum(u for u in utils if u is not None)
@@ -117,7 +136,7 @@ def _charge(
         if held > seen.get(holding.workload, 0.0):
             acc.held_s += held - seen.get(holding.workload, 0.0)
             seen[holding.workload] = held
-        acc.busy_s += held * min(util or 0.0, 1.0)
+        acc.busy_s += held * holder_busy(unit, util, share)
         # Summed, unlike held: each of a workload's holdings is its own part of the share.
         acc.charged_s += held * share
         acc.dollars += dollars * share

@@ -37,6 +37,7 @@ from agent.devices.backend import (
     ReadResult,
 )
 from agent.devices.events import DeviceEvent, EventKind
+from agent.model import Activity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -327,6 +328,66 @@ class _NvmlEvents:
             pynvml.nvmlEventSetFree(event_set.pointer)
 
 
+class _GpmMetricsGet(ctypes.Structure):
+    """pynvml's c_nvmlGpmMetricsGet_t layout in a plain struct (see _FieldValue for why)."""
+
+    _fields_ = pynvml.c_nvmlGpmMetricsGet_t._fields_
+
+
+# The GPM metrics read, in Activity's field order (NVML_GPM_METRIC_*): graphics activity, SM
+# activity, SM occupancy, tensor activity (any tensor op), DRAM bandwidth.
+_GPM_METRICS = (
+    getattr(pynvml, "NVML_GPM_METRIC_GRAPHICS_UTIL", 1),
+    getattr(pynvml, "NVML_GPM_METRIC_SM_UTIL", 2),
+    getattr(pynvml, "NVML_GPM_METRIC_SM_OCCUPANCY", 3),
+    getattr(pynvml, "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 5),
+    getattr(pynvml, "NVML_GPM_METRIC_DRAM_BW_UTIL", 10),
+)
+
+
+class _NvmlActivity:
+    """GPU Performance Monitoring (Hopper and later, R520 drivers on), as
+    `agent.devices.activity.ActivityBackend`: SM, tensor and DRAM activity between two samples."""
+
+    _gpm_request: _GpmMetricsGet | None = None
+
+    def activity_supported(self, handle: Handle) -> bool:
+        support = _call("nvmlGpmQueryDeviceSupport", pynvml.nvmlGpmQueryDeviceSupport, handle.handle)
+        return bool(support.isSupportedDevice)
+
+    def new_activity_sample(self) -> Any:
+        return _call("nvmlGpmSampleAlloc", pynvml.nvmlGpmSampleAlloc)
+
+    def take_activity_sample(self, handle: Handle, sample: Any, gpu_instance_id: int | None) -> None:
+        if gpu_instance_id is None:
+            _call("nvmlGpmSampleGet", pynvml.nvmlGpmSampleGet, handle.handle, sample)
+        else:
+            _call("nvmlGpmMigSampleGet", pynvml.nvmlGpmMigSampleGet, handle.handle, gpu_instance_id, sample)
+
+    def activity_between(self, earlier: Any, later: Any) -> Activity:
+        call = "nvmlGpmMetricsGet"
+        request = self._gpm_request
+        if request is None:
+            # One request struct, reused: it holds room for every metric NVML knows (tens of KB).
+            request = self._gpm_request = _GpmMetricsGet()
+            request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(_GPM_METRICS)
+            for slot, metric_id in enumerate(_GPM_METRICS):
+                request.metrics[slot].metricId = metric_id
+        request.sample1, request.sample2 = earlier, later
+        _check(call, _function(call, call)(ctypes.byref(request)))
+        values: list[float | None] = []
+        for slot in range(len(_GPM_METRICS)):
+            metric = request.metrics[slot]
+            # GPM reports percent; the seam carries fractions.
+            values.append(metric.value / 100 if metric.nvmlReturn == pynvml.NVML_SUCCESS else None)
+        return Activity(*values)
+
+    def free_activity_sample(self, sample: Any) -> None:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlGpmSampleFree(sample)
+
+
 def mig_profile_from_name(name: str) -> str:
     """NVML names a MIG device after its GPU and its profile: "NVIDIA A100-SXM4-80GB MIG 3g.40gb"
     -> "3g.40gb" (also "1c.3g.40gb" for a compute instance smaller than its GPU instance)."""
@@ -334,7 +395,7 @@ def mig_profile_from_name(name: str) -> str:
     return profile if sep else ""
 
 
-class NvmlBackend(_NvmlEvents):
+class NvmlBackend(_NvmlEvents, _NvmlActivity):
     """NVML as the sampler uses it, and as the event reader does (`_NvmlEvents`). `clock` is the
     backend's clock in unix seconds."""
 

@@ -62,7 +62,15 @@ class Gpu:
 @dataclass(frozen=True)
 class UtilSegment:
     at_s: float
-    sm_util: float
+    sm_util: float  # percent of time a kernel of the process ran: what NVML's utilization counts
+    # Percent of the GPU's SMs its kernels kept busy, averaged over time (GPM's SM activity): at
+    # most sm_util, less for kernels that fill few SMs. None: sm_util (kernels fill every SM).
+    sm_active: float | None = None
+    tensor: float = 0.0  # percent of its SM activity that ran on the tensor cores
+
+    @property
+    def active(self) -> float:
+        return self.sm_util if self.sm_active is None else self.sm_active
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,16 @@ class Process:
 
     def running_at(self, t: float) -> bool:
         return self.start_s <= t and (self.end_s is None or t < self.end_s)
+
+    def segment_at(self, t: float) -> UtilSegment | None:
+        """The segment in force `t` seconds after the process started (None before the first)."""
+        found = None
+        for segment in self.segments:
+            if segment.at_s <= t:
+                found = segment
+            else:
+                break
+        return found
 
     def sm_util_at(self, t: float) -> float:
         util = 0.0

@@ -244,21 +244,33 @@ def _parse_pod(r: _Reader, key: str) -> PodRef | None:
     return PodRef(namespace=namespace, name=name, container=p.str_("container", "") or "", uid=uid)
 
 
+def _activity(r: _Reader, util: float, tensor_default: float) -> tuple[float | None, float]:
+    """A segment's (or a process's) `sm_active` and `tensor`, checked against its sm_util."""
+    active = r.num("sm_active", None, maximum=100)
+    if active is not None and active > util:
+        raise r.fail("sm_active", f"{active:g} is above sm_util {util:g}: SMs cannot be busy longer than kernels run")
+    tensor = r.num("tensor", tensor_default, maximum=100)
+    return active, tensor or 0.0
+
+
 def _parse_segments(r: _Reader) -> tuple[UtilSegment, ...]:
     value = r.data.get("sm_util", 0)
+    tensor_default = r.num("tensor", 0.0, maximum=100) or 0.0
     if isinstance(value, list):
+        if "sm_active" in r.data:
+            raise r.fail("sm_active", "with sm_util segments, give sm_active in each segment")
         segments: list[UtilSegment] = []
         for k, item in enumerate(value):
             s = r.child(f"sm_util[{k}]", item)
-            s.check_keys(["at", "sm_util"])
+            s.check_keys(["at", "sm_util", "sm_active", "tensor"])
             at = s.duration("at", 0.0) or 0.0
-            util = s.num("sm_util", 0.0, maximum=100)
+            util = s.num("sm_util", 0.0, maximum=100) or 0.0
             if segments and at < segments[-1].at_s:
                 raise s.fail("at", "segments must be in time order")
-            segments.append(UtilSegment(at, util or 0.0))
+            segments.append(UtilSegment(at, util, *_activity(s, util, tensor_default)))
         return tuple(segments)
-    util = r.num("sm_util", 0.0, maximum=100)
-    return (UtilSegment(0.0, util or 0.0),)
+    util = r.num("sm_util", 0.0, maximum=100) or 0.0
+    return (UtilSegment(0.0, util, *_activity(r, util, tensor_default)),)
 
 
 def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]:
@@ -268,7 +280,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
         r = top.child(f"processes[{i}]", entry)
         r.check_keys(
             [
-                "pid", "gpus", "start", "end", "sm_util", "memory_mib", "uid", "user",
+                "pid", "gpus", "start", "end", "sm_util", "sm_active", "tensor", "memory_mib", "uid", "user",
                 "cmdline", "environ", "cgroup", "pod", "slurm_job", "container_id",
             ]
         )  # fmt: skip
