@@ -21,8 +21,10 @@ between two samples are the means over that span of what the device's processes 
     DRAM activity       DRAM_PER_ACTIVE x SM activity (the fake's memory-controller figure)
 
 A MIG instance's figures are over its own SMs; the whole GPU's, over every instance weighted by
-its SMs. Only Hopper and later GPUs have GPM (`isSupportedDevice` 0 before), and only drivers
-from R520 on have the calls at all (`FUNCTION_SINCE_DRIVER` in lib.py).
+its SMs. A recorded trace's `readings:` rows give the figures outright where they have them
+(from each row's time to the next; `migs:` per instance). Only Hopper and later GPUs have GPM
+(`isSupportedDevice` 0 before), and only drivers from R520 on have the calls at all
+(`FUNCTION_SINCE_DRIVER` in lib.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 from fake_nvml.lib import INVALID_ARGUMENT, NOT_SUPPORTED, SUCCESS, Dev, FakeNvmlLibrary, _c, _int, _obj
 from fake_nvml.node import FakeNode
 from fake_nvml.scenario import ERROR_CODES
+from fake_nvml.scenario.model import ActivityRow
 
 # NVML_GPM_METRIC_* (nvml.h) this fake computes.
 GRAPHICS_UTIL = 1
@@ -54,6 +57,9 @@ DRAM_PER_ACTIVE = 0.6
 _SAMPLE_TAG = 0x67700000  # "gp" in the high bytes: a sample buffer this library made
 
 
+_FIELDS = ("graphics", "sm_active", "tensor", "occupancy", "dram")
+
+
 @dataclass(frozen=True)
 class Activity:
     """What a device's processes did, in percent (0-100), at an instant or as a mean."""
@@ -61,14 +67,23 @@ class Activity:
     graphics: float = 0.0
     sm_active: float = 0.0
     tensor: float = 0.0
+    occupancy: float = 0.0
+    dram: float = 0.0
 
-    @property
-    def occupancy(self) -> float:
-        return self.sm_active * OCCUPANCY_PER_ACTIVE
+    @classmethod
+    def of(cls, graphics: float, sm_active: float, tensor: float) -> Activity:
+        """From what the processes do; occupancy and DRAM follow SM activity (the fake's ratios)."""
+        return cls(graphics, sm_active, tensor, sm_active * OCCUPANCY_PER_ACTIVE, sm_active * DRAM_PER_ACTIVE)
 
-    @property
-    def dram(self) -> float:
-        return self.sm_active * DRAM_PER_ACTIVE
+    @classmethod
+    def recorded(cls, row: ActivityRow) -> Activity:
+        return cls(
+            row.graphics_active or 0.0,
+            row.sm_active or 0.0,
+            row.tensor_active or 0.0,
+            row.sm_occupancy or 0.0,
+            row.dram_active or 0.0,
+        )
 
     def metric(self, metric_id: int) -> float | None:
         return {
@@ -88,10 +103,15 @@ def gpm_supported(model: str) -> bool:
 def activity_at(node: FakeNode, gpu: int, mig: int | None, t: float) -> Activity:
     """A GPU's (mig None) or MIG instance's activity at scenario time t."""
     spec = node.gpu(gpu)
+    row = node.reading_row(gpu, t)
+    if row is not None:
+        recorded = row.activity if mig is None else (row.migs[mig] if mig < len(row.migs) else None)
+        if recorded is not None:
+            return Activity.recorded(recorded)
     if mig is None and spec.mig:
         # The whole GPU in MIG mode: its instances' activity, weighted by their share of its SMs.
         parts = [(activity_at(node, gpu, j, t), m.sm_count / spec.sm_count) for j, m in enumerate(spec.mig)]
-        return Activity(*(sum(getattr(a, f) * w for a, w in parts) for f in ("graphics", "sm_active", "tensor")))
+        return Activity(*(sum(getattr(a, f) * w for a, w in parts) for f in _FIELDS))
     graphics = active = tensor = 0.0
     for process in node.processes_on(gpu, mig, t):
         segment = process.segment_at(t - process.start_s)
@@ -100,7 +120,7 @@ def activity_at(node: FakeNode, gpu: int, mig: int | None, t: float) -> Activity
         graphics += segment.sm_util
         active += segment.active
         tensor += segment.active * segment.tensor / 100
-    return Activity(min(graphics, 100.0), min(active, 100.0), min(tensor, 100.0))
+    return Activity.of(min(graphics, 100.0), min(active, 100.0), min(tensor, 100.0))
 
 
 def mean_activity(node: FakeNode, gpu: int, mig: int | None, t1: float, t2: float) -> Activity:
@@ -108,13 +128,14 @@ def mean_activity(node: FakeNode, gpu: int, mig: int | None, t1: float, t2: floa
     (a process starting, ending or changing segment). A span of no length: the value at t2."""
     if t2 <= t1:
         return activity_at(node, gpu, mig, t2)
-    points = [p for p in node._breakpoints[gpu] if t1 < p < t2]
+    rows = [row.at_s for row in node.gpu(gpu).readings]
+    points = sorted({p for p in (*node._breakpoints[gpu], *rows) if t1 < p < t2})
     edges = [t1, *points, t2]
     pieces = [(activity_at(node, gpu, mig, lo), hi - lo) for lo, hi in itertools.pairwise(edges)]
-    if len(pieces) == 1:
+    if all(a == pieces[0][0] for a, _ in pieces):
         return pieces[0][0]  # no arithmetic: a steady figure reads exactly as given
     span = t2 - t1
-    return Activity(*(sum(getattr(a, f) * dt for a, dt in pieces) / span for f in ("graphics", "sm_active", "tensor")))
+    return Activity(*(sum(getattr(a, f) * dt for a, dt in pieces) / span for f in _FIELDS))
 
 
 @dataclass

@@ -125,6 +125,7 @@ def build_agent(
     monotonic: Callable[[], float] = time.monotonic,
     costing: Costing | bool = True,
     rules: Sequence[RuleSpec] | None = None,
+    wrap_backend: Callable[[DeviceBackend], DeviceBackend] | None = None,
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
 
@@ -138,6 +139,7 @@ def build_agent(
     costing        True: prices from the settings; False: no accounting; a `Costing`: that one
                    (tests and benchmarks with prices of their own)
     rules          the flag rules; by default those the settings enable
+    wrap_backend   wraps the device backend before anything uses it (`record` keeps what it says)
     """
     problems = host_problems(settings, "gpuledger")
     if problems:
@@ -151,6 +153,8 @@ def build_agent(
         # miss a 4-hour job and book it as idle.
         interval_s = max(interval_s / fake_speed, FAKE_MIN_POLL_S)
     backend, node = _backend(fake, 0.0, settings.backend)  # the clock starts with Agent.start
+    if wrap_backend is not None:
+        backend = wrap_backend(backend)
     try:
         sampler = Sampler(backend, hostname=node_name(settings, node), busy_source=settings.accounting.busy_source)
         # The devices first (within the call budget): without a driver nothing else is built,

@@ -16,6 +16,7 @@ from typing import Any
 from agent.units import parse_duration
 from fake_nvml.scenario.facts import DEFAULT_FACTS, DRIVER_EVENTS, ERROR_CODES, MIG_PROFILE, MODEL_FACTS, GpuModelFacts
 from fake_nvml.scenario.model import (
+    ActivityRow,
     Allocation,
     Fault,
     Gpu,
@@ -24,6 +25,7 @@ from fake_nvml.scenario.model import (
     NodeFacts,
     PodRef,
     Process,
+    ReadingRow,
     Scenario,
     ScenarioError,
     UtilSegment,
@@ -127,6 +129,7 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
             [
                 "model", "count", "memory_total_mib", "power_limit_w", "idle_power_w",
                 "idle_temp_c", "max_temp_c", "nvlink_links", "mig", "sm_count",
+                "uuid", "pci_bus_id", "readings",
             ]
         )  # fmt: skip
         model = r.str_("model", "A100-SXM4-80GB") or "A100-SXM4-80GB"
@@ -142,16 +145,19 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
         nvlink_links = r.int_("nvlink_links", 0) or 0
         sm_count = r.int_("sm_count", facts.sm_count, minimum=1) or facts.sm_count
         profiles = r.list_("mig")
+        if count > 1 and {"uuid", "pci_bus_id", "readings"} & set(r.data):
+            raise r.fail("count", "uuid, pci_bus_id and readings belong to one GPU: give each its own entry")
+        readings = _parse_readings(r, nvlink_links, len(profiles))
         for _ in range(count):
             index = len(gpus)
-            uuid = "GPU-" + _uuid(hostname, "gpu", index)
+            uuid = r.str_("uuid") or "GPU-" + _uuid(hostname, "gpu", index)
             mig = _parse_mig(r, profiles, facts, memory_total_mib, hostname, index)
             gpus.append(
                 Gpu(
                     index=index,
                     model=model,
                     uuid=uuid,
-                    pci_bus_id=f"00000000:{0x10 + index * 0x10:02X}:00.0",
+                    pci_bus_id=r.str_("pci_bus_id") or f"00000000:{0x10 + index * 0x10:02X}:00.0",
                     pci_device_id=facts.pci_device_id,
                     memory_total_mib=memory_total_mib,
                     power_limit_w=power_limit_w,
@@ -161,9 +167,67 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
                     nvlink_links=nvlink_links,
                     sm_count=sm_count,
                     mig=mig,
+                    readings=readings,
                 )
             )
     return tuple(gpus)
+
+
+_ACTIVITY_KEYS = ("graphics_active", "sm_active", "sm_occupancy", "tensor_active", "dram_active")
+
+
+def _activity_row(r: _Reader) -> ActivityRow | None:
+    values = {key: r.num(key, None, maximum=100) for key in _ACTIVITY_KEYS}
+    return ActivityRow(**values) if any(v is not None for v in values.values()) else None
+
+
+def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ...]:
+    """A GPU's `readings:` time series (what `gpuledger record` writes): rows in time order, each
+    holding from its `at` until the next; percent for utilization and activity."""
+    rows: list[ReadingRow] = []
+    for k, item in enumerate(gpu.list_("readings")):
+        r = gpu.child(f"readings[{k}]", item)
+        r.check_keys(
+            [
+                "at", "utilization", "memory_used_mib", "temperature_c", "power_w", "energy_j", "nvlink_down",
+                *_ACTIVITY_KEYS, "migs",
+            ]
+        )  # fmt: skip
+        at = r.duration("at")
+        if at is None:
+            raise r.fail("at", "required: when the row starts to hold")
+        if rows and at <= rows[-1].at_s:
+            raise r.fail("at", "rows must be in time order")
+        down = None
+        if "nvlink_down" in r.data:
+            down = []
+            for link in r.list_("nvlink_down"):
+                if isinstance(link, bool) or not isinstance(link, int) or not 0 <= link < links:
+                    raise r.fail("nvlink_down", f"expected links of this GPU (0..{links - 1}), got {link!r}")
+                down.append(link)
+        mig_rows: list[ActivityRow | None] = []
+        for j, entry in enumerate(r.list_("migs")):
+            if j >= migs:
+                raise r.fail("migs", f"the GPU has {migs} MIG instance(s)")
+            m = r.child(f"migs[{j}]", entry)
+            m.check_keys(list(_ACTIVITY_KEYS))
+            mig_rows.append(_activity_row(m))
+        memory = r.num("memory_used_mib")
+        energy = r.num("energy_j")
+        rows.append(
+            ReadingRow(
+                at_s=at,
+                utilization=r.num("utilization", None, maximum=100),
+                memory_used_bytes=None if memory is None else round(memory * 2**20),
+                temperature_c=r.num("temperature_c", None, maximum=200),
+                power_w=r.num("power_w"),
+                energy_mj=None if energy is None else round(energy * 1000),
+                nvlink_down=None if down is None else tuple(down),
+                activity=_activity_row(r),
+                migs=tuple(mig_rows),
+            )
+        )
+    return tuple(rows)
 
 
 def _parse_mig(
@@ -262,12 +326,12 @@ def _parse_segments(r: _Reader) -> tuple[UtilSegment, ...]:
         segments: list[UtilSegment] = []
         for k, item in enumerate(value):
             s = r.child(f"sm_util[{k}]", item)
-            s.check_keys(["at", "sm_util", "sm_active", "tensor"])
+            s.check_keys(["at", "sm_util", "sm_active", "tensor", "memory_mib"])
             at = s.duration("at", 0.0) or 0.0
             util = s.num("sm_util", 0.0, maximum=100) or 0.0
             if segments and at < segments[-1].at_s:
                 raise s.fail("at", "segments must be in time order")
-            segments.append(UtilSegment(at, util, *_activity(s, util, tensor_default)))
+            segments.append(UtilSegment(at, util, *_activity(s, util, tensor_default), s.num("memory_mib")))
         return tuple(segments)
     util = r.num("sm_util", 0.0, maximum=100) or 0.0
     return (UtilSegment(0.0, util, *_activity(r, util, tensor_default)),)
