@@ -276,3 +276,34 @@ def test_record_command_writes_a_trace_that_simulate_replays(tmp_path: Path) -> 
     )  # fmt: skip
     assert bad.returncode == 2
     assert "--step: 10s is longer than --for 5s" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("gpu", "message"),
+    [
+        ({"count": 2, "readings": [{"at": 0}]}, r"gpus\[0\]\.count: uuid, pci_bus_id and readings belong to one GPU"),
+        ({"readings": [{"at": 5}, {"at": 5}]}, r"gpus\[0\]\.readings\[1\]\.at: rows must be in time order"),
+        ({"readings": [{"utilization": 5}]}, r"gpus\[0\]\.readings\[0\]\.at: required"),
+        ({"nvlink_links": 2, "readings": [{"at": 0, "nvlink_down": [2]}]}, r"nvlink_down: expected links of this GPU"),
+        ({"readings": [{"at": 0, "migs": [{"sm_active": 5}]}]}, r"readings\[0\]\.migs: the GPU has 0 MIG instance"),
+        ({"readings": [{"at": 0, "sm_active": 120}]}, r"readings\[0\]\.sm_active: must be 0\.\.100"),
+    ],
+)
+def test_a_bad_readings_series_fails_at_load_naming_the_row(gpu: dict[str, Any], message: str) -> None:
+    with pytest.raises(fake_nvml.ScenarioError, match=message):
+        fake_nvml.load_scenario({"gpus": [gpu]})
+
+
+def test_a_readings_series_stands_in_for_the_fakes_physics_from_its_first_row() -> None:
+    import pynvml
+
+    rows = [{"at": 60, "utilization": 37, "power_w": 123.456, "energy_j": 5000.001, "temperature_c": 41}]
+    node = fake_nvml.install({"gpus": [{"readings": rows}], "processes": [{"pid": 1, "gpus": [0], "sm_util": 90}]})
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    assert pynvml.nvmlDeviceGetUtilizationRates(handle).gpu == 90  # before the first row: physics
+    node.clock.advance(60)
+    assert pynvml.nvmlDeviceGetUtilizationRates(handle).gpu == 37
+    assert pynvml.nvmlDeviceGetPowerUsage(handle) == 123456  # mW, exactly
+    assert pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) == 5000001  # mJ, exactly
+    assert pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU) == 41
