@@ -51,8 +51,10 @@ _NO_INSTANCE = 0xFFFFFFFF
 # The errors of a driver that went away: a set made before one of them struck is stale after.
 _DRIVER_GONE = frozenset({"DRIVER_NOT_LOADED", "UNINITIALIZED", "LIB_RM_VERSION_MISMATCH"})
 _SET_TAG = 0x65760000  # "ev" in the high bytes: an event set this library made
-# How often a waiting call looks at the scenario clock again (real seconds).
-WAIT_TICK_S = 0.002
+# How often a waiting call looks at the scenario clock again (real seconds): an event arrives
+# within a tick of scenario time reaching it, and a waiting thread (a Python loop here, where the
+# real driver blocks in C) takes too little of the interpreter to slow a poll beside it.
+WAIT_TICK_S = 0.01
 
 
 @dataclass(order=True)
