@@ -154,7 +154,7 @@ class EventReader:
         thread = self._thread
         if thread is not None:
             self._stopping.set()
-            thread.join(self.wait_s + 1.0 if timeout_s is None else timeout_s)
+            thread.join(self.wait_s + 0.5 if timeout_s is None else timeout_s)
             if thread.is_alive():
                 return False
             self._thread = None
