@@ -158,6 +158,18 @@ class AccountingConfig(_Section):
     max_interval: Duration = Field(default=300.0, gt=0)
     # A finished workload's cost series stay exported this long after its last charge.
     forget_after: Duration = Field(default=3600.0, gt=0)
+    # What "busy" means for busy seconds and the flag rules: GPM's SM activity where the GPU has it
+    # (Hopper and later), else NVML's utilization (auto); NVML's utilization only; GPM's only.
+    busy_source: Literal["auto", "nvml", "gpm"] = "auto"
+
+
+class EventsConfig(_Section):
+    # Read the driver's events (Xid errors, ECC errors, clock changes) on a thread of their own.
+    enabled: bool = True
+    # Each wait on the driver lasts at most this long (stopping the agent waits for one).
+    wait: Duration = Field(default=1.0, gt=0, le=10)
+    # A GPU or driver that stopped answering is registered again this often.
+    retry: Duration = Field(default=30.0, gt=0)
 
 
 class AttributionRule(_Section):
@@ -304,6 +316,7 @@ class Settings(BaseSettings):
     ledger: LedgerConfig = LedgerConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     accounting: AccountingConfig = AccountingConfig()
+    events: EventsConfig = EventsConfig()
     attribution: AttributionConfig = AttributionConfig()
     rules: RulesConfig = RulesConfig()
     exporters: ExportersConfig = ExportersConfig()

@@ -28,6 +28,27 @@ class NvLinkReading:
 
 
 @dataclass(frozen=True, slots=True)
+class Activity:
+    """What a GPU's (or MIG instance's) SMs did between the previous poll and this one, as GPU
+    Performance Monitoring measures it (Hopper and later): fractions 0-1, None where not read.
+
+    NVML's utilization counts time in which any kernel ran, so one small kernel reads 100%;
+    `sm_active` is the share of the SMs that had work, the measure of "busy" that tells the truth.
+    """
+
+    graphics_active: float | None = None  # time any kernel or graphics work ran (the GR engine)
+    sm_active: float | None = None  # SMs with at least one warp assigned
+    sm_occupancy: float | None = None  # warps resident over the SMs' maximum
+    tensor_active: float | None = None  # cycles the tensor pipes were active
+    dram_active: float | None = None  # cycles the memory interface moved data
+
+
+# Where a device's "busy" figure comes from (`DeviceReading.busy_source`).
+BUSY_GPM = "gpm"  # Activity.sm_active
+BUSY_NVML = "nvml"  # DeviceReading.utilization
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceReading:
     """One GPU, or one MIG instance of a GPU (then `parent_uuid` is set), as read in one poll.
 
@@ -66,6 +87,18 @@ class DeviceReading:
     # The device's own utilization (0-1) time-weighted over its samples since the previous poll:
     # what accounting caps its holders' busy time by. None where the samples could not be read.
     interval_utilization: float | None = None
+    activity: Activity | None = None  # GPM, over the interval since the previous poll
+    busy_source: str = BUSY_NVML  # BUSY_GPM, BUSY_NVML, or "" where the device has no busy measure
+
+    @property
+    def busy(self) -> float | None:
+        """How busy the device was (0-1), by its busy source: what accounting's busy seconds and
+        the flag rules measure. None where that source has no figure this poll."""
+        if self.busy_source == BUSY_GPM:
+            return self.activity.sm_active if self.activity is not None else None
+        if self.busy_source == BUSY_NVML:
+            return self.utilization
+        return None
 
     @property
     def model(self) -> str:
@@ -356,6 +389,26 @@ class LedgerHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuEvents:
+    """The driver events one GPU reported since the agent started (agent/devices/events.py)."""
+
+    gpu: int
+    uuid: str
+    watched: bool  # registered for its events right now (False: lost, or the driver is away)
+    counts: tuple[tuple[str, int, int], ...] = ()  # (event kind, Xid or 0, how many)
+    last_xid: int | None = None
+    last_xid_at: float | None = None  # backend clock, when the agent received it
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceEvents:
+    """What the driver-event reader has seen: per GPU, and whether it has an event set open."""
+
+    gpus: tuple[GpuEvents, ...] = ()
+    reading: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class AgentState:
     snapshot: Snapshot | None = None
     attribution: Attribution = field(default_factory=Attribution)
@@ -366,6 +419,7 @@ class AgentState:
     left_by: tuple[LeftBy, ...] = ()  # GPUs nobody holds now, and who held them last
     health: AgentHealth = field(default_factory=AgentHealth)
     actions: tuple[tuple[str, str, int], ...] = ()  # (action, result, count) since the agent started
+    events: DeviceEvents | None = None  # None: no event reader (events off, or no event API)
 
 
 @dataclass(frozen=True, slots=True)

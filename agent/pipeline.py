@@ -38,11 +38,12 @@ from typing import Any, Protocol, TypeVar
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from agent.accounting.cost import account, accumulate, downtime
+from agent.accounting.cost import account, accumulate, cost_units, downtime
 from agent.accounting.unpriced import Unplaced, Unpriced
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.deadline import CallTimeout, Worker
+from agent.devices.events import EventReader
 from agent.devices.sampler import Sampler
 from agent.errors import GpuledgerError
 from agent.model import (
@@ -53,6 +54,7 @@ from agent.model import (
     Attribution,
     Charges,
     CostTotals,
+    DeviceReading,
     Flag,
     LedgerHealth,
     LeftBy,
@@ -206,6 +208,9 @@ class Pipeline:
         self._worker = Worker("gpuledger-poll")
         self._stuck: dict[str, float] = {}  # GPU key ("" for the driver) -> when its call got stuck
         self.attributor = attributor
+        # The driver-event reader: on its own thread in the daemon, caught up at each poll
+        # otherwise (`simulate`, `snapshot`), so its events land in the state either way.
+        self.events: EventReader | None = None
         self.costing = costing
         self.rules = tuple(rules)
         self.poll_interval_s = poll_interval_s
@@ -359,7 +364,7 @@ class Pipeline:
         else:
             skip = dict.fromkeys(stuck, TIMEOUT)
             try:
-                snapshot = self._worker.call(lambda: self.sampler.poll(skip), self.call_timeout_s)
+                snapshot = self._worker.call(lambda: self._read_devices(skip), self.call_timeout_s)
             except CallTimeout:
                 key = self.sampler.reading or ""
                 self.sampler.abandon()
@@ -375,6 +380,13 @@ class Pipeline:
         sampled = Sampled(snapshot, self._previous)
         self._previous = snapshot
         return sampled
+
+    def _read_devices(self, skip: Mapping[str, str]) -> Snapshot:
+        """The sampler's poll, then (when no thread reads them) the driver events up to now."""
+        snapshot = self.sampler.poll(skip)
+        if self.events is not None:
+            self.events.catch_up()
+        return snapshot
 
     def _attribute(self, snapshot: Snapshot) -> Attribution:
         if self.attributor is None:
@@ -532,6 +544,7 @@ class Pipeline:
         node, interval_s = snapshot.node.hostname, sampled.interval_s
         for gpu in snapshot.gpus:
             charge = cost.get(gpu.uuid)
+            migs = snapshot.mig_devices(gpu.uuid)
             observations.append(
                 GpuObservation(
                     gpu=gpu.index,
@@ -539,7 +552,8 @@ class Pipeline:
                     model=gpu.model,
                     node=node,
                     up=gpu.up,
-                    utilization=gpu.utilization,
+                    # How busy, by the GPU's busy source. A MIG-enabled GPU is judged per instance.
+                    utilization=None if migs else gpu.busy,
                     memory_used_bytes=gpu.memory_used_bytes,
                     holders=holders.get(gpu.uuid, ()),
                     interval_s=interval_s,
@@ -547,6 +561,8 @@ class Pipeline:
                     idle_dollars=charge.idle_dollars if charge is not None else 0.0,
                 )
             )
+            if migs:
+                observations += self._mig_observations(sampled, gpu, attribution, charge.dollars if charge else 0.0)
         result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at)
         self._rule_states = result.states
         self._flags = result.flags
@@ -554,6 +570,36 @@ class Pipeline:
         for t in result.transitions:
             left = self._left_by.get(t.uuid) or left_before.get(t.uuid)
             _log_transition(t, left, idle=t.rule in idle_rules)
+
+    def _mig_observations(
+        self, sampled: Sampled, gpu: DeviceReading, attribution: Attribution, gpu_dollars: float
+    ) -> list[GpuObservation]:
+        """Each MIG instance of `gpu` as the rules see it: a unit of its own (its uuid, its
+        holders, its share of the GPU's cost), busy by its GPM SM activity where it has that."""
+        snapshot = sampled.snapshot
+        found = []
+        for unit in cost_units(snapshot, gpu):
+            device = unit.device
+            if device is None:
+                continue  # SMs no instance holds: nobody to flag
+            held = tuple(sorted({h.workload for h in attribution.holdings if h.device_uuid == unit.uuid}))
+            dollars = gpu_dollars * unit.weight
+            found.append(
+                GpuObservation(
+                    gpu=gpu.index,
+                    uuid=device.uuid,
+                    model=gpu.model,
+                    node=snapshot.node.hostname,
+                    up=gpu.up and device.up,
+                    utilization=device.busy,
+                    memory_used_bytes=device.memory_used_bytes,
+                    holders=held,
+                    interval_s=sampled.interval_s,
+                    dollars=dollars,
+                    idle_dollars=0.0 if held else dollars,
+                )
+            )
+        return found
 
     def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, tuple[Workload, ...]]) -> None:
         """Remember who held each GPU at the last poll that saw it held; once nobody holds it,
@@ -595,6 +641,7 @@ class Pipeline:
             flags=self._flags,
             left_by=tuple(self._left_by[uuid] for uuid in sorted(self._left_by)),
             health=health,
+            events=self.events.events if self.events is not None else None,
         )
 
     def _prices_at(self, t: float | None) -> tuple[tuple[str, Price | None], ...]:

@@ -65,6 +65,13 @@ FUNCTION_SINCE_DRIVER: dict[str, int] = {
     "nvmlDeviceGetMPSComputeRunningProcesses_v3": 510,
     "nvmlDeviceGetMemoryInfo_v2": 510,
     "nvmlDeviceGetTemperatureV": 565,
+    # GPM: the R520 API reference has the group; the MIG sample call is first listed in R525's.
+    "nvmlGpmQueryDeviceSupport": 520,
+    "nvmlGpmSampleAlloc": 520,
+    "nvmlGpmSampleFree": 520,
+    "nvmlGpmSampleGet": 520,
+    "nvmlGpmMetricsGet": 520,
+    "nvmlGpmMigSampleGet": 525,
 }
 # Fields newer than the field-values call itself (instant power arrived with the R530 fields).
 FIELD_SINCE_DRIVER = {FI_POWER_INSTANT: 530}
@@ -577,8 +584,8 @@ def _codec_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, util: Any, peri
 def _memory_bytes(lib: FakeNvmlLibrary, dev: Dev, t: float) -> tuple[int, int]:
     gpu = lib._node.gpu(dev.gpu)
     total_mib = gpu.memory_total_mib if dev.mig is None else gpu.mig[dev.mig].memory_total_mib
-    used_mib = min(total_mib, lib._node.memory_used_mib(dev.gpu, dev.mig, t))
-    return total_mib * 2**20, used_mib * 2**20
+    total = total_mib * 2**20
+    return total, min(total, lib._node.memory_used_bytes(dev.gpu, dev.mig, t))
 
 
 @_c("nvmlDeviceGetMemoryInfo")
@@ -692,7 +699,7 @@ def _pstate(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
 def _energy(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     if dev.mig is not None:
         return NOT_SUPPORTED
-    _obj(out).value = int(lib._node.energy_j(dev.gpu, t) * 1000)
+    _obj(out).value = lib._node.energy_mj(dev.gpu, t)
     return SUCCESS
 
 
@@ -766,7 +773,7 @@ def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: 
             field.nvmlReturn = SUCCESS
         elif fid == FI_TOTAL_ENERGY_CONSUMPTION:
             field.valueType = _VALUE_TYPE_ULONGLONG
-            field.value.ullVal = int(node.energy_j(index, t) * 1000)
+            field.value.ullVal = node.energy_mj(index, t)
             field.nvmlReturn = SUCCESS
         elif fid == FI_NVLINK_LINK_COUNT:
             field.valueType = _VALUE_TYPE_UINT
@@ -802,7 +809,7 @@ def _running_processes(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, inf
     for i, (process, mig) in enumerate(entries):
         info = array[i]
         info.pid = process.pid
-        info.usedGpuMemory = process.memory_mib * 2**20
+        info.usedGpuMemory = process.memory_bytes_at(t - process.start_s)
         if hasattr(info, "gpuInstanceId"):
             info.gpuInstanceId = _NO_INSTANCE if mig is None else gpu.mig[mig].gpu_instance_id
             info.computeInstanceId = _NO_INSTANCE if mig is None else 0

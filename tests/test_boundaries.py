@@ -413,9 +413,13 @@ def test_at_most_ten_nvml_calls_per_gpu_per_poll(run: Any) -> None:
     before = rig.node.calls.copy()
     rig.poll(15)
     calls = rig.node.calls - before
-    # memory, utilization, temperature, field values, processes, process samples, device samples
+    # One wait on the node's event set (driver events, read in the poll where no reader thread
+    # runs), and per GPU: memory, utilization, temperature, field values, processes, process
+    # samples, device samples.
+    assert calls.pop("nvmlEventSetWait_v2") == 1
     per_gpu = sum(calls.values()) / 2
     assert per_gpu == 7
+    assert per_gpu + 1 / 2 <= 10
 
 
 # -- who left it idle ---------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
             {
                 "gpus": [{"count": 2, "nvlink_links": 2}],
                 "faults": [
+                    {"at": "5s", "gpu": 1, "xid": 79},  # the driver-event series
                     {"at": "10s", "gpu": 1, "error": "GPU_IS_LOST"},
                     {"call": "nvmlDeviceGetComputeRunningProcesses", "error": "TIMEOUT"},
                 ],
@@ -115,6 +116,15 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
             },
             30,
             tmp_path / "claim",
+        ),
+        # A Hopper GPU split in MIG instances: GPM activity per GPU and per instance.
+        simulate(
+            {
+                "gpus": [{"model": "H100-SXM5-80GB", "mig": ["3g.40gb"]}],
+                "processes": [{"pid": 302, "gpus": ["0:0"], "sm_util": 50, "sm_active": 20, "tensor": 50}],
+            },
+            30,
+            tmp_path / "gpm",
         ),
         # A job that ends, leaving its GPU idle: the left-by series.
         simulate(

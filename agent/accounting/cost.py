@@ -8,7 +8,10 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
     utilization; where none was measured, by memory held; where neither, equally.
   - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization,
     and a unit's holders' busy seconds never add up to more than the GPU's own (its utilization
-    averaged over its samples of the interval x dt): where they would, each is scaled down.
+    averaged over its samples of the interval x dt): where they would, each is scaled down. Where
+    the unit's busy source is GPM (`DeviceReading.busy_source`), its SM activity is how busy it
+    was, split among its holders by the shares that split its cost: a kernel that keeps one SM
+    busy is not a full GPU, whatever NVML's utilization says.
     Charged seconds are held seconds x the holder's share (the share that splits the dollars):
     a unit's charged seconds plus its idle seconds are its observed seconds, so they add up
     across holders where held seconds count a shared unit once per holder.
@@ -38,6 +41,8 @@ from dataclasses import dataclass
 
 from agent.accounting.boundaries import Part, stretches
 from agent.model import (
+    BUSY_GPM,
+    BUSY_NVML,
     UNOBSERVED_ATTRIBUTION,
     UNOBSERVED_NO_POLL,
     UNOBSERVED_PROCESSES,
@@ -89,11 +94,13 @@ def cost_units(snapshot: Snapshot, gpu: DeviceReading, migs: tuple[DeviceReading
 
 
 def device_busy_ratio(device: DeviceReading | None) -> float | None:
-    """How busy the device was over the interval (0-1): its utilization averaged over its own
-    samples since the previous poll, else (those could not be read) its latest reading; None
-    where it measures none (MIG)."""
+    """How busy the device was over the interval (0-1): its GPM SM activity where that is its busy
+    source, else its utilization averaged over its own samples since the previous poll, else
+    (those could not be read) its latest reading; None where it measures none."""
     if device is None:
         return None
+    if device.busy_source == BUSY_GPM:
+        return device.busy  # SM activity over the interval: GPM samples are interval means already
     return device.interval_utilization if device.interval_utilization is not None else device.utilization
 
 
@@ -104,6 +111,20 @@ def holder_utilization(holding: Holding, unit: CostUnit, holders: int) -> float 
     if holders == 1:
         return device_busy_ratio(unit.device)  # a sole holder of a GPU that measures only as a whole
     return None
+
+
+def holder_busy(unit: CostUnit, util: float | None, share: float) -> float:
+    """How busy (0-1) a holder kept the unit: the unit's SM activity x the holder's share where
+    its busy source is GPM; the holder's measured utilization where it is NVML; 0 where the unit
+    has no busy measure (busy_source gpm on a GPU without GPM, or a MIG instance without it)."""
+    device = unit.device
+    source = device.busy_source if device is not None else ""
+    if source == BUSY_GPM:
+        busy = device.busy if device is not None else None
+        return min(busy or 0.0, 1.0) * share
+    if source == BUSY_NVML:
+        return min(util or 0.0, 1.0)
+    return 0.0
 
 
 def split_shares(holdings: tuple[Holding, ...], utils: list[float | None]) -> list[float]:
@@ -149,7 +170,7 @@ def _charge(
         if held > counted:
             acc.held_s += held - counted
             seen[workload] = held
-        acc.busy_s += held * min(util or 0.0, 1.0)
+        acc.busy_s += held * holder_busy(unit, util, share)
         # Summed, unlike held: each of a workload's holdings is its own part of the share.
         acc.charged_s += held * share
         acc.dollars += dollars * share

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from agent import __version__
 from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen, positive_finite
 from agent.cli.logs import setup_logging
+from agent.cli.record import cmd_record
 from agent.cli.render import render_table, snapshot_json
 from agent.cli.simulate import cmd_simulate
 from agent.cli.systemd import notify, watchdog_interval_s
@@ -126,6 +127,18 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"group by any of: {', '.join(GROUP_KEYS)} (job: hpc_job)",
     )
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
+
+    rec = sub.add_parser("record", help="poll the driver for a while and write what it saw as a scenario")
+    rec.add_argument("--for", dest="duration", required=True, metavar="DURATION", help="how long to record, e.g. 10m")
+    rec.add_argument("--step", metavar="DURATION", help="poll every this long (default: poll_interval)")
+    rec.add_argument("--out", default="-", metavar="FILE", help="write the trace here (default: stdout)")
+    rec.add_argument(
+        "--keep-cmdlines", action="store_true", help="keep command lines whole (default: the executable and model)"
+    )
+    rec.add_argument("--config", help="YAML config file")
+    rec.add_argument(
+        "--fake", nargs="?", const="demo", metavar="SCENARIO", help="record a fake node (default scenario: demo)"
+    )
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file", help="YAML config file")
@@ -348,4 +361,5 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": cmd_simulate,
     "check-config": _cmd_check_config,
     "report": _cmd_report,
+    "record": cmd_record,
 }

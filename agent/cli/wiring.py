@@ -28,6 +28,7 @@ from agent.attribution.sources.base import SourceOptions
 from agent.config import Settings, host_problems, load_catalogue
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
+from agent.devices.events import EventBackend, EventReader
 from agent.devices.instance import detect_instance_type
 from agent.devices.pci import nvidia_gpus
 from agent.devices.sampler import Sampler
@@ -62,6 +63,7 @@ class Agent:
     textfile: TextfileWriter | None
     fake_speed: float = 0.0  # scenario seconds per real second once started (0: moved by hand)
     actions: Actions | None = None  # the configured actions (config `actions:`), if any
+    events: EventReader | None = None  # the driver-event reader (None: events off, or no event API)
     _closed: bool = False
     _ledger_written: bool = True
 
@@ -86,6 +88,8 @@ class Agent:
         if self.node is not None and self.fake_speed:
             self.node.clock.set_speed(self.fake_speed)
         self.pipeline.start()
+        if self.events is not None:
+            self.events.start()
         if self.textfile is not None:
             self.textfile.start(self.pipeline.poll_interval_s)
 
@@ -108,7 +112,8 @@ class Agent:
         if self.textfile is not None:
             self.textfile.stop()  # the last poll reaches the file too
         self.attributor.close()
-        if idle:
+        events_stopped = self.events.stop() if self.events is not None else True
+        if idle and events_stopped:
             self.sampler.close()
         if self.node is not None:
             import fake_nvml
@@ -130,6 +135,7 @@ def build_agent(
     rules: Sequence[RuleSpec] | None = None,
     actions: Literal["on", "dry_run", "off"] = "on",
     ledger_write_behind: bool = False,
+    wrap_backend: Callable[[DeviceBackend], DeviceBackend] | None = None,
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
 
@@ -149,6 +155,7 @@ def build_agent(
     ledger_write_behind  let each ledger flush's fsync overlap the next poll (`LedgerSink`); for
                    `simulate`, whose polls would otherwise wait on the disk every minute of
                    scenario time
+    wrap_backend   wraps the device backend before anything uses it (`record` keeps what it says)
     """
     problems = host_problems(settings, "gpuledger")
     if problems:
@@ -162,9 +169,16 @@ def build_agent(
         # miss a 4-hour job and book it as idle.
         interval_s = max(interval_s / fake_speed, FAKE_MIN_POLL_S)
     backend, node = _backend(fake, 0.0, settings.backend)  # the clock starts with Agent.start
+    if wrap_backend is not None:
+        backend = wrap_backend(backend)
     try:
         sys_root = str(node.host.sys_root) if node is not None else settings.sys_root
-        sampler = Sampler(backend, hostname=node_name(settings, node), pci_gpus=partial(nvidia_gpus, sys_root))
+        sampler = Sampler(
+            backend,
+            hostname=node_name(settings, node),
+            pci_gpus=partial(nvidia_gpus, sys_root),
+            busy_source=settings.accounting.busy_source,
+        )
         # The devices first (within the call budget): without a driver nothing else is built,
         # so `run` says that, and only that, in its one line.
         specs = rule_specs(settings) if rules is None else rules
@@ -177,6 +191,8 @@ def build_agent(
             exit_after_s=settings.watchdog.exit_after,
         )
         pipeline.open_devices()
+        if settings.events.enabled and isinstance(backend, EventBackend):
+            pipeline.events = EventReader(backend, wait_s=settings.events.wait, retry_s=settings.events.retry)
         attributor = pipeline.attributor = _attributor(settings, node)
         priced: Costing | None = None
         if isinstance(costing, Costing):
@@ -206,8 +222,9 @@ def build_agent(
             fake_nvml.uninstall()
         raise
     agent = Agent(
-        settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed, actions=acting
-    )
+        settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed, actions=acting,
+        events=pipeline.events,
+    )  # fmt: skip
     if textfile_path:
         agent.textfile = TextfileWriter(textfile_path, lambda: pipeline.state, agent.exposition)
     return agent

@@ -39,6 +39,8 @@ from agent.devices.backend import (
     ReadResult,
     UtilizationSample,
 )
+from agent.devices.events import DeviceEvent, EventKind
+from agent.model import Activity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -292,6 +294,132 @@ class _Device:
         self.celsius = ctypes.c_uint()
 
 
+class _EventData(ctypes.Structure):
+    _fields_ = pynvml.c_nvmlEventData_t._fields_
+
+
+class _EventSet:
+    """An NVML event set, and the token each device on it was registered with, by the address
+    of its handle (what an event's `device` holds)."""
+
+    __slots__ = ("pointer", "tokens")
+
+    def __init__(self, pointer: Any) -> None:
+        self.pointer = pointer
+        self.tokens: dict[int, int] = {}
+
+
+# nvmlEventType* for each kind of event agent/devices/events.py reads.
+_EVENT_TYPES = {
+    EventKind.XID: pynvml.nvmlEventTypeXidCriticalError,
+    EventKind.SINGLE_BIT_ECC: pynvml.nvmlEventTypeSingleBitEccError,
+    EventKind.DOUBLE_BIT_ECC: pynvml.nvmlEventTypeDoubleBitEccError,
+    EventKind.CLOCK_CHANGE: pynvml.nvmlEventTypeClock,
+}
+
+
+def _address(pointer: Any) -> int:
+    return ctypes.cast(pointer, ctypes.c_void_p).value or 0
+
+
+class _NvmlEvents:
+    """The driver's event API, as `agent.devices.events.EventBackend` (the reader's thread)."""
+
+    def supported_events(self, handle: Handle) -> frozenset[EventKind]:
+        call = "nvmlDeviceGetSupportedEventTypes"
+        mask = _call(call, pynvml.nvmlDeviceGetSupportedEventTypes, handle.handle)
+        return frozenset(kind for kind, bit in _EVENT_TYPES.items() if mask & bit)
+
+    def open_event_set(self) -> Any:
+        return _EventSet(_call("nvmlEventSetCreate", pynvml.nvmlEventSetCreate))
+
+    def register_events(self, event_set: Any, handle: Handle, kinds: frozenset[EventKind], token: int) -> None:
+        mask = 0
+        for kind in kinds:
+            mask |= _EVENT_TYPES[kind]
+        _call("nvmlDeviceRegisterEvents", pynvml.nvmlDeviceRegisterEvents, handle.handle, mask, event_set.pointer)
+        event_set.tokens[_address(handle.handle)] = token
+
+    def wait_event(self, event_set: Any, timeout_s: float) -> DeviceEvent | None:
+        # As pynvml's nvmlEventSetWait_v2 calls it, but a timeout is an answer here, not an error.
+        call = "nvmlEventSetWait"
+        data = _EventData()
+        timeout_ms = ctypes.c_uint(max(0, round(timeout_s * 1000)))
+        code = _function(call, "nvmlEventSetWait_v2")(event_set.pointer, ctypes.byref(data), timeout_ms)
+        if code == pynvml.NVML_ERROR_TIMEOUT:
+            return None
+        _check(call, code)
+        kind = next((kind for kind, bit in _EVENT_TYPES.items() if data.eventType & bit), None)
+        if kind is None:
+            return None  # a type nobody asked for
+        return DeviceEvent(event_set.tokens.get(_address(data.device)), kind, int(data.eventData))
+
+    def close_event_set(self, event_set: Any) -> None:
+        # Freeing a set of a driver that is gone is not worth reporting.
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlEventSetFree(event_set.pointer)
+
+
+class _GpmMetricsGet(ctypes.Structure):
+    """pynvml's c_nvmlGpmMetricsGet_t layout in a plain struct (see _FieldValue for why)."""
+
+    _fields_ = pynvml.c_nvmlGpmMetricsGet_t._fields_
+
+
+# The GPM metrics read, in Activity's field order (NVML_GPM_METRIC_*): graphics activity, SM
+# activity, SM occupancy, tensor activity (any tensor op), DRAM bandwidth.
+_GPM_METRICS = (
+    getattr(pynvml, "NVML_GPM_METRIC_GRAPHICS_UTIL", 1),
+    getattr(pynvml, "NVML_GPM_METRIC_SM_UTIL", 2),
+    getattr(pynvml, "NVML_GPM_METRIC_SM_OCCUPANCY", 3),
+    getattr(pynvml, "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 5),
+    getattr(pynvml, "NVML_GPM_METRIC_DRAM_BW_UTIL", 10),
+)
+
+
+class _NvmlActivity:
+    """GPU Performance Monitoring (Hopper and later, R520 drivers on), as
+    `agent.devices.activity.ActivityBackend`: SM, tensor and DRAM activity between two samples."""
+
+    _gpm_request: _GpmMetricsGet | None = None
+
+    def activity_supported(self, handle: Handle) -> bool:
+        support = _call("nvmlGpmQueryDeviceSupport", pynvml.nvmlGpmQueryDeviceSupport, handle.handle)
+        return bool(support.isSupportedDevice)
+
+    def new_activity_sample(self) -> Any:
+        return _call("nvmlGpmSampleAlloc", pynvml.nvmlGpmSampleAlloc)
+
+    def take_activity_sample(self, handle: Handle, sample: Any, gpu_instance_id: int | None) -> None:
+        if gpu_instance_id is None:
+            _call("nvmlGpmSampleGet", pynvml.nvmlGpmSampleGet, handle.handle, sample)
+        else:
+            _call("nvmlGpmMigSampleGet", pynvml.nvmlGpmMigSampleGet, handle.handle, gpu_instance_id, sample)
+
+    def activity_between(self, earlier: Any, later: Any) -> Activity:
+        call = "nvmlGpmMetricsGet"
+        request = self._gpm_request
+        if request is None:
+            # One request struct, reused: it holds room for every metric NVML knows (tens of KB).
+            request = self._gpm_request = _GpmMetricsGet()
+            request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(_GPM_METRICS)
+            for slot, metric_id in enumerate(_GPM_METRICS):
+                request.metrics[slot].metricId = metric_id
+        request.sample1, request.sample2 = earlier, later
+        _check(call, _function(call, call)(ctypes.byref(request)))
+        values: list[float | None] = []
+        for slot in range(len(_GPM_METRICS)):
+            metric = request.metrics[slot]
+            # GPM reports percent; the seam carries fractions.
+            values.append(metric.value / 100 if metric.nvmlReturn == pynvml.NVML_SUCCESS else None)
+        return Activity(*values)
+
+    def free_activity_sample(self, sample: Any) -> None:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlGpmSampleFree(sample)
+
+
 def mig_profile_from_name(name: str) -> str:
     """NVML names a MIG device after its GPU and its profile: "NVIDIA A100-SXM4-80GB MIG 3g.40gb"
     -> "3g.40gb" (also "1c.3g.40gb" for a compute instance smaller than its GPU instance)."""
@@ -299,8 +427,9 @@ def mig_profile_from_name(name: str) -> str:
     return profile if sep else ""
 
 
-class NvmlBackend:
-    """NVML as the sampler uses it. `clock` is the backend's clock in unix seconds."""
+class NvmlBackend(_NvmlEvents, _NvmlActivity):
+    """NVML as the sampler uses it, and as the event reader does (`_NvmlEvents`). `clock` is the
+    backend's clock in unix seconds."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
