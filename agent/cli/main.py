@@ -23,6 +23,8 @@ from agent import __version__
 from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen, positive_finite
 from agent.cli.logs import setup_logging
 from agent.cli.render import render_table, snapshot_json
+from agent.cli.rules import add_parser as add_rules_parser
+from agent.cli.rules import cmd_rules
 from agent.cli.simulate import cmd_simulate
 from agent.cli.systemd import notify, watchdog_interval_s
 from agent.cli.wiring import build_agent
@@ -126,6 +128,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"group by any of: {', '.join(GROUP_KEYS)} (job: hpc_job)",
     )
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
+
+    add_rules_parser(sub)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file", help="YAML config file")
@@ -348,4 +352,5 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": cmd_simulate,
     "check-config": _cmd_check_config,
     "report": _cmd_report,
+    "rules": cmd_rules,
 }
