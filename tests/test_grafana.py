@@ -233,7 +233,9 @@ def test_the_fleet_dashboard_reads_recording_rules_only() -> None:
     dashboard = DASHBOARDS[FLEET_DASHBOARD]
     recorded = recorded_names()
     queries = panel_queries(dashboard) + [
-        (f"${v['name']}", label_values_query(variable_query(v))[0]) for v in variables(dashboard) if v["type"] == "query"
+        (f"${v['name']}", label_values_query(variable_query(v))[0])
+        for v in variables(dashboard)
+        if v["type"] == "query"
     ]
     assert len(queries) > 30
     raw = {where: sorted(metric_names(expr) - recorded) for where, expr in queries if metric_names(expr) - recorded}
