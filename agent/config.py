@@ -20,7 +20,7 @@ from agent.accounting.pricing import Catalogue, parse_catalogue
 from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
-from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS
+from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS
 from agent.model import WORKLOAD_LABELS
 from agent.scrub import escape_control
 from agent.units import parse_duration, parse_size_bytes

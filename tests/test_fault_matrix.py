@@ -1006,13 +1006,13 @@ def disk_full_connection(transient: bool) -> Case:
     """The ledger's connection answers SQLITE_FULL to every write from 0:30 (to 1:15)."""
 
     def prepare(context: Context) -> Path:
-        real = store._open_file
+        real = store.open_file
         disk_full = context.scratch["disk full"] = threading.Event()
 
         def open_file(*args: Any) -> Any:
             return _FullConnection(real(*args), disk_full)
 
-        context.monkeypatch.setattr(store, "_open_file", open_file)
+        context.monkeypatch.setattr(store, "open_file", open_file)
         return context.tmp / "ledger.db"
 
     def host(context: Context, now: float) -> None:

@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.ledger.store import SCHEMA_VERSION, Ledger, LedgerError, hour_shares, read_usage
+from agent.ledger.files import LedgerError
+from agent.ledger.pending import hour_shares
+from agent.ledger.read import read_usage
+from agent.ledger.schema import SCHEMA_VERSION
+from agent.ledger.store import Ledger
 from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
 
 ROOT = Path(__file__).resolve().parent.parent

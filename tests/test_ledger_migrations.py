@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from agent import __version__
+from agent.ledger.files import LedgerError
+from agent.ledger.read import read_info, read_usage
 from agent.ledger.report import report_from_ledger
-from agent.ledger.store import SCHEMA_VERSION, Ledger, LedgerError, read_info, read_usage
+from agent.ledger.schema import SCHEMA_VERSION
+from agent.ledger.store import Ledger
 from agent.model import WORKLOAD_LABELS, Charges, GpuCharge, Workload, WorkloadCharge
 from tests.test_cli import gpuledger
 

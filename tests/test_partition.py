@@ -4,11 +4,14 @@ of what used to be booked as idle, or lost; each checks the partition adds up to
 
 from __future__ import annotations
 
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -238,6 +241,20 @@ def job_dollars(ledger: Path, job: str) -> float:
     return float(dollars)
 
 
+SERVING = re.compile(r"serving (http://[0-9.:]+)/metrics")
+
+
+def last_poll(base: str) -> float | None:
+    """The daemon's `gpuledger_last_poll_timestamp_seconds` (its fake clock), None before its first poll."""
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    found = re.search(r"^gpuledger_last_poll_timestamp_seconds ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else None
+
+
 def test_run_at_3600x_charges_the_job_what_simulate_charges(tmp_path: Path) -> None:
     # weekend-idle's job 9001 holds 8 GPUs for its 4 hours, then dies. `run --fake-speed 3600`
     # polled every 5 real seconds, 5 scenario hours, never saw it and booked it all as idle;
@@ -254,11 +271,32 @@ def test_run_at_3600x_charges_the_job_what_simulate_charges(tmp_path: Path) -> N
          "--listen", "127.0.0.1:0", "--ledger", str(ran)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(daemon.stderr or ()), daemon=True)
+    reader.start()
     try:
-        time.sleep(7)  # about 7 scenario hours: past the job's end at 4 h
+        # Stop once the daemon's own clock is past 5 scenario hours (the job ends at 4 h), read
+        # from its metrics rather than a fixed sleep: a slow start on a loaded machine must not
+        # cut the run short.
+        first = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            url = next((m.group(1) for line in list(lines) if (m := SERVING.search(line))), None)
+            polled = last_poll(url) if url else None
+            if polled is not None:
+                first = polled if first is None else first
+                if polled - first >= 5 * 3600:
+                    break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the daemon's clock never passed 5 scenario hours: {''.join(lines)}")
     finally:
         daemon.send_signal(signal.SIGTERM)
-        _, stderr = daemon.communicate(timeout=30)
+        daemon.wait(timeout=30)
+        reader.join(timeout=5)
+        if daemon.stderr is not None:
+            daemon.stderr.close()
+    stderr = "".join(lines)
     assert daemon.returncode == 0, stderr
     expected = job_dollars(simulated, "9001")
     # 8 GPUs x 4 h at the p4d.24xlarge's price per GPU: the job's whole life, as simulate saw it.

@@ -18,6 +18,8 @@ import pytest
 from hypothesis import given, settings
 
 from agent.accounting.cost import account
+from agent.ledger.files import LedgerError
+from agent.ledger.read import LedgerInfo, read_usage
 from agent.ledger.report import (
     GROUP_KEYS,
     Report,
@@ -30,7 +32,7 @@ from agent.ledger.report import (
     report_from_ledger,
     report_from_ledgers,
 )
-from agent.ledger.store import Ledger, LedgerError, LedgerInfo, read_usage
+from agent.ledger.store import Ledger
 from agent.model import (
     Attribution,
     Charges,

@@ -1,7 +1,7 @@
 """`gpuledger report`: cost and usage from one or more ledgers, grouped, as a table, CSV or JSON.
 
-Layering: this module only reads ledgers, through `agent.ledger.store.read_ledger` (the one module
-that talks to sqlite3); it never writes. Everything else here is pure: rows in, text out.
+Layering: this module only reads ledgers, through `agent.ledger.read.read_ledger` (the ledger package is
+the only one that talks to sqlite3); it never writes. Everything else here is pure: rows in, text out.
 
 Choices a reader of the output should know:
 - Several ledgers (files, or every *.db file of a directory) are merged into one report: the
@@ -51,7 +51,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from agent.ledger.store import HOUR_S, LedgerInfo, UsageRow, hour_start, iso_time, read_ledger
+from agent.ledger.pending import HOUR_S, hour_start, iso_time
+from agent.ledger.read import LedgerInfo, UsageRow, read_ledger
 from agent.model import WORKLOAD_LABELS
 from agent.units import joules_to_kwh, parse_duration
 

@@ -15,7 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS, Ledger, LedgerError, PendingCharges, recorded_period
+from agent.ledger.files import LedgerError
+from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS, PendingCharges
+from agent.ledger.read import recorded_period
+from agent.ledger.store import Ledger
 from agent.model import Charges, LedgerHealth
 
 log = logging.getLogger(__name__)
