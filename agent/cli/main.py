@@ -128,6 +128,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"group by any of: {', '.join(GROUP_KEYS)} (job: hpc_job)",
     )
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    rep.add_argument(
+        "--runs", action="store_true", help="with --by hpc_job or pod: each run's first and last hour and its GPUs too"
+    )
 
     add_rules_parser(sub)
 
@@ -319,7 +322,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         by = parse_by(args.by)
         since = parse_time(args.since, now) if args.since else None
         until = parse_time(args.until, now) if args.until else None
-        report = report_from_ledgers(paths, by=by, since=since, until=until)
+        report = report_from_ledgers(paths, by=by, since=since, until=until, runs=args.runs)
     except ValueError as exc:
         raise BadInputError(f"gpuledger: report: {exc}") from None
     sys.stdout.write(render(report, args.format))
