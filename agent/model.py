@@ -58,6 +58,11 @@ class DeviceReading:
     # False when the process list could not be read this poll: `processes` is then unknown,
     # not empty, and the time is not idle (accounting books it as unobserved).
     processes_known: bool = True
+    # False while discovery has not completed for this GPU in this run (the driver is down, or
+    # its handle, uuid or name could not be read): its uuid is then as remembered (from this
+    # run's earlier discovery, or the ledger) or provisional (`provisional_uuid`), and its name
+    # may be empty. Retried with backoff; the agent is degraded meanwhile.
+    discovered: bool = True
 
     @property
     def model(self) -> str:
@@ -92,6 +97,7 @@ class Snapshot:
     devices: tuple[DeviceReading, ...]
     poll_duration_s: float = 0.0
     driver_up: bool = True
+    down_reason: str = ""  # why the driver is down (driver_up False): its NVML error, or TIMEOUT
 
     @property
     def gpus(self) -> tuple[DeviceReading, ...]:
@@ -99,6 +105,16 @@ class Snapshot:
 
     def mig_devices(self, parent_uuid: str) -> tuple[DeviceReading, ...]:
         return tuple(d for d in self.devices if d.parent_uuid == parent_uuid)
+
+
+# The uuid a GPU goes by while discovery cannot read its own (and nothing remembers it): the
+# node's index, marked so that no reader takes it for a GPU's uuid. Charges are booked under it
+# (never under an empty uuid, which would merge GPUs in the ledger), and its GPU index.
+PROVISIONAL_UUID_PREFIX = "unidentified-"
+
+
+def provisional_uuid(index: int) -> str:
+    return f"{PROVISIONAL_UUID_PREFIX}{index}"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -209,6 +225,10 @@ class Attribution:
     holdings: tuple[Holding, ...] = ()
     unresolved: tuple[tuple[str, int], ...] = ()  # device uuid -> processes procfs could not resolve
     kubelet_up: bool | None = None  # None: no kubelet socket configured or present
+    # False while the scheduler's allocations cannot be known (the kubelet unreachable past
+    # attribution.kubelet_stale_after): a unit no process holds may still be allocated, so its
+    # time is unobserved (attribution_unavailable), not idle.
+    allocations_known: bool = True
 
     def for_device(self, uuid: str) -> tuple[Holding, ...]:
         return tuple(h for h in self.holdings if h.device_uuid == uuid)
@@ -373,6 +393,8 @@ UNOBSERVED_NO_POLL = "no_poll"  # polls too far apart: the agent stopped, the no
 UNOBSERVED_AGENT_DOWN = "agent_down"  # between the ledger's last record and this run's first poll
 UNOBSERVED_PROCESSES = "processes_unreadable"  # the process list failed: who held it is unknown
 UNOBSERVED_UNREADABLE = "unreadable"  # the GPU could not be read, no error given
+# Nobody runs on the unit and who it is allocated to cannot be known (the kubelet unreachable).
+UNOBSERVED_ATTRIBUTION = "attribution_unavailable"
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExe
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from agent.accounting.cost import account, accumulate, downtime
+from agent.accounting.unpriced import Unplaced, Unpriced
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.deadline import CallTimeout, Worker
@@ -46,6 +47,7 @@ from agent.devices.sampler import Sampler
 from agent.errors import GpuledgerError
 from agent.model import (
     UNOBSERVED_AGENT_DOWN,
+    UNOBSERVED_UNREADABLE,
     AgentHealth,
     AgentState,
     Attribution,
@@ -210,6 +212,9 @@ class Pipeline:
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
+        # Unobserved time waiting for a GPU to book it to, or for a GPU's price (accounting/unpriced.py).
+        self._unplaced = Unplaced()
+        self._unpriced = Unpriced()
         self._rule_states: Mapping[tuple[str, str], RuleState] = {}
         self._flags: tuple[Flag, ...] = ()
         self._stages = {name: _Stage(name) for name in STAGES}
@@ -379,11 +384,21 @@ class Pipeline:
         snapshot = sampled.snapshot
         if any(g.uuid not in self._prices for g in snapshot.gpus):
             self._prices.update(costing.prices(snapshot))
-        if sampled.previous is None:
+        previous = sampled.previous
+        if previous is None:
             self._book_downtime(snapshot, costing)
             return None
+        if not previous.gpus or not snapshot.gpus:
+            # No GPU known at one end (the driver could not list them and nothing else named
+            # them): the interval waits, unobserved, until GPUs are known to book it to.
+            down = snapshot if not snapshot.gpus else previous
+            if not down.driver_up:
+                self._unplaced.add(previous.taken_at, snapshot.taken_at, down.down_reason or UNOBSERVED_UNREADABLE)
+            for placed in self._unplaced.place(snapshot, self._prices, costing.energy_per_kwh):
+                self._book(placed, snapshot, costing)
+            return None
         charges = account(
-            sampled.previous,
+            previous,
             snapshot,
             attribution,
             self._prices,
@@ -395,18 +410,33 @@ class Pipeline:
         for gpu in snapshot.gpus:
             if gpu.energy_j is not None:
                 self._last_energy[gpu.uuid] = gpu.energy_j
-        totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
-        if costing.sink is not None:
-            costing.sink.add(charges)
-        self._totals = totals  # only once the ledger has them too: counters and ledger agree
+        self._book(charges, snapshot, costing)
         return charges
+
+    def _book(self, charges: Charges, snapshot: Snapshot, costing: Costing) -> None:
+        """The one way charges reach the counters and the ledger: less the time of GPUs that
+        wait for a price, plus the waiting time of GPUs that have one now."""
+        kept = self._unpriced.hold(charges, snapshot, self._prices)
+        for booked in (kept, *self._unpriced.release(snapshot, self._prices, costing.energy_per_kwh)):
+            totals = accumulate(self._totals, booked, forget_after_s=costing.forget_after_s)
+            if costing.sink is not None:
+                costing.sink.add(booked)
+            self._totals = totals  # only once the ledger has them too: counters and ledger agree
 
     def _book_downtime(self, snapshot: Snapshot, costing: Costing) -> None:
         """At the first poll: the time since the ledger's record ended, when nobody watched,
         charged to nobody as unobserved (agent_down), so downtime between runs is in the
-        ledger and in report, not missing from both."""
+        ledger and in report, not missing from both. With no GPU known yet (the driver cannot
+        list them) it waits for them, like the time after it."""
         since = costing.sink.recorded_until if costing.sink is not None else None
-        if since is None or not 0 < snapshot.taken_at - since <= MAX_DOWNTIME_S or not snapshot.driver_up:
+        if since is None or not 0 < snapshot.taken_at - since <= MAX_DOWNTIME_S:
+            return
+        log.info(
+            "the agent was not running for %s before this start (the ledger's record ended then): booked as unobserved",
+            format_duration(snapshot.taken_at - since),
+        )
+        if not snapshot.gpus:
+            self._unplaced.add(since, snapshot.taken_at, UNOBSERVED_AGENT_DOWN)
             return
         charges = downtime(
             since,
@@ -416,13 +446,35 @@ class Pipeline:
             reason=UNOBSERVED_AGENT_DOWN,
             energy_per_kwh=costing.energy_per_kwh,
         )
-        log.info(
-            "the agent was not running for %s before this start (the ledger's record ended then): booked as unobserved",
-            format_duration(charges.end - charges.start),
-        )
-        self._totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
-        if costing.sink is not None:
-            costing.sink.add(charges)
+        self._book(charges, snapshot, costing)
+
+    def settle(self) -> None:
+        """Book what still waits, once, as the agent stops (before the ledger closes): a GPU
+        never identified, at $0 under its provisional uuid (its price is unknown without its
+        model); time before any GPU was known cannot be booked to one, and is said in a line."""
+        costing = self.costing
+        last = self._previous
+        if costing is None or last is None or not self._polling.acquire(blocking=False):
+            return  # nothing to book, or a poll is still running (stuck): it owns the totals
+        try:
+            for gpu, seconds, charges in self._unpriced.drain(last, costing.energy_per_kwh):
+                log.warning(
+                    "GPU %d was never identified: its %s unobserved before this stop are booked at $0 under %s, "
+                    "its price being unknown without its model",
+                    gpu.index, format_duration(seconds), gpu.uuid, extra={"gpu": gpu.index, "uuid": gpu.uuid},
+                )  # fmt: skip
+                for booked in charges:
+                    self._totals = accumulate(self._totals, booked, forget_after_s=costing.forget_after_s)
+                    if costing.sink is not None:
+                        costing.sink.add(booked)
+            if self._unplaced.seconds:
+                log.warning(
+                    "%s went unobserved with no GPU known to book it to: the driver never listed one",
+                    format_duration(self._unplaced.seconds),
+                )
+            self._state = replace(self._state, costs=self._totals)
+        finally:
+            self._polling.release()
 
     def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
         snapshot = sampled.snapshot

@@ -322,6 +322,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("gpuledger_nvml_up", Kind.GAUGE, "1 while NVML is initialised and answering, 0 otherwise.", ()),
     MetricSpec(
+        "gpuledger_undiscovered_gpus",
+        Kind.GAUGE,
+        "GPUs the node has (by NVML's count; while the driver cannot say, by the PCI bus or the ledger) that "
+        "discovery has not identified yet: retried with backoff, the agent degraded meanwhile; 0 when all are.",
+        (),
+    ),
+    MetricSpec(
         "gpuledger_build_info",
         Kind.INFO,
         "The agent's version; always 1.",

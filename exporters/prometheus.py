@@ -70,6 +70,7 @@ class GpuledgerCollector(Collector):
             _workload_series(out, state, self._per_pid)
             out.add("gpuledger_poll_duration_seconds", (), snapshot.poll_duration_s)
             out.add("gpuledger_nvml_up", (), 1.0 if snapshot.driver_up else 0.0)
+            out.add("gpuledger_undiscovered_gpus", (), float(sum(not d.discovered for d in snapshot.gpus)))
         _cost_series(out, state)
         _flag_series(out, state)
         if state.attribution.kubelet_up is not None:

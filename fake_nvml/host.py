@@ -6,6 +6,7 @@ For the scenario time the node is at, it keeps up to date
   - a passwd-format file naming the scenario's users,
   - Slurm's GPU mapping directory (one file per GPU index or MIG `gpu.gi`: job id and user),
   - the kubelet's `/var/log/pods/<namespace>_<pod>_<uid>` directories,
+  - sysfs's PCI devices (`sys/bus/pci/devices/<bus id>/{vendor,device,class}`) of its GPUs,
   - and serves the kubelet pod-resources v1 API on a unix socket (a real gRPC server),
 so the agent reads them with its production code, exactly as on a real node.
 """
@@ -66,6 +67,7 @@ class FakeHost:
         self.slurm_map_dir = root / "slurm-gpus"
         self.pod_logs_dir = root / "pods"
         self.podresources_socket = root / "kubelet.sock"
+        self.sys_root = root / "sys"
         self._lock = threading.Lock()
         scenario = node.scenario
         points: set[float] = set()
@@ -125,6 +127,13 @@ class FakeHost:
                 parents=True, exist_ok=True
             )
         (self.proc_root / "stat").write_text(f"btime {int(self.node.clock.start_epoch) - BOOT_BEFORE_START_S}\n")
+        # The GPUs on the PCI bus, as sysfs shows them whether or not the driver is loaded.
+        for gpu in self.node.scenario.gpus:
+            device = self.sys_root / "bus" / "pci" / "devices" / gpu.pci_bus_id.removeprefix("0000").lower()
+            device.mkdir(parents=True, exist_ok=True)
+            (device / "vendor").write_text("0x10de\n")
+            (device / "device").write_text(f"0x{gpu.pci_device_id:04x}\n")
+            (device / "class").write_text("0x030200\n")  # a 3D controller
 
     def _write_processes(self, t: float) -> None:
         running = {p.pid: p for p in self.node.scenario.processes if p.running_at(t)}

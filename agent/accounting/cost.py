@@ -16,8 +16,10 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
   - Time is a partition: each unit-second is charged to workloads, idle (observed, held by
     nobody) or unobserved (charged to nobody, with the reason): the interval was longer than
     `max_interval_s` (no poll: the agent stopped, the node slept), the GPU could not be read at
-    either end (its NVML error: GPU_IS_LOST, TIMEOUT, ...), or the unit's process list failed
-    and no allocation names a holder. Charged + idle + unobserved = price x weight x dt.
+    either end (its NVML error: GPU_IS_LOST, TIMEOUT, ...), the unit's process list failed
+    and no allocation names a holder, or nobody runs on it and its allocations cannot be known
+    (attribution_unavailable: the kubelet unreachable past attribution.kubelet_stale_after).
+    Charged + idle + unobserved = price x weight x dt.
 The interval is described by the later poll: its per-process utilization is the mean of the
 driver's samples since the earlier poll, and its holders are those seen at its end.
 """
@@ -28,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agent.model import (
+    UNOBSERVED_ATTRIBUTION,
     UNOBSERVED_NO_POLL,
     UNOBSERVED_PROCESSES,
     UNOBSERVED_UNREADABLE,
@@ -124,6 +127,11 @@ def _charge(
         acc.joules += joules * share
 
 
+def _by_index(index: int) -> str:
+    """The key an undiscovered GPU's previous reading is also found by (no uuid looks like it)."""
+    return f"#{index}"
+
+
 def _unobserved(prev: DeviceReading | None, curr: DeviceReading, dt: float, max_interval_s: float) -> str | None:
     """Why the whole GPU goes unobserved over the interval, or None when it was observed: polls
     too far apart, or the GPU unreadable at either end (what it did in between is unknown)."""
@@ -181,6 +189,11 @@ def account(
     if dt <= 0:
         return charges
     previous = {d.uuid: d for d in prev.gpus}
+    # A GPU discovered at this poll went by a remembered or provisional uuid at the last one:
+    # that reading (down, for why it could not be identified) is where its interval starts.
+    for d in prev.gpus:
+        if not d.discovered:
+            previous.setdefault(_by_index(d.index), d)
     prev_devices = {d.uuid: d for d in prev.devices}
     # Each unit's holders, in attribution order (`Attribution.for_device`, found in one pass).
     holders_of: dict[str, list[Holding]] = {}
@@ -188,10 +201,14 @@ def account(
         holders_of.setdefault(h.device_uuid, []).append(h)
     workloads: dict[tuple[int, str, Workload], _Acc] = {}
     gpus: list[GpuCharge] = []
+    # Whether a unit nobody runs on is idle or of unknown holder, at each end of the interval.
+    allocated = attribution.allocations_known
+    allocated_before = earlier.allocations_known if earlier is not None else allocated
     for gpu in curr.gpus:
         price = prices.get(gpu.uuid)
         hourly = price.dollars_per_hour if price is not None else 0.0
-        reason = _unobserved(previous.get(gpu.uuid), gpu, dt, max_interval_s)
+        was_gpu = previous.get(gpu.uuid) or previous.get(_by_index(gpu.index))
+        reason = _unobserved(was_gpu, gpu, dt, max_interval_s)
         if reason is not None:
             gpus.append(_unobserved_charge(gpu, hourly, dt, reason, energy_per_kwh))
             continue
@@ -215,8 +232,17 @@ def account(
                 unobserved_reason = UNOBSERVED_PROCESSES
                 continue
             same = {h.workload for h in before} == {h.workload for h in holders}
-            halves = [(holders, 1.0)] if same else [(before, 0.5), (holders, 0.5)]
-            for owners, part in halves:
+            halves = (
+                [(holders, 1.0, allocated)] if same else [(before, 0.5, allocated_before), (holders, 0.5, allocated)]
+            )
+            for owners, part, allocations_known in halves:
+                if not owners and not allocations_known:
+                    # Nobody runs on it, and whom the scheduler allocated it to cannot be known
+                    # (the kubelet unreachable): not idle.
+                    unobserved_s += dt * unit.weight * part
+                    unobserved_dollars += unit_dollars * part
+                    unobserved_reason = UNOBSERVED_ATTRIBUTION
+                    continue
                 if not owners:
                     idle_s += dt * unit.weight * part
                     idle_dollars += unit_dollars * part

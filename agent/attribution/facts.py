@@ -43,3 +43,5 @@ class HostFacts:
     pod_allocations: tuple[PodAllocation, ...] = ()
     slurm_allocations: tuple[SlurmAllocation, ...] = ()
     kubelet_up: bool | None = None  # None: no kubelet on this node
+    # False while the scheduler's allocations cannot be known (see Attribution.allocations_known)
+    allocations_known: bool = True

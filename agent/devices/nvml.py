@@ -66,6 +66,9 @@ _DRIVER_GONE = {"UNINITIALIZED", "DRIVER_NOT_LOADED", "LIB_RM_VERSION_MISMATCH"}
 # The one definition of a lost GPU: every path (single calls, field values, discovery) that
 # sees one of these marks the GPU down.
 _GPU_GONE = {"GPU_IS_LOST", "GPU_NOT_FOUND", "RESET_REQUIRED"}
+# What a device without NVLink, or a link index past its last link, answers (an older driver
+# lacks the call or the field altogether: FUNCTION_NOT_FOUND).
+_NO_SUCH_LINK = {"NOT_SUPPORTED", "INVALID_ARGUMENT", "NOT_FOUND", "FUNCTION_NOT_FOUND"}
 
 
 class _FunctionMissing(ReadingNotSupported):
@@ -320,17 +323,29 @@ class NvmlBackend:
         return int(_call("nvmlDeviceGetAttributes", pynvml.nvmlDeviceGetAttributes, handle.handle).multiprocessorCount)
 
     def nvlink_count(self, handle: Handle) -> int:
-        """The link-count field where the driver has it, else the links that answer a state query."""
+        """The link-count field where the driver has it, else the links that answer a state query.
+
+        Only "no such field" or "no such link" ends the count: any other error means the count
+        cannot be read now, and is raised, never taken for "no NVLink". An error code on the
+        field alone is the driver answering about that field, so it is raised as that field's
+        error (`DeviceError`), not as the driver gone."""
         with contextlib.suppress(ReadingNotSupported):
             value, code = self._fields(handle, [(_FI_NVLINK_LINK_COUNT, 0)])[0]
             if code is None:
                 return int(value)
+            failure = _error("nvmlDeviceGetFieldValues", code)
+            if isinstance(failure, DeviceLost):
+                raise failure
+            if failure.error not in _NO_SUCH_LINK:
+                raise DeviceError(failure.call, failure.error)
         links = 0
         for link in range(_MAX_NVLINKS):
             try:
                 self._nvlink_up(handle, link)
-            except DeviceError:
-                break
+            except DeviceError as exc:
+                if exc.error in _NO_SUCH_LINK:
+                    break
+                raise
             links += 1
         return links
 
