@@ -643,11 +643,10 @@ def budget_groups(plan: BudgetPlan) -> list[dict[str, Any]]:
             },
         },
     ]
-    # Every 5m: the subqueries step by 5m, and a month's spend needs no fresher reading.
-    return [
-        {"name": "gpuledger-budgets", "interval": "5m", "rules": rules},
-        {"name": "gpuledger-budget-alerts", "interval": "5m", "rules": alerts},
-    ]
+    # One group, the alerts last: rules of a group run in order, so the alerts compare this
+    # evaluation's spend and forecast (groups run concurrently, and one reading another's output
+    # sees it an evaluation late). Every 5m: a month's spend needs no fresher reading.
+    return [{"name": "gpuledger-budgets", "interval": "5m", "rules": rules + alerts}]
 
 
 def budget_header(plan: BudgetPlan) -> str:
