@@ -34,6 +34,7 @@ from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
 from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS
+from agent.model import WORKLOAD_LABELS
 from agent.scrub import escape_control
 from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
@@ -281,6 +282,39 @@ class ExportersConfig(_Section):
         return value
 
 
+class WorkCounterConfig(_Section):
+    """A counter of work (tokens, inferences, training steps) that `gpuledger rules` joins with
+    the cost series: dollars per `scale` units. Entries with the same name add up; a name the
+    built-in engine counters use replaces them (exporters/promrules.py)."""
+
+    name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
+    metric: Annotated[str, Field(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
+    unit: Annotated[str, Field(pattern=r"^[a-z][a-z ]*$")] = "unit"
+    scale: Literal[1, 1000, 1000000, 1000000000] = 1
+    # Workload labels the counter shares with gpuledger's series: a list of names both use, or
+    # a mapping of gpuledger's label to the counter's (model: model_name).
+    join: list[str] | dict[str, str] = ["namespace", "pod"]
+
+    @field_validator("join")
+    @classmethod
+    def _workload_labels(cls, value: list[str] | dict[str, str]) -> list[str] | dict[str, str]:
+        pairs = value.items() if isinstance(value, dict) else ((label, label) for label in value)
+        if not value:
+            raise ValueError("name at least one label to join on")
+        for ours, theirs in pairs:
+            if ours not in WORKLOAD_LABELS:
+                raise ValueError(f"{ours!r} is not a workload label ({', '.join(WORKLOAD_LABELS)})")
+            if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", theirs):
+                raise ValueError(f"{theirs!r} is not a label name")
+        return value
+
+    def join_pairs(self) -> tuple[tuple[str, str], ...]:
+        """(gpuledger label, the counter's label) pairs."""
+        if isinstance(self.join, dict):
+            return tuple(self.join.items())
+        return tuple((label, label) for label in self.join)
+
+
 def parse_listen(value: object) -> tuple[str, int]:
     """(host, port) from "HOST:PORT" ("[::1]:9835" for IPv6; an empty host means every
     address). The config key and the --listen flag both go through here."""
@@ -321,9 +355,24 @@ class Settings(BaseSettings):
     rules: RulesConfig = RulesConfig()
     exporters: ExportersConfig = ExportersConfig()
     actions: ActionsConfig = ActionsConfig()
+    # Work counters for `gpuledger rules`, beside the built-in engines' (WorkCounterConfig).
+    work: list[WorkCounterConfig] = []
     # TLS and basic auth for the HTTP endpoint, in the exporter-toolkit web-config format
     # (like exporters' --web.config.file); read by exporters/webconfig.py when `run` starts.
     web_config_file: str | None = None
+
+    @field_validator("work")
+    @classmethod
+    def _work_adds_up(cls, value: list[WorkCounterConfig]) -> list[WorkCounterConfig]:
+        # Counters of one name are summed into one unit of work: they must measure it alike.
+        first: dict[str, WorkCounterConfig] = {}
+        for entry in value:
+            same = first.setdefault(entry.name, entry)
+            if (same.unit, same.scale, same.join_pairs()) != (entry.unit, entry.scale, entry.join_pairs()):
+                raise ValueError(
+                    f"{entry.name}: {same.metric} and {entry.metric} add up: give them one unit, scale and join"
+                )
+        return value
 
     @field_validator("backend")
     @classmethod

@@ -24,6 +24,8 @@ from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, 
 from agent.cli.logs import setup_logging
 from agent.cli.record import cmd_record
 from agent.cli.render import render_table, snapshot_json
+from agent.cli.rules import add_parser as add_rules_parser
+from agent.cli.rules import cmd_rules
 from agent.cli.simulate import cmd_simulate
 from agent.cli.systemd import notify, watchdog_interval_s
 from agent.cli.wiring import build_agent
@@ -127,6 +129,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"group by any of: {', '.join(GROUP_KEYS)} (job: hpc_job)",
     )
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    rep.add_argument(
+        "--runs", action="store_true", help="with --by hpc_job or pod: each run's first and last hour and its GPUs too"
+    )
+
+    add_rules_parser(sub)
 
     rec = sub.add_parser("record", help="poll the driver for a while and write what it saw as a scenario")
     rec.add_argument("--for", dest="duration", required=True, metavar="DURATION", help="how long to record, e.g. 10m")
@@ -328,7 +335,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         by = parse_by(args.by)
         since = parse_time(args.since, now) if args.since else None
         until = parse_time(args.until, now) if args.until else None
-        report = report_from_ledgers(paths, by=by, since=since, until=until)
+        report = report_from_ledgers(paths, by=by, since=since, until=until, runs=args.runs)
     except ValueError as exc:
         raise BadInputError(f"gpuledger: report: {exc}") from None
     sys.stdout.write(render(report, args.format))
@@ -362,4 +369,5 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "check-config": _cmd_check_config,
     "report": _cmd_report,
     "record": cmd_record,
+    "rules": cmd_rules,
 }
