@@ -50,8 +50,8 @@ class ChargedRate:
 def read_sizing(
     path: str | Path, *, since: float | None = None, until: float | None = None
 ) -> tuple[list[SizingRow], dict[tuple[Workload, str], ChargedRate]]:
-    """The sizing rows of the hours overlapping [since, until), and per (workload, unit uuid's
-    GPU model) what it was charged (dollars, charged seconds), for the price it pays."""
+    """The sizing rows of the hours overlapping [since, until), and per (workload, GPU model)
+    what it was charged for whole GPUs (dollars, charged seconds), for the price it pays."""
     path = Path(path)
     if not path.is_file():
         raise LedgerError(f"ledger {path}: no such file")
@@ -75,12 +75,12 @@ def _read(
     conn.row_factory = sqlite3.Row
     conn.execute("BEGIN")
     rows = conn.execute(f"SELECT * FROM sizing_hours{where} ORDER BY hour", params).fetchall()
-    # The GPU model of a workload row is its GPU-hour's (a MIG instance's row is found by its GPU index).
+    # What a workload paid for whole GPUs: its rows whose uuid is a GPU's (a MIG instance's row
+    # names the instance, whose profile the row does not record: MIG units are priced from the
+    # catalogue instead).
     qualified = where.replace("hour", "w.hour")
     charged = conn.execute(
-        "SELECT w.*, coalesce(g.model, (SELECT g2.model FROM gpu_hours AS g2 WHERE g2.hour = w.hour"
-        " AND g2.node = w.node AND g2.gpu = w.gpu ORDER BY g2.uuid LIMIT 1), '') AS gpu_model"
-        " FROM workload_hours AS w LEFT JOIN gpu_hours AS g"
+        "SELECT w.*, g.model AS gpu_model FROM workload_hours AS w JOIN gpu_hours AS g"
         f" ON g.hour = w.hour AND g.node = w.node AND g.uuid = w.uuid{qualified}",
         params,
     ).fetchall()
@@ -138,7 +138,7 @@ def workload_sizing(
         used_hours = [row.hour for row in group if row.measured_s > 0 and row.busy_s > 0.01 * row.measured_s]
         peaks = [row.peak_memory_bytes for row in group if row.peak_memory_bytes is not None]
         totals = [row.memory_total_bytes for row in group if row.memory_total_bytes is not None]
-        rate = rates.get((workload, gpu_model))
+        rate = rates.get((workload, gpu_model)) if not mig_profile else None
         out.append(
             WorkloadSizing(
                 workload=workload,
