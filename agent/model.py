@@ -549,6 +549,22 @@ UNOBSERVED_ATTRIBUTION = "attribution_unavailable"
 
 
 @dataclass(frozen=True, slots=True)
+class UnitUsage:
+    """What one workload used of one cost unit (a GPU or a MIG instance) at the poll that ends an
+    interval: what right-sizing needs (agent/accounting/usage.py builds it, the ledger keeps it
+    per hour in `sizing_hours`). None where the reading is missing."""
+
+    workload: Workload
+    uuid: str
+    gpu_model: str  # the physical GPU's model, as pricing names it
+    mig_profile: str  # "" for a whole GPU
+    memory_bytes: int | None
+    memory_total_bytes: int | None  # the unit's capacity
+    busy: float | None  # 0-1: SM activity where GPM measures it, else NVML utilization
+    busy_source: str = ""  # "gpm", "nvml", "process" (the workload's own processes' SM share)
+
+
+@dataclass(frozen=True, slots=True)
 class Charges:
     """One interval's accounting: from `start` to `end` (backend clock, unix seconds)."""
 
@@ -558,3 +574,4 @@ class Charges:
     workloads: tuple[WorkloadCharge, ...] = ()
     gpus: tuple[GpuCharge, ...] = ()
     energy_per_kwh: float | None = None  # the price the charges' energy dollars are at
+    usage: tuple[UnitUsage, ...] = ()  # who used how much of each unit, for right-sizing

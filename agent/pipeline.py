@@ -40,6 +40,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from agent.accounting.cost import account, accumulate, cost_units, downtime
 from agent.accounting.unpriced import Unplaced, Unpriced
+from agent.accounting.usage import unit_usage
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.deadline import CallTimeout, Worker
@@ -447,6 +448,8 @@ class Pipeline:
             energy_before=self._last_energy,
             left_by=self._unit_left_by,
         )
+        if sampled.interval_s <= costing.max_interval_s:  # what longer intervals used is not known
+            charges = replace(charges, usage=unit_usage(snapshot, attribution))
         self._remember_holders(attribution)
         for gpu in snapshot.gpus:
             if gpu.energy_j is not None:

@@ -18,7 +18,7 @@ from agent import __version__
 from agent.ledger.files import LedgerError
 from agent.ledger.read import read_info, read_usage
 from agent.ledger.report import report_from_ledger
-from agent.ledger.schema import SCHEMA_VERSION
+from agent.ledger.schema import MIGRATIONS, SCHEMA_VERSION
 from agent.ledger.store import Ledger
 from agent.model import WORKLOAD_LABELS, Charges, GpuCharge, IdleCharge, Workload, WorkloadCharge
 from tests.test_cli import gpuledger
@@ -228,9 +228,26 @@ def write_v5_ledger(path: Path) -> None:
         conn.close()
 
 
+def write_v6_ledger(path: Path) -> None:
+    """The same two hours as a version-6 agent left them: version 5's file taken through step 6
+    as it shipped (the Slurm account in the workload key, each row's price columns)."""
+    write_v5_ledger(path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        MIGRATIONS[5](conn)
+        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (6, ?)", (1_795_500_000.0,))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 # One writer per schema a release shipped before the current one: a new schema version must add
 # the writer of the one it replaces (the test below fails until it does).
-WRITERS = {1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger, 4: write_v4_ledger, 5: write_v5_ledger}
+WRITERS = {
+    1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger, 4: write_v4_ledger, 5: write_v5_ledger,
+    6: write_v6_ledger,
+}  # fmt: skip
 
 
 def rows(path: Path, sql: str) -> list[tuple[object, ...]]:

@@ -282,7 +282,8 @@ def parse_catalogue(raw: object, path: str) -> Catalogue:
     one line naming the file and the entry."""
     if not isinstance(raw, Mapping):
         raise ValueError(f"{path}: expected a mapping with gpu_models and instance_types, got {type(raw).__name__}")
-    unknown = sorted(str(key) for key in raw if key not in ("gpu_models", "instance_types"))
+    # gpu_specs: what right-sizing compares (agent/accounting/rightsize.py parses it).
+    unknown = sorted(str(key) for key in raw if key not in ("gpu_models", "instance_types", "gpu_specs"))
     if unknown:
         raise ValueError(f"{path}: unknown top-level key {unknown[0]!r} (expected gpu_models and instance_types)")
     models = {

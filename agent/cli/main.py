@@ -130,6 +130,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
     rep.add_argument(
+        "--recommend",
+        action="store_true",
+        help="right-sizing advice per workload instead: the cheapest fitting GPU, MIG profile or count, or stop",
+    )
+    rep.add_argument(
+        "--headroom", type=float, default=0.2, metavar="F", help="memory and compute headroom for --recommend (0.2)"
+    )
+    rep.add_argument(
         "--runs", action="store_true", help="with --by hpc_job or pod: each run's first and last hour and its GPUs too"
     )
 
@@ -335,6 +343,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
         by = parse_by(args.by)
         since = parse_time(args.since, now) if args.since else None
         until = parse_time(args.until, now) if args.until else None
+        if args.recommend:
+            from agent.cli.recommend import recommendations, render_recommendations
+
+            if not 0 <= args.headroom < 10:
+                raise ValueError(f"--headroom must be from 0 to 10, got {args.headroom}")
+            advice = recommendations(paths, settings, since=since, until=until, headroom=args.headroom)
+            sys.stdout.write(render_recommendations(advice, args.format))
+            return EXIT_OK
         report = report_from_ledgers(paths, by=by, since=since, until=until, runs=args.runs)
     except ValueError as exc:
         raise BadInputError(f"gpuledger: report: {exc}") from None

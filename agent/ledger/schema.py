@@ -1,7 +1,7 @@
 """The ledger's SQLite schema: its tables, and the ordered steps that bring a file written by any
 earlier release to the current version.
 
-Schema (version 6; `schema_version` holds one row per applied version):
+Schema (version 7; `schema_version` holds one row per applied version):
 
     workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
                     account | held_s, busy_s, dollars, joules, energy_dollars, charged_s,
@@ -12,6 +12,9 @@ Schema (version 6; `schema_version` holds one row per applied version):
     idle_hours      hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team
                     (the workload that left the GPU idle) | gpu, idle_s, idle_dollars, idle_joules,
                     idle_energy_dollars
+    sizing_hours    hour, node, namespace, pod, container, hpc_job, unit, user, model, team, gpu_model,
+                    mig_profile | memory_total_bytes, busy_source, held_s, busy_s, measured_s, memory_s,
+                    peak_memory_bytes, max_units, busy_sketch, memory_sketch
     ledger_meta     one row: ledger_id, node, created_at, created_by, first_at, last_at
 
 Opening a file applies, in one transaction, every migration step after its version (the steps
@@ -27,6 +30,8 @@ Version 6 added the Slurm `account` to the workload key, and to every row the pr
 charged at: dollars per hour, the purchase option (on_demand, spot, ...) and where the price came
 from (config, instance, catalogue); older rows keep '' for the account and NULL for what was not
 recorded then (a GPU row's dollars_per_hour was).
+Version 7 added `sizing_hours`: per workload and hour, what right-sizing reads (memory and busy
+percentiles as fixed-bucket sketches, peaks, GPUs held at once).
 
 `hour` is the unix time of the start of the UTC hour. The hour tables are WITHOUT ROWID with a primary
 key that starts with `hour`: the table itself is the index that reports scan by time range and
@@ -239,6 +244,28 @@ _SCHEMA_V6 = (
 )
 
 
+# Version 7: what right-sizing needs, per hour, node, workload and kind of unit held (GPU model
+# and MIG profile; '' for a whole GPU). Seconds are unit-seconds: a workload holding two GPUs for
+# an hour adds 7200 to held_s. busy_s and measured_s: busy unit-seconds and the unit-seconds a busy
+# figure was read for (their ratio is the mean busy); memory_s: unit-seconds a memory reading
+# covers. Peaks are the largest reading of one unit; max_units the most units held at once.
+# busy_sketch and memory_sketch: fixed-bucket histograms of unit-seconds (agent/accounting/
+# sketch.py), JSON, merged by adding. Older hours have no sizing rows: nothing recorded them.
+_SCHEMA_V7 = (
+    """CREATE TABLE sizing_hours (
+        hour INTEGER NOT NULL, node TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL,
+        gpu_model TEXT NOT NULL, mig_profile TEXT NOT NULL,
+        memory_total_bytes REAL, busy_source TEXT NOT NULL,
+        held_s REAL NOT NULL, busy_s REAL NOT NULL, measured_s REAL NOT NULL, memory_s REAL NOT NULL,
+        peak_memory_bytes REAL, max_units INTEGER NOT NULL,
+        busy_sketch TEXT NOT NULL, memory_sketch TEXT NOT NULL,
+        PRIMARY KEY (hour, node, namespace, pod, container, hpc_job, unit, user, model, team, gpu_model, mig_profile)
+    ) WITHOUT ROWID""",
+)
+
+
 # Step n (from 1) brings a file at version n - 1 (0: empty) to version n.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V1),
@@ -247,6 +274,7 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V4),
     _run(_SCHEMA_V5),
     _run(_SCHEMA_V6),
+    _run(_SCHEMA_V7),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -269,3 +297,23 @@ def _upsert(table: str, keys: Sequence[str], replaced: Sequence[str], summed: Se
 UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, PRICE_ATTRIBUTES, WORKLOAD_MEASURES)
 UPSERT_GPU = _upsert("gpu_hours", _GPU_KEYS, _GPU_ATTRIBUTES, GPU_MEASURES)
 UPSERT_IDLE = _upsert("idle_hours", _IDLE_KEYS, ("gpu",), IDLE_MEASURES)
+
+SIZING_KEYS = ("hour", "node", *WORKLOAD_LABELS, "gpu_model", "mig_profile")
+SIZING_MEASURES = ("held_s", "busy_s", "measured_s", "memory_s")
+# Peaks keep the larger side (SQLite's two-argument max is NULL where either is: hence coalesce);
+# sketches add bucket by bucket (the writer registers gpuledger_merge_sketch).
+UPSERT_SIZING = (
+    f"INSERT INTO sizing_hours ({', '.join((*SIZING_KEYS, 'memory_total_bytes', 'busy_source', *SIZING_MEASURES))},"
+    " peak_memory_bytes, max_units, busy_sketch, memory_sketch)"
+    f" VALUES ({', '.join(f':{c}' for c in (*SIZING_KEYS, 'memory_total_bytes', 'busy_source', *SIZING_MEASURES))},"
+    " :peak_memory_bytes, :max_units, :busy_sketch, :memory_sketch)"
+    f" ON CONFLICT ({', '.join(SIZING_KEYS)}) DO UPDATE SET"
+    " memory_total_bytes = coalesce(excluded.memory_total_bytes, memory_total_bytes),"
+    " busy_source = CASE WHEN excluded.busy_source != '' THEN excluded.busy_source ELSE busy_source END,"
+    f" {', '.join(f'{c} = {c} + excluded.{c}' for c in SIZING_MEASURES)},"
+    " peak_memory_bytes = max(coalesce(peak_memory_bytes, excluded.peak_memory_bytes),"
+    " coalesce(excluded.peak_memory_bytes, peak_memory_bytes)),"
+    " max_units = max(max_units, excluded.max_units),"
+    " busy_sketch = gpuledger_merge_sketch(busy_sketch, excluded.busy_sketch),"
+    " memory_sketch = gpuledger_merge_sketch(memory_sketch, excluded.memory_sketch)"
+)
