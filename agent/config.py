@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from agent.accounting.pricing import Catalogue, parse_catalogue
 from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
+from agent.devices.telemetry import GROUPS, ReadingOptions
 from agent.errors import ConfigError
 from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS
 from agent.scrub import escape_control
@@ -176,6 +177,30 @@ class ExportersConfig(_Section):
         return value
 
 
+class ReadingsConfig(_Section):
+    """Which groups of health readings each poll asks the driver for (agent/devices/telemetry.py).
+    Each group is one switch; PCIe throughput is off unless asked for: NVML samples the bus for
+    20 ms inside each of its calls."""
+
+    clocks: bool = True  # SM and memory clocks, their maxima, performance state
+    fan: bool = True
+    throttle: bool = True  # clock-event reasons, violation time per cause
+    memory_errors: bool = True  # ECC errors, retired pages, remapped rows
+    pcie: bool = True  # link generation and width (current, max), replay counter
+    pcie_throughput: bool = False
+    nvlink_errors: bool = True  # CRC, replay, recovery errors per link
+    nvlink_throughput: bool = True  # bytes per link
+    codecs: bool = True  # video encoder and decoder utilization
+    memory_utilization: bool = True  # the memory controller's
+    # How often readings that change slowly or only count are read (between, a poll carries the
+    # last value): dcgm-exporter's collection interval.
+    slow_interval: Duration = Field(default=30.0, gt=0)
+
+    def options(self) -> ReadingOptions:
+        groups = frozenset(name for name in GROUPS if getattr(self, name))
+        return ReadingOptions(groups, self.slow_interval)
+
+
 def parse_listen(value: object) -> tuple[str, int]:
     """(host, port) from "HOST:PORT" ("[::1]:9835" for IPv6; an empty host means every
     address). The config key and the --listen flag both go through here."""
@@ -212,6 +237,7 @@ class Settings(BaseSettings):
     attribution: AttributionConfig = AttributionConfig()
     rules: RulesConfig = RulesConfig()
     exporters: ExportersConfig = ExportersConfig()
+    readings: ReadingsConfig = ReadingsConfig()
     # TLS and basic auth for the HTTP endpoint, in the exporter-toolkit web-config format
     # (like exporters' --web.config.file); read by exporters/webconfig.py when `run` starts.
     web_config_file: str | None = None

@@ -307,8 +307,9 @@ READING_TABLE: dict[str, Reading] = {
     "no energy at t=0": Reading(
         "nvmlDeviceGetTotalEnergyConsumption", lambda d: pynvml.nvmlDeviceGetTotalEnergyConsumption(d.gpu(0)), 0
     ),
+    # GPU 1 (25% busy, 45 C, 150 W of 300): nothing holds its clocks down (GPU 0 is capped).
     "graphics clock": Reading(
-        "nvmlDeviceGetClockInfo", lambda d: pynvml.nvmlDeviceGetClockInfo(d.gpu(0), pynvml.NVML_CLOCK_GRAPHICS), 1410
+        "nvmlDeviceGetClockInfo", lambda d: pynvml.nvmlDeviceGetClockInfo(d.gpu(1), pynvml.NVML_CLOCK_GRAPHICS), 1410
     ),
     "max memory clock": Reading(
         "nvmlDeviceGetMaxClockInfo", lambda d: pynvml.nvmlDeviceGetMaxClockInfo(d.gpu(0), pynvml.NVML_CLOCK_MEM), 1593

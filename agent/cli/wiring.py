@@ -147,7 +147,7 @@ def build_agent(
         interval_s = max(interval_s / fake_speed, FAKE_MIN_POLL_S)
     backend, node = _backend(fake, 0.0, settings.backend)  # the clock starts with Agent.start
     try:
-        sampler = Sampler(backend, hostname=node_name(settings, node))
+        sampler = Sampler(backend, hostname=node_name(settings, node), readings=settings.readings.options())
         # The devices first (within the call budget): without a driver nothing else is built,
         # so `run` says that, and only that, in its one line.
         pipeline = Pipeline(

@@ -29,7 +29,8 @@ from agent.devices.backend import (
     ReadingKey,
     ReadingNotSupported,
 )
-from agent.model import DeviceReading, NodeInfo, NvLinkReading, ProcessReading, Snapshot
+from agent.devices.telemetry import ReadingOptions, TelemetryReader
+from agent.model import DeviceReading, NodeInfo, NvLinkReading, ProcessReading, Snapshot, Telemetry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,6 +111,8 @@ class _Gpu:
     # that many (as far as we have seen), so a process with that many may have lost older ones.
     samples_kept: int = 0
     unsupported: Unsupported = field(default_factory=Unsupported)
+    # Clocks, throttling, memory errors, links: what to ask each poll (None: no group is on).
+    telemetry: TelemetryReader | None = None
     lost_reason: str | None = None
     retry_at: float = 0.0
     retry_backoff_s: float = REINIT_BACKOFF_FIRST_S
@@ -141,9 +144,14 @@ class Sampler:
     Not thread-safe: the scheduler runs one poll at a time.
     """
 
-    def __init__(self, backend: DeviceBackend, hostname: str | None = None) -> None:
+    def __init__(
+        self, backend: DeviceBackend, hostname: str | None = None, readings: ReadingOptions | None = None
+    ) -> None:
         self.backend = backend
         self.hostname = hostname or socket.gethostname()
+        # Which health readings each poll asks for (agent/devices/telemetry.py): the defaults
+        # unless the config (`readings:`) says otherwise.
+        self.readings = readings or ReadingOptions()
         self.errors: Counter[tuple[str, str]] = Counter()
         self._gpus: list[_Gpu] = []
         self._known_uuids: dict[int, str] = {}
@@ -233,6 +241,8 @@ class Sampler:
         nvlinks = self._optional(uuid, "nvlink_count", lambda: b.nvlink_count(handle)) or 0
         links = tuple(ReadingKey(Quantity.NVLINK_UP, link) for link in range(nvlinks))
         gpu.links = tuple((key, link) for link, key in enumerate(links))
+        reader = TelemetryReader(self.readings, nvlinks)
+        gpu.telemetry = reader if reader.enabled else None
         if gpu.mig_enabled:
             gpu.migs = [self._discover_mig(gpu, slot, mig_handle) for slot, mig_handle in b.mig_handles(handle)]
         if gpu.migs:
@@ -427,10 +437,13 @@ class Sampler:
 
     def _read_healthy(self, gpu: _Gpu) -> list[DeviceReading]:
         where = f"GPU {gpu.index} ({gpu.uuid})"
-        values = self._read(where, gpu.unsupported, gpu.handle, gpu.keys)
+        reader, now = gpu.telemetry, gpu.poll_at or 0.0
+        health = reader.keys(now) if reader is not None else ()
+        values = self._read(where, gpu.unsupported, gpu.handle, gpu.keys + health if health else gpu.keys)
         links = tuple(_nvlink(link, bool(values[key])) for key, link in gpu.links if key in values)
+        telemetry = reader.telemetry(now, health, values, gpu.unsupported) if reader is not None else None
         if gpu.migs:
-            return self._read_mig_gpu(gpu, where, values, links)
+            return self._read_mig_gpu(gpu, where, values, links, telemetry)
         memory_used = values.get(_MEMORY_USED)
         memory_total = values.get(_MEMORY_TOTAL)
         processes = self._whole_gpu_processes(gpu, where)
@@ -453,6 +466,7 @@ class Sampler:
                 nvlinks=links,
                 processes=processes or (),
                 processes_known=processes is not None,
+                telemetry=telemetry,
             )
         ]
 
@@ -473,7 +487,12 @@ class Sampler:
         )
 
     def _read_mig_gpu(
-        self, gpu: _Gpu, where: str, values: Mapping[ReadingKey, float], links: tuple[NvLinkReading, ...]
+        self,
+        gpu: _Gpu,
+        where: str,
+        values: Mapping[ReadingKey, float],
+        links: tuple[NvLinkReading, ...],
+        telemetry: Telemetry | None = None,
     ) -> list[DeviceReading]:
         memory = [self._read(f"{where} MIG {m.slot}", m.unsupported, m.handle, _MEMORY) for m in gpu.migs]
         processes = self._mig_processes(gpu, where)
@@ -494,6 +513,7 @@ class Sampler:
             power_limit_w=gpu.power_limit_w,
             energy_j=values.get(_ENERGY),
             nvlinks=links,
+            telemetry=telemetry,
         )
         readings = [parent]
         for mig, mig_memory in zip(gpu.migs, memory, strict=True):
