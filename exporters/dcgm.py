@@ -36,8 +36,10 @@ Decisions where gpuledger and dcgm-exporter differ:
   `GPU_I_ID`; `gpu` and `UUID` are the parent's, as dcgm-exporter prints them), and its
   temperature, power and energy are one series for the whole GPU, so sums over a node never
   count a board twice.
-- Not emitted: `DCGM_FI_DEV_XID_ERRORS` and `DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL` (gpuledger
-  reads neither), and the DCP `DCGM_FI_PROF_*` fields (NVML has no equivalent).
+- Clocks, throttling, memory errors and links (exporters/dcgm_health.py): the GPU's own fields,
+  one series per GPU, in DCGM's units.
+- Not emitted: `DCGM_FI_DEV_XID_ERRORS` (gpuledger reads no events), and the DCP
+  `DCGM_FI_PROF_*` fields (NVML has no equivalent).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from prometheus_client.registry import Collector
 
 from agent.model import AgentState, DeviceReading, Holding
 from exporters.catalogue import Kind, MetricSpec
+from exporters.dcgm_health import DCGM_HEALTH_CATALOGUE, health_samples
 
 StateSource = Callable[[], AgentState]
 
@@ -88,6 +91,8 @@ DCGM_CATALOGUE: tuple[MetricSpec, ...] = (
         "millijoules",
         WORKLOAD_ATTRIBUTES,
     ),
+    # Clocks, throttling, memory errors, links: one series per GPU (a MIG-partitioned one's too).
+    *(MetricSpec(s.name, s.kind, s.help, IDENTITY, s.unit, WORKLOAD_ATTRIBUTES) for s in DCGM_HEALTH_CATALOGUE),
 )
 
 DCGM_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in DCGM_CATALOGUE}
@@ -118,6 +123,9 @@ class DcgmCollector(Collector):
                     _add(families, "DCGM_FI_DEV_POWER_USAGE", board, gpu.power_w)
                 if gpu.energy_j is not None:
                     _add(families, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", board, round(gpu.energy_j * 1000))
+                if gpu.telemetry is not None:
+                    for name, value in health_samples(gpu.telemetry):
+                        _add(families, name, board, value)
                 instances = snapshot.mig_devices(gpu.uuid)
                 if not instances:
                     _framebuffer(families, board, gpu)
