@@ -241,7 +241,9 @@ class Sampler:
         nvlinks = self._optional(uuid, "nvlink_count", lambda: b.nvlink_count(handle)) or 0
         links = tuple(ReadingKey(Quantity.NVLINK_UP, link) for link in range(nvlinks))
         gpu.links = tuple((key, link) for link, key in enumerate(links))
-        reader = TelemetryReader(self.readings, nvlinks)
+        # A MIG-enabled GPU spends its poll on its instances (a memory reading each: 10 calls
+        # for a fully split A100), so its health readings all take the slow rhythm.
+        reader = TelemetryReader(self.readings, nvlinks, all_slow=gpu.mig_enabled)
         gpu.telemetry = reader if reader.enabled else None
         if gpu.mig_enabled:
             gpu.migs = [self._discover_mig(gpu, slot, mig_handle) for slot, mig_handle in b.mig_handles(handle)]

@@ -103,6 +103,7 @@ class TelemetryReader:
 
     options: ReadingOptions
     links: int
+    all_slow: bool = False  # every reading on the slow rhythm (a MIG-enabled GPU's)
     _every_poll: tuple[ReadingKey, ...] = ()
     _slow: tuple[ReadingKey, ...] = ()
     _once: tuple[ReadingKey, ...] = ()
@@ -124,6 +125,8 @@ class TelemetryReader:
             + [ReadingKey(q, link) for g in groups for link in links for q in g.per_link_slow]
         )
         self._once = tuple(ReadingKey(q) for g in groups for q in g.once)
+        if self.all_slow:
+            self._every_poll, self._slow = (), self._every_poll + self._slow
         self._every_poll_set = frozenset(self._every_poll)
         self._retry.update(self._once)
 
