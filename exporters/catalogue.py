@@ -417,14 +417,14 @@ HEALTH: tuple[MetricSpec, ...] = (
         Kind.GAUGE,
         "PCIe traffic from the GPU, sampled by the driver (readings.pcie_throughput, off by default).",
         DEVICE,
-        "bytes",
+        "bytes_per_second",
     ),
     MetricSpec(
         "gpuledger_gpu_pcie_receive_bytes_per_second",
         Kind.GAUGE,
         "PCIe traffic to the GPU, sampled by the driver (readings.pcie_throughput, off by default).",
         DEVICE,
-        "bytes",
+        "bytes_per_second",
     ),
     MetricSpec(
         "gpuledger_gpu_nvlink_errors_total",

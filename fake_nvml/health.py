@@ -85,6 +85,8 @@ class _Integral:
         self._total: tuple[float, ...] = tuple(0.0 for _ in rate(0.0))
 
     def at(self, t: float) -> tuple[float, ...]:
+        if t == self._t:  # a poll asks for every link at one instant
+            return self._total
         with self._lock:
             lo, total = self._t, list(self._total)
             if t < lo:
@@ -98,8 +100,10 @@ class _Integral:
                         total[k] += r * (hi - lo)
                 lo = hi
                 i += 1
-            self._t, self._total = t, tuple(total)
-            return self._total
+            # The total first: a reader that sees the new time must see the new total.
+            result = self._total = tuple(total)
+            self._t = t
+            return result
 
 
 class NodeHealth:

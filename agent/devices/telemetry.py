@@ -108,6 +108,9 @@ class TelemetryReader:
     _slow: tuple[ReadingKey, ...] = ()
     _once: tuple[ReadingKey, ...] = ()
     _every_poll_set: frozenset[ReadingKey] = frozenset()
+    _link_keys: tuple[tuple[ReadingKey, ...], ...] = ()  # per link, a key per _LINK_QUANTITIES
+    _per_link: bool = False  # some per-link reading is on
+    _traffic: bool = False  # NVLink traffic is read
     _slow_due_at: float | None = None  # backend clock; None: at the first poll
     _retry: set[ReadingKey] = field(default_factory=set)  # slow or once readings that failed
     _kept: dict[ReadingKey, float] = field(default_factory=dict)  # the last slow and once values
@@ -128,6 +131,9 @@ class TelemetryReader:
         if self.all_slow:
             self._every_poll, self._slow = (), self._every_poll + self._slow
         self._every_poll_set = frozenset(self._every_poll)
+        self._link_keys = tuple(tuple(ReadingKey(q, link) for q in _LINK_QUANTITIES) for link in links)
+        self._per_link = self.links > 0 and any(g.per_link_every_poll or g.per_link_slow for g in groups)
+        self._traffic = self.links > 0 and any(Q.NVLINK_TX_BYTES in g.per_link_every_poll for g in groups)
         self._retry.update(self._once)
 
     @property
@@ -167,13 +173,13 @@ class TelemetryReader:
             else:
                 self._retry.add(key)  # failed this poll: asked again at the next
         merged = {**self._kept, **values}
-        return _build(merged, self.links, self._nvlink_rate(now, merged))
+        links = self._link_keys if self._per_link else ()
+        return _build(merged, links, self._nvlink_rate(now, merged) if self._traffic else None)
 
     def _nvlink_rate(self, now: float, values: Mapping[ReadingKey, float]) -> float | None:
         """Bytes per second over every link, both ways, since the previous poll."""
-        counts = [
-            values.get(ReadingKey(q, link)) for link in range(self.links) for q in (Q.NVLINK_TX_BYTES, Q.NVLINK_RX_BYTES)
-        ]
+        # The last two of each link's keys are its transmit and receive bytes.
+        counts = [values.get(key) for keys in self._link_keys for key in keys[3:]]
         if not counts or None in counts:
             self._nvlink_total = None
             return None
@@ -184,39 +190,43 @@ class TelemetryReader:
         return (total - previous[1]) / (now - previous[0])
 
 
-def _int(values: Mapping[ReadingKey, float], quantity: Quantity, link: int | None = None) -> int | None:
-    value = values.get(ReadingKey(quantity, link))
-    return None if value is None else int(value)
+# One key per quantity, made once: a poll looks up dozens per GPU.
+_KEYS: dict[Quantity, ReadingKey] = {q: ReadingKey(q) for q in Quantity}
+_LINK_QUANTITIES = (
+    Q.NVLINK_CRC_ERRORS,
+    Q.NVLINK_REPLAY_ERRORS,
+    Q.NVLINK_RECOVERY_ERRORS,
+    Q.NVLINK_TX_BYTES,
+    Q.NVLINK_RX_BYTES,
+)
 
 
-def _flag(values: Mapping[ReadingKey, float], quantity: Quantity) -> bool | None:
-    value = values.get(ReadingKey(quantity))
-    return None if value is None else bool(value)
+def _build(
+    values: Mapping[ReadingKey, float], links: tuple[tuple[ReadingKey, ...], ...], nvlink_rate: float | None
+) -> Telemetry:
+    found: dict[Quantity, float] = {key.quantity: value for key, value in values.items() if key.link is None}
 
-
-def _build(values: Mapping[ReadingKey, float], links: int, nvlink_rate: float | None) -> Telemetry:
     def get(quantity: Quantity) -> float | None:
-        return values.get(ReadingKey(quantity))
+        return found.get(quantity)
 
-    nvlinks = tuple(
-        counters
-        for link in range(links)
-        if (
-            counters := NvLinkCounters(
-                link,
-                crc_errors=_int(values, Q.NVLINK_CRC_ERRORS, link),
-                replay_errors=_int(values, Q.NVLINK_REPLAY_ERRORS, link),
-                recovery_errors=_int(values, Q.NVLINK_RECOVERY_ERRORS, link),
-                tx_bytes=_int(values, Q.NVLINK_TX_BYTES, link),
-                rx_bytes=_int(values, Q.NVLINK_RX_BYTES, link),
-            )
-        )
-        != NvLinkCounters(link)
-    )
+    def count(quantity: Quantity) -> int | None:
+        value = found.get(quantity)
+        return None if value is None else int(value)
+
+    def flag(quantity: Quantity) -> bool | None:
+        value = found.get(quantity)
+        return None if value is None else bool(value)
+
+    nvlinks: list[NvLinkCounters] = []
+    for link, keys in enumerate(links):
+        counts = [values.get(key) for key in keys]
+        if any(c is not None for c in counts):
+            crc, replay, recovery, tx, rx = (None if c is None else int(c) for c in counts)
+            nvlinks.append(NvLinkCounters(link, crc, replay, recovery, tx, rx))
     violations = tuple(
         (cause, seconds)
         for cause, quantity in zip(VIOLATION_CAUSES, _VIOLATIONS, strict=True)
-        if (seconds := get(quantity)) is not None
+        if (seconds := found.get(quantity)) is not None
     )
     return Telemetry(
         sm_clock_hz=get(Q.SM_CLOCK),
@@ -224,28 +234,28 @@ def _build(values: Mapping[ReadingKey, float], links: int, nvlink_rate: float | 
         sm_clock_max_hz=get(Q.SM_CLOCK_MAX),
         memory_clock_max_hz=get(Q.MEMORY_CLOCK_MAX),
         fan_speed_ratio=get(Q.FAN_SPEED),
-        performance_state=_int(values, Q.PERFORMANCE_STATE),
-        clock_event_reasons=_int(values, Q.CLOCK_EVENT_REASONS),
+        performance_state=count(Q.PERFORMANCE_STATE),
+        clock_event_reasons=count(Q.CLOCK_EVENT_REASONS),
         violation_s=violations,
-        ecc_corrected_volatile=_int(values, Q.ECC_CORRECTED_VOLATILE),
-        ecc_uncorrected_volatile=_int(values, Q.ECC_UNCORRECTED_VOLATILE),
-        ecc_corrected_aggregate=_int(values, Q.ECC_CORRECTED_AGGREGATE),
-        ecc_uncorrected_aggregate=_int(values, Q.ECC_UNCORRECTED_AGGREGATE),
-        retired_pages_single_bit=_int(values, Q.RETIRED_PAGES_SINGLE_BIT),
-        retired_pages_double_bit=_int(values, Q.RETIRED_PAGES_DOUBLE_BIT),
-        retired_pages_pending=_flag(values, Q.RETIRED_PAGES_PENDING),
-        remapped_rows_correctable=_int(values, Q.REMAPPED_ROWS_CORRECTABLE),
-        remapped_rows_uncorrectable=_int(values, Q.REMAPPED_ROWS_UNCORRECTABLE),
-        row_remap_pending=_flag(values, Q.ROW_REMAP_PENDING),
-        row_remap_failure=_flag(values, Q.ROW_REMAP_FAILURE),
-        pcie_link_generation=_int(values, Q.PCIE_LINK_GENERATION),
-        pcie_link_generation_max=_int(values, Q.PCIE_LINK_GENERATION_MAX),
-        pcie_link_width=_int(values, Q.PCIE_LINK_WIDTH),
-        pcie_link_width_max=_int(values, Q.PCIE_LINK_WIDTH_MAX),
-        pcie_replays=_int(values, Q.PCIE_REPLAYS),
+        ecc_corrected_volatile=count(Q.ECC_CORRECTED_VOLATILE),
+        ecc_uncorrected_volatile=count(Q.ECC_UNCORRECTED_VOLATILE),
+        ecc_corrected_aggregate=count(Q.ECC_CORRECTED_AGGREGATE),
+        ecc_uncorrected_aggregate=count(Q.ECC_UNCORRECTED_AGGREGATE),
+        retired_pages_single_bit=count(Q.RETIRED_PAGES_SINGLE_BIT),
+        retired_pages_double_bit=count(Q.RETIRED_PAGES_DOUBLE_BIT),
+        retired_pages_pending=flag(Q.RETIRED_PAGES_PENDING),
+        remapped_rows_correctable=count(Q.REMAPPED_ROWS_CORRECTABLE),
+        remapped_rows_uncorrectable=count(Q.REMAPPED_ROWS_UNCORRECTABLE),
+        row_remap_pending=flag(Q.ROW_REMAP_PENDING),
+        row_remap_failure=flag(Q.ROW_REMAP_FAILURE),
+        pcie_link_generation=count(Q.PCIE_LINK_GENERATION),
+        pcie_link_generation_max=count(Q.PCIE_LINK_GENERATION_MAX),
+        pcie_link_width=count(Q.PCIE_LINK_WIDTH),
+        pcie_link_width_max=count(Q.PCIE_LINK_WIDTH_MAX),
+        pcie_replays=count(Q.PCIE_REPLAYS),
         pcie_tx_bytes_per_s=get(Q.PCIE_TX_RATE),
         pcie_rx_bytes_per_s=get(Q.PCIE_RX_RATE),
-        nvlinks=nvlinks,
+        nvlinks=tuple(nvlinks),
         nvlink_bytes_per_s=nvlink_rate,
         encoder_utilization=get(Q.ENCODER_UTILIZATION),
         decoder_utilization=get(Q.DECODER_UTILIZATION),
