@@ -307,7 +307,9 @@ def nvitop_reader(node: fake_nvml.InstalledNode) -> Reader:
             d.max_pcie_link_generation(),
             d.max_pcie_link_width(),
             d.pcie_replay_counter(),
-            tuple(tuple(d.nv_link_error_counter(link, counter) for counter in NVLINK_COUNTERS) for link in range(links)),
+            tuple(
+                tuple(d.nv_link_error_counter(link, counter) for counter in NVLINK_COUNTERS) for link in range(links)
+            ),
             round(sum(t.tx + t.rx for t in traffic) / 1024),  # nvitop rounds each link's KiB/s
             d.encoder_utilization(),
             d.decoder_utilization(),
@@ -377,7 +379,9 @@ def floor_reader(node: fake_nvml.InstalledNode) -> Reader:
             if samples:
                 last_seen[i] = max(stamp for _, stamp, _ in samples)
             health = _floor_health(h, links[i], traffic, i)
-            rows.append((util, memory.used, memory.total, temperature, power, energy, nvlinks, processes, samples, health))
+            rows.append(
+                (util, memory.used, memory.total, temperature, power, energy, nvlinks, processes, samples, health)
+            )
         return rows
 
     def readings(rows: list[tuple[Any, ...]]) -> list[Reading]:
@@ -413,7 +417,11 @@ def _floor_health(h: Any, links: int, traffic: dict[int, tuple[float, int]], gpu
     kib = sum(v.value.ullVal for v in values)
     stamp = max((v.timestamp for v in values), default=0)
     previous, traffic[gpu] = traffic.get(gpu), (stamp, kib)
-    rate = None if previous is None or stamp <= previous[0] else round((kib - previous[1]) * 1e6 / (stamp - previous[0]) / 1024)
+    rate = (
+        None
+        if previous is None or stamp <= previous[0]
+        else round((kib - previous[1]) * 1e6 / (stamp - previous[0]) / 1024)
+    )
     retired = (_maybe(pynvml.nvmlDeviceGetRetiredPages, h, 0), _maybe(pynvml.nvmlDeviceGetRetiredPages, h, 1))
     return (
         pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
@@ -458,6 +466,7 @@ def _na(value: Any) -> Any:
 
 def _normalised(health: tuple[object, ...]) -> tuple[object, ...]:
     """Booleans as 0/1 and nested sequences as tuples, so readers compare equal."""
+
     def norm(value: object) -> object:
         from nvitop import NA
 

@@ -448,10 +448,18 @@ HEALTH: tuple[MetricSpec, ...] = (
         "bytes",
     ),
     MetricSpec(
-        "gpuledger_gpu_encoder_utilization_ratio", Kind.GAUGE, "Fraction of time the video encoder was busy.", DEVICE, "ratio"
+        "gpuledger_gpu_encoder_utilization_ratio",
+        Kind.GAUGE,
+        "Fraction of time the video encoder was busy.",
+        DEVICE,
+        "ratio",
     ),
     MetricSpec(
-        "gpuledger_gpu_decoder_utilization_ratio", Kind.GAUGE, "Fraction of time the video decoder was busy.", DEVICE, "ratio"
+        "gpuledger_gpu_decoder_utilization_ratio",
+        Kind.GAUGE,
+        "Fraction of time the video decoder was busy.",
+        DEVICE,
+        "ratio",
     ),
     MetricSpec(
         "gpuledger_gpu_memory_controller_utilization_ratio",

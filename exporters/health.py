@@ -64,7 +64,11 @@ def health_series(out: SeriesSink, ids: tuple[str, str], t: Telemetry) -> None:
             out.add(name, (*ids, kind), float(count))
     for link in t.nvlinks:
         labels = (*ids, str(link.link))
-        for kind, errors in (("crc", link.crc_errors), ("replay", link.replay_errors), ("recovery", link.recovery_errors)):
+        for kind, errors in (
+            ("crc", link.crc_errors),
+            ("replay", link.replay_errors),
+            ("recovery", link.recovery_errors),
+        ):
             if errors is not None:
                 out.add("gpuledger_gpu_nvlink_errors_total", (*labels, kind), float(errors))
         if link.tx_bytes is not None:

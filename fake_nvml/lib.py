@@ -84,6 +84,7 @@ def family(name: str) -> str:
 
 _FIELD_FAMILIES = {call: family(call) for call in _FIELD_CALLS.values()}
 
+
 def _links_of(node: FakeNode, gpu: int, scope: int) -> range | int:
     """The links a link-scoped field names: one, or all of them (scope UINT_MAX); an NVML
     return code where there is no such link."""
@@ -158,7 +159,11 @@ _HEALTH_FIELDS: dict[int, tuple[str, Callable[[FakeNode, int, int, float], Any]]
     31: ("nvmlDeviceGetRetiredPages", _retired_field(2)),  # RETIRED_PENDING
     **{
         base + n: ("nvmlDeviceGetNvLinkErrorCounter", _nvlink_error_field(kind, first + n))
-        for kind, ranges in (("crc", ((32, 0), (96, 6))), ("replay", ((46, 0), (108, 6))), ("recovery", ((53, 0), (114, 6))))
+        for kind, ranges in (
+            ("crc", ((32, 0), (96, 6))),
+            ("replay", ((46, 0), (108, 6))),
+            ("recovery", ((53, 0), (114, 6))),
+        )
         for base, first in ranges
         for n in range(6)
     },
@@ -166,7 +171,10 @@ _HEALTH_FIELDS: dict[int, tuple[str, Callable[[FakeNode, int, int, float], Any]]
         74 + i: ("nvmlDeviceGetViolationStatus", _violation_field(policy))  # PERF_POLICY_*
         for i, policy in enumerate((0, 1, 2, 3, 4, 5, 10, 11))
     },
-    94: ("nvmlDeviceGetPcieReplayCounter", lambda node, gpu, scope, t: (_VALUE_TYPE_UINT, node.health.pcie_replays(gpu, t))),
+    94: (
+        "nvmlDeviceGetPcieReplayCounter",
+        lambda node, gpu, scope, t: (_VALUE_TYPE_UINT, node.health.pcie_replays(gpu, t)),
+    ),
     # NVLINK_THROUGHPUT_DATA_TX/RX and RAW_TX/RX (data plus protocol overhead), KiB, per link.
     138: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.0)),
     139: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.0)),
@@ -864,11 +872,11 @@ def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: 
         field.latencyUsec = 0
         health = _HEALTH_FIELDS.get(fid)
         if health is not None and fid not in hidden:
-            call, read = health
-            if call in errors:
-                fault = errors[call]
+            health_call, read = health
+            if health_call in errors:
+                fault = errors[health_call]
             else:
-                fault = errors[call] = node.fault_error(call, _HEALTH_FAMILIES[call], index, t)
+                fault = errors[health_call] = node.fault_error(health_call, _HEALTH_FAMILIES[health_call], index, t)
             if fault is not None:
                 field.nvmlReturn = ERROR_CODES[fault]
                 continue
@@ -1061,7 +1069,9 @@ def _total_ecc_errors(lib: FakeNvmlLibrary, t: float, dev: Dev, error_type: Any,
     return SUCCESS
 
 
-def _retired_pages(lib: FakeNvmlLibrary, t: float, dev: Dev, cause: Any, count: Any, addresses: Any, *times: Any) -> int:
+def _retired_pages(
+    lib: FakeNvmlLibrary, t: float, dev: Dev, cause: Any, count: Any, addresses: Any, *times: Any
+) -> int:
     retired = lib._node.health.retired_pages(dev.gpu, t) if dev.mig is None else None
     if retired is None:
         return NOT_SUPPORTED

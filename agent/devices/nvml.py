@@ -97,11 +97,17 @@ _FIELD_DIVISORS: dict[Quantity, float] = {
     Q.ENERGY: 1000.0,  # mJ
     **dict.fromkeys(
         (
-            Q.VIOLATION_POWER, Q.VIOLATION_THERMAL, Q.VIOLATION_SYNC_BOOST, Q.VIOLATION_BOARD_LIMIT,
-            Q.VIOLATION_LOW_UTILIZATION, Q.VIOLATION_RELIABILITY, Q.VIOLATION_APP_CLOCKS, Q.VIOLATION_BASE_CLOCKS,
+            Q.VIOLATION_POWER,
+            Q.VIOLATION_THERMAL,
+            Q.VIOLATION_SYNC_BOOST,
+            Q.VIOLATION_BOARD_LIMIT,
+            Q.VIOLATION_LOW_UTILIZATION,
+            Q.VIOLATION_RELIABILITY,
+            Q.VIOLATION_APP_CLOCKS,
+            Q.VIOLATION_BASE_CLOCKS,
         ),
         1e9,  # ns
-    ),  # fmt: skip
+    ),
     Q.NVLINK_TX_BYTES: 1 / 1024,  # KiB (a power of two: the division is exact)
     Q.NVLINK_RX_BYTES: 1 / 1024,
 }
@@ -159,7 +165,10 @@ _PCIE_THROUGHPUT = {
     Q.PCIE_TX_RATE: ctypes.c_uint(pynvml.NVML_PCIE_UTIL_TX_BYTES),
     Q.PCIE_RX_RATE: ctypes.c_uint(pynvml.NVML_PCIE_UTIL_RX_BYTES),
 }
-_CODECS = {Q.ENCODER_UTILIZATION: "nvmlDeviceGetEncoderUtilization", Q.DECODER_UTILIZATION: "nvmlDeviceGetDecoderUtilization"}
+_CODECS = {
+    Q.ENCODER_UTILIZATION: "nvmlDeviceGetEncoderUtilization",
+    Q.DECODER_UTILIZATION: "nvmlDeviceGetDecoderUtilization",
+}
 _POLICIES = {
     Q.VIOLATION_POWER: pynvml.NVML_PERF_POLICY_POWER,
     Q.VIOLATION_THERMAL: pynvml.NVML_PERF_POLICY_THERMAL,
@@ -730,7 +739,9 @@ class NvmlBackend:
             _check(call, _function(call, name)(handle.handle, ctypes.byref(out)))
             return int(out.value)
 
-        return self._versioned(handle, call, lambda: read(call), lambda: read("nvmlDeviceGetCurrentClocksThrottleReasons"))
+        return self._versioned(
+            handle, call, lambda: read(call), lambda: read("nvmlDeviceGetCurrentClocksThrottleReasons")
+        )
 
     @staticmethod
     def _struct_call(call: str, name: str, handle: _Device, out: ctypes.Structure) -> None:
