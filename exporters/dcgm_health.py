@@ -1,7 +1,9 @@
 """dcgm-exporter's fields for clocks, throttling, memory errors and links, for exporters/dcgm.py.
 
-Names, units and help texts as dcgm-exporter prints them (`etc/default-counters.csv` and
-`etc/dcp-metrics-included.csv`, where they list the field; DCGM's `dcgm_fields.h` otherwise).
+Names, units and help texts as dcgm-exporter prints them: from `etc/default-counters.csv` where
+it lists the field (the violation fields from `etc/dcp-metrics-included.csv`, whose "(in ns)" is
+the unit DCGM delivers them in), else the field's comment in DCGM's `dcgm_fields.h`, which is
+what a user listing the field in their own counters file would copy.
 Values in DCGM's units: clocks in MHz, utilizations and fan speed in whole percent, violation
 time in ns (as NVML counts it and DCGM passes it on), NVLink bandwidth as DCGM computes
 DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL: KiB over the interval, per second, divided by 1000. The
@@ -34,12 +36,12 @@ def _spec(name: str, help_text: str, unit: str = "", identity: tuple[str, ...] =
 DCGM_HEALTH_CATALOGUE: tuple[MetricSpec, ...] = (
     _spec("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", "megahertz"),
     _spec("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz).", "megahertz"),
-    _spec("DCGM_FI_DEV_MAX_SM_CLOCK", "Maximum supported SM clock for the device (in MHz).", "megahertz"),
-    _spec("DCGM_FI_DEV_MAX_MEM_CLOCK", "Maximum supported Memory clock for the device (in MHz).", "megahertz"),
-    _spec("DCGM_FI_DEV_FAN_SPEED", "Fan speed for the device in percent 0-100.", "percent"),
-    _spec("DCGM_FI_DEV_PSTATE", "Performance state (P-State) 0-15. 0=highest."),
+    _spec("DCGM_FI_DEV_MAX_SM_CLOCK", "Maximum supported SM clock for the device", "megahertz"),
+    _spec("DCGM_FI_DEV_MAX_MEM_CLOCK", "Maximum supported Memory clock for the device", "megahertz"),
+    _spec("DCGM_FI_DEV_FAN_SPEED", "Fan speed for the device in percent 0-100", "percent"),
+    _spec("DCGM_FI_DEV_PSTATE", "Performance state (P-State) 0-15. 0=highest"),
     _spec(
-        "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "Current clock throttle reasons (bitmask of DCGM_CLOCKS_EVENT_REASON_*)."
+        "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "Current clock event reasons (bitmask of DCGM_CLOCKS_EVENT_REASON_*)"
     ),
     *(_spec(name, help_text, "nanoseconds") for name, help_text in _VIOLATION_FIELDS.values()),
     _spec("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors."),
@@ -53,15 +55,15 @@ DCGM_HEALTH_CATALOGUE: tuple[MetricSpec, ...] = (
     _spec("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for uncorrectable errors"),
     _spec("DCGM_FI_DEV_ROW_REMAP_FAILURE", "Whether remapping of rows has failed"),
     _spec("DCGM_FI_DEV_ROW_REMAP_PENDING", "Whether remapping of rows is pending"),
-    _spec("DCGM_FI_DEV_PCIE_LINK_GEN", "PCIe Current Link Generation."),
-    _spec("DCGM_FI_DEV_PCIE_LINK_WIDTH", "PCIe Current Link Width."),
-    _spec("DCGM_FI_DEV_PCIE_MAX_LINK_GEN", "PCIe Max Link Generation."),
-    _spec("DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH", "PCIe Max Link Width."),
+    _spec("DCGM_FI_DEV_PCIE_LINK_GEN", "PCIe Current Link Generation"),
+    _spec("DCGM_FI_DEV_PCIE_LINK_WIDTH", "PCIe Current Link Width"),
+    _spec("DCGM_FI_DEV_PCIE_MAX_LINK_GEN", "PCIe Max Link Generation"),
+    _spec("DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH", "PCIe Max Link Width"),
     _spec("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "Total number of PCIe retries."),
     _spec("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "Total number of NVLink flow-control CRC errors."),
     _spec("DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "Total number of NVLink retries."),
     _spec("DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "Total number of NVLink recovery errors."),
-    _spec("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "Total number of NVLink bandwidth counters for all lanes."),
+    _spec("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "Total number of NVLink bandwidth counters for all lanes"),
     _spec("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %).", "percent"),
     _spec("DCGM_FI_DEV_ENC_UTIL", "Encoder utilization (in %).", "percent"),
     _spec("DCGM_FI_DEV_DEC_UTIL", "Decoder utilization (in %).", "percent"),
