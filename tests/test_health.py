@@ -13,11 +13,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fake_nvml
-from agent.config import ReadingsConfig, Settings, check_config
+from agent.config import ExportersConfig, ReadingsConfig, Settings, check_config
 from agent.devices.nvml import NvmlBackend
 from agent.devices.sampler import Sampler
 from agent.devices.telemetry import GROUPS, ReadingOptions
-from agent.model import Snapshot, Telemetry
+from agent.model import CLOCK_EVENT_REASONS, Snapshot, Telemetry
 from exporters.prometheus import make_registry
 from tests.helpers import Rig
 from tests.test_cli import gpuledger
@@ -555,3 +555,117 @@ def test_snapshot_json_carries_the_telemetry() -> None:
     devices = json.loads(result.stdout)["devices"]
     assert devices[3]["telemetry"]["pcie_link_width"] == 8
     assert devices[1]["telemetry"]["row_remap_pending"] is True
+
+
+# --- the series -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def health_samples() -> list[tuple[str, dict[str, str], float]]:
+    rig = Rig("health", settings=Settings(exporters=ExportersConfig(dcgm_compat=True)))
+    try:
+        rig.poll()
+        state = rig.poll(AT_S)  # the slow readings are read now: AT_S - 0 is past 30 s
+        text = rig.metrics(state)
+    finally:
+        rig.close()
+    return [(s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def value(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    found = [v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items())]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def test_gpuledger_series_carry_the_readings_in_base_units(health_samples: Any) -> None:
+    s = health_samples
+    assert value(s, "gpuledger_gpu_sm_clock_hertz", gpu="2") == round(A100_SM_MHZ * 0.75) * MHZ
+    assert value(s, "gpuledger_gpu_clock_violation_seconds_total", gpu="2", cause="thermal") == AT_S
+    reasons = {lab["reason"]: v for n, lab, v in s if n == "gpuledger_gpu_clock_event_reason" and lab["gpu"] == "2"}
+    assert {r for r, v in reasons.items() if v == 1} == {"sw_thermal_slowdown"}
+    assert len(reasons) == 11  # every named reason, 0 or 1
+    assert value(s, "gpuledger_gpu_ecc_errors_total", gpu="1", type="uncorrected") == 1
+    assert value(s, "gpuledger_gpu_ecc_aggregate_errors_total", gpu="1", type="corrected") == 40
+    assert value(s, "gpuledger_gpu_row_remap_pending", gpu="1") == 1
+    assert value(s, "gpuledger_gpu_remapped_rows_total", gpu="1", cause="uncorrectable") == 1
+    assert value(s, "gpuledger_gpu_retired_pages_total", gpu="6", cause="double_bit") == 1
+    assert value(s, "gpuledger_gpu_retired_pages_pending", gpu="6") == 1
+    assert value(s, "gpuledger_gpu_pcie_link_width", gpu="3") == 8
+    assert value(s, "gpuledger_gpu_pcie_link_width_max", gpu="3") == 16
+    assert value(s, "gpuledger_gpu_pcie_replays_total", gpu="3") == 600
+    assert value(s, "gpuledger_gpu_nvlink_errors_total", gpu="4", link="2", type="crc") == 3600
+    assert value(s, "gpuledger_gpu_fan_speed_ratio", gpu="7") == 0.42
+    assert value(s, "gpuledger_gpu_encoder_utilization_ratio", gpu="7") == 0.45
+    # none of what a GPU does not have: no fan on an A100, no remapped rows on the V100
+    assert not [n for n, lab, _ in s if n == "gpuledger_gpu_fan_speed_ratio" and lab["gpu"] != "7"]
+    assert not [n for n, lab, _ in s if n == "gpuledger_gpu_remapped_rows_total" and lab["gpu"] == "6"]
+
+
+# Each health field of dcgm-exporter, as the gpuledger series of the same GPU it must equal in
+# DCGM's units: (series, labels, factor), or a sum over NVLink links of one error type.
+DCGM_EQUALS = {
+    "DCGM_FI_DEV_SM_CLOCK": ("gpuledger_gpu_sm_clock_hertz", {}, 1e-6),
+    "DCGM_FI_DEV_MEM_CLOCK": ("gpuledger_gpu_memory_clock_hertz", {}, 1e-6),
+    "DCGM_FI_DEV_MAX_SM_CLOCK": ("gpuledger_gpu_sm_clock_max_hertz", {}, 1e-6),
+    "DCGM_FI_DEV_MAX_MEM_CLOCK": ("gpuledger_gpu_memory_clock_max_hertz", {}, 1e-6),
+    "DCGM_FI_DEV_FAN_SPEED": ("gpuledger_gpu_fan_speed_ratio", {}, 100),
+    "DCGM_FI_DEV_PSTATE": ("gpuledger_gpu_performance_state", {}, 1),
+    "DCGM_FI_DEV_POWER_VIOLATION": ("gpuledger_gpu_clock_violation_seconds_total", {"cause": "power"}, 1e9),
+    "DCGM_FI_DEV_THERMAL_VIOLATION": ("gpuledger_gpu_clock_violation_seconds_total", {"cause": "thermal"}, 1e9),
+    "DCGM_FI_DEV_SYNC_BOOST_VIOLATION": ("gpuledger_gpu_clock_violation_seconds_total", {"cause": "sync_boost"}, 1e9),
+    "DCGM_FI_DEV_BOARD_LIMIT_VIOLATION": ("gpuledger_gpu_clock_violation_seconds_total", {"cause": "board_limit"}, 1e9),
+    "DCGM_FI_DEV_LOW_UTIL_VIOLATION": (
+        "gpuledger_gpu_clock_violation_seconds_total",
+        {"cause": "low_utilization"},
+        1e9,
+    ),
+    "DCGM_FI_DEV_RELIABILITY_VIOLATION": ("gpuledger_gpu_clock_violation_seconds_total", {"cause": "reliability"}, 1e9),
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": ("gpuledger_gpu_ecc_errors_total", {"type": "corrected"}, 1),
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": ("gpuledger_gpu_ecc_errors_total", {"type": "uncorrected"}, 1),
+    "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL": ("gpuledger_gpu_ecc_aggregate_errors_total", {"type": "corrected"}, 1),
+    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL": ("gpuledger_gpu_ecc_aggregate_errors_total", {"type": "uncorrected"}, 1),
+    "DCGM_FI_DEV_RETIRED_SBE": ("gpuledger_gpu_retired_pages_total", {"cause": "single_bit"}, 1),
+    "DCGM_FI_DEV_RETIRED_DBE": ("gpuledger_gpu_retired_pages_total", {"cause": "double_bit"}, 1),
+    "DCGM_FI_DEV_RETIRED_PENDING": ("gpuledger_gpu_retired_pages_pending", {}, 1),
+    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": ("gpuledger_gpu_remapped_rows_total", {"cause": "correctable"}, 1),
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": ("gpuledger_gpu_remapped_rows_total", {"cause": "uncorrectable"}, 1),
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE": ("gpuledger_gpu_row_remap_failure", {}, 1),
+    "DCGM_FI_DEV_ROW_REMAP_PENDING": ("gpuledger_gpu_row_remap_pending", {}, 1),
+    "DCGM_FI_DEV_PCIE_LINK_GEN": ("gpuledger_gpu_pcie_link_generation", {}, 1),
+    "DCGM_FI_DEV_PCIE_LINK_WIDTH": ("gpuledger_gpu_pcie_link_width", {}, 1),
+    "DCGM_FI_DEV_PCIE_MAX_LINK_GEN": ("gpuledger_gpu_pcie_link_generation_max", {}, 1),
+    "DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH": ("gpuledger_gpu_pcie_link_width_max", {}, 1),
+    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": ("gpuledger_gpu_pcie_replays_total", {}, 1),
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": ("gpuledger_gpu_nvlink_errors_total", {"type": "crc"}, 1),
+    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": ("gpuledger_gpu_nvlink_errors_total", {"type": "replay"}, 1),
+    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": ("gpuledger_gpu_nvlink_errors_total", {"type": "recovery"}, 1),
+    "DCGM_FI_DEV_MEM_COPY_UTIL": ("gpuledger_gpu_memory_controller_utilization_ratio", {}, 100),
+    "DCGM_FI_DEV_ENC_UTIL": ("gpuledger_gpu_encoder_utilization_ratio", {}, 100),
+    "DCGM_FI_DEV_DEC_UTIL": ("gpuledger_gpu_decoder_utilization_ratio", {}, 100),
+}
+
+
+def test_each_dcgm_health_field_equals_gpuledgers_reading_of_the_same_gpu(health_samples: Any) -> None:
+    s = health_samples
+    checked = 0
+    for name, (ours, labels, factor) in DCGM_EQUALS.items():
+        for dcgm_labels, dcgm_value in [(lab, v) for n, lab, v in s if n == name]:
+            gpu = dcgm_labels["gpu"]
+            # summed over links for the NVLink totals; a single series otherwise
+            total = sum(v for n, lab, v in s if n == ours and lab["gpu"] == gpu and labels.items() <= lab.items())
+            assert dcgm_value == round(total * factor), (name, gpu)
+            checked += 1
+    assert checked >= 8 * 25
+    # The clock-event bitmask is the sum of the reason bits gpuledger decodes as raised.
+    bits = {name: bit for bit, name in CLOCK_EVENT_REASONS}
+    for gpu in map(str, range(8)):
+        raised = [
+            lab["reason"] for n, lab, v in s if n == "gpuledger_gpu_clock_event_reason" and lab["gpu"] == gpu and v
+        ]
+        assert value(s, "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", gpu=gpu) == sum(bits[r] for r in raised)
+    # NVLink bandwidth as DCGM computes it: KiB per second over the interval, / 1000.
+    # GPU 0: 12 links x 2 directions x 0.8 x 20 GB/s, steady since t=0
+    assert value(s, "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", gpu="0") == pytest.approx(
+        12 * 2 * 0.8 * NVLINK_BYTES_PER_S / 1024 / 1000, abs=1
+    )
