@@ -586,13 +586,17 @@ DCGM_OTHER_QUERIES = {
         "rate(DCGM_FI_DEV_POWER_VIOLATION[1m]) / 1e9 + rate(DCGM_FI_DEV_THERMAL_VIOLATION[1m]) / 1e9"
     ),
     "the demo's uncorrectable ECC error": "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL > 0",
-    "the demo's pending row remap": "DCGM_FI_DEV_ROW_REMAP_PENDING == 1 and DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS > 0",
+    "the demo's pending row remap": (
+        "DCGM_FI_DEV_ROW_REMAP_PENDING == 1 and DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS > 0"
+    ),
     "row remap failures": "DCGM_FI_DEV_ROW_REMAP_FAILURE",
     "PCIe replays a second": "rate(DCGM_FI_DEV_PCIE_REPLAY_COUNTER[1m])",
     "PCIe link below its maximum": "DCGM_FI_DEV_PCIE_LINK_WIDTH < bool DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH",
     "NVLink bandwidth": "sum by (Hostname, gpu) (DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL) > 0",
     "NVLink CRC errors a second": "rate(DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL[1m])",
-    "memory copy, encoder, decoder utilization": "DCGM_FI_DEV_MEM_COPY_UTIL + DCGM_FI_DEV_ENC_UTIL + DCGM_FI_DEV_DEC_UTIL",
+    "memory copy, encoder, decoder utilization": (
+        "DCGM_FI_DEV_MEM_COPY_UTIL + DCGM_FI_DEV_ENC_UTIL + DCGM_FI_DEV_DEC_UTIL"
+    ),
 }
 
 
