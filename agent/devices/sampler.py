@@ -135,6 +135,9 @@ class Sampler:
       (`DriverLibraryMissing`) is raised: nothing can be sampled on this host.
     - Static facts (name, uuid, PCI bus, power limit, SMs, NVLink count, MIG layout) are read
       at discovery, not every poll.
+    - Health readings (clocks, throttling, memory errors, PCIe, NVLink; the groups the config
+      switches on) go into the same `read` as the rest: every poll, every slow interval or once,
+      as agent/devices/telemetry.py decides, into `DeviceReading.telemetry`.
     - A MIG-enabled GPU is read as itself (temperature, power, energy, NVLink) plus one memory
       reading per MIG device; its processes come from one read of the GPU's process list,
       split over the MIG devices by instance ids, so a fully split GPU costs about as many
