@@ -4,6 +4,7 @@ hand), how they fall back and what they cost, and the series they become."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import fake_nvml
 from agent.config import ExportersConfig, ReadingsConfig, Settings, check_config
+from agent.devices.backend import Quantity, ReadingKey
 from agent.devices.nvml import NvmlBackend
 from agent.devices.sampler import Sampler
 from agent.devices.telemetry import GROUPS, ReadingOptions
@@ -669,3 +671,18 @@ def test_each_dcgm_health_field_equals_gpuledgers_reading_of_the_same_gpu(health
     assert value(s, "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", gpu="0") == pytest.approx(
         12 * 2 * 0.8 * NVLINK_BYTES_PER_S / 1024 / 1000, abs=1
     )
+
+
+def test_the_read_plans_kept_per_device_stay_bounded(install: Any) -> None:
+    """The lists of readings a poll asks for vary with what is being retried; the backend keeps
+    a read plan per list, and no more than a few."""
+    _node, sampler = install({"gpus": [{"model": "A100-SXM4-80GB"}]})
+    backend = sampler.backend
+    handle = backend.handle_by_index(0)
+    q = Quantity
+    quantities = (q.POWER, q.ENERGY, q.SM_CLOCK, q.PCIE_REPLAYS, q.ECC_CORRECTED_VOLATILE, q.TEMPERATURE)
+    for size in range(1, len(quantities) + 1):
+        for subset in itertools.combinations(quantities, size):  # 63 different lists
+            result = backend.read(handle, [ReadingKey(x) for x in subset])
+            assert set(result.values) == {ReadingKey(x) for x in subset}
+    assert 1 <= len(handle.plans) <= 16

@@ -220,6 +220,8 @@ class _NotFound(DeviceError):
 # INSUFFICIENT_SIZE without saying what would do.
 MAX_PROCESSES = 4096
 MAX_SAMPLES = 16384
+# Read plans kept per device: a poll asks one of a few lists (every poll, slow, first).
+_MAX_PLANS = 16
 
 
 def _from_milli(value: float) -> float:
@@ -530,6 +532,10 @@ class NvmlBackend:
         wanted = tuple(keys)
         plan = handle.plans.get(wanted)
         if plan is None or not plan.current(self, handle):
+            if len(handle.plans) >= _MAX_PLANS:
+                # The lists asked for vary with the readings being retried after a failure: a
+                # bound, so that a long run of varied failures cannot grow this without end.
+                handle.plans.clear()
             plan = handle.plans[wanted] = _Plan(self, handle, wanted)
         self._read_singles(handle, plan.single, values, errors)
         if plan.batched:
