@@ -40,9 +40,7 @@ DCGM_HEALTH_CATALOGUE: tuple[MetricSpec, ...] = (
     _spec("DCGM_FI_DEV_MAX_MEM_CLOCK", "Maximum supported Memory clock for the device", "megahertz"),
     _spec("DCGM_FI_DEV_FAN_SPEED", "Fan speed for the device in percent 0-100", "percent"),
     _spec("DCGM_FI_DEV_PSTATE", "Performance state (P-State) 0-15. 0=highest"),
-    _spec(
-        "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "Current clock event reasons (bitmask of DCGM_CLOCKS_EVENT_REASON_*)"
-    ),
+    _spec("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "Current clock event reasons (bitmask of DCGM_CLOCKS_EVENT_REASON_*)"),
     *(_spec(name, help_text, "nanoseconds") for name, help_text in _VIOLATION_FIELDS.values()),
     _spec("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors."),
     _spec("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors."),
