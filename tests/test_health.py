@@ -686,3 +686,25 @@ def test_the_read_plans_kept_per_device_stay_bounded(install: Any) -> None:
             result = backend.read(handle, [ReadingKey(x) for x in subset])
             assert set(result.values) == {ReadingKey(x) for x in subset}
     assert 1 <= len(handle.plans) <= 16
+
+
+def test_a_gpu_whose_field_values_stop_loses_only_what_has_no_other_call(install: Any) -> None:
+    node, sampler = install(
+        {
+            "gpus": [{"model": "A100-SXM4-80GB", "count": 2, "nvlink_links": 2}],
+            "processes": [{"pid": 1, "gpus": [0, 1], "sm_util": 50}],
+            "faults": [{"at": "30s", "gpu": 1, "call": "nvmlDeviceGetFieldValues", "error": "NOT_SUPPORTED"}],
+        }
+    )
+    for _ in range(10):  # t = 0 .. 45
+        snapshot = sampler.poll()
+        node.clock.advance(5)
+    ok, refused = health_of(snapshot, 0), health_of(snapshot, 1)
+    # GPU 1 reads power, energy, NVLink state and the counters through their own calls; its
+    # NVLink traffic, which has no call of its own, is learned gone, not counted every poll.
+    assert snapshot.devices[1].power_w == snapshot.devices[0].power_w
+    assert [link.up for link in snapshot.devices[1].nvlinks] == [True, True]
+    assert refused.pcie_replays == ok.pcie_replays == 0
+    assert [n.tx_bytes for n in refused.nvlinks] == [None, None]
+    assert all(n.tx_bytes for n in ok.nvlinks)  # GPU 0 still batches, traffic and all
+    assert sampler.errors == {}

@@ -10,6 +10,7 @@ and it maps that library's errors to the ones below with ``raise ... from``:
         ├── DriverLibraryMissing        the vendor library cannot be loaded (no driver on this host)
         ├── DriverUnavailable           the driver is not loaded / went away: re-initialise later
         ├── ReadingNotSupported         this device has no such reading: learned once, then skipped
+        │   └── ReadingNoLongerSupported    it had, and the backend has no way left to read it
         ├── PermissionDenied            the agent may not read this (e.g. MIG aggregates, unprivileged)
         └── DeviceLost                  the device fell off the bus or needs a reset
 
@@ -53,6 +54,12 @@ class DriverUnavailable(DeviceError):
 
 class ReadingNotSupported(DeviceError):
     pass
+
+
+class ReadingNoLongerSupported(ReadingNotSupported):
+    """A reading the device gave before and the backend now has no way left to read (the only
+    call that served it stopped answering for good): learned like ReadingNotSupported, although
+    it answered before, rather than counted as a failure every poll."""
 
 
 class PermissionDenied(DeviceError):

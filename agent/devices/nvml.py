@@ -34,6 +34,7 @@ from agent.devices.backend import (
     ProcessSample,
     Quantity,
     ReadingKey,
+    ReadingNoLongerSupported,
     ReadingNotSupported,
     ReadResult,
 )
@@ -354,7 +355,7 @@ class _Plan:
     __slots__ = ("batched", "field_values", "learned", "request", "single")
 
     def __init__(self, backend: NvmlBackend, handle: _Device, keys: Sequence[ReadingKey]) -> None:
-        self.field_values = backend._field_values
+        self.field_values = backend._field_values and not handle.no_fields
         self.learned = handle.learned
         self.batched: list[ReadingKey] = []
         self.single: list[ReadingKey] = []
@@ -370,7 +371,8 @@ class _Plan:
         self.request = _FieldRequest(fields)
 
     def current(self, backend: NvmlBackend, handle: _Device) -> bool:
-        return self.field_values == backend._field_values and self.learned == handle.learned
+        fields = backend._field_values and not handle.no_fields
+        return self.field_values == fields and self.learned == handle.learned
 
 
 class _Device:
@@ -383,6 +385,7 @@ class _Device:
         "learned",
         "memory",
         "memory_v2",
+        "no_fields",
         "older",
         "out_u64",
         "out_uint",
@@ -401,6 +404,7 @@ class _Device:
         # past the last, its single call), and how many refusals in all (plans follow it).
         self.field_level: dict[Quantity, int] = {}
         self.learned = 0
+        self.no_fields = False  # the device refused the field-values call itself
         # Versioned calls this device refused (NOT_SUPPORTED) without ever answering: it is read
         # through the older call instead. And the versioned calls it has answered.
         self.older: set[str] = set()
@@ -610,9 +614,13 @@ class NvmlBackend:
         while keys:
             try:
                 results = self._request(handle, request)
-            except ReadingNotSupported as exc:
+            except _FunctionMissing as exc:
                 log.info("field values are not available (%s): reading one call per value", exc.error)
-                self._field_values = False
+                self._field_values = False  # the driver lacks the call: every device
+                return left + keys
+            except ReadingNotSupported as exc:
+                log.info("field values are not available on this GPU (%s): reading one call per value", exc.error)
+                handle.no_fields = True
                 return left + keys
             except (DeviceLost, DriverUnavailable):
                 raise
@@ -704,8 +712,9 @@ class NvmlBackend:
             fn = pynvml.nvmlDeviceGetNvLinkErrorCounter
             return float(_call(call, fn, handle.handle, key.link or 0, _NVLINK_COUNTERS[quantity]))
         # NVLink traffic has no single call left (nvmlDeviceGetNvLinkUtilizationCounter is gone
-        # from current drivers): without its field, the device does not have it.
-        raise ReadingNotSupported("nvmlDeviceGetFieldValues", "NOT_SUPPORTED", f"no field or call reads {key}")
+        # from current drivers): without its field, the device does not have it, whether or not
+        # the field answered before the field-values call stopped serving the device.
+        raise ReadingNoLongerSupported("nvmlDeviceGetFieldValues", "NOT_SUPPORTED", f"no field or call reads {key}")
 
     def _uint(self, call: str, name: str, handle: _Device, *args: Any) -> int:
         """The C function `name` writing one unsigned int, as pynvml's wrapper calls it, into the

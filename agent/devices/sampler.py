@@ -27,6 +27,7 @@ from agent.devices.backend import (
     ProcessInfo,
     Quantity,
     ReadingKey,
+    ReadingNoLongerSupported,
     ReadingNotSupported,
 )
 from agent.devices.telemetry import ReadingOptions, TelemetryReader
@@ -407,7 +408,9 @@ class Sampler:
         counted: set[int] = set()
         unsupported.worked.update(result.values)
         for key, failure in result.errors.items():
-            if isinstance(failure, ReadingNotSupported) and key not in unsupported.worked:
+            if isinstance(failure, ReadingNotSupported) and (
+                key not in unsupported.worked or isinstance(failure, ReadingNoLongerSupported)
+            ):
                 unsupported.add(key)
                 log.info("%s: %s is not supported (%s); not asking again", where, key, failure.error)
             elif id(failure) not in counted:  # one failed call answering several keys counts once
