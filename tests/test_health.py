@@ -708,3 +708,48 @@ def test_a_gpu_whose_field_values_stop_loses_only_what_has_no_other_call(install
     assert [n.tx_bytes for n in refused.nvlinks] == [None, None]
     assert all(n.tx_bytes for n in ok.nvlinks)  # GPU 0 still batches, traffic and all
     assert sampler.errors == {}
+
+
+# Each reading, and the NVML call whose refusal (NOT_SUPPORTED, sticky) takes it away: for the
+# counters NVML batches as fields, the fake refuses the field and the call together, so every
+# path the agent has is refused.
+NOT_SUPPORTED_CASES = {
+    "SM clock": ("nvmlDeviceGetClockInfo", "sm_clock_hz"),
+    "maximum SM clock": ("nvmlDeviceGetMaxClockInfo", "sm_clock_max_hz"),
+    "performance state": ("nvmlDeviceGetPerformanceState", "performance_state"),
+    "PCIe generation": ("nvmlDeviceGetCurrPcieLinkGeneration", "pcie_link_generation"),
+    "PCIe width": ("nvmlDeviceGetCurrPcieLinkWidth", "pcie_link_width"),
+    "PCIe maximum generation": ("nvmlDeviceGetMaxPcieLinkGeneration", "pcie_link_generation_max"),
+    "PCIe maximum width": ("nvmlDeviceGetMaxPcieLinkWidth", "pcie_link_width_max"),
+    "encoder": ("nvmlDeviceGetEncoderUtilization", "encoder_utilization"),
+    "decoder": ("nvmlDeviceGetDecoderUtilization", "decoder_utilization"),
+    "memory controller": ("nvmlDeviceGetUtilizationRates", "memory_utilization"),
+    "ECC errors (field, then call)": ("nvmlDeviceGetTotalEccErrors", "ecc_uncorrected_volatile"),
+    "remapped rows (field, then call)": ("nvmlDeviceGetRemappedRows", "row_remap_pending"),
+    "PCIe replays (field, then call)": ("nvmlDeviceGetPcieReplayCounter", "pcie_replays"),
+    "violation time (field, then call)": ("nvmlDeviceGetViolationStatus", "violation_s"),
+}
+
+
+@pytest.mark.parametrize(("call", "attribute"), NOT_SUPPORTED_CASES.values(), ids=NOT_SUPPORTED_CASES.keys())
+def test_a_reading_every_path_refuses_is_absent_and_asked_no_more(install: Any, call: str, attribute: str) -> None:
+    node, sampler = install(
+        {
+            "gpus": [{"model": "A100-SXM4-80GB", "count": 2}],
+            "processes": [{"pid": 1, "gpus": [0, 1], "sm_util": 50}],
+            "faults": [{"gpu": 1, "call": call, "error": "NOT_SUPPORTED"}],
+        }
+    )
+    asked = []
+    for _ in range(4):  # every 35 s: each poll a slow one
+        before = node.calls[call]
+        snapshot = sampler.poll()
+        asked.append(node.calls[call] - before)
+        node.clock.advance(35)
+    healthy, refused = health_of(snapshot, 0), health_of(snapshot, 1)
+    assert getattr(refused, attribute) in (None, ())
+    assert getattr(healthy, attribute) not in (None, ())
+    # learned at the first poll: from then on only GPU 0 is asked (if anything asks the call:
+    # where GPU 0 reads a field, nobody does)
+    assert asked[1] == asked[2] == asked[3] <= asked[0] - 1
+    assert sampler.errors == {}
