@@ -136,7 +136,7 @@ class DeviceReading:
     down_reason: str | None = None
     mig_enabled: bool = False
     sm_count: int | None = None
-    utilization: float | None = None
+    utilization: float | None = None  # the driver's latest sample (one sampling period)
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
     temperature_c: float | None = None
@@ -148,6 +148,14 @@ class DeviceReading:
     # False when the process list could not be read this poll: `processes` is then unknown,
     # not empty, and the time is not idle (accounting books it as unobserved).
     processes_known: bool = True
+    # False while discovery has not completed for this GPU in this run (the driver is down, or
+    # its handle, uuid or name could not be read): its uuid is then as remembered (from this
+    # run's earlier discovery, or the ledger) or provisional (`provisional_uuid`), and its name
+    # may be empty. Retried with backoff; the agent is degraded meanwhile.
+    discovered: bool = True
+    # The device's own utilization (0-1) time-weighted over its samples since the previous poll:
+    # what accounting caps its holders' busy time by. None where the samples could not be read.
+    interval_utilization: float | None = None
     # Clocks, throttling, memory errors, links (a whole GPU's; None on a MIG instance or down GPU).
     telemetry: Telemetry | None = None
 
@@ -184,6 +192,7 @@ class Snapshot:
     devices: tuple[DeviceReading, ...]
     poll_duration_s: float = 0.0
     driver_up: bool = True
+    down_reason: str = ""  # why the driver is down (driver_up False): its NVML error, or TIMEOUT
 
     @property
     def gpus(self) -> tuple[DeviceReading, ...]:
@@ -191,6 +200,16 @@ class Snapshot:
 
     def mig_devices(self, parent_uuid: str) -> tuple[DeviceReading, ...]:
         return tuple(d for d in self.devices if d.parent_uuid == parent_uuid)
+
+
+# The uuid a GPU goes by while discovery cannot read its own (and nothing remembers it): the
+# node's index, marked so that no reader takes it for a GPU's uuid. Charges are booked under it
+# (never under an empty uuid, which would merge GPUs in the ledger), and its GPU index.
+PROVISIONAL_UUID_PREFIX = "unidentified-"
+
+
+def provisional_uuid(index: int) -> str:
+    return f"{PROVISIONAL_UUID_PREFIX}{index}"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -208,6 +227,9 @@ class ProcessFacts:
     cmdline: tuple[str, ...]
     cgroup: str
     env: tuple[tuple[str, str], ...] = ()  # allowlisted keys only
+    # When the process started, wall clock (unix seconds): boot time + its start ticks, as psutil's
+    # create_time() computes it. None where procfs could not tell.
+    started_at: float | None = None
 
     @property
     def pid(self) -> int:
@@ -294,6 +316,13 @@ class Holding:
     # Named only by what its processes say of themselves (SLURM_JOB_ID in their environment),
     # which nothing trusted (cgroup, kubelet, the prolog's map file) confirmed.
     self_reported: bool = False
+    # When it began to hold the device, wall clock (unix seconds), where known: the earliest
+    # start of its processes, or of its allocation (a Slurm map file's time). Accounting
+    # charges a new holder from then rather than from the midpoint of the interval.
+    started_at: float | None = None
+    # The Slurm account a job's holding is billed to (the prolog's map file, else the process's
+    # SLURM_JOB_ACCOUNT); not a metric label: the ledger and `report --by account` carry it.
+    account: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +330,10 @@ class Attribution:
     holdings: tuple[Holding, ...] = ()
     unresolved: tuple[tuple[str, int], ...] = ()  # device uuid -> processes procfs could not resolve
     kubelet_up: bool | None = None  # None: no kubelet socket configured or present
+    # False while the scheduler's allocations cannot be known (the kubelet unreachable past
+    # attribution.kubelet_stale_after): a unit no process holds may still be allocated, so its
+    # time is unobserved (attribution_unavailable), not idle.
+    allocations_known: bool = True
 
     def for_device(self, uuid: str) -> tuple[Holding, ...]:
         return tuple(h for h in self.holdings if h.device_uuid == uuid)
@@ -368,6 +401,15 @@ class WorkloadTotals:
 
 
 @dataclass(frozen=True, slots=True)
+class IdleTotals:
+    """A GPU's idle time and cost since the agent started that one workload left it in."""
+
+    idle_s: float = 0.0
+    idle_dollars: float = 0.0
+    last_at: float = 0.0  # the end of the last interval that added to it (backend clock)
+
+
+@dataclass(frozen=True, slots=True)
 class GpuTotals:
     dollars: float = 0.0
     idle_dollars: float = 0.0
@@ -381,6 +423,10 @@ class GpuTotals:
     idle_energy_dollars: float | None = None
     # reason -> (seconds, dollars): the unobserved time and cost, by why
     unobserved_by_reason: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # The idle time and cost by who left the GPU idle (its last holder; Workload() where
+    # nobody has held it since the agent started): they add up to idle_s and idle_dollars.
+    idle_by_left: Mapping[Workload, IdleTotals] = field(default_factory=dict)
+    busy_s: float | None = None  # the GPU's own busy time (see GpuCharge.busy_s); None: never known
 
 
 @dataclass(frozen=True)
@@ -411,14 +457,62 @@ class AgentState:
     flags: tuple[Flag, ...] = ()  # the rules stage's output, rendered as is
     left_by: tuple[LeftBy, ...] = ()  # GPUs nobody holds now, and who held them last
     health: AgentHealth = field(default_factory=AgentHealth)
+    actions: tuple[tuple[str, str, int], ...] = ()  # (action, result, count) since the agent started
 
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """What one GPU costs per hour, and why that figure (shown in `snapshot`)."""
+    """What one GPU costs per hour, and why that figure (shown in `snapshot`).
+
+    A price that changes later (config `pricing.changes`) carries its later prices in `changes`,
+    each from its time on: `at(t)` is the price in force at t, `dollars(start, end)` what the
+    GPU costs over that span. The fields after `source` do not take part in equality: two
+    prices are the same figure for the same reason.
+    """
 
     dollars_per_hour: float
     source: str  # e.g. "config pricing.gpu_hourly", "instance p4d.24xlarge / 8 GPUs (AWS, read 2026-11-01)"
+    # Where the figure comes from, in one stable word: config, instance or catalogue.
+    origin: str = field(default="config", compare=False)
+    # How the node is bought: on_demand, spot, reserved, savings_plan or committed.
+    purchase: str = field(default="on_demand", compare=False)
+    # Set where the instance type's GPU model is not the GPU's: why the instance was not used.
+    mismatch: str = field(default="", compare=False)
+    changes: tuple[tuple[float, Price], ...] = field(default=(), compare=False)  # (from, price), in time order
+
+    def at(self, t: float) -> Price:
+        """The price in force at `t` (backend clock, unix seconds)."""
+        current = self
+        for start, later in self.changes:
+            if start > t:
+                break
+            current = later
+        return current
+
+    def during(self, start: float, end: float) -> Price:
+        """The price that applied last within [start, end): a change at `end` is the next
+        interval's, not this one's (what the ledger records for the interval's hour)."""
+        current = self
+        for at, later in self.changes:
+            if at > end or (at == end and end > start):
+                break
+            current = later
+        return current
+
+    def dollars(self, start: float, end: float) -> float:
+        """What the GPU costs from `start` to `end`: each part at the price in force then."""
+        if not self.changes:
+            return self.dollars_per_hour * (end - start) / 3600
+        total = 0.0
+        t, rate = start, self.dollars_per_hour
+        for at, later in self.changes:
+            if at >= end:
+                break
+            if at > t:
+                total += rate * (at - t) / 3600
+                t = at
+            rate = later.dollars_per_hour
+        return total + rate * (end - t) / 3600
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,6 +531,20 @@ class WorkloadCharge:
     # holders' charged seconds plus its idle seconds are its observed seconds, so these add up
     # across workloads where held seconds count a shared GPU once per holder.
     charged_s: float = 0.0
+    account: str = ""  # the Slurm account (Holding.account), "" where none
+
+
+@dataclass(frozen=True, slots=True)
+class IdleCharge:
+    """Part of a GPU's idle time over one interval, by who left it idle: the workload that held
+    the unit last before the idle stretch (`left_by`; Workload() where nobody has held it since
+    the agent started). Where several held it last together, each is charged an equal part."""
+
+    left_by: Workload
+    idle_s: float
+    idle_dollars: float
+    idle_joules: float = 0.0
+    idle_energy_dollars: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,6 +566,15 @@ class GpuCharge:
     energy_dollars: float | None = None  # joules at the energy price; None where none is set
     idle_energy_dollars: float | None = None
     unobserved_reason: str = ""  # why, when unobserved_s > 0 (UNOBSERVED_* or the NVML error)
+    # The idle time and cost by who left the GPU idle; they add up to idle_s, idle_dollars and
+    # idle_joules.
+    idle_by: tuple[IdleCharge, ...] = ()
+    # The GPU's own busy time over its observed time: its utilization averaged over its samples
+    # of the interval (its latest reading where those could not be read) x the observed seconds.
+    # Its holders' busy seconds never add up to more. None where the GPU measures no utilization.
+    busy_s: float | None = None
+    purchase: str = ""  # how the GPU is bought (Price.purchase), the last price within the interval
+    price_source: str = ""  # where its price comes from (Price.origin); "" where unpriced
 
 
 # Why time was not observed (besides a GPU's own NVML error, such as GPU_IS_LOST or TIMEOUT).
@@ -465,6 +582,8 @@ UNOBSERVED_NO_POLL = "no_poll"  # polls too far apart: the agent stopped, the no
 UNOBSERVED_AGENT_DOWN = "agent_down"  # between the ledger's last record and this run's first poll
 UNOBSERVED_PROCESSES = "processes_unreadable"  # the process list failed: who held it is unknown
 UNOBSERVED_UNREADABLE = "unreadable"  # the GPU could not be read, no error given
+# Nobody runs on the unit and who it is allocated to cannot be known (the kubelet unreachable).
+UNOBSERVED_ATTRIBUTION = "attribution_unavailable"
 
 
 @dataclass(frozen=True, slots=True)

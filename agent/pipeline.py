@@ -39,6 +39,7 @@ from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExe
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from agent.accounting.cost import account, accumulate, downtime
+from agent.accounting.unpriced import Unplaced, Unpriced
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.deadline import CallTimeout, Worker
@@ -46,6 +47,7 @@ from agent.devices.sampler import Sampler
 from agent.errors import GpuledgerError
 from agent.model import (
     UNOBSERVED_AGENT_DOWN,
+    UNOBSERVED_UNREADABLE,
     AgentHealth,
     AgentState,
     Attribution,
@@ -77,10 +79,8 @@ EXIT_AFTER_MIN_S = 60.0
 # Downtime between runs longer than this is not booked: a ledger copied from another machine
 # or a clock that jumped, more likely than an agent stopped for over a year.
 MAX_DOWNTIME_S = 366 * 86400.0
-STOP_WAIT_S = 2.0
-IDLE_RULES = frozenset(
-    {"idle"}
-)  # flags whose log lines name who left the GPU idle  # how long stop() waits for a poll in progress
+STOP_WAIT_S = 2.0  # how long stop() waits for a poll in progress
+IDLE_RULES = frozenset({"idle"})  # flags whose log lines name who left the GPU idle (and any rule of that condition)
 TIMEOUT = "TIMEOUT"  # the down reason of a GPU whose call is stuck (NVML's own name for it)
 STAGES = ("sample", "attribute", "account", "rules", "publish")
 
@@ -112,6 +112,15 @@ class ChargeSink(Protocol):
     def recorded_until(self) -> float | None:
         """Where the sink's record ended before this run (None: it records nothing yet)."""
         ...
+
+
+class ActionHook(Protocol):
+    """What acts on each poll's published state (agent.actions.Actions): it decides on the poll
+    thread, runs elsewhere, and reports its counts for the next state published."""
+
+    def observe(self, state: AgentState) -> None: ...
+
+    def counts(self) -> tuple[tuple[str, str, int], ...]: ...
 
 
 @dataclass(frozen=True)
@@ -204,12 +213,18 @@ class Pipeline:
         # Each stage's last good result, which a failing stage leaves in place.
         self._previous: Snapshot | None = None
         self._attribution = Attribution()
-        self._clean_workloads: dict[Workload, Workload] = {}
+        self._clean_workloads: dict[Workload, Workload | None] = {}
         self._last_energy: dict[str, float] = {}  # GPU uuid -> its last energy counter reading
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
+        # Cost unit uuid -> the workloads that held it at the last poll that saw it held: whom
+        # accounting books its idle time to (`IdleCharge.left_by`).
+        self._unit_left_by: dict[str, tuple[Workload, ...]] = {}
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
+        # Unobserved time waiting for a GPU to book it to, or for a GPU's price (accounting/unpriced.py).
+        self._unplaced = Unplaced()
+        self._unpriced = Unpriced()
         self._rule_states: Mapping[tuple[str, str], RuleState] = {}
         self._flags: tuple[Flag, ...] = ()
         self._stages = {name: _Stage(name) for name in STAGES}
@@ -221,6 +236,7 @@ class Pipeline:
         self._scheduler: BackgroundScheduler | None = None
         self._overrun_lock = threading.Lock()
         self._polling = threading.Lock()  # held by a scheduled poll while it runs
+        self.actions: ActionHook | None = None  # set by the wiring when actions are configured
 
     @property
     def state(self) -> AgentState:
@@ -290,8 +306,22 @@ class Pipeline:
             self._last_success_monotonic = self._monotonic()
         state = self._run("publish", lambda: self._publish(sampled, poll_duration_s), None)
         if state is not None:
+            state = self._act(state)
             self._state = state  # one reference assignment: scrapes see old or new, never half
         return self._state
+
+    def _act(self, state: AgentState) -> AgentState:
+        """The actions' decisions on the state about to be published, and their counts in it."""
+        actions = self.actions
+        if actions is None:
+            return state
+        try:
+            actions.observe(state)
+            return replace(state, actions=actions.counts())
+        except Exception:
+            # Like a failing stage: logged, and the poll's state is published all the same.
+            log.exception("the actions failed")
+            return state
 
     def _run(self, name: str, work: Callable[[], T], fallback: T) -> T:
         """Run one stage: time it, count its failure and hand back `fallback` if it raises."""
@@ -363,13 +393,14 @@ class Pipeline:
         changed = False
         for holding in attribution.holdings:
             workload = holding.workload
-            scrubbed = clean.get(workload)
-            if scrubbed is None:
+            scrubbed = clean.get(workload, workload)
+            if scrubbed is workload:  # not seen yet
                 values = {name: scrub_label(value) for name, value in workload.label_dict().items()}
-                scrubbed = workload if values == workload.label_dict() else Workload.from_labels(values)
-                clean[workload] = scrubbed
-            changed = changed or scrubbed is not workload
-            holdings.append(holding if scrubbed is workload else replace(holding, workload=scrubbed))
+                # None: nothing to scrub. Each poll's attribution may build its workloads anew,
+                # so "the same" means equal, not the object first remembered.
+                scrubbed = clean[workload] = None if values == workload.label_dict() else Workload.from_labels(values)
+            changed = changed or scrubbed is not None
+            holdings.append(holding if scrubbed is None else replace(holding, workload=scrubbed))
         return replace(attribution, holdings=tuple(holdings)) if changed else attribution
 
     def _account(self, sampled: Sampled, attribution: Attribution, earlier: Attribution) -> Charges | None:
@@ -379,11 +410,22 @@ class Pipeline:
         snapshot = sampled.snapshot
         if any(g.uuid not in self._prices for g in snapshot.gpus):
             self._prices.update(costing.prices(snapshot))
-        if sampled.previous is None:
+        previous = sampled.previous
+        if previous is None:
             self._book_downtime(snapshot, costing)
+            self._remember_holders(attribution)
+            return None
+        if not previous.gpus or not snapshot.gpus:
+            # No GPU known at one end (the driver could not list them and nothing else named
+            # them): the interval waits, unobserved, until GPUs are known to book it to.
+            down = snapshot if not snapshot.gpus else previous
+            if not down.driver_up:
+                self._unplaced.add(previous.taken_at, snapshot.taken_at, down.down_reason or UNOBSERVED_UNREADABLE)
+            for placed in self._unplaced.place(snapshot, self._prices, costing.energy_per_kwh):
+                self._book(placed, snapshot, costing)
             return None
         charges = account(
-            sampled.previous,
+            previous,
             snapshot,
             attribution,
             self._prices,
@@ -391,22 +433,46 @@ class Pipeline:
             energy_per_kwh=costing.energy_per_kwh,
             earlier=earlier,
             energy_before=self._last_energy,
+            left_by=self._unit_left_by,
         )
+        self._remember_holders(attribution)
         for gpu in snapshot.gpus:
             if gpu.energy_j is not None:
                 self._last_energy[gpu.uuid] = gpu.energy_j
-        totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
-        if costing.sink is not None:
-            costing.sink.add(charges)
-        self._totals = totals  # only once the ledger has them too: counters and ledger agree
+        self._book(charges, snapshot, costing)
         return charges
+
+    def _book(self, charges: Charges, snapshot: Snapshot, costing: Costing) -> None:
+        """The one way charges reach the counters and the ledger: less the time of GPUs that
+        wait for a price, plus the waiting time of GPUs that have one now."""
+        kept = self._unpriced.hold(charges, snapshot, self._prices)
+        for booked in (kept, *self._unpriced.release(snapshot, self._prices, costing.energy_per_kwh)):
+            totals = accumulate(self._totals, booked, forget_after_s=costing.forget_after_s)
+            if costing.sink is not None:
+                costing.sink.add(booked)
+            self._totals = totals  # only once the ledger has them too: counters and ledger agree
+
+    def _remember_holders(self, attribution: Attribution) -> None:
+        held: dict[str, set[Workload]] = {}
+        for h in attribution.holdings:
+            held.setdefault(h.device_uuid, set()).add(h.workload)
+        for uuid, workloads in held.items():
+            self._unit_left_by[uuid] = tuple(sorted(workloads))
 
     def _book_downtime(self, snapshot: Snapshot, costing: Costing) -> None:
         """At the first poll: the time since the ledger's record ended, when nobody watched,
         charged to nobody as unobserved (agent_down), so downtime between runs is in the
-        ledger and in report, not missing from both."""
+        ledger and in report, not missing from both. With no GPU known yet (the driver cannot
+        list them) it waits for them, like the time after it."""
         since = costing.sink.recorded_until if costing.sink is not None else None
-        if since is None or not 0 < snapshot.taken_at - since <= MAX_DOWNTIME_S or not snapshot.driver_up:
+        if since is None or not 0 < snapshot.taken_at - since <= MAX_DOWNTIME_S:
+            return
+        log.info(
+            "the agent was not running for %s before this start (the ledger's record ended then): booked as unobserved",
+            format_duration(snapshot.taken_at - since),
+        )
+        if not snapshot.gpus:
+            self._unplaced.add(since, snapshot.taken_at, UNOBSERVED_AGENT_DOWN)
             return
         charges = downtime(
             since,
@@ -416,22 +482,45 @@ class Pipeline:
             reason=UNOBSERVED_AGENT_DOWN,
             energy_per_kwh=costing.energy_per_kwh,
         )
-        log.info(
-            "the agent was not running for %s before this start (the ledger's record ended then): booked as unobserved",
-            format_duration(charges.end - charges.start),
-        )
-        self._totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
-        if costing.sink is not None:
-            costing.sink.add(charges)
+        self._book(charges, snapshot, costing)
+
+    def settle(self) -> None:
+        """Book what still waits, once, as the agent stops (before the ledger closes): a GPU
+        never identified, at $0 under its provisional uuid (its price is unknown without its
+        model); time before any GPU was known cannot be booked to one, and is said in a line."""
+        costing = self.costing
+        last = self._previous
+        if costing is None or last is None or not self._polling.acquire(blocking=False):
+            return  # nothing to book, or a poll is still running (stuck): it owns the totals
+        try:
+            for gpu, seconds, charges in self._unpriced.drain(last, costing.energy_per_kwh):
+                log.warning(
+                    "GPU %d was never identified: its %s unobserved before this stop are booked at $0 under %s, "
+                    "its price being unknown without its model",
+                    gpu.index, format_duration(seconds), gpu.uuid, extra={"gpu": gpu.index, "uuid": gpu.uuid},
+                )  # fmt: skip
+                for booked in charges:
+                    self._totals = accumulate(self._totals, booked, forget_after_s=costing.forget_after_s)
+                    if costing.sink is not None:
+                        costing.sink.add(booked)
+            if self._unplaced.seconds:
+                log.warning(
+                    "%s went unobserved with no GPU known to book it to: the driver never listed one",
+                    format_duration(self._unplaced.seconds),
+                )
+            self._state = replace(self._state, costs=self._totals)
+        finally:
+            self._polling.release()
 
     def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
         snapshot = sampled.snapshot
         parent = {d.uuid: d.parent_uuid or d.uuid for d in snapshot.devices}
-        holders: dict[str, set[Workload]] = {}
+        held_by: dict[str, set[Workload]] = {}
         for h in attribution.holdings:
             gpu_uuid = parent.get(h.device_uuid)
             if gpu_uuid is not None:
-                holders.setdefault(gpu_uuid, set()).add(h.workload)
+                held_by.setdefault(gpu_uuid, set()).add(h.workload)
+        holders = {uuid: tuple(sorted(workloads)) for uuid, workloads in held_by.items()}
         # Who left each GPU idle, as of before this poll: a clearing idle flag names them, not
         # the workload whose arrival cleared it.
         left_before = dict(self._left_by)
@@ -440,6 +529,7 @@ class Pipeline:
             return
         cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
         observations = []
+        node, interval_s = snapshot.node.hostname, sampled.interval_s
         for gpu in snapshot.gpus:
             charge = cost.get(gpu.uuid)
             observations.append(
@@ -447,12 +537,12 @@ class Pipeline:
                     gpu=gpu.index,
                     uuid=gpu.uuid,
                     model=gpu.model,
-                    node=snapshot.node.hostname,
+                    node=node,
                     up=gpu.up,
                     utilization=gpu.utilization,
                     memory_used_bytes=gpu.memory_used_bytes,
-                    holders=tuple(sorted(holders.get(gpu.uuid, ()))),
-                    interval_s=sampled.interval_s,
+                    holders=holders.get(gpu.uuid, ()),
+                    interval_s=interval_s,
                     dollars=charge.dollars if charge is not None else 0.0,
                     idle_dollars=charge.idle_dollars if charge is not None else 0.0,
                 )
@@ -460,11 +550,12 @@ class Pipeline:
         result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at)
         self._rule_states = result.states
         self._flags = result.flags
+        idle_rules = IDLE_RULES | {r.name for r in self.rules if r.condition == "idle"}
         for t in result.transitions:
             left = self._left_by.get(t.uuid) or left_before.get(t.uuid)
-            _log_transition(t, left if t.rule in IDLE_RULES else None)
+            _log_transition(t, left, idle=t.rule in idle_rules)
 
-    def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, set[Workload]]) -> None:
+    def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, tuple[Workload, ...]]) -> None:
         """Remember who held each GPU at the last poll that saw it held; once nobody holds it,
         they are who left it idle (`left_by`), until someone holds it again."""
         for gpu in snapshot.gpus:
@@ -472,7 +563,7 @@ class Pipeline:
                 continue
             held = holders.get(gpu.uuid)
             if held:
-                self._last_held[gpu.uuid] = LeftBy(gpu.index, gpu.uuid, tuple(sorted(held)), snapshot.taken_at)
+                self._last_held[gpu.uuid] = LeftBy(gpu.index, gpu.uuid, held, snapshot.taken_at)
                 self._left_by.pop(gpu.uuid, None)
             elif gpu.uuid in self._last_held:
                 self._left_by[gpu.uuid] = self._last_held[gpu.uuid]
@@ -499,11 +590,18 @@ class Pipeline:
             snapshot=snapshot,
             attribution=self._attribution if sampled is not None else previous.attribution,
             costs=self._totals if costing is not None else CostTotals(),
-            prices=tuple(sorted(self._prices.items())) if costing is not None else (),
+            prices=self._prices_at(snapshot.taken_at if snapshot is not None else None) if costing is not None else (),
             ledger=costing.sink.health() if costing is not None and costing.sink is not None else None,
             flags=self._flags,
             left_by=tuple(self._left_by[uuid] for uuid in sorted(self._left_by)),
             health=health,
+        )
+
+    def _prices_at(self, t: float | None) -> tuple[tuple[str, Price | None], ...]:
+        """Each GPU's price in force at `t` (a price history changes it over time)."""
+        return tuple(
+            (uuid, price.at(t) if price is not None and t is not None else price)
+            for uuid, price in sorted(self._prices.items())
         )
 
     def _stage_health(self, taken_at: float | None) -> tuple[StageHealth, ...]:
@@ -631,13 +729,21 @@ def run_on_scenario_time(
     return steps
 
 
-def _log_transition(t: Transition, left_by: LeftBy | None = None) -> None:
+NOBODY_SINCE_START = "(nobody since the agent started)"
+
+
+def _log_transition(t: Transition, left_by: LeftBy | None = None, *, idle: bool = True) -> None:
     """One structured line per flag change: GPU, rule, workload, how long, what it cost so far;
-    for the idle rules, who left the GPU idle and when (not whoever ends the idle stretch)."""
+    for the idle rules (`idle`), who left the GPU idle and when they were last seen on it (not
+    whoever ends the idle stretch), or that nobody has held it since the agent started."""
     workloads = ", ".join(w.describe() for w in t.holders) or "(nobody)"
     left = ""
-    if left_by is not None:
+    if not idle:
+        left_by = None
+    elif left_by is not None:
         left = f" left_by={left_by.describe()} left_at={datetime.fromtimestamp(left_by.at, UTC).isoformat()}"
+    else:
+        left = f" left_by={NOBODY_SINCE_START}"
     log.warning(
         "flag %s: rule=%s gpu=%d uuid=%s workload=%s for=%s cost_so_far=$%.2f%s",
         "raised" if t.raised else "cleared",
@@ -656,6 +762,6 @@ def _log_transition(t: Transition, left_by: LeftBy | None = None) -> None:
             "workload": workloads,
             "held_s": t.held_s,
             "cost_dollars": t.dollars,
-            "left_by": left_by.describe() if left_by is not None else None,
+            "left_by": left_by.describe() if left_by is not None else (NOBODY_SINCE_START if idle else None),
         },
     )

@@ -80,16 +80,17 @@ NOTES = (
     "Health readings (all three readers): clocks and their maxima, fan, performance state, clock-event"
     " reasons, violation time, ECC, retired pages, remapped rows, PCIe link and replays, NVLink errors and"
     " traffic, encoder, decoder, memory controller. gpuledger batches every counter NVML has a field id for into"
-    " its one nvmlDeviceGetFieldValues call, reads the maxima once, and reads the slowly changing ones"
-    " (performance state, fan, PCIe link, encoder, decoder, and the counters) every readings.slow_interval (30s):"
-    " with the clock moving 5s a poll, one poll in six (the fractional counts). nvitop reads those nvitop has no"
+    " its one nvmlDeviceGetFieldValues call, reads the maxima once and the SM clock every poll, and the rest"
+    " (memory clock, performance state, clock-event reasons, fan, PCIe link, encoder, decoder, and the counters)"
+    " every readings.slow_interval (30s): with the clock moving 5s a poll, one poll in six (the fractional"
+    " counts). nvitop reads those nvitop has no"
     " method for through Device.__getattr__'s pynvml pass-through, one call each (36 for the NVLink errors of a"
     " 12-link GPU).",
     "Scale: medians over --scale-polls polls; attribution steady (process cache warm), each device allocated to"
     " one Slurm job. Calls are per physical GPU (a MIG GPU's instances count toward their GPU); us/process is"
     " the sampler's time over the node's processes: flat from 512 to 2048 processes means linear growth. A MIG"
     " GPU reads each instance's memory (7 calls when fully split) and so takes all its health readings on the"
-    " slow rhythm: 10 calls on the polls between, 16 on a slow one (11 on average at 5s polls).",
+    " slow rhythm: on top of its 10 calls, 6 every slow interval (11 on average at 5s polls).",
 )
 
 
@@ -357,6 +358,8 @@ def floor_reader(node: fake_nvml.InstalledNode) -> Reader:
     # Per-process samples since the previous poll, as gpuledger asks for them (passing 0 instead
     # would re-read each process's whole sample buffer every poll and slow the floor down).
     last_seen = [0] * len(handles)
+    # The device's own utilization samples since the previous poll, as gpuledger reads them too.
+    device_seen = [0] * len(handles)
 
     # Each reading is taken out of its ctypes struct into a plain value, as any caller must to
     # use it; nothing more (no per-pid averaging, no objects): that is left to `readings`.
@@ -378,6 +381,13 @@ def floor_reader(node: fake_nvml.InstalledNode) -> Reader:
                 samples = []
             if samples:
                 last_seen[i] = max(stamp for _, stamp, _ in samples)
+            try:
+                _kind, found = pynvml.nvmlDeviceGetSamples(h, pynvml.NVML_GPU_UTILIZATION_SAMPLES, device_seen[i])
+                device = [(s.timeStamp, s.sampleValue.uiVal) for s in found]
+            except pynvml.NVMLError_NotFound:
+                device = []
+            if device:
+                device_seen[i] = max(stamp for stamp, _ in device)
             health = _floor_health(h, links[i], traffic, i)
             rows.append(
                 (util, memory.used, memory.total, temperature, power, energy, nvlinks, processes, samples, health)

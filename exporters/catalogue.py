@@ -188,6 +188,31 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "seconds",
     ),
     MetricSpec(
+        "gpuledger_gpu_idle_left_by_seconds_total",
+        Kind.COUNTER,
+        "Idle time of the GPU by who left it idle: the workload that held it last before each idle stretch "
+        "(all workload labels empty where nobody has held it since the agent started). A workload's series "
+        "goes once it has added nothing for accounting.forget_after.",
+        WORKLOAD,
+        "seconds",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_idle_left_by_cost_dollars_total",
+        Kind.COUNTER,
+        "Idle cost of the GPU by who left it idle (labels as gpuledger_gpu_idle_left_by_seconds_total): "
+        "what nobody held, named after the last holder.",
+        WORKLOAD,
+        "dollars",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_busy_seconds_total",
+        Kind.COUNTER,
+        "Time the GPU was busy while observed: its utilization averaged over its own samples of each "
+        "interval (nvmlDeviceGetSamples) x the interval. Its workloads' busy seconds never add up to more.",
+        DEVICE,
+        "seconds",
+    ),
+    MetricSpec(
         "gpuledger_gpu_observed_seconds_total",
         Kind.COUNTER,
         "Time covered by polls close enough together to be charged.",
@@ -220,8 +245,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuledger_gpu_price_info",
         Kind.INFO,
-        "Where the GPU's price comes from (config override, instance type, catalogue); always 1.",
-        (*DEVICE, "source"),
+        "Where the GPU's price comes from (source: config, instance or catalogue; `snapshot` cites it in "
+        "full) and how the node is bought (purchase: on_demand, spot, reserved, savings_plan, committed); always 1.",
+        (*DEVICE, "source", "purchase"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_price_mismatch",
+        Kind.GAUGE,
+        "1 when the node's instance type comes with another GPU model than the one NVML reports (the GPU is "
+        "then priced by its own model), 0 otherwise.",
+        DEVICE,
     ),
     MetricSpec("gpuledger_gpu_flag", Kind.GAUGE, "1 while the rule holds for the GPU, 0 otherwise.", (*DEVICE, "rule")),
     MetricSpec(
@@ -244,6 +277,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         Kind.GAUGE,
         "1 for each workload holding a GPU flagged allocated_idle or stranded_memory: who to ask.",
         (*WORKLOAD, "rule"),
+    ),
+    MetricSpec(
+        "gpuledger_actions_total",
+        Kind.COUNTER,
+        "Decisions and outcomes of the configured actions (config actions.triggers), by result: executed, "
+        "failed, timeout, dry_run, denied, cooldown, deferred.",
+        ("action", "result"),
     ),
     MetricSpec("gpuledger_ledger_up", Kind.GAUGE, "1 while the ledger's last flush succeeded, 0 while failing.", ()),
     MetricSpec("gpuledger_ledger_pending_rows", Kind.GAUGE, "Ledger rows waiting for the next flush.", ()),
@@ -321,6 +361,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         ("call", "error"),
     ),
     MetricSpec("gpuledger_nvml_up", Kind.GAUGE, "1 while NVML is initialised and answering, 0 otherwise.", ()),
+    MetricSpec(
+        "gpuledger_undiscovered_gpus",
+        Kind.GAUGE,
+        "GPUs the node has (by NVML's count; while the driver cannot say, by the PCI bus or the ledger) that "
+        "discovery has not identified yet: retried with backoff, the agent degraded meanwhile; 0 when all are.",
+        (),
+    ),
     MetricSpec(
         "gpuledger_build_info",
         Kind.INFO,

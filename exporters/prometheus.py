@@ -71,6 +71,7 @@ class GpuledgerCollector(Collector):
             _workload_series(out, state, self._per_pid)
             out.add("gpuledger_poll_duration_seconds", (), snapshot.poll_duration_s)
             out.add("gpuledger_nvml_up", (), 1.0 if snapshot.driver_up else 0.0)
+            out.add("gpuledger_undiscovered_gpus", (), float(sum(not d.discovered for d in snapshot.gpus)))
         _cost_series(out, state)
         _flag_series(out, state)
         if state.attribution.kubelet_up is not None:
@@ -88,6 +89,8 @@ class GpuledgerCollector(Collector):
                 out.add("gpuledger_stage_last_success_timestamp_seconds", (stage.stage,), stage.last_success_at)
         for call, error, count in health.nvml_errors:
             out.add("gpuledger_nvml_errors_total", (call, error), count)
+        for action, result, count in state.actions:
+            out.add("gpuledger_actions_total", (action, result), count)
         out.add("gpuledger_build_info", (__version__, driver, cuda), 1.0)
         yield from out
 
@@ -190,6 +193,12 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_gpu_idle_cost_dollars_total", ids, g.idle_dollars)
         out.add("gpuledger_gpu_idle_seconds_total", ids, g.idle_s)
         out.add("gpuledger_gpu_observed_seconds_total", ids, g.observed_s)
+        if g.busy_s is not None:
+            out.add("gpuledger_gpu_busy_seconds_total", ids, g.busy_s)
+        for left_by, idle in sorted(g.idle_by_left.items()):
+            labels = (*ids, *left_by.labels())
+            out.add("gpuledger_gpu_idle_left_by_seconds_total", labels, idle.idle_s)
+            out.add("gpuledger_gpu_idle_left_by_cost_dollars_total", labels, idle.idle_dollars)
         # no_poll is there from the start at 0, so that cost + idle + unobserved sums in PromQL
         # have a series to add; the other reasons appear with their first second.
         reasons = {UNOBSERVED_NO_POLL: (0.0, 0.0), **g.unobserved_by_reason}
@@ -203,7 +212,8 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         for uuid, price in state.prices:
             if price is not None and uuid in index:
                 out.add("gpuledger_gpu_price_dollars_per_hour", (str(index[uuid]), uuid), price.dollars_per_hour)
-                out.add("gpuledger_gpu_price_info", (str(index[uuid]), uuid, price.source), 1.0)
+                out.add("gpuledger_gpu_price_info", (str(index[uuid]), uuid, price.origin, price.purchase), 1.0)
+                out.add("gpuledger_gpu_price_mismatch", (str(index[uuid]), uuid), 1.0 if price.mismatch else 0.0)
     if state.ledger is not None:
         out.add("gpuledger_ledger_up", (), 1.0 if state.ledger.healthy else 0.0)
         out.add("gpuledger_ledger_pending_rows", (), float(state.ledger.pending_rows))

@@ -12,7 +12,9 @@ so nothing has to be looked up in a table to know which device a handle names.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
+import struct
 import sys
 import threading
 import time
@@ -33,6 +35,7 @@ UNINITIALIZED = ERROR_CODES["UNINITIALIZED"]
 
 _HANDLE_TAG = 0x6E760000  # "nv" in the high bytes: a handle this library made
 _HANDLE_MASK = 0xFFFF0000
+_DECODED_KEPT = 1024  # handle objects remembered (a node has a few dozen devices)
 
 # Field ids (nvml.h) the fake answers in nvmlDeviceGetFieldValues, and the call each mirrors:
 # a fault on the call hits the field too, as a sensor that is missing is missing either way.
@@ -249,6 +252,8 @@ class FakeNvmlLibrary:
         self._hidden.update(n for n, since in FUNCTION_SINCE_DRIVER.items() if major < since)
         self._fields_hidden = {f for f, since in FIELD_SINCE_DRIVER.items() if major < since}
         self._devices: dict[int, Dev | None] = {}
+        self._decoded: dict[int, tuple[Any, Dev | None]] = {}  # id(handle) -> (handle, device)
+        self._synced_at: float | None = None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         spec = _REGISTRY.get(name)
@@ -265,7 +270,7 @@ class FakeNvmlLibrary:
         fam = family(name)
         impl = spec.impl
         calls = node.calls
-        now = node.now
+        now = node.clock.now
         sync_host = node.sync_host
         faults_for = node.faults_for
         takes_device = spec.takes_device
@@ -279,7 +284,11 @@ class FakeNvmlLibrary:
         def symbol(*args: Any) -> Any:
             calls[name] += 1
             t = now()
-            sync_host(t)
+            # Host files depend on scenario time alone: one sync per instant is enough, and a
+            # poll makes dozens of calls at the same instant.
+            if t != self._synced_at:
+                sync_host(t)
+                self._synced_at = t
             if node_latencies:
                 latency = node.call_latency_s(name, fam, None, t)
                 if latency:
@@ -318,6 +327,19 @@ class FakeNvmlLibrary:
     # -- handles ------------------------------------------------------------------------------
 
     def _decode(self, handle: Any) -> Dev | None:
+        # The handles a caller keeps are asked about on every call: known by identity (the
+        # object is held, so its id is not reused) until a handle lookup writes into one.
+        known = self._decoded.get(id(handle))
+        if known is not None and known[0] is handle:
+            return known[1]
+        dev = self._decode_handle(handle)
+        if isinstance(handle, ctypes._Pointer):
+            if len(self._decoded) >= _DECODED_KEPT:
+                self._decoded.clear()
+            self._decoded[id(handle)] = (handle, dev)
+        return dev
+
+    def _decode_handle(self, handle: Any) -> Dev | None:
         if isinstance(handle, ctypes._Pointer):
             # A pointer's bytes are its address: read them rather than cast, which costs five
             # times as much, and every device call decodes its handle.
@@ -344,10 +366,11 @@ class FakeNvmlLibrary:
             return None
         return Dev(gpu, mig)
 
-    @staticmethod
-    def _store_handle(out: Any, gpu: int, mig: int | None = None) -> None:
+    def _store_handle(self, out: Any, gpu: int, mig: int | None = None) -> None:
         value = _HANDLE_TAG | ((gpu + 1) << 8) | (0 if mig is None else mig + 1)
-        ctypes.c_void_p.from_buffer(_obj(out)).value = value
+        handle = _obj(out)
+        ctypes.c_void_p.from_buffer(handle).value = value
+        self._decoded.pop(id(handle), None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -994,17 +1017,49 @@ def _process_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, samples: Any,
     if samples is None or counter.value < len(found):
         counter.value = len(found)
         return INSUFFICIENT_SIZE
-    array = _obj(samples)
-    for i, (pid, stamp_us, sm_util) in enumerate(found):
-        sample = array[i]
-        sample.pid = pid
-        sample.timeStamp = stamp_us
-        sample.smUtil = sm_util
-        sample.memUtil = 0
-        sample.encUtil = 0
-        sample.decUtil = 0
+    # Packed in one go (memUtil, encUtil and decUtil 0): a busy GPU has dozens of samples a
+    # poll, and six ctypes attribute writes each cost more.
+    values = [value for pid, stamp_us, sm_util in found for value in (pid, stamp_us, sm_util, 0, 0, 0)]
+    _samples_layout(len(found)).pack_into(_obj(samples), 0, *values)
     counter.value = len(found)
     return SUCCESS
+
+
+GPU_UTILIZATION_SAMPLES = 1  # nvmlSamplingType_t NVML_GPU_UTILIZATION_SAMPLES
+
+
+@_c("nvmlDeviceGetSamples")
+def _samples(
+    lib: FakeNvmlLibrary, t: float, dev: Dev, kind: Any, last_seen: Any, value_type: Any, count: Any, samples: Any
+) -> int:
+    # GPU utilization samples only, and, like nvmlDeviceGetUtilizationRates, none under MIG.
+    if _int(kind) != GPU_UTILIZATION_SAMPLES or dev.mig is not None or lib._node.gpu(dev.gpu).mig:
+        return NOT_SUPPORTED
+    found = lib._node.device_samples(dev.gpu, _int(last_seen), t)
+    if not found:
+        return NOT_FOUND
+    _obj(value_type).value = _VALUE_TYPE_UINT
+    counter = _obj(count)
+    if samples is None:  # the size query pynvml's wrapper makes first
+        counter.value = len(found)
+        return SUCCESS
+    if counter.value < len(found):
+        counter.value = len(found)
+        return INSUFFICIENT_SIZE
+    array = _obj(samples)
+    for i, (stamp_us, percent) in enumerate(found):
+        sample = array[i]
+        sample.timeStamp = stamp_us
+        sample.sampleValue.uiVal = percent
+    counter.value = len(found)
+    return SUCCESS
+
+
+@functools.lru_cache(maxsize=64)
+def _samples_layout(count: int) -> struct.Struct:
+    """`count` nvmlProcessUtilizationSample_t: pid, timeStamp, smUtil, memUtil, encUtil, decUtil,
+    aligned as the C struct is."""
+    return struct.Struct("@" + "IQIIII" * count)
 
 
 @_c("nvmlDeviceGetAccountingMode")

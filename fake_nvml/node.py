@@ -17,6 +17,10 @@ from fake_nvml.scenario import Fault, Gpu, Process, Scenario
 # and how many it keeps per process (the real driver keeps a short ring buffer too).
 PROCESS_SAMPLE_PERIOD_S = 1.0
 PROCESS_SAMPLES_KEPT = 32
+# The device's own utilization samples (nvmlDeviceGetSamples, GPU_UTILIZATION_SAMPLES): one per
+# period whether or not anything ran (0 then), and a longer ring than the per-process one.
+DEVICE_SAMPLE_PERIOD_S = 1.0
+DEVICE_SAMPLES_KEPT = 120
 _NONE_DOWN: frozenset[int] = frozenset()
 
 
@@ -34,17 +38,18 @@ class ScenarioClock:
     ) -> None:
         self.start_epoch = start_epoch
         self._monotonic = monotonic
-        self._lock = threading.Lock()
-        self._base_s = 0.0
-        self._speed = speed
-        self._anchor = monotonic()
+        self._lock = threading.Lock()  # one writer at a time
+        # (scenario seconds at the anchor, the anchor on the monotonic clock, speed): replaced
+        # whole by a writer, so a reader needs no lock, only one read of it. Every fake driver
+        # call reads the clock.
+        self._state = (0.0, monotonic(), speed)
 
     def now(self) -> float:
         """Scenario seconds since t=0."""
-        with self._lock:
-            if self._speed:
-                return self._base_s + (self._monotonic() - self._anchor) * self._speed
-            return self._base_s
+        base_s, anchor, speed = self._state
+        if speed:
+            return base_s + (self._monotonic() - anchor) * speed
+        return base_s
 
     def wall_time(self) -> float:
         """Unix time the scenario is at now: what a real node's wall clock would show."""
@@ -55,15 +60,16 @@ class ScenarioClock:
         if seconds < 0:
             raise ValueError("the scenario clock does not run backwards")
         with self._lock:
-            self._base_s += seconds
-            return self._base_s + (self._monotonic() - self._anchor) * self._speed
+            base_s, anchor, speed = self._state
+            base_s += seconds
+            self._state = (base_s, anchor, speed)
+            return base_s + (self._monotonic() - anchor) * speed
 
     def set_speed(self, speed: float) -> None:
         with self._lock:
             now = self._monotonic()
-            self._base_s += (now - self._anchor) * self._speed
-            self._anchor = now
-            self._speed = speed
+            base_s, anchor, old_speed = self._state
+            self._state = (base_s + (now - anchor) * old_speed, now, speed)
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class FakeNode:
         # utilization, energy): each memo keeps the last t's answer per key.
         self._running_memo: dict[tuple[int, int | None], tuple[float, tuple[Process, ...]]] = {}
         self._utilization_memo: dict[int, tuple[float, float]] = {}
+        self._segment_times: dict[int, list[float]] = {}  # id(process) -> its segments' start times
         # The faults that can touch a call, per (call, family, gpu): the scenario's faults never
         # change, so each call looks through only its own.
         self._nvlink_faults = {
@@ -189,6 +196,38 @@ class FakeNode:
             return _NONE_DOWN
         return frozenset(link for f in faults if f.active(t) for link in f.nvlink_down)
 
+    def device_samples(self, gpu: int, last_seen_us: int, t: float) -> list[tuple[int, int]]:
+        """(timestamp_us, percent) GPU utilization samples newer than `last_seen_us`.
+
+        Derived as the per-process samples are: at each DEVICE_SAMPLE_PERIOD_S of scenario time,
+        the whole percents of the processes running then, summed and capped at 100. Unlike the
+        per-process ones, a period with no work has its sample too (0%), and a process that has
+        ended still shows in the samples of the periods it ran. Only the newest
+        DEVICE_SAMPLES_KEPT survive.
+        """
+        start_epoch = self.clock.start_epoch
+        newest_k = int(t // DEVICE_SAMPLE_PERIOD_S)
+        unseen_k = math.floor((last_seen_us / 1_000_000 - start_epoch) / DEVICE_SAMPLE_PERIOD_S)
+        entries = self._by_gpu[gpu]
+        samples: list[tuple[int, int]] = []
+        for k in range(max(newest_k - DEVICE_SAMPLES_KEPT + 1, unseen_k, 0), newest_k + 1):
+            at = k * DEVICE_SAMPLE_PERIOD_S
+            stamp_us = round((start_epoch + at) * 1_000_000)
+            if stamp_us <= last_seen_us:
+                continue
+            percent = sum(round(self._util_at(e.process, at)) for e in entries if e.process.running_at(at))
+            samples.append((stamp_us, min(percent, 100)))
+        return samples
+
+    def _util_at(self, process: Process, t: float) -> float:
+        """`process.sm_util_at` for scenario time t, by bisection: a bursty process has hundreds
+        of segments and every device sample looks one up."""
+        times = self._segment_times.get(id(process))
+        if times is None:
+            times = self._segment_times[id(process)] = [s.at_s for s in process.segments]
+        i = bisect.bisect_right(times, t - process.start_s)
+        return process.segments[i - 1].sm_util if i else 0.0
+
     def process_samples(self, gpu: int, last_seen_us: int, t: float) -> list[tuple[int, int, int]]:
         """(pid, timestamp_us, sm_util) samples newer than `last_seen_us`, as the driver keeps them.
 
@@ -212,16 +251,19 @@ class FakeNode:
             # as samples move forward in time that boundary only moves forward too, so it is
             # walked once per process rather than searched for every sample (`sm_util_at`).
             segments, start_s, pid = process.segments, process.start_s, process.pid
+            count = len(segments)
             in_force, util = 0, 0
+            next_change_s = segments[0].at_s if count else math.inf
             for k in range(max(first_k, 0), newest_k + 1):
                 at = k * PROCESS_SAMPLE_PERIOD_S
                 stamp_us = round((start_epoch + at) * 1_000_000)
                 if stamp_us <= last_seen_us:
                     continue
-                if in_force < len(segments) and segments[in_force].at_s <= at - start_s:
-                    while in_force < len(segments) and segments[in_force].at_s <= at - start_s:
+                if at - start_s >= next_change_s:
+                    while in_force < count and segments[in_force].at_s <= at - start_s:
                         in_force += 1
                     util = round(segments[in_force - 1].sm_util)
+                    next_change_s = segments[in_force].at_s if in_force < count else math.inf
                 if util > 0:
                     samples.append((pid, stamp_us, util))
         return samples

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fake_nvml
+from agent.actions import Actions, Trigger
 from agent.cli.wiring import rule_specs
 from agent.config import ReadingsConfig, Settings
 from agent.ledger.sink import LedgerSink
@@ -29,9 +30,12 @@ UPDATE = os.environ.get("GPULEDGER_UPDATE_GOLDEN") == "1"  # GPULEDGER_UPDATE_GO
 PRICE = Price(2.745, "test price")
 
 
-def simulate(scenario: object, at_s: float, tmp_path: Path, flush: bool = False) -> AgentState:
-    """The whole pipeline (attribution, cost, the default rules, a ledger) polling `scenario`
-    every minute up to at_s - 5, then at at_s, as the daemon would have since t=0."""
+def simulate(
+    scenario: object, at_s: float, tmp_path: Path, flush: bool = False, triggers: Sequence[Trigger] = ()
+) -> AgentState:
+    """The whole pipeline (attribution, cost, the default rules, a ledger, and the actions
+    `triggers` if any) polling `scenario` every minute up to at_s - 5, then at at_s, as the
+    daemon would have since t=0."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     ledger = LedgerSink(tmp_path / "ledger.db", retention_s=None, clock=lambda: 1_795_300_000.0)
     rig = Rig(
@@ -40,6 +44,8 @@ def simulate(scenario: object, at_s: float, tmp_path: Path, flush: bool = False)
         costing=Costing(prices=lambda s: {g.uuid: PRICE for g in s.gpus}, energy_per_kwh=0.12, sink=ledger),
         flag_rules=rule_specs(Settings()),
     )
+    if triggers:
+        rig.pipeline.actions = Actions(triggers)
     rig.run(at_s - 5, 60)
     if flush:
         rig.pipeline.flush_ledger()
@@ -124,6 +130,13 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
         # A job that ends, leaving its GPU idle: the left-by series.
         simulate(
             {"gpus": [{"count": 1}], "processes": [{"pid": 301, "gpus": [0], "end": "15s"}]}, 30, tmp_path / "left"
+        ),
+        # An action (a dry run) on an idle GPU: the actions' counters.
+        simulate(
+            {"gpus": [{"count": 1}]},
+            3600,
+            tmp_path / "act",
+            triggers=[Trigger("notify", "idle", "gpu", webhook_url="http://127.0.0.1:9/")],
         ),
         # Hardware trouble and the boards with a fan and with retired pages, PCIe throughput on.
         health_state("health", 3 * 3600),

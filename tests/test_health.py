@@ -178,7 +178,7 @@ def test_slow_readings_are_read_every_slow_interval_and_carried_between(install:
     calls = node.calls - before
     assert calls["nvmlDeviceGetPerformanceState"] == 3
     assert calls["nvmlDeviceGetCurrPcieLinkGeneration"] == 3
-    assert calls["nvmlDeviceGetClockInfo"] == 2 * 13  # SM and memory, every poll
+    assert calls["nvmlDeviceGetClockInfo"] == 13 + 3  # the SM clock every poll, the memory clock slow
     assert calls["nvmlDeviceGetMaxClockInfo"] == 2  # once
     assert states == [0] * 13  # carried into the polls between
 
@@ -208,11 +208,12 @@ def test_a_default_poll_costs_at_most_ten_calls_per_gpu_in_steady_state(install:
         sampler.poll()
         node.clock.advance(5)
     calls = sum((node.calls - before).values())
-    # 8 GPUs; busy ones: field values, memory, utilization, temperature, processes, process samples,
-    # SM and memory clocks, clock-event reasons (9), and every sixth poll performance state, PCIe
-    # generation and width, encoder and decoder (5). The two idle GPUs read no process samples.
+    # 8 GPUs; busy ones: field values, memory, utilization, the device's utilization samples,
+    # temperature, processes, process samples, SM clock (8), and every sixth poll the memory
+    # clock, performance state, clock-event reasons, PCIe generation and width, encoder and
+    # decoder (7). The two idle GPUs read no process samples.
     assert calls / polls / 8 <= 10
-    assert calls == polls * (6 * 9 + 2 * 8) + 4 * 8 * 5
+    assert calls == polls * (6 * 8 + 2 * 7) + 4 * 8 * 7
 
 
 # --- fallbacks that fall back ---------------------------------------------------------------------
@@ -278,9 +279,9 @@ def test_clock_event_reasons_fall_back_to_the_throttle_reasons_call(install: Any
             "faults": [{"gpu": 0, "call": "nvmlDeviceGetCurrentClocksEventReasons", "error": "NOT_SUPPORTED"}],
         }
     )
-    for _ in range(3):
+    for _ in range(3):  # every 35 s: the reasons are read at each poll
         snapshot = sampler.poll()
-        node.clock.advance(5)
+        node.clock.advance(35)
     assert health_of(snapshot, 0).reasons() == ("gpu_idle",)
     assert node.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 1
     assert node.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 3
@@ -386,8 +387,8 @@ def test_a_mig_gpu_reads_its_own_health_on_the_slow_rhythm(install: Any) -> None
     assert (t.encoder_utilization, t.memory_utilization) == (None, None)  # none in MIG mode
     assert all(d.telemetry is None for d in instances)
     # Between slow polls the parent asks nothing for its health: its instances fill the poll.
-    assert between["nvmlDeviceGetClockInfo"] == 2  # GPU 1 (whole) only: its SM and memory clocks
-    assert between["nvmlDeviceGetCurrentClocksEventReasons"] == 1
+    assert between["nvmlDeviceGetClockInfo"] == 1  # GPU 1 (whole) only: its SM clock
+    assert between["nvmlDeviceGetCurrentClocksEventReasons"] == 0  # slow on every GPU
     assert health_of(first, 1).sm_clock_hz == A100_SM_MHZ * MHZ
 
 

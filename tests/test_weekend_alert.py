@@ -22,8 +22,8 @@ STEP_S = 60
 OFFSET_MIN = (24 + 18) * 60
 KEEP = WEEKEND_ALERT_SERIES
 TARGET = {"cluster": "sim", "instance": "gpu-node-07:9835", "job": "gpuledger"}
-P4D = load_catalogue().instance_types["p4d.24xlarge"]
-BURN = P4D.dollars_per_hour  # all eight GPUs idle: the whole instance's price per hour
+P4DE = load_catalogue().instance_types["p4de.24xlarge"]
+BURN = P4DE.dollars_per_hour  # all eight GPUs idle: the whole instance's price per hour
 
 
 def series_of(run: WeekendIdleRun, hours: float) -> dict[str, list[float]]:
@@ -71,8 +71,10 @@ def test_the_weekend_idle_simulation_fires_the_weekend_alert_with_its_dollars(
         f"Idle cost this weekend so far (since Saturday 00:00 UTC): ${weekend_dollars:.2f}; over the last 4h: "
         f"${last_4h:.2f}; burning ${BURN:.2f}/h now. "
         # Who left them idle: job 9001 ends at 22:00 Friday; the last minute's poll that saw it
-        # on its GPUs was 21:59.
-        "Left idle by job 9001 (user dave), last seen on them at 2026-11-20 21:59:00 +0000 UTC. "
+        # on its GPUs was 21:59. All the idle cost of the last 4h is booked to it: it left all
+        # eight GPUs idle (gpuledger_gpu_idle_left_by_cost_dollars_total).
+        "Left idle by job 9001 (user dave), last seen on them at 2026-11-20 21:59:00 +0000 UTC: "
+        f"${last_4h:.2f} of idle cost over the last 4h. "
         "Scale the node pool down or give the GPUs to a batch queue."
     )
     test = {

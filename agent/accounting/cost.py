@@ -6,7 +6,9 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
   - Over the interval dt between two polls a unit costs price x weight x dt. Nobody holding it:
     all of that is idle cost. Otherwise it is split among its holders by measured SM
     utilization; where none was measured, by memory held; where neither, equally.
-  - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization.
+  - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization,
+    and a unit's holders' busy seconds never add up to more than the GPU's own (its utilization
+    averaged over its samples of the interval x dt): where they would, each is scaled down.
     Charged seconds are held seconds x the holder's share (the share that splits the dollars):
     a unit's charged seconds plus its idle seconds are its observed seconds, so they add up
     across holders where held seconds count a shared unit once per holder.
@@ -16,18 +18,27 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
   - Time is a partition: each unit-second is charged to workloads, idle (observed, held by
     nobody) or unobserved (charged to nobody, with the reason): the interval was longer than
     `max_interval_s` (no poll: the agent stopped, the node slept), the GPU could not be read at
-    either end (its NVML error: GPU_IS_LOST, TIMEOUT, ...), or the unit's process list failed
-    and no allocation names a holder. Charged + idle + unobserved = price x weight x dt.
-The interval is described by the later poll: its per-process utilization is the mean of the
-driver's samples since the earlier poll, and its holders are those seen at its end.
+    either end (its NVML error: GPU_IS_LOST, TIMEOUT, ...), the unit's process list failed
+    and no allocation names a holder, or nobody runs on it and its allocations cannot be known
+    (attribution_unavailable: the kubelet unreachable past attribution.kubelet_stale_after).
+    Charged + idle + unobserved = price x weight x dt.
+  - Boundaries (`agent.accounting.boundaries`): a holder at both polls held the whole
+    interval; one gone by the later poll held its first half; one new at the later poll held it
+    from its start where that is known (process or allocation start), else from the midpoint.
+    Idle stretches carry who left the unit idle (`IdleCharge.left_by`).
+The interval's per-process utilization is the mean of the driver's samples since the earlier
+poll (read at the later one), its holders those seen at its two ends.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from agent.accounting.boundaries import Part, stretches
 from agent.model import (
+    UNOBSERVED_ATTRIBUTION,
     UNOBSERVED_NO_POLL,
     UNOBSERVED_PROCESSES,
     UNOBSERVED_UNREADABLE,
@@ -38,6 +49,8 @@ from agent.model import (
     GpuCharge,
     GpuTotals,
     Holding,
+    IdleCharge,
+    IdleTotals,
     Price,
     Snapshot,
     Workload,
@@ -55,8 +68,10 @@ class CostUnit:
     device: DeviceReading | None  # the unit's own reading (None for unassigned SMs)
 
 
-def cost_units(snapshot: Snapshot, gpu: DeviceReading) -> list[CostUnit]:
-    migs = snapshot.mig_devices(gpu.uuid)
+def cost_units(snapshot: Snapshot, gpu: DeviceReading, migs: tuple[DeviceReading, ...] | None = None) -> list[CostUnit]:
+    """The GPU's cost units; `migs`, its MIG devices where the caller has them at hand."""
+    if migs is None:
+        migs = snapshot.mig_devices(gpu.uuid)
     if not migs:
         return [CostUnit(gpu, gpu.uuid, 1.0, gpu)]
     if gpu.sm_count and all(m.sm_count for m in migs):
@@ -73,12 +88,21 @@ def cost_units(snapshot: Snapshot, gpu: DeviceReading) -> list[CostUnit]:
     return units
 
 
+def device_busy_ratio(device: DeviceReading | None) -> float | None:
+    """How busy the device was over the interval (0-1): its utilization averaged over its own
+    samples since the previous poll, else (those could not be read) its latest reading; None
+    where it measures none (MIG)."""
+    if device is None:
+        return None
+    return device.interval_utilization if device.interval_utilization is not None else device.utilization
+
+
 def holder_utilization(holding: Holding, unit: CostUnit, holders: int) -> float | None:
     """The holder's measured share of the unit's SMs; None when the device cannot tell."""
     if holding.sm_util is not None:
         return holding.sm_util
-    if holders == 1 and unit.device is not None and unit.device.utilization is not None:
-        return unit.device.utilization  # a sole holder of a GPU that measures only as a whole
+    if holders == 1:
+        return device_busy_ratio(unit.device)  # a sole holder of a GPU that measures only as a whole
     return None
 
 
@@ -103,25 +127,38 @@ def _charge(
     workloads: dict[tuple[int, str, Workload], _Acc],
     gpu_index: int,
     unit: CostUnit,
-    holders: tuple[Holding, ...],
+    parts: tuple[Part, ...],
     held: float,
     dollars: float,
     joules: float,
 ) -> None:
-    """`held` unit-seconds costing `dollars` and `joules`, split among `holders`."""
+    """`held` unit-seconds costing `dollars` and `joules`, split among the holders of `parts`."""
+    holders = tuple(p.holding for p in parts)
     utils = [holder_utilization(h, unit, len(holders)) for h in holders]
+    # Each holder's utilization over its own part of the interval (see Part.util_scale).
+    utils = [None if u is None else min(u * p.util_scale, 1.0) for u, p in zip(utils, parts, strict=True)]
     seen: dict[Workload, float] = {}
     for holding, share, util in zip(holders, split_shares(holders, utils), utils, strict=True):
-        acc = workloads.setdefault((gpu_index, unit.uuid, holding.workload), _Acc())
+        workload = holding.workload
+        acc = workloads.get((gpu_index, unit.uuid, workload))
+        if acc is None:
+            acc = workloads[(gpu_index, unit.uuid, workload)] = _Acc()
+        acc.account = acc.account or holding.account
         # Per-pid holdings of one workload each held the unit: count its time once (per part).
-        if held > seen.get(holding.workload, 0.0):
-            acc.held_s += held - seen.get(holding.workload, 0.0)
-            seen[holding.workload] = held
+        counted = seen.get(workload, 0.0)
+        if held > counted:
+            acc.held_s += held - counted
+            seen[workload] = held
         acc.busy_s += held * min(util or 0.0, 1.0)
         # Summed, unlike held: each of a workload's holdings is its own part of the share.
         acc.charged_s += held * share
         acc.dollars += dollars * share
         acc.joules += joules * share
+
+
+def _by_index(index: int) -> str:
+    """The key an undiscovered GPU's previous reading is also found by (no uuid looks like it)."""
+    return f"#{index}"
 
 
 def _unobserved(prev: DeviceReading | None, curr: DeviceReading, dt: float, max_interval_s: float) -> str | None:
@@ -153,6 +190,7 @@ class _Acc:
     charged_s: float = 0.0
     dollars: float = 0.0
     joules: float = 0.0
+    account: str = ""
 
 
 def account(
@@ -165,14 +203,17 @@ def account(
     energy_per_kwh: float | None = None,
     earlier: Attribution | None = None,
     energy_before: Mapping[str, float] | None = None,
+    left_by: Mapping[str, tuple[Workload, ...]] | None = None,
 ) -> Charges:
     """Charges for the interval (prev.taken_at, curr.taken_at]. `prices` is keyed by GPU uuid;
     with `energy_per_kwh` every charge's joules are priced too.
 
     `earlier` is the attribution at `prev`. Where a unit's holders changed between the two
-    polls, all that is known is that the change fell between them: the first half of the
-    interval goes to the holders at its start, the second half to those at its end (a job's
-    last interval is not all idle, a new job does not pay for time before it started).
+    polls the interval is cut where they changed (`agent.accounting.boundaries`): a new holder
+    pays from its start where that is known, else from the midpoint; a holder gone pays the
+    first half (a job's last interval is not all idle, a new job does not pay for time before
+    it started). `left_by` holds, per unit uuid, the workloads that held it last before `prev`:
+    who left it idle, where it is idle before anyone holds it within the interval.
 
     `energy_before` holds each GPU's last energy counter reading, for a counter that could not
     be read at `prev`: its difference across the gap is the gap's energy, not 0."""
@@ -181,56 +222,93 @@ def account(
     if dt <= 0:
         return charges
     previous = {d.uuid: d for d in prev.gpus}
+    # A GPU discovered at this poll went by a remembered or provisional uuid at the last one:
+    # that reading (down, for why it could not be identified) is where its interval starts.
+    for d in prev.gpus:
+        if not d.discovered:
+            previous.setdefault(_by_index(d.index), d)
     prev_devices = {d.uuid: d for d in prev.devices}
-    # Each unit's holders, in attribution order (`Attribution.for_device`, found in one pass).
+    # Each unit's holders, now and at the start, in attribution order (`Attribution.for_device`,
+    # found in one pass each), and each GPU's MIG devices (`Snapshot.mig_devices`, likewise).
     holders_of: dict[str, list[Holding]] = {}
     for h in attribution.holdings:
         holders_of.setdefault(h.device_uuid, []).append(h)
+    earlier_of: dict[str, list[Holding]] = {}
+    for h in earlier.holdings if earlier is not None else ():
+        earlier_of.setdefault(h.device_uuid, []).append(h)
+    migs_of: dict[str, list[DeviceReading]] = {}
+    for d in curr.devices:
+        if d.parent_uuid is not None:
+            migs_of.setdefault(d.parent_uuid, []).append(d)
     workloads: dict[tuple[int, str, Workload], _Acc] = {}
     gpus: list[GpuCharge] = []
+    # Whether a unit nobody runs on is idle or of unknown holder, at each end of the interval.
+    allocated = attribution.allocations_known
+    allocated_before = earlier.allocations_known if earlier is not None else allocated
     for gpu in curr.gpus:
         price = prices.get(gpu.uuid)
-        hourly = price.dollars_per_hour if price is not None else 0.0
-        reason = _unobserved(previous.get(gpu.uuid), gpu, dt, max_interval_s)
+        # A price that changed within the interval charges each part at its own figure.
+        gpu_dollars = price.dollars(prev.taken_at, curr.taken_at) if price is not None else 0.0
+        in_force = price.during(prev.taken_at, curr.taken_at) if price is not None else None
+        was_gpu = previous.get(gpu.uuid) or previous.get(_by_index(gpu.index))
+        reason = _unobserved(was_gpu, gpu, dt, max_interval_s)
         if reason is not None:
-            gpus.append(_unobserved_charge(gpu, hourly, dt, reason, energy_per_kwh))
+            gpus.append(_unobserved_charge(gpu, in_force, gpu_dollars, dt, reason, energy_per_kwh))
             continue
-        gpu_dollars = hourly * dt / 3600
         gpu_joules = _energy_delta(previous.get(gpu.uuid), gpu, (energy_before or {}).get(gpu.uuid))
         idle_s = idle_dollars = idle_joules = 0.0
         unobserved_s = unobserved_dollars = 0.0
         unobserved_reason = ""
-        for unit in cost_units(curr, gpu):
+        idle_by: dict[Workload, list[float]] = {}  # left by -> [seconds, dollars, joules]
+        for unit in cost_units(curr, gpu, tuple(migs_of.get(gpu.uuid, ()))):
             unit_dollars = gpu_dollars * unit.weight
             unit_joules = gpu_joules * unit.weight
             holders = tuple(holders_of.get(unit.uuid, ())) if unit.uuid else ()
             was = prev_devices.get(unit.uuid)
             # Who held it at the start, where that is known (its process list was read then).
             known = earlier is not None and was is not None and was.processes_known
-            before = earlier.for_device(unit.uuid) if known and earlier is not None and unit.uuid else holders
+            before = tuple(earlier_of.get(unit.uuid, ())) if known and unit.uuid else holders
             if unit.device is not None and not unit.device.processes_known and not holders:
                 # Nobody is known to hold it, but its processes could not be listed: not idle.
                 unobserved_s += dt * unit.weight
                 unobserved_dollars += unit_dollars
                 unobserved_reason = UNOBSERVED_PROCESSES
                 continue
-            same = {h.workload for h in before} == {h.workload for h in holders}
-            halves = [(holders, 1.0)] if same else [(before, 0.5), (holders, 0.5)]
-            for owners, part in halves:
-                if not owners:
+            last = (left_by or {}).get(unit.uuid, ()) if unit.uuid else ()
+            charged: dict[tuple[int, str, Workload], _Acc] = {}
+            for stretch in stretches(prev.taken_at, dt, before, holders, last):
+                part = stretch.seconds / dt
+                # Whether the allocations were known at the end of the interval this stretch
+                # belongs to (a stretch wholly in the first half: the earlier poll's).
+                whole = stretch.start_s == 0.0 and stretch.end_s == dt
+                allocations_known = allocated_before if not whole and stretch.end_s <= dt / 2 else allocated
+                if not stretch.parts and not allocations_known:
+                    # Nobody runs on it, and whom the scheduler allocated it to cannot be known
+                    # (the kubelet unreachable): not idle.
+                    unobserved_s += dt * unit.weight * part
+                    unobserved_dollars += unit_dollars * part
+                    unobserved_reason = UNOBSERVED_ATTRIBUTION
+                    continue
+                if not stretch.parts:
                     idle_s += dt * unit.weight * part
                     idle_dollars += unit_dollars * part
                     idle_joules += unit_joules * part
+                    _leave_idle(
+                        idle_by, stretch.left_by, dt * unit.weight * part, unit_dollars * part, unit_joules * part
+                    )
                     continue
                 _charge(
-                    workloads, gpu.index, unit, owners, dt * unit.weight * part, unit_dollars * part, unit_joules * part
-                )
+                    charged, gpu.index, unit, stretch.parts, dt * unit.weight * part, unit_dollars * part,
+                    unit_joules * part,
+                )  # fmt: skip
+            _cap_busy(charged, device_busy_ratio(unit.device), dt * unit.weight)
+            workloads.update(charged)
         gpus.append(
             GpuCharge(
                 gpu=gpu.index,
                 uuid=gpu.uuid,
                 model=gpu.model,
-                dollars_per_hour=hourly,
+                dollars_per_hour=in_force.dollars_per_hour if in_force is not None else 0.0,
                 observed_s=dt - unobserved_s,
                 dollars=gpu_dollars - unobserved_dollars,
                 idle_s=idle_s,
@@ -242,6 +320,13 @@ def account(
                 energy_dollars=energy_dollars(gpu_joules, energy_per_kwh),
                 idle_energy_dollars=energy_dollars(idle_joules, energy_per_kwh),
                 unobserved_reason=unobserved_reason,
+                idle_by=tuple(
+                    IdleCharge(w, seconds, dollars, joules, energy_dollars(joules, energy_per_kwh))
+                    for w, (seconds, dollars, joules) in sorted(idle_by.items())
+                ),
+                busy_s=_gpu_busy_s(curr, gpu, dt - unobserved_s),
+                purchase=in_force.purchase if in_force is not None else "",
+                price_source=in_force.origin if in_force is not None else "",
             )
         )
     return Charges(
@@ -260,11 +345,63 @@ def account(
                 joules=acc.joules,
                 energy_dollars=energy_dollars(acc.joules, energy_per_kwh),
                 charged_s=acc.charged_s,
+                account=acc.account,
             )
             for (gpu, uuid, workload), acc in workloads.items()
         ),
         gpus=tuple(gpus),
     )
+
+
+def _by_left(
+    old: Mapping[Workload, IdleTotals], g: GpuCharge, end: float, horizon: float
+) -> Mapping[Workload, IdleTotals]:
+    """The idle totals by who left the GPU idle, plus `g`'s; those nothing has added to since
+    `horizon` are dropped, as finished workloads' are, so that every job that ever left a GPU
+    idle does not keep a series alive for good."""
+    found = {w: t for w, t in old.items() if t.last_at >= horizon}
+    for part in g.idle_by:
+        was = found.get(part.left_by, _NO_IDLE_TOTALS)
+        found[part.left_by] = IdleTotals(was.idle_s + part.idle_s, was.idle_dollars + part.idle_dollars, end)
+    return found
+
+
+def _leave_idle(
+    idle_by: dict[Workload, list[float]], left_by: tuple[Workload, ...], seconds: float, dollars: float, joules: float
+) -> None:
+    """Idle time left by `left_by`, in equal parts where several held the unit last together
+    (nobody: Workload(), the empty labels)."""
+    owners = left_by or (Workload(),)
+    for workload in owners:
+        sums = idle_by.setdefault(workload, [0.0, 0.0, 0.0])
+        sums[0] += seconds / len(owners)
+        sums[1] += dollars / len(owners)
+        sums[2] += joules / len(owners)
+
+
+def _cap_busy(charged: Mapping[tuple[int, str, Workload], _Acc], ratio: float | None, unit_s: float) -> None:
+    """Scale the unit's holders' busy seconds down, in proportion, where they add up to more
+    than the device was busy (`ratio` of `unit_s`): per-process readings of one interval can
+    exceed the device's own (samples the process ring kept that the device's had rolled past,
+    a holder gone at the midpoint carrying its previous reading). Dollars are untouched: the
+    shares that split them are proportions and stay as measured."""
+    if ratio is None:
+        return
+    device_busy_s = ratio * unit_s
+    total = math.fsum(acc.busy_s for acc in charged.values())
+    if total > device_busy_s and total > 0:
+        scale = device_busy_s / total
+        for acc in charged.values():
+            acc.busy_s *= scale
+
+
+def _gpu_busy_s(snapshot: Snapshot, gpu: DeviceReading, observed_s: float) -> float | None:
+    """The GPU's busy seconds over its observed time: None for a MIG-enabled GPU (neither it
+    nor its instances measure utilization) or one that measures none."""
+    if snapshot.mig_devices(gpu.uuid):
+        return None
+    ratio = device_busy_ratio(gpu)
+    return None if ratio is None else ratio * observed_s
 
 
 def _by_reason(old: Mapping[str, tuple[float, float]], g: GpuCharge) -> Mapping[str, tuple[float, float]]:
@@ -275,14 +412,15 @@ def _by_reason(old: Mapping[str, tuple[float, float]], g: GpuCharge) -> Mapping[
 
 
 def _unobserved_charge(
-    gpu: DeviceReading, hourly: float, seconds: float, reason: str, energy_per_kwh: float | None
+    gpu: DeviceReading, price: Price | None, dollars: float, seconds: float, reason: str, energy_per_kwh: float | None
 ) -> GpuCharge:
-    """A GPU nobody could see for `seconds`: all of its cost unobserved, for `reason`."""
+    """A GPU nobody could see for `seconds`, costing `dollars` at `price` (the one in force at its
+    end): all of it unobserved, for `reason`."""
     return GpuCharge(
         gpu=gpu.index,
         uuid=gpu.uuid,
         model=gpu.model,
-        dollars_per_hour=hourly,
+        dollars_per_hour=price.dollars_per_hour if price is not None else 0.0,
         observed_s=0.0,
         dollars=0.0,
         idle_s=0.0,
@@ -290,10 +428,12 @@ def _unobserved_charge(
         unobserved_s=seconds,
         joules=0.0,
         idle_joules=0.0,
-        unobserved_dollars=hourly * seconds / 3600,
+        unobserved_dollars=dollars,
         energy_dollars=energy_dollars(0.0, energy_per_kwh),
         idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
         unobserved_reason=reason,
+        purchase=price.purchase if price is not None else "",
+        price_source=price.origin if price is not None else "",
     )
 
 
@@ -310,7 +450,12 @@ def downtime(
     GPU of `snapshot` unobserved for all of it, at its price, for `reason`."""
     gpus = tuple(
         _unobserved_charge(
-            gpu, p.dollars_per_hour if (p := prices.get(gpu.uuid)) else 0.0, end - start, reason, energy_per_kwh
+            gpu,
+            p.during(start, end) if (p := prices.get(gpu.uuid)) else None,
+            p.dollars(start, end) if p else 0.0,
+            end - start,
+            reason,
+            energy_per_kwh,
         )
         for gpu in snapshot.gpus
     )
@@ -318,6 +463,7 @@ def downtime(
 
 
 _NO_WORKLOAD_TOTALS = WorkloadTotals()
+_NO_IDLE_TOTALS = IdleTotals()
 _NO_GPU_TOTALS = GpuTotals()
 
 
@@ -345,7 +491,8 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
             energy_dollars=energy_dollars(joules, per_kwh),
         )
     horizon = charges.end - forget_after_s
-    workloads = {k: v for k, v in workloads.items() if v.last_charged_at >= horizon}
+    if any(v.last_charged_at < horizon for v in workloads.values()):
+        workloads = {k: v for k, v in workloads.items() if v.last_charged_at >= horizon}
     gpus = dict(totals.gpus)
     for g in charges.gpus:
         old_gpu = gpus.get((g.gpu, g.uuid), _NO_GPU_TOTALS)
@@ -362,5 +509,7 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
             energy_dollars=energy_dollars(gpu_joules, per_kwh),
             idle_energy_dollars=energy_dollars(idle_joules, per_kwh),
             unobserved_by_reason=_by_reason(old_gpu.unobserved_by_reason, g),
+            idle_by_left=_by_left(old_gpu.idle_by_left, g, charges.end, horizon),
+            busy_s=old_gpu.busy_s if g.busy_s is None else (old_gpu.busy_s or 0.0) + g.busy_s,
         )
     return CostTotals(workloads, gpus)

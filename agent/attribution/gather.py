@@ -9,6 +9,7 @@ that refresh on a schedule of their own (the kubelet's allocation list) say so t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 from agent.attribution.facts import HostFacts
@@ -25,17 +26,23 @@ class Attributor:
     `per_pid` keeps one holding per process."""
 
     def __init__(
-        self, sources: Sequence[AttributionSource], *, rules: Sequence[LabelRule] = (), per_pid: bool = False
+        self,
+        sources: Sequence[AttributionSource],
+        *,
+        rules: Sequence[LabelRule] = (),
+        per_pid: bool = False,
+        team_from_account: bool = False,
     ) -> None:
         self.sources = tuple(sources)
         self.rules = tuple(rules)
         self.per_pid = per_pid
+        self.team_from_account = team_from_account
 
     def attribute(self, snapshot: Snapshot) -> Attribution:
         found = HostFacts()
         for source in self.sources:
             found = source.gather(snapshot, found)
-        return attribute(
+        attribution = attribute(
             Inputs(
                 snapshot=snapshot,
                 processes=found.processes,
@@ -46,8 +53,10 @@ class Attributor:
                 rules=self.rules,
                 per_pid=self.per_pid,
                 kubelet_up=found.kubelet_up,
+                team_from_account=self.team_from_account,
             )
         )
+        return attribution if found.allocations_known else replace(attribution, allocations_known=False)
 
     def refreshers(self) -> tuple[Refresher, ...]:
         """Every source's scheduled work, in the order the sources gather."""

@@ -276,7 +276,7 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
         raise BadInputError("gpuledger: --at: only meaningful with --fake")
     if at > MAX_SNAPSHOT_AT_S:
         raise BadInputError(f"gpuledger: --at: at most {format_duration(MAX_SNAPSHOT_AT_S)}, got {args.at}")
-    agent = build_agent(settings, fake=args.fake, poll_interval_s=5.0)
+    agent = build_agent(settings, fake=args.fake, poll_interval_s=5.0, actions="off")
     node, pipeline = agent.node, agent.pipeline
     try:
         pipeline.refresh_allocations()

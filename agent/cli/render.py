@@ -71,7 +71,10 @@ def render_table(state: AgentState) -> str:
     sources: dict[str, list[str]] = {}
     for d in snapshot.gpus:
         price = prices.get(d.uuid)
-        sources.setdefault(price.source if price is not None else "no price known", []).append(str(d.index))
+        source = (
+            "no price known" if price is None else price.source + (f" ({price.mismatch})" if price.mismatch else "")
+        )
+        sources.setdefault(source, []).append(str(d.index))
     notes = [f"$/H for GPU {','.join(gpus)}: {source}" for source, gpus in sources.items()]
     return "\n".join([title, *lines, "", *notes])
 

@@ -22,7 +22,10 @@ from agent.cli.args import EXIT_OK, duration_arg
 from agent.cli.wiring import build_agent
 from agent.config import load_config
 from agent.errors import BadInputError, GpuledgerError
-from agent.ledger.store import Ledger, LedgerError, iso_time, recorded_period
+from agent.ledger.files import LedgerError
+from agent.ledger.pending import iso_time
+from agent.ledger.read import recorded_period
+from agent.ledger.store import Ledger
 from agent.model import AgentState
 from agent.pipeline import run_on_scenario_time
 from agent.scrub import escape_control
@@ -52,7 +55,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.ledger:
         check_ledger(Path(args.ledger), append=args.append)
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
-    agent = build_agent(settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step)
+    # Scenario time is not the host's: actions are only logged as dry runs.
+    agent = build_agent(
+        settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step, actions="dry_run",
+        ledger_write_behind=True,
+    )  # fmt: skip
     node = agent.node
     assert node is not None
     # Progress on a terminal only (tqdm turns itself off when stderr is not a TTY): a week at

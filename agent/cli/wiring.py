@@ -11,13 +11,16 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from agent.accounting.pricing import resolve_price
+from agent.accounting.pricing import NO_SPOT_PRICE, price_schedule
+from agent.actions import Actions, Selector, Trigger
+from agent.actions.config import TargetList
 from agent.attribution.gather import Attributor
 from agent.attribution.labels import compile_rules, rule_env_keys
 from agent.attribution.sources import open_sources
@@ -26,6 +29,7 @@ from agent.config import Settings, host_problems, load_catalogue
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
 from agent.devices.instance import detect_instance_type
+from agent.devices.pci import nvidia_gpus
 from agent.devices.sampler import Sampler
 from agent.errors import BadInputError
 from agent.model import AgentState, Price, Snapshot
@@ -57,6 +61,7 @@ class Agent:
     pipeline: Pipeline
     textfile: TextfileWriter | None
     fake_speed: float = 0.0  # scenario seconds per real second once started (0: moved by hand)
+    actions: Actions | None = None  # the configured actions (config `actions:`), if any
     _closed: bool = False
     _ledger_written: bool = True
 
@@ -94,6 +99,9 @@ class Agent:
             return self._ledger_written
         self._closed = True
         idle = self.pipeline.stop()
+        self.pipeline.settle()  # time still waiting for a price is booked before the ledger closes
+        if self.actions is not None:
+            self.actions.close()
         if self.costing is not None and self.costing.sink is not None:
             # The last charges reach the ledger before anything slower.
             self._ledger_written = self.costing.sink.close()
@@ -120,6 +128,8 @@ def build_agent(
     monotonic: Callable[[], float] = time.monotonic,
     costing: Costing | bool = True,
     rules: Sequence[RuleSpec] | None = None,
+    actions: Literal["on", "dry_run", "off"] = "on",
+    ledger_write_behind: bool = False,
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
 
@@ -133,6 +143,12 @@ def build_agent(
     costing        True: prices from the settings; False: no accounting; a `Costing`: that one
                    (tests and benchmarks with prices of their own)
     rules          the flag rules; by default those the settings enable
+    actions        "on": the configured actions, as configured; "dry_run": every one a dry run,
+                   with no state file (`simulate`); "off": none. On a fake node the state file
+                   is never used (a demo must not mark the host's real episodes as acted on).
+    ledger_write_behind  let each ledger flush's fsync overlap the next poll (`LedgerSink`); for
+                   `simulate`, whose polls would otherwise wait on the disk every minute of
+                   scenario time
     """
     problems = host_problems(settings, "gpuledger")
     if problems:
@@ -147,14 +163,21 @@ def build_agent(
         interval_s = max(interval_s / fake_speed, FAKE_MIN_POLL_S)
     backend, node = _backend(fake, 0.0, settings.backend)  # the clock starts with Agent.start
     try:
-        sampler = Sampler(backend, hostname=node_name(settings, node), readings=settings.readings.options())
+        sys_root = str(node.host.sys_root) if node is not None else settings.sys_root
+        sampler = Sampler(
+            backend,
+            hostname=node_name(settings, node),
+            pci_gpus=partial(nvidia_gpus, sys_root),
+            readings=settings.readings.options(),
+        )
         # The devices first (within the call budget): without a driver nothing else is built,
         # so `run` says that, and only that, in its one line.
+        specs = rule_specs(settings) if rules is None else rules
         pipeline = Pipeline(
             sampler,
             interval_s,
             monotonic=monotonic,
-            rules=rule_specs(settings) if rules is None else rules,
+            rules=specs,
             call_timeout_s=settings.watchdog.call_timeout,
             exit_after_s=settings.watchdog.exit_after,
         )
@@ -164,7 +187,9 @@ def build_agent(
         if isinstance(costing, Costing):
             priced = costing
         elif costing:
-            priced = _costing(settings, node, ledger_path, clock or backend.clock, sampler.hostname)
+            priced = _costing(
+                settings, node, ledger_path, clock or backend.clock, sampler.hostname, ledger_write_behind
+            )
             if node is not None:
                 # On a fake node one poll interval spans `fake_speed` times as much scenario time
                 # (or, in `simulate`, one step): that is the run's normal rhythm, not a gap to
@@ -172,13 +197,22 @@ def build_agent(
                 rhythm_s = interval_s * fake_speed if fake_speed else interval_s
                 priced = replace(priced, max_interval_s=max(priced.max_interval_s, 3 * rhythm_s))
         pipeline.costing = priced
+        if priced is not None and priced.sink is not None:
+            from agent.ledger.sink import LedgerSink
+
+            if isinstance(priced.sink, LedgerSink):
+                sampler.remember(priced.sink.known_gpus)  # what the GPUs go by while the driver cannot say
+        acting = _actions(settings, specs, actions, fake=node is not None, interval_s=interval_s)
+        pipeline.actions = acting
     except BaseException:
         if node is not None:
             import fake_nvml
 
             fake_nvml.uninstall()
         raise
-    agent = Agent(settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed)
+    agent = Agent(
+        settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed, actions=acting
+    )
     if textfile_path:
         agent.textfile = TextfileWriter(textfile_path, lambda: pipeline.state, agent.exposition)
     return agent
@@ -208,6 +242,50 @@ def rule_specs(settings: Settings) -> list[RuleSpec]:
         for name, condition, c in configured
         if c.enabled
     ]
+
+
+# An episode decided before a restart waits this long, past its rule's `for`, for its flag to
+# raise again (at least this many polls).
+RESUME_GRACE_S = 300.0
+RESUME_GRACE_POLLS = 3
+
+
+def _actions(
+    settings: Settings, specs: Sequence[RuleSpec], mode: str, *, fake: bool, interval_s: float
+) -> Actions | None:
+    """The configured actions as the pipeline runs them; None when there are none (or "off")."""
+    config = settings.actions
+    if mode == "off" or not config.triggers:
+        return None
+    for_s = {spec.name: spec.for_s for spec in specs}
+    grace_s = max(RESUME_GRACE_S, RESUME_GRACE_POLLS * interval_s)
+    triggers = [
+        Trigger(
+            name=name,
+            flag=t.flag,
+            scope=t.scope,
+            after_s=t.after,
+            cooldown_s=t.cooldown,
+            dry_run=mode == "dry_run" or (config.dry_run if t.dry_run is None else t.dry_run),
+            allow=(_selector(config.allow), _selector(t.allow)),
+            deny=(_selector(config.deny), _selector(t.deny)),
+            resume_s=for_s.get(t.flag, 0.0) + grace_s,
+            command=tuple(t.command or ()),
+            timeout_s=t.webhook.timeout if t.webhook is not None else t.timeout,
+            env=tuple(sorted(t.env.items())),
+            pass_env=tuple(t.pass_env),
+            webhook_url=t.webhook.url if t.webhook is not None else "",
+            webhook_format=t.webhook.format if t.webhook is not None else "alertmanager",
+            webhook_headers=tuple(sorted(t.webhook.headers.items())) if t.webhook is not None else (),
+        )
+        for name, t in config.triggers.items()
+    ]
+    state_file = None if fake or mode == "dry_run" else config.state_file
+    return Actions(triggers, workers=config.workers, queue_size=config.queue_size, state_file=state_file)
+
+
+def _selector(names: TargetList) -> Selector:
+    return Selector(tuple(names.namespaces), tuple(names.hpc_jobs), tuple(names.users), tuple(names.nodes))
 
 
 def node_name(settings: Settings, node: fake_nvml.InstalledNode | None) -> str | None:
@@ -254,8 +332,11 @@ def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Att
         podresources_socket=socket_path,
         kubelet_timeout_s=a.kubelet_timeout,
         kubelet_interval_s=a.kubelet_interval,
+        kubelet_stale_after_s=a.kubelet_stale_after,
     )
-    return Attributor(open_sources(options), rules=rules, per_pid=a.per_pid_series)
+    return Attributor(
+        open_sources(options), rules=rules, per_pid=a.per_pid_series, team_from_account=a.team_from_account
+    )
 
 
 def _costing(
@@ -264,6 +345,7 @@ def _costing(
     ledger_path: str | Path | None,
     clock: Callable[[], float],
     hostname: str,
+    write_behind: bool = False,
 ) -> Costing:
     """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger
     (which records `hostname`, the node name the charges carry)."""
@@ -273,23 +355,35 @@ def _costing(
     pricing = settings.pricing
     instance_type = node.scenario.node.instance_type if node is not None else detect_instance_type()
 
+    epochs = pricing.epochs()
+    warned: set[str] = set()  # each warning once per run, however often GPUs are priced
+
     def prices(snapshot: Snapshot) -> dict[str, Price | None]:
+        # A GPU not identified yet (no name, so no model) is priced by what prices the whole
+        # node, where that is set (gpu_hourly, the instance type); else it waits for its own.
         gpus = snapshot.gpus
         found = {
-            g.uuid: resolve_price(
+            g.uuid: price_schedule(
+                epochs,
                 model=g.model,
                 uuid=g.uuid,
                 gpu_count=len(gpus),
                 instance_type=instance_type,
-                pricing=pricing,
                 catalogue=catalogue,
             )
             for g in gpus
-            if g.name
         }
         for g in gpus:
-            if g.name and found.get(g.uuid) is None:
+            if g.discovered and found.get(g.uuid) is None:
                 log.warning("no price for GPU %d (%s): set pricing.by_model or pricing.gpu_hourly", g.index, g.model)
+        periods = [p for price in found.values() if price is not None for p in (price, *(c for _, c in price.changes))]
+        for message in sorted({p.mismatch for p in periods if p.mismatch} - warned):
+            warned.add(message)
+            log.warning("pricing: %s (set pricing.instance_type if the detected one is wrong)", message)
+        for p in periods:
+            if p.source.startswith(NO_SPOT_PRICE) and "spot" not in warned:
+                warned.add("spot")
+                log.warning("pricing: %s; add the instance type to pricing.spot_hourly", p.source.split(":")[0])
         return found
 
     sink = (
@@ -299,6 +393,7 @@ def _costing(
             clock=clock,
             node=hostname,
             max_pending_rows=settings.ledger.max_pending_rows,
+            write_behind=write_behind,
         )
         if ledger_path
         else None

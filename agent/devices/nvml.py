@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -37,6 +38,7 @@ from agent.devices.backend import (
     ReadingNoLongerSupported,
     ReadingNotSupported,
     ReadResult,
+    UtilizationSample,
 )
 
 log = logging.getLogger(__name__)
@@ -205,6 +207,9 @@ _DRIVER_GONE = {"UNINITIALIZED", "DRIVER_NOT_LOADED", "LIB_RM_VERSION_MISMATCH"}
 # The one definition of a lost GPU: every path (single calls, field values, discovery) that
 # sees one of these marks the GPU down.
 _GPU_GONE = {"GPU_IS_LOST", "GPU_NOT_FOUND", "RESET_REQUIRED"}
+# What a device without NVLink, or a link index past its last link, answers (an older driver
+# lacks the call or the field altogether: FUNCTION_NOT_FOUND).
+_NO_SUCH_LINK = {"NOT_SUPPORTED", "INVALID_ARGUMENT", "NOT_FOUND", "FUNCTION_NOT_FOUND"}
 
 
 class _FunctionMissing(ReadingNotSupported):
@@ -293,6 +298,21 @@ class _ProcessSample(ctypes.Structure):
     _fields_ = pynvml.c_nvmlProcessUtilizationSample_t._fields_
 
 
+class _Sample(ctypes.Structure):
+    _fields_ = pynvml.c_nvmlSample_t._fields_
+
+
+# nvmlProcessUtilizationSample_t as struct sees it: pid, timeStamp, smUtil, memUtil, encUtil,
+# decUtil, with the C struct's alignment (a test holds it to the ctypes layout).
+_SAMPLE_FORMAT = "IQIIII"
+_SAMPLE_FIELDS = len(_SAMPLE_FORMAT)
+
+
+@functools.lru_cache(maxsize=64)
+def _samples_layout(count: int) -> struct.Struct:
+    return struct.Struct("@" + _SAMPLE_FORMAT * count)
+
+
 class _ProcessInfo(ctypes.Structure):
     # nvmlProcessInfo_v2_t; v3 of the call returns the same struct.
     _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
@@ -328,6 +348,15 @@ _VALUE_MEMBERS = {
     pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
     pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
 }
+
+
+_WIDEST = "ullVal"
+
+
+def _field_value(item: _FieldValue, value: ctypes.Union) -> float:
+    """A field's value, from the union member its type names (an unknown type reads as
+    unsigned long long, the widest)."""
+    return float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
 
 
 class _FieldRequest:
@@ -395,6 +424,7 @@ class _Device:
         "samples",
         "temperature",
         "utilization",
+        "utilization_samples",
         "worked",
     )
 
@@ -414,6 +444,7 @@ class _Device:
         # Reused result buffers, grown when the driver says they are too small.
         self.processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 32)()
         self.samples: ctypes.Array[_ProcessSample] = (_ProcessSample * 64)()
+        self.utilization_samples: ctypes.Array[_Sample] = (_Sample * 128)()
         # Reused result structs of the single calls read every poll.
         self.memory = _Memory()
         self.memory_v2 = _MemoryV2()
@@ -485,17 +516,29 @@ class NvmlBackend:
         return int(_call("nvmlDeviceGetAttributes", pynvml.nvmlDeviceGetAttributes, handle.handle).multiprocessorCount)
 
     def nvlink_count(self, handle: Handle) -> int:
-        """The link-count field where the driver has it, else the links that answer a state query."""
+        """The link-count field where the driver has it, else the links that answer a state query.
+
+        Only "no such field" or "no such link" ends the count: any other error means the count
+        cannot be read now, and is raised, never taken for "no NVLink". An error code on the
+        field alone is the driver answering about that field, so it is raised as that field's
+        error (`DeviceError`), not as the driver gone."""
         with contextlib.suppress(ReadingNotSupported):
             value, code = self._fields(handle, [(_FI_NVLINK_LINK_COUNT, 0)])[0]
             if code is None:
                 return int(value)
+            failure = _error("nvmlDeviceGetFieldValues", code)
+            if isinstance(failure, DeviceLost):
+                raise failure
+            if failure.error not in _NO_SUCH_LINK:
+                raise DeviceError(failure.call, failure.error)
         links = 0
         for link in range(_MAX_NVLINKS):
             try:
                 self._nvlink_up(handle, link)
-            except DeviceError:
-                break
+            except DeviceError as exc:
+                if exc.error in _NO_SUCH_LINK:
+                    break
+                raise
             links += 1
         return links
 
@@ -613,7 +656,7 @@ class NvmlBackend:
         left: list[ReadingKey] = []
         while keys:
             try:
-                results = self._request(handle, request)
+                self._send(handle, request)
             except _FunctionMissing as exc:
                 log.info("field values are not available (%s): reading one call per value", exc.error)
                 self._field_values = False  # the driver lacks the call: every device
@@ -629,14 +672,17 @@ class NvmlBackend:
                 return left
             retry: list[ReadingKey] = []
             refused: set[Quantity] = set()
-            for key, (value, code) in zip(keys, results, strict=True):
+            for key, item, value in zip(keys, request.items, request.values, strict=True):
+                code = item.nvmlReturn
                 quantity = key.quantity
-                if code is None:
+                if code == pynvml.NVML_SUCCESS:
+                    # `_field_value`, inline: dozens of fields per GPU every poll.
+                    raw = float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
                     if quantity is Q.NVLINK_UP:
-                        values[key] = float(bool(value))
+                        values[key] = float(bool(raw))
                     else:
                         divisor = _FIELD_DIVISORS.get(quantity)
-                        values[key] = value / divisor if divisor else value
+                        values[key] = raw / divisor if divisor else raw
                     continue
                 failure = _error(call, code)
                 if isinstance(failure, (DeviceLost, DriverUnavailable)):
@@ -811,21 +857,21 @@ class NvmlBackend:
         """One field-values call: per field (value, None), or (0.0, its NVML return code)."""
         return self._request(handle, _FieldRequest(fields))
 
+    @classmethod
+    def _request(cls, handle: _Device, request: _FieldRequest) -> list[tuple[float, int | None]]:
+        cls._send(handle, request)
+        return [
+            (_field_value(item, value), None) if item.nvmlReturn == pynvml.NVML_SUCCESS else (0.0, item.nvmlReturn)
+            for item, value in zip(request.items, request.values, strict=True)
+        ]
+
     @staticmethod
-    def _request(handle: _Device, request: _FieldRequest) -> list[tuple[float, int | None]]:
+    def _send(handle: _Device, request: _FieldRequest) -> None:
+        """One field-values call; each field's outcome is then in `request.items`."""
         call = "nvmlDeviceGetFieldValues"
         array = request.array
         ctypes.memmove(array, request.template, len(request.template))
         _check(call, _function(call, call)(handle.handle, request.length, ctypes.byref(array)))
-        results: list[tuple[float, int | None]] = []
-        for item, value in zip(request.items, request.values, strict=True):
-            code = item.nvmlReturn
-            if code != pynvml.NVML_SUCCESS:
-                results.append((0.0, code))
-            else:
-                # An unknown type reads as unsigned long long, the widest member.
-                results.append((float(getattr(value, _VALUE_MEMBERS.get(item.valueType, "ullVal"))), None))
-        return results
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
         """Compute processes with their memory, through the newest call version the driver has."""
@@ -889,5 +935,34 @@ class NvmlBackend:
             if code == pynvml.NVML_ERROR_NOT_FOUND:
                 return []
             _check(call, code)
-            return [(s.pid, s.timeStamp, s.smUtil) for s in buffer[: count.value]]
+            # The samples as one unpack of the buffer (pid, time stamp, SM utilization of each):
+            # a busy GPU has dozens a poll, and three ctypes attribute reads each cost more.
+            flat = _samples_layout(count.value).unpack_from(buffer)
+            return list(zip(flat[0::_SAMPLE_FIELDS], flat[1::_SAMPLE_FIELDS], flat[2::_SAMPLE_FIELDS], strict=True))
+        raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")
+
+    def utilization_samples(self, handle: Handle, since_us: int) -> list[UtilizationSample]:
+        """The GPU's utilization samples since `since_us` (nvmlDeviceGetSamples with
+        NVML_GPU_UTILIZATION_SAMPLES), in one call into the device's buffer: pynvml's wrapper
+        makes two (the size, then the samples)."""
+        call = "nvmlDeviceGetSamples"
+        fn = _function(call, call)
+        kind = ctypes.c_uint(pynvml.NVML_GPU_UTILIZATION_SAMPLES)
+        since = ctypes.c_ulonglong(since_us)
+        value_type = ctypes.c_uint(0)
+        count = ctypes.c_uint(0)
+        for _attempt in range(3):
+            buffer = handle.utilization_samples
+            count.value = len(buffer)
+            code = fn(handle.handle, kind, since, ctypes.byref(value_type), ctypes.byref(count), buffer)
+            if code == pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                if len(buffer) >= MAX_SAMPLES:
+                    break
+                handle.utilization_samples = (_Sample * min(count.value * 2 + 5, MAX_SAMPLES))()
+                continue
+            if code == pynvml.NVML_ERROR_NOT_FOUND:
+                return []  # nothing sampled since `since_us`
+            _check(call, code)
+            member = _VALUE_MEMBERS.get(value_type.value, "uiVal")
+            return [(s.timeStamp, float(getattr(s.sampleValue, member))) for s in buffer[: count.value]]
         raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")

@@ -3,14 +3,16 @@
 The readings come in groups, each switched on or off in the config (`readings:`). A group's
 readings are read on one of three rhythms:
 
-- every poll: what changes from second to second (SM and memory clocks, the clock-event
-  reasons, NVLink traffic, the memory controller's utilization);
-- every `slow_interval` (30 s by default, dcgm-exporter's collection interval): what changes
-  slowly or only counts up (performance state, fan, violation time, memory errors, PCIe link
-  and replays, NVLink errors, encoder and decoder, PCIe throughput). In between, a poll carries
-  the last value read. Counters are cheap where the driver batches them as fields, but a
-  driver without those fields answers each with a call of its own (36 for the NVLink errors of
-  a 12-link GPU), and this keeps such a driver's polls short too;
+- every poll: what changes from second to second and is cheap to read (the SM clock; NVLink
+  traffic and the memory controller's utilization, which ride on calls the poll makes anyway);
+- every `slow_interval` (30 s by default, dcgm-exporter's collection interval): the rest
+  (memory clock, performance state, fan, clock-event reasons, violation time, memory errors,
+  PCIe link and replays, NVLink errors, encoder and decoder, PCIe throughput). In between, a
+  poll carries the last value read. NVML has a field only for the counters; the others are a
+  call each, and a poll has about ten calls per GPU to spend. Counters are cheap where the
+  driver batches them as fields, but a driver without those fields answers each with a call
+  of its own (36 for the NVLink errors of a 12-link GPU), and this keeps such a driver's polls
+  short too;
 - once: what is fixed (the clocks' and the PCIe link's maxima), at the GPU's first good poll.
 
 A reading that failed is asked again at the next poll, whatever its rhythm, and is absent
@@ -52,13 +54,16 @@ _VIOLATIONS = (
 assert len(_VIOLATIONS) == len(VIOLATION_CAUSES)
 
 GROUPS: dict[str, Group] = {
+    # The memory clock changes only with the performance state (HBM boards never change it).
     "clocks": Group(
-        every_poll=(Q.SM_CLOCK, Q.MEMORY_CLOCK),
-        slow=(Q.PERFORMANCE_STATE,),
+        every_poll=(Q.SM_CLOCK,),
+        slow=(Q.MEMORY_CLOCK, Q.PERFORMANCE_STATE),
         once=(Q.SM_CLOCK_MAX, Q.MEMORY_CLOCK_MAX),
     ),
     "fan": Group(slow=(Q.FAN_SPEED,)),
-    "throttle": Group(every_poll=(Q.CLOCK_EVENT_REASONS,), slow=_VIOLATIONS),
+    # The reasons as dcgm-exporter reads them, every 30 s by default; the violation time, also
+    # read then, says how long each cause held the clocks down in between.
+    "throttle": Group(slow=(Q.CLOCK_EVENT_REASONS, *_VIOLATIONS)),
     "memory_errors": Group(
         slow=(
             Q.ECC_CORRECTED_VOLATILE,

@@ -1,7 +1,7 @@
 """`gpuledger report`: cost and usage from one or more ledgers, grouped, as a table, CSV or JSON.
 
-Layering: this module only reads ledgers, through `agent.ledger.store.read_ledger` (the one module
-that talks to sqlite3); it never writes. Everything else here is pure: rows in, text out.
+Layering: this module only reads ledgers, through `agent.ledger.read.read_ledger` (the ledger package is
+the only one that talks to sqlite3); it never writes. Everything else here is pure: rows in, text out.
 
 Choices a reader of the output should know:
 - Several ledgers (files, or every *.db file of a directory) are merged into one report: the
@@ -13,6 +13,12 @@ Choices a reader of the output should know:
   (the agent stopped, the driver or GPU unreadable, polls too far apart), are not workloads:
   they come after them, just above TOTAL, always in the same place (shown at 0.00 when empty),
   so neither people nor scripts have to look for them.
+- Idle time is broken down by who left the GPUs idle (`left_by`: the workload that held a GPU
+  last before each idle stretch). Where some is known, the table shows one `(idle) left by ...`
+  row per such workload instead of the one `(idle)` row (`(idle) left by nobody known` for the
+  rest: GPUs nobody held since the agent started, hours recorded before the ledger kept it), so
+  the column still adds up to TOTAL; CSV has one `idle` row per left_by with the workload's
+  labels as a JSON object in its `left_by` column; JSON lists them under `idle.left_by`.
 - GPU-hours charged are each workload's share of its GPUs' time (the share that splits the
   dollars), not the time it held them: two workloads sharing a GPU for an hour held it an hour
   each, and are charged, say, 0.75 and 0.25 of it. So the rows add up: workloads + idle +
@@ -51,11 +57,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from agent.ledger.store import HOUR_S, LedgerInfo, UsageRow, hour_start, iso_time, read_ledger
-from agent.model import WORKLOAD_LABELS
+from agent.ledger.pending import HOUR_S, hour_start, iso_time
+from agent.ledger.read import LedgerInfo, UsageRow, read_ledger
+from agent.model import WORKLOAD_LABELS, Workload
 from agent.units import joules_to_kwh, parse_duration
 
-GROUP_KEYS = ("node", "gpu", *WORKLOAD_LABELS)
+# `account`: the Slurm account a job is billed to, kept in the ledger (it is no metric label).
+GROUP_KEYS = ("node", "gpu", *WORKLOAD_LABELS, "account")
 # Older names `--by` still accepts: `job` was the Slurm job's label before it became `hpc_job`.
 GROUP_ALIASES = {"job": "hpc_job"}
 DEFAULT_BY = ("namespace", "hpc_job")
@@ -77,6 +85,7 @@ class ReportLine:
     energy_dollars: float | None = None  # None where no hour of the line had an energy price
     waste_dollars: float | None = None  # paid for and not used; None where use is unknown
     observed: bool = True  # False for unobserved time: its use, waste and energy are unknown
+    left_by: Workload | None = None  # an idle line's: who left the GPUs idle (Workload(): nobody known)
 
     @property
     def energy_kwh(self) -> float:
@@ -110,6 +119,8 @@ class Report:
     until: float | None = None  # end of the last hour covered
     ledgers: int = 1  # how many ledger files were merged
     unobserved: ReportLine = field(default_factory=_unobserved_line)
+    # The idle line by who left the GPUs idle, dollars descending: they add up to `idle`.
+    idle_by: tuple[ReportLine, ...] = ()
 
 
 def parse_by(text: str) -> tuple[str, ...]:
@@ -135,6 +146,8 @@ def _key_value(row: UsageRow, key: str) -> str:
         return row.node
     if key == "gpu":
         return str(row.gpu)
+    if key == "account":
+        return row.account
     value: str = getattr(row.workload, key)
     return value
 
@@ -150,6 +163,7 @@ def build_report(
     keys = check_by(by)
     groups: dict[tuple[str, ...], _Sums] = {}
     idle = _Sums()
+    idle_by: dict[Workload, _Sums] = {}
     unobserved = _Sums(observed=False)
     everything = _Sums()
     hours: set[int] = set()
@@ -159,6 +173,7 @@ def build_report(
             sums = unobserved
         elif row.idle:
             sums = idle
+            idle_by.setdefault(row.left_by, _Sums()).add(row)
         else:
             sums = groups.setdefault(tuple(_key_value(row, key) for key in keys), _Sums())
         sums.add(row)
@@ -169,7 +184,20 @@ def build_report(
         since = float(min(hours))
     if until is None and hours:
         until = float(max(hours) + HOUR_S)
-    return Report(keys, tuple(lines), idle.line(()), everything.line(()), since, until, unobserved=unobserved.line(()))
+    left = sorted(
+        (replace(sums.line(()), left_by=w) for w, sums in idle_by.items()),
+        key=lambda ln: (-ln.dollars, ln.left_by == Workload(), ln.left_by),
+    )
+    return Report(
+        keys,
+        tuple(lines),
+        idle.line(()),
+        everything.line(()),
+        since,
+        until,
+        unobserved=unobserved.line(()),
+        idle_by=tuple(left),
+    )
 
 
 def row_waste(row: UsageRow) -> float | None:
@@ -380,6 +408,25 @@ def _span(report: Report) -> str:
     return f"ledger hours {start} to {end}{merged}"
 
 
+NOBODY_KNOWN = "nobody known"
+
+
+def left_by_name(workload: Workload) -> str:
+    """Who left GPUs idle, for people: "job 9001 (dave)", "serving/vllm-llama-0", "nobody known"."""
+    if workload == Workload():
+        return NOBODY_KNOWN
+    name = workload.describe()
+    return f"{name} ({workload.user})" if workload.hpc_job and workload.user else name
+
+
+def _idle_lines(report: Report) -> list[tuple[str, ReportLine]]:
+    """The table's idle rows: one `(idle)` row, or one per workload that left GPUs idle where
+    any is known (they add up to the one row they replace)."""
+    if not report.idle_by or [line.left_by for line in report.idle_by] == [Workload()]:
+        return [(IDLE_LABEL, report.idle)]
+    return [(f"{IDLE_LABEL} left by {left_by_name(line.left_by or Workload())}", line) for line in report.idle_by]
+
+
 def _render_table(report: Report) -> str:
     key_count = len(report.by)
     # Energy columns only where there is something to show: GPUs without an energy counter record
@@ -389,10 +436,13 @@ def _render_table(report: Report) -> str:
     header = [key.upper() for key in report.by] + list(_NUMBER_HEADERS) + shown_energy
     body = [[value or NONE_LABEL for value in line.key] + _numbers(line, energy) for line in report.lines]
     # Nobody held the idle GPUs, so there is no used/charged to speak of.
-    idle = [IDLE_LABEL] + [""] * (key_count - 1) + _numbers(report.idle, energy, efficiency=False)
+    idle = [
+        [label] + [""] * (key_count - 1) + _numbers(line, energy, efficiency=False)
+        for label, line in _idle_lines(report)
+    ]
     unobserved = [UNOBSERVED_LABEL] + [""] * (key_count - 1) + _numbers(report.unobserved, energy)
     total = [TOTAL_LABEL] + [""] * (key_count - 1) + _numbers(report.total, energy)
-    widths = [max(len(row[i]) for row in [header, *body, idle, unobserved, total]) for i in range(len(header))]
+    widths = [max(len(row[i]) for row in [header, *body, *idle, unobserved, total]) for i in range(len(header))]
 
     def fmt(row: list[str]) -> str:
         cells = [
@@ -408,7 +458,7 @@ def _render_table(report: Report) -> str:
         fmt(header),
         rule,
         *(fmt(row) for row in body),
-        fmt(idle),
+        *(fmt(row) for row in idle),
         fmt(unobserved),
         rule,
         fmt(total),
@@ -440,7 +490,7 @@ def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | 
 def _render_csv(report: Report) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["kind", *report.by, *_NUMBER_FIELDS])
+    writer.writerow(["kind", *report.by, *_NUMBER_FIELDS, "left_by"])
 
     def numbers(line: ReportLine, *, efficiency: bool = True) -> list[str]:
         # repr: the shortest text that reads back as the same float; no thousands separators.
@@ -448,11 +498,20 @@ def _render_csv(report: Report) -> str:
 
     blank = [""] * len(report.by)
     for line in report.lines:
-        writer.writerow(["group", *line.key, *numbers(line)])
-    writer.writerow(["idle", *blank, *numbers(report.idle, efficiency=False)])
-    writer.writerow(["unobserved", *blank, *numbers(report.unobserved)])
-    writer.writerow(["total", *blank, *numbers(report.total)])
+        writer.writerow(["group", *line.key, *numbers(line), ""])
+    # One idle row per workload that left GPUs idle ({} where nobody is known), adding up to the
+    # idle total; a report with no breakdown has its one idle row.
+    for idle in report.idle_by or (report.idle,):
+        left_by = "" if idle.left_by is None else json.dumps(_set_labels(idle.left_by), sort_keys=True)
+        writer.writerow(["idle", *blank, *numbers(idle, efficiency=False), left_by])
+    writer.writerow(["unobserved", *blank, *numbers(report.unobserved), ""])
+    writer.writerow(["total", *blank, *numbers(report.total), ""])
     return out.getvalue()
+
+
+def _set_labels(workload: Workload) -> dict[str, str]:
+    """The workload's labels that have a value."""
+    return {name: value for name, value in workload.label_dict().items() if value}
 
 
 def _render_json(report: Report) -> str:
@@ -461,7 +520,13 @@ def _render_json(report: Report) -> str:
         "until": None if report.until is None else iso_time(report.until),
         "by": list(report.by),
         "rows": [dict(zip(report.by, line.key, strict=True)) | _figures(line) for line in report.lines],
-        "idle": _figures(report.idle, efficiency=False),
+        "idle": _figures(report.idle, efficiency=False)
+        | {
+            "left_by": [
+                {"workload": (line.left_by or Workload()).label_dict()} | _figures(line, efficiency=False)
+                for line in report.idle_by
+            ]
+        },
         "unobserved": _figures(report.unobserved),
         "total": _figures(report.total),
     }

@@ -114,6 +114,7 @@ class Allocation:
     pod: PodRef | None
     slurm_job: str | None
     user: str | None
+    account: str | None = None  # the Slurm job's account, written to its map files after the user
 
 
 @dataclass(frozen=True)

@@ -329,7 +329,7 @@ def _parse_allocations(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Allocation,
     allocations: list[Allocation] = []
     for i, entry in enumerate(top.list_("allocations")):
         r = top.child(f"allocations[{i}]", entry)
-        r.check_keys(["gpus", "pod", "slurm_job", "user", "start", "end"])
+        r.check_keys(["gpus", "pod", "slurm_job", "user", "account", "start", "end"])
         start = r.duration("start", 0.0) or 0.0
         end = r.duration("end")
         if end is not None and end <= start:
@@ -338,6 +338,9 @@ def _parse_allocations(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Allocation,
         slurm_job = r.str_("slurm_job")
         if pod is None and slurm_job is None:
             raise r.fail("pod", "an allocation needs a pod: or a slurm_job:")
+        account = r.str_("account")
+        if account is not None and (slurm_job is None or r.str_("user") is None):
+            raise r.fail("account", "a Slurm job's account: needs slurm_job: and user:")
         allocations.append(
             Allocation(
                 gpus=_parse_gpu_refs(r, "gpus", gpus),
@@ -346,6 +349,7 @@ def _parse_allocations(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Allocation,
                 pod=pod,
                 slurm_job=slurm_job,
                 user=r.str_("user"),
+                account=account,
             )
         )
     return tuple(allocations)
