@@ -671,6 +671,7 @@ def measure_scale(case: ScaleCase, polls: int, warmup: int) -> tuple[float, floa
                 calls += sum(node.calls.values()) - before
             node.clock.advance(STEP_S)
             node.sync_host(node.now())
+            before = sum(node.calls.values())
             gc.disable()
             started = time.perf_counter()
             attribution = attributor.attribute(sampler.poll())
@@ -678,13 +679,15 @@ def measure_scale(case: ScaleCase, polls: int, warmup: int) -> tuple[float, floa
             gc.enable()
             if i >= warmup:
                 both_s.append(elapsed)
+                # Both polls' calls count: the readings read every slow interval fall on either.
+                calls += sum(node.calls.values()) - before
         held = {h.device_uuid for h in attribution.holdings if h.allocated and h.workload.hpc_job}
         devices = [d for d in sampler.poll().devices if d.processes]
         if len(held) != len(devices):
             raise SystemExit(f"{case.name}: attribution found {len(held)} Slurm jobs for {len(devices)} devices")
     finally:
         agent.close()
-    return statistics.median(sampler_s) * 1000, statistics.median(both_s) * 1000, calls / polls / GPUS
+    return statistics.median(sampler_s) * 1000, statistics.median(both_s) * 1000, calls / (2 * polls) / GPUS
 
 
 def scale_section(polls: int, warmup: int) -> list[str]:
