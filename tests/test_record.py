@@ -115,9 +115,16 @@ def settings() -> Settings:
         node_name=None,
         pricing=PricingConfig(gpu_hourly=3.0, energy_per_kwh=0.12),
         readings=ReadingsConfig(
-            clocks=False, fan=False, throttle=False, memory_errors=False, pcie=False, nvlink_errors=False,
-            nvlink_throughput=False, codecs=False, memory_utilization=False,
-        ),  # fmt: skip
+            clocks=False,
+            fan=False,
+            throttle=False,
+            memory_errors=False,
+            pcie=False,
+            nvlink_errors=False,
+            nvlink_throughput=False,
+            codecs=False,
+            memory_utilization=False,
+        ),
     )
 
 

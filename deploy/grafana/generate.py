@@ -1299,8 +1299,14 @@ def _increase(metric: str, selector: str) -> str:
 
 def cost() -> dashboard.Dashboard:
     cost_w = _increase("gpuledger_workload_cost_dollars_total", WORKLOAD)
-    held_w = _increase("gpuledger_workload_gpu_seconds_total", WORKLOAD)
+    # Charged GPU-seconds (held x the workload's share), not held ones: two workloads sharing a
+    # GPU each hold all of it, so held time counts a shared GPU once per holder.
+    charged_w = _increase("gpuledger_workload_gpu_charged_seconds_total", WORKLOAD)
     busy_w = _increase("gpuledger_workload_gpu_busy_seconds_total", WORKLOAD)
+    # A workload's unused charged time: clamped per workload, as a workload busier than its
+    # share wastes nothing rather than making up for another's waste.
+    wasted_w = f"clamp_min({charged_w} - {busy_w}, 0)"
+    waste_cost_w = f"{cost_w} * clamp_min(1 - {busy_w} / ({charged_w} > 0), 0)"
     rule_sel = 'cluster=~"$cluster", {label}=~"${label}"'
 
     def by(label: str, title: str) -> bargauge.Panel:
@@ -1329,7 +1335,7 @@ def cost() -> dashboard.Dashboard:
             "gpuledger-cost",
             "gpuledger / Cost",
             "Where the GPU dollars went over the chosen time range: by namespace, team, model and job, "
-            "what was wasted (held but not used), what sat idle, and what each GPU costs.",
+            "what was wasted (charged but not used), what sat idle, and what each GPU costs.",
             "now-24h",
         )
         .with_variable(instance_variable())
@@ -1368,9 +1374,9 @@ def cost() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "Waste cost",
-                "What the selected workloads paid for GPU time they held but did not use: "
-                "cost x (1 - busy/held), per workload and GPU.",
-                [query(f"sum({cost_w} * clamp_min(1 - {busy_w} / ({held_w} > 0), 0))")],
+                "What the selected workloads paid for GPU time they were charged for but did not use: "
+                "cost x (1 - busy/charged), per workload and GPU.",
+                [query(f"sum({waste_cost_w})")],
                 unit=USD,
                 thresholds=_thresholds((None, "green"), (1, "orange")),
                 w=4,
@@ -1378,11 +1384,12 @@ def cost() -> dashboard.Dashboard:
         )
         .with_panel(
             stat_panel(
-                "GPU-hours held / wasted",
-                "GPU-hours the selected workloads held, and the part they did not use (held - busy).",
+                "GPU-hours charged / wasted",
+                "GPU-hours charged to the selected workloads (each its share of a GPU it held: a shared "
+                "GPU counts once), and the part they did not use (charged - busy).",
                 [
-                    query(f"sum({held_w}) / 3600", "held"),
-                    query(f"(sum({held_w}) - sum({busy_w})) / 3600", "wasted"),
+                    query(f"sum({charged_w}) / 3600", "charged"),
+                    query(f"sum({wasted_w}) / 3600", "wasted"),
                 ],
                 unit="h",
                 w=4,
@@ -1391,8 +1398,8 @@ def cost() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "Efficiency",
-                "Busy GPU-hours over held GPU-hours of the selected workloads.",
-                [query(f"sum({busy_w}) / (sum({held_w}) > 0)")],
+                "Busy GPU-hours over charged GPU-hours of the selected workloads.",
+                [query(f"sum({busy_w}) / (sum({charged_w}) > 0)")],
                 unit=RATIO,
                 thresholds=_thresholds((None, "red"), (0.4, "orange"), (0.7, "green")),
                 w=4,
@@ -1405,23 +1412,20 @@ def cost() -> dashboard.Dashboard:
         .with_panel(by("hpc_job", "job"))
         .with_panel(
             table_panel(
-                "Workloads: dollars, GPU-hours held, busy and wasted",
-                "Each workload over the time range. Wasted = held - busy; its dollars are the waste cost.",
+                "Workloads: dollars, GPU-hours charged, busy and wasted",
+                "Each workload over the time range. Charged = its share of the GPU time it held; "
+                "wasted = charged - busy; its dollars are the waste cost.",
                 [
                     query(f"sum by ({OWNER}) ({cost_w})", instant=True, as_table=True),
-                    query(f"sum by ({OWNER}) ({held_w}) / 3600", instant=True, as_table=True),
+                    query(f"sum by ({OWNER}) ({charged_w}) / 3600", instant=True, as_table=True),
                     query(f"sum by ({OWNER}) ({busy_w}) / 3600", instant=True, as_table=True),
-                    query(f"sum by ({OWNER}) ({held_w} - {busy_w}) / 3600", instant=True, as_table=True),
-                    query(
-                        f"sum by ({OWNER}) ({cost_w} * clamp_min(1 - {busy_w} / ({held_w} > 0), 0))",
-                        instant=True,
-                        as_table=True,
-                    ),
+                    query(f"sum by ({OWNER}) ({wasted_w}) / 3600", instant=True, as_table=True),
+                    query(f"sum by ({OWNER}) ({waste_cost_w})", instant=True, as_table=True),
                 ],
                 rename={
                     **SHOWN,
                     "Value #A": "dollars",
-                    "Value #B": "GPU-hours held",
+                    "Value #B": "GPU-hours charged",
                     "Value #C": "GPU-hours busy",
                     "Value #D": "GPU-hours wasted",
                     "Value #E": "waste dollars",
@@ -1429,7 +1433,7 @@ def cost() -> dashboard.Dashboard:
                 units={
                     "dollars": USD,
                     "waste dollars": USD,
-                    "GPU-hours held": "h",
+                    "GPU-hours charged": "h",
                     "GPU-hours busy": "h",
                     "GPU-hours wasted": "h",
                 },
@@ -1444,7 +1448,7 @@ def cost() -> dashboard.Dashboard:
         .with_panel(
             graph_panel(
                 "Waste by namespace ($/h)",
-                "What each namespace pays per hour for GPU time it holds without using (recording rule).",
+                "What each namespace pays per hour for GPU time it is charged for without using (recording rule).",
                 [
                     query(
                         named(
@@ -1463,9 +1467,9 @@ def cost() -> dashboard.Dashboard:
         )
         .with_panel(
             graph_panel(
-                "GPUs held idle by team",
-                "Held minus busy GPU-seconds per second: how many GPUs' worth each team holds without "
-                "using (recording rule).",
+                "GPUs paid for and idle, by team",
+                "Charged minus busy GPU-seconds per second: how many GPUs' worth each team pays for "
+                "without using (recording rule; a shared GPU counts once).",
                 [
                     query(
                         named(
