@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Sequence
-from contextlib import closing
+from collections.abc import Iterator, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,9 +187,19 @@ def read_ledger(
     writes, and the agent migrates the file itself the next time it opens it.
     """
     path = Path(path)
+    where, params = _bounds(since, until)
+    with current_schema(path) as conn:
+        return _read(conn, path, where, params, rows)
+
+
+@contextmanager
+def current_schema(path: Path) -> Iterator[sqlite3.Connection]:
+    """A connection that reads the ledger at `path` at the current schema: the file itself,
+    read-only, or where it is at an earlier version a copy migrated in memory. LedgerError
+    (naming the file) where it is missing, empty or unreadable, also for sqlite3 errors raised
+    while the caller reads."""
     if not path.is_file():
         raise LedgerError(f"ledger {path}: no such file")
-    where, params = _bounds(since, until)
     try:
         with closing(open_read_only(path)) as conn:
             version = stored_version(conn, path)
@@ -197,8 +207,9 @@ def read_ledger(
                 raise LedgerError(f"ledger {path}: empty, not a gpuledger ledger")
             if version < SCHEMA_VERSION:
                 with closing(_migrated_copy(conn, path)) as copy:
-                    return _read(copy, path, where, params, rows)
-            return _read(conn, path, where, params, rows)
+                    yield copy
+            else:
+                yield conn
     except sqlite3.Error as exc:
         raise LedgerError(f"ledger {path}: cannot read: {exc}") from exc
 

@@ -6,15 +6,12 @@ from __future__ import annotations
 import math
 import sqlite3
 from collections.abc import Sequence
-from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.accounting import sketch
 from agent.accounting.rightsize import WorkloadSizing
-from agent.ledger.files import LedgerError, stored_version
-from agent.ledger.read import _bounds, _migrated_copy, open_read_only
-from agent.ledger.schema import SCHEMA_VERSION
+from agent.ledger.read import _bounds, current_schema
 from agent.model import Workload
 
 
@@ -52,21 +49,9 @@ def read_sizing(
 ) -> tuple[list[SizingRow], dict[tuple[Workload, str], ChargedRate]]:
     """The sizing rows of the hours overlapping [since, until), and per (workload, GPU model)
     what it was charged for whole GPUs (dollars, charged seconds), for the price it pays."""
-    path = Path(path)
-    if not path.is_file():
-        raise LedgerError(f"ledger {path}: no such file")
     where, params = _bounds(since, until)
-    try:
-        with closing(open_read_only(path)) as conn:
-            version = stored_version(conn, path)
-            if version == 0:
-                raise LedgerError(f"ledger {path}: empty, not a gpuledger ledger")
-            if version < SCHEMA_VERSION:
-                with closing(_migrated_copy(conn, path)) as copy:
-                    return _read(copy, where, params)
-            return _read(conn, where, params)
-    except sqlite3.Error as exc:
-        raise LedgerError(f"ledger {path}: cannot read: {exc}") from exc
+    with current_schema(Path(path)) as conn:
+        return _read(conn, where, params)
 
 
 def _read(
