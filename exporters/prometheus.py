@@ -187,6 +187,10 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_gpu_idle_cost_dollars_total", ids, g.idle_dollars)
         out.add("gpuledger_gpu_idle_seconds_total", ids, g.idle_s)
         out.add("gpuledger_gpu_observed_seconds_total", ids, g.observed_s)
+        # Idle energy too, so that a report read from Prometheus has the ledger's idle row whole.
+        out.add("gpuledger_gpu_idle_energy_joules_total", ids, g.idle_joules)
+        if g.idle_energy_dollars is not None:
+            out.add("gpuledger_gpu_idle_energy_cost_dollars_total", ids, g.idle_energy_dollars)
         # no_poll is there from the start at 0, so that cost + idle + unobserved sums in PromQL
         # have a series to add; the other reasons appear with their first second.
         reasons = {UNOBSERVED_NO_POLL: (0.0, 0.0), **g.unobserved_by_reason}
