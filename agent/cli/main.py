@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from agent import __version__
 from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen, positive_finite
+from agent.cli.fleet import add_store_options, cmd_report_prometheus
 from agent.cli.logs import setup_logging
 from agent.cli.render import render_table, snapshot_json
 from agent.cli.simulate import cmd_simulate
@@ -126,6 +127,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"group by any of: {', '.join(GROUP_KEYS)} (job: hpc_job)",
     )
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    add_store_options(rep)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file", help="YAML config file")
@@ -305,6 +307,8 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    if args.prometheus is not None:
+        return cmd_report_prometheus(args)
     settings = load_config(args.config)
     try:
         paths = ledger_files(args.ledger or [settings.ledger.path])

@@ -31,6 +31,10 @@ Choices a reader of the output should know:
   hour by stored hour, so that a workload on GPUs of different prices wastes what each idle
   GPU-hour cost (with one price it is the row's dollars x (1 - efficiency)). All the idle row's
   dollars are waste; TOTAL's waste is the workloads' plus the idle row's.
+- Idle rows whose source knows who left the GPU idle (`UsageRow.left_by`: Prometheus's
+  gpuledger_gpu_idle_left_by_* counters) also make `(idle) left by` lines, one per last holder
+  grouped by the same keys: a breakdown of the idle row, which keeps the idle total (and its
+  energy, which is not split by last holder).
 - Energy is the GPUs' own energy counters split like cost, in kWh; its dollars are the ledger's
   (priced once, by accounting, at `pricing.energy_per_kwh`), summed over the hours that had a
   price. CSV and JSON always carry `energy_kwh` and `energy_dollars` (empty / null where
@@ -52,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.ledger.store import HOUR_S, LedgerInfo, UsageRow, hour_start, iso_time, read_ledger
-from agent.model import WORKLOAD_LABELS
+from agent.model import WORKLOAD_LABELS, Workload
 from agent.units import joules_to_kwh, parse_duration
 
 GROUP_KEYS = ("node", "gpu", *WORKLOAD_LABELS)
@@ -62,6 +66,7 @@ DEFAULT_BY = ("namespace", "hpc_job")
 FORMATS = ("table", "csv", "json")
 
 IDLE_LABEL = "(idle)"
+LEFT_BY_PREFIX = "(idle) left by "  # the table's lines breaking the idle row down by last holder
 UNOBSERVED_LABEL = "(unobserved)"
 TOTAL_LABEL = "TOTAL"
 NONE_LABEL = "(none)"  # a workload with no value for a grouping key (a Slurm job has no namespace)
@@ -110,6 +115,10 @@ class Report:
     until: float | None = None  # end of the last hour covered
     ledgers: int = 1  # how many ledger files were merged
     unobserved: ReportLine = field(default_factory=_unobserved_line)
+    # The idle line broken down by who left the GPUs idle (keys: the left_by workload's values
+    # of `by`), dollars descending; empty where the source does not say.
+    idle_by: tuple[ReportLine, ...] = ()
+    store: str | None = None  # where the figures come from when not ledgers ("Prometheus at URL")
 
 
 def parse_by(text: str) -> tuple[str, ...]:
@@ -130,12 +139,14 @@ def check_by(by: Sequence[str]) -> tuple[str, ...]:
     return keys
 
 
-def _key_value(row: UsageRow, key: str) -> str:
+def _key_value(row: UsageRow, key: str, workload: Workload | None = None) -> str:
+    """The row's value for a grouping key; the workload's labels are `workload`'s where given
+    (an idle row's last holder)."""
     if key == "node":
         return row.node
     if key == "gpu":
         return str(row.gpu)
-    value: str = getattr(row.workload, key)
+    value: str = getattr(workload or row.workload, key)
     return value
 
 
@@ -150,6 +161,7 @@ def build_report(
     keys = check_by(by)
     groups: dict[tuple[str, ...], _Sums] = {}
     idle = _Sums()
+    idle_by: dict[tuple[str, ...], _Sums] = {}
     unobserved = _Sums(observed=False)
     everything = _Sums()
     hours: set[int] = set()
@@ -159,17 +171,30 @@ def build_report(
             sums = unobserved
         elif row.idle:
             sums = idle
+            if row.left_by is not None:
+                left = tuple(_key_value(row, key, row.left_by) for key in keys)
+                idle_by.setdefault(left, _Sums()).add(row)
         else:
             sums = groups.setdefault(tuple(_key_value(row, key) for key in keys), _Sums())
         sums.add(row)
         everything.add(row)
 
     lines = sorted((sums.line(key) for key, sums in groups.items()), key=lambda ln: (-ln.dollars, ln.key))
+    left_lines = sorted((sums.line(key) for key, sums in idle_by.items()), key=lambda ln: (-ln.dollars, ln.key))
     if since is None and hours:
         since = float(min(hours))
     if until is None and hours:
         until = float(max(hours) + HOUR_S)
-    return Report(keys, tuple(lines), idle.line(()), everything.line(()), since, until, unobserved=unobserved.line(()))
+    return Report(
+        keys,
+        tuple(lines),
+        idle.line(()),
+        everything.line(()),
+        since,
+        until,
+        unobserved=unobserved.line(()),
+        idle_by=tuple(left_lines),
+    )
 
 
 def row_waste(row: UsageRow) -> float | None:
@@ -355,11 +380,13 @@ def _maybe(value: float | None) -> str:
     return "-" if value is None else _amount(value)
 
 
-def _numbers(line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = True) -> list[str]:
+def _numbers(
+    line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = True, with_energy: bool = True
+) -> list[str]:
     """The line's figures, "-" where unknown; `energy` says whether the table shows (kWh, energy
     dollars)."""
     with_kwh, with_energy_dollars = energy
-    figures = _figures(line, efficiency=efficiency)
+    figures = _figures(line, efficiency=efficiency, energy=with_energy)
     return [
         _amount(line.dollars),
         _amount(line.gpu_hours_charged),
@@ -374,6 +401,8 @@ def _numbers(line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = 
 def _span(report: Report) -> str:
     start = "..." if report.since is None else iso_time(report.since)
     end = "..." if report.until is None else iso_time(report.until)
+    if report.store is not None:
+        return f"{report.store}, {start} to {end}"
     merged = f" from {report.ledgers} ledgers" if report.ledgers > 1 else ""
     if report.since is None and report.until is None:
         return f"no ledger hours recorded{merged}"
@@ -390,9 +419,20 @@ def _render_table(report: Report) -> str:
     body = [[value or NONE_LABEL for value in line.key] + _numbers(line, energy) for line in report.lines]
     # Nobody held the idle GPUs, so there is no used/charged to speak of.
     idle = [IDLE_LABEL] + [""] * (key_count - 1) + _numbers(report.idle, energy, efficiency=False)
+    # Under the idle row, who left the GPUs idle: the first key cell says so, the rest are the
+    # last holder's values as in the rows above.
+    left_by = [
+        [
+            f"{LEFT_BY_PREFIX}{line.key[0] or NONE_LABEL}",
+            *(value or NONE_LABEL for value in line.key[1:]),
+            *_numbers(line, energy, efficiency=False, with_energy=False),
+        ]
+        for line in report.idle_by
+    ]
     unobserved = [UNOBSERVED_LABEL] + [""] * (key_count - 1) + _numbers(report.unobserved, energy)
     total = [TOTAL_LABEL] + [""] * (key_count - 1) + _numbers(report.total, energy)
-    widths = [max(len(row[i]) for row in [header, *body, idle, unobserved, total]) for i in range(len(header))]
+    rows = [header, *body, idle, *left_by, unobserved, total]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
 
     def fmt(row: list[str]) -> str:
         cells = [
@@ -409,6 +449,7 @@ def _render_table(report: Report) -> str:
         rule,
         *(fmt(row) for row in body),
         fmt(idle),
+        *(fmt(row) for row in left_by),
         fmt(unobserved),
         rule,
         fmt(total),
@@ -424,8 +465,11 @@ _NUMBER_FIELDS = (
 )  # fmt: skip
 
 
-def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | None]:
-    """The line's figures by field name, None where unknown (the table, CSV and JSON all show these)."""
+def _figures(line: ReportLine, *, efficiency: bool = True, energy: bool = True) -> dict[str, float | None]:
+    """The line's figures by field name, None where unknown (the table, CSV and JSON all show
+    these). `energy` False: energy not known for this line (idle by last holder)."""
+    if not energy:
+        return _figures(line, efficiency=efficiency) | {"energy_kwh": None, "energy_dollars": None}
     return {
         "dollars": line.dollars,
         "gpu_hours_charged": line.gpu_hours_charged,
@@ -442,14 +486,16 @@ def _render_csv(report: Report) -> str:
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["kind", *report.by, *_NUMBER_FIELDS])
 
-    def numbers(line: ReportLine, *, efficiency: bool = True) -> list[str]:
+    def numbers(line: ReportLine, *, efficiency: bool = True, energy: bool = True) -> list[str]:
         # repr: the shortest text that reads back as the same float; no thousands separators.
-        return ["" if v is None else repr(v) for v in _figures(line, efficiency=efficiency).values()]
+        return ["" if v is None else repr(v) for v in _figures(line, efficiency=efficiency, energy=energy).values()]
 
     blank = [""] * len(report.by)
     for line in report.lines:
         writer.writerow(["group", *line.key, *numbers(line)])
     writer.writerow(["idle", *blank, *numbers(report.idle, efficiency=False)])
+    for line in report.idle_by:
+        writer.writerow(["idle_left_by", *line.key, *numbers(line, efficiency=False, energy=False)])
     writer.writerow(["unobserved", *blank, *numbers(report.unobserved)])
     writer.writerow(["total", *blank, *numbers(report.total)])
     return out.getvalue()
@@ -465,4 +511,10 @@ def _render_json(report: Report) -> str:
         "unobserved": _figures(report.unobserved),
         "total": _figures(report.total),
     }
+    if report.idle_by:
+        # The idle row by who left the GPUs idle, keyed like `rows`: only where the source says.
+        document["idle_left_by"] = [
+            dict(zip(report.by, line.key, strict=True)) | _figures(line, efficiency=False, energy=False)
+            for line in report.idle_by
+        ]
     return json.dumps(document, indent=2) + "\n"

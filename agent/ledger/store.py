@@ -276,6 +276,7 @@ class UsageRow:
     idle: bool = False
     charged_s: float = 0.0
     unobserved: bool = False
+    left_by: Workload | None = None  # an idle row's last holder, where known (Workload(): nobody yet)
 
 
 @dataclass(frozen=True, slots=True)
