@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from agent import __version__
 from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen, positive_finite
+from agent.cli.export import add_export_command, cmd_export
 from agent.cli.fleet import add_store_options, cmd_report_prometheus
 from agent.cli.logs import setup_logging
 from agent.cli.render import render_table, snapshot_json
@@ -128,6 +129,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
     add_store_options(rep)
+
+    add_export_command(sub)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file", help="YAML config file")
@@ -352,4 +355,5 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": cmd_simulate,
     "check-config": _cmd_check_config,
     "report": _cmd_report,
+    "export": cmd_export,
 }
