@@ -30,13 +30,24 @@ class Stretch(NamedTuple):
     last: float
 
 
+# A store that keeps fewer digits than a float (VictoriaMetrics: about 12 significant ones) can
+# give a counter that did not move back a hair below its last value (0.219356017477, then
+# 0.21935601747699998). A fall that small is rounding, not a reset: a restarted agent counts from
+# 0, so a real reset falls to a small fraction of the value before it.
+ROUNDING = 1e-9
+
+
 def growth(earlier: float | None, later: float) -> float:
     """What a counter grew by between two consecutive samples: the difference, or (the counter
     fell: it was reset and counted from 0 again) all of `later`; from no sample at all (the
     series started), all of `later` too."""
-    if earlier is None or later < earlier:
+    if earlier is None:
         return later
-    return later - earlier
+    if later >= earlier:
+        return later - earlier
+    if earlier - later <= ROUNDING * abs(earlier):
+        return 0.0
+    return later
 
 
 def increase(baseline: float | None, stretches: Iterable[Stretch]) -> float:
