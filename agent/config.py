@@ -20,7 +20,7 @@ from agent.accounting.pricing import Catalogue, parse_catalogue
 from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
-from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS
+from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS
 from agent.scrub import escape_control
 from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
@@ -106,6 +106,9 @@ class AttributionConfig(_Section):
     pod_logs_dir: str = "/var/log/pods"
     kubelet_interval: Duration = Field(default=10.0, gt=0)
     kubelet_timeout: Duration = Field(default=2.0, gt=0)
+    # While the kubelet does not answer, its last allocations stand for this long; after that a
+    # GPU no process holds is booked unobserved (attribution_unavailable), never idle.
+    kubelet_stale_after: Duration = Field(default=300.0, gt=0)
     rules: list[AttributionRule] = []
 
 
@@ -205,6 +208,8 @@ class Settings(BaseSettings):
     poll_interval: Duration = Field(default=5.0, gt=0)
     listen: Annotated[str, BeforeValidator(_check_listen)] = "0.0.0.0:9835"
     proc_root: str = "/proc"
+    # Where sysfs is: the GPUs on the PCI bus are listed from it while the driver cannot list them.
+    sys_root: str = "/sys"
     pricing: PricingConfig = PricingConfig()
     ledger: LedgerConfig = LedgerConfig()
     watchdog: WatchdogConfig = WatchdogConfig()

@@ -46,7 +46,7 @@ class DeviceReading:
     down_reason: str | None = None
     mig_enabled: bool = False
     sm_count: int | None = None
-    utilization: float | None = None
+    utilization: float | None = None  # the driver's latest sample (one sampling period)
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
     temperature_c: float | None = None
@@ -58,6 +58,14 @@ class DeviceReading:
     # False when the process list could not be read this poll: `processes` is then unknown,
     # not empty, and the time is not idle (accounting books it as unobserved).
     processes_known: bool = True
+    # False while discovery has not completed for this GPU in this run (the driver is down, or
+    # its handle, uuid or name could not be read): its uuid is then as remembered (from this
+    # run's earlier discovery, or the ledger) or provisional (`provisional_uuid`), and its name
+    # may be empty. Retried with backoff; the agent is degraded meanwhile.
+    discovered: bool = True
+    # The device's own utilization (0-1) time-weighted over its samples since the previous poll:
+    # what accounting caps its holders' busy time by. None where the samples could not be read.
+    interval_utilization: float | None = None
 
     @property
     def model(self) -> str:
@@ -92,6 +100,7 @@ class Snapshot:
     devices: tuple[DeviceReading, ...]
     poll_duration_s: float = 0.0
     driver_up: bool = True
+    down_reason: str = ""  # why the driver is down (driver_up False): its NVML error, or TIMEOUT
 
     @property
     def gpus(self) -> tuple[DeviceReading, ...]:
@@ -99,6 +108,16 @@ class Snapshot:
 
     def mig_devices(self, parent_uuid: str) -> tuple[DeviceReading, ...]:
         return tuple(d for d in self.devices if d.parent_uuid == parent_uuid)
+
+
+# The uuid a GPU goes by while discovery cannot read its own (and nothing remembers it): the
+# node's index, marked so that no reader takes it for a GPU's uuid. Charges are booked under it
+# (never under an empty uuid, which would merge GPUs in the ledger), and its GPU index.
+PROVISIONAL_UUID_PREFIX = "unidentified-"
+
+
+def provisional_uuid(index: int) -> str:
+    return f"{PROVISIONAL_UUID_PREFIX}{index}"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -116,6 +135,9 @@ class ProcessFacts:
     cmdline: tuple[str, ...]
     cgroup: str
     env: tuple[tuple[str, str], ...] = ()  # allowlisted keys only
+    # When the process started, wall clock (unix seconds): boot time + its start ticks, as psutil's
+    # create_time() computes it. None where procfs could not tell.
+    started_at: float | None = None
 
     @property
     def pid(self) -> int:
@@ -202,6 +224,10 @@ class Holding:
     # Named only by what its processes say of themselves (SLURM_JOB_ID in their environment),
     # which nothing trusted (cgroup, kubelet, the prolog's map file) confirmed.
     self_reported: bool = False
+    # When it began to hold the device, wall clock (unix seconds), where known: the earliest
+    # start of its processes, or of its allocation (a Slurm map file's time). Accounting
+    # charges a new holder from then rather than from the midpoint of the interval.
+    started_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +235,10 @@ class Attribution:
     holdings: tuple[Holding, ...] = ()
     unresolved: tuple[tuple[str, int], ...] = ()  # device uuid -> processes procfs could not resolve
     kubelet_up: bool | None = None  # None: no kubelet socket configured or present
+    # False while the scheduler's allocations cannot be known (the kubelet unreachable past
+    # attribution.kubelet_stale_after): a unit no process holds may still be allocated, so its
+    # time is unobserved (attribution_unavailable), not idle.
+    allocations_known: bool = True
 
     def for_device(self, uuid: str) -> tuple[Holding, ...]:
         return tuple(h for h in self.holdings if h.device_uuid == uuid)
@@ -276,6 +306,15 @@ class WorkloadTotals:
 
 
 @dataclass(frozen=True, slots=True)
+class IdleTotals:
+    """A GPU's idle time and cost since the agent started that one workload left it in."""
+
+    idle_s: float = 0.0
+    idle_dollars: float = 0.0
+    last_at: float = 0.0  # the end of the last interval that added to it (backend clock)
+
+
+@dataclass(frozen=True, slots=True)
 class GpuTotals:
     dollars: float = 0.0
     idle_dollars: float = 0.0
@@ -289,6 +328,10 @@ class GpuTotals:
     idle_energy_dollars: float | None = None
     # reason -> (seconds, dollars): the unobserved time and cost, by why
     unobserved_by_reason: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # The idle time and cost by who left the GPU idle (its last holder; Workload() where
+    # nobody has held it since the agent started): they add up to idle_s and idle_dollars.
+    idle_by_left: Mapping[Workload, IdleTotals] = field(default_factory=dict)
+    busy_s: float | None = None  # the GPU's own busy time (see GpuCharge.busy_s); None: never known
 
 
 @dataclass(frozen=True)
@@ -348,6 +391,19 @@ class WorkloadCharge:
 
 
 @dataclass(frozen=True, slots=True)
+class IdleCharge:
+    """Part of a GPU's idle time over one interval, by who left it idle: the workload that held
+    the unit last before the idle stretch (`left_by`; Workload() where nobody has held it since
+    the agent started). Where several held it last together, each is charged an equal part."""
+
+    left_by: Workload
+    idle_s: float
+    idle_dollars: float
+    idle_joules: float = 0.0
+    idle_energy_dollars: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GpuCharge:
     """What one physical GPU cost over one interval, and how much of it nobody held."""
 
@@ -366,6 +422,13 @@ class GpuCharge:
     energy_dollars: float | None = None  # joules at the energy price; None where none is set
     idle_energy_dollars: float | None = None
     unobserved_reason: str = ""  # why, when unobserved_s > 0 (UNOBSERVED_* or the NVML error)
+    # The idle time and cost by who left the GPU idle; they add up to idle_s, idle_dollars and
+    # idle_joules.
+    idle_by: tuple[IdleCharge, ...] = ()
+    # The GPU's own busy time over its observed time: its utilization averaged over its samples
+    # of the interval (its latest reading where those could not be read) x the observed seconds.
+    # Its holders' busy seconds never add up to more. None where the GPU measures no utilization.
+    busy_s: float | None = None
 
 
 # Why time was not observed (besides a GPU's own NVML error, such as GPU_IS_LOST or TIMEOUT).
@@ -373,6 +436,8 @@ UNOBSERVED_NO_POLL = "no_poll"  # polls too far apart: the agent stopped, the no
 UNOBSERVED_AGENT_DOWN = "agent_down"  # between the ledger's last record and this run's first poll
 UNOBSERVED_PROCESSES = "processes_unreadable"  # the process list failed: who held it is unknown
 UNOBSERVED_UNREADABLE = "unreadable"  # the GPU could not be read, no error given
+# Nobody runs on the unit and who it is allocated to cannot be known (the kubelet unreachable).
+UNOBSERVED_ATTRIBUTION = "attribution_unavailable"
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExe
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from agent.accounting.cost import account, accumulate, downtime
+from agent.accounting.unpriced import Unplaced, Unpriced
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.deadline import CallTimeout, Worker
@@ -46,6 +47,7 @@ from agent.devices.sampler import Sampler
 from agent.errors import GpuledgerError
 from agent.model import (
     UNOBSERVED_AGENT_DOWN,
+    UNOBSERVED_UNREADABLE,
     AgentHealth,
     AgentState,
     Attribution,
@@ -77,10 +79,8 @@ EXIT_AFTER_MIN_S = 60.0
 # Downtime between runs longer than this is not booked: a ledger copied from another machine
 # or a clock that jumped, more likely than an agent stopped for over a year.
 MAX_DOWNTIME_S = 366 * 86400.0
-STOP_WAIT_S = 2.0
-IDLE_RULES = frozenset(
-    {"idle"}
-)  # flags whose log lines name who left the GPU idle  # how long stop() waits for a poll in progress
+STOP_WAIT_S = 2.0  # how long stop() waits for a poll in progress
+IDLE_RULES = frozenset({"idle"})  # flags whose log lines name who left the GPU idle (and any rule of that condition)
 TIMEOUT = "TIMEOUT"  # the down reason of a GPU whose call is stuck (NVML's own name for it)
 STAGES = ("sample", "attribute", "account", "rules", "publish")
 
@@ -208,8 +208,14 @@ class Pipeline:
         self._last_energy: dict[str, float] = {}  # GPU uuid -> its last energy counter reading
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
+        # Cost unit uuid -> the workloads that held it at the last poll that saw it held: whom
+        # accounting books its idle time to (`IdleCharge.left_by`).
+        self._unit_left_by: dict[str, tuple[Workload, ...]] = {}
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
+        # Unobserved time waiting for a GPU to book it to, or for a GPU's price (accounting/unpriced.py).
+        self._unplaced = Unplaced()
+        self._unpriced = Unpriced()
         self._rule_states: Mapping[tuple[str, str], RuleState] = {}
         self._flags: tuple[Flag, ...] = ()
         self._stages = {name: _Stage(name) for name in STAGES}
@@ -379,11 +385,22 @@ class Pipeline:
         snapshot = sampled.snapshot
         if any(g.uuid not in self._prices for g in snapshot.gpus):
             self._prices.update(costing.prices(snapshot))
-        if sampled.previous is None:
+        previous = sampled.previous
+        if previous is None:
             self._book_downtime(snapshot, costing)
+            self._remember_holders(attribution)
+            return None
+        if not previous.gpus or not snapshot.gpus:
+            # No GPU known at one end (the driver could not list them and nothing else named
+            # them): the interval waits, unobserved, until GPUs are known to book it to.
+            down = snapshot if not snapshot.gpus else previous
+            if not down.driver_up:
+                self._unplaced.add(previous.taken_at, snapshot.taken_at, down.down_reason or UNOBSERVED_UNREADABLE)
+            for placed in self._unplaced.place(snapshot, self._prices, costing.energy_per_kwh):
+                self._book(placed, snapshot, costing)
             return None
         charges = account(
-            sampled.previous,
+            previous,
             snapshot,
             attribution,
             self._prices,
@@ -391,22 +408,46 @@ class Pipeline:
             energy_per_kwh=costing.energy_per_kwh,
             earlier=earlier,
             energy_before=self._last_energy,
+            left_by=self._unit_left_by,
         )
+        self._remember_holders(attribution)
         for gpu in snapshot.gpus:
             if gpu.energy_j is not None:
                 self._last_energy[gpu.uuid] = gpu.energy_j
-        totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
-        if costing.sink is not None:
-            costing.sink.add(charges)
-        self._totals = totals  # only once the ledger has them too: counters and ledger agree
+        self._book(charges, snapshot, costing)
         return charges
+
+    def _book(self, charges: Charges, snapshot: Snapshot, costing: Costing) -> None:
+        """The one way charges reach the counters and the ledger: less the time of GPUs that
+        wait for a price, plus the waiting time of GPUs that have one now."""
+        kept = self._unpriced.hold(charges, snapshot, self._prices)
+        for booked in (kept, *self._unpriced.release(snapshot, self._prices, costing.energy_per_kwh)):
+            totals = accumulate(self._totals, booked, forget_after_s=costing.forget_after_s)
+            if costing.sink is not None:
+                costing.sink.add(booked)
+            self._totals = totals  # only once the ledger has them too: counters and ledger agree
+
+    def _remember_holders(self, attribution: Attribution) -> None:
+        held: dict[str, set[Workload]] = {}
+        for h in attribution.holdings:
+            held.setdefault(h.device_uuid, set()).add(h.workload)
+        for uuid, workloads in held.items():
+            self._unit_left_by[uuid] = tuple(sorted(workloads))
 
     def _book_downtime(self, snapshot: Snapshot, costing: Costing) -> None:
         """At the first poll: the time since the ledger's record ended, when nobody watched,
         charged to nobody as unobserved (agent_down), so downtime between runs is in the
-        ledger and in report, not missing from both."""
+        ledger and in report, not missing from both. With no GPU known yet (the driver cannot
+        list them) it waits for them, like the time after it."""
         since = costing.sink.recorded_until if costing.sink is not None else None
-        if since is None or not 0 < snapshot.taken_at - since <= MAX_DOWNTIME_S or not snapshot.driver_up:
+        if since is None or not 0 < snapshot.taken_at - since <= MAX_DOWNTIME_S:
+            return
+        log.info(
+            "the agent was not running for %s before this start (the ledger's record ended then): booked as unobserved",
+            format_duration(snapshot.taken_at - since),
+        )
+        if not snapshot.gpus:
+            self._unplaced.add(since, snapshot.taken_at, UNOBSERVED_AGENT_DOWN)
             return
         charges = downtime(
             since,
@@ -416,13 +457,35 @@ class Pipeline:
             reason=UNOBSERVED_AGENT_DOWN,
             energy_per_kwh=costing.energy_per_kwh,
         )
-        log.info(
-            "the agent was not running for %s before this start (the ledger's record ended then): booked as unobserved",
-            format_duration(charges.end - charges.start),
-        )
-        self._totals = accumulate(self._totals, charges, forget_after_s=costing.forget_after_s)
-        if costing.sink is not None:
-            costing.sink.add(charges)
+        self._book(charges, snapshot, costing)
+
+    def settle(self) -> None:
+        """Book what still waits, once, as the agent stops (before the ledger closes): a GPU
+        never identified, at $0 under its provisional uuid (its price is unknown without its
+        model); time before any GPU was known cannot be booked to one, and is said in a line."""
+        costing = self.costing
+        last = self._previous
+        if costing is None or last is None or not self._polling.acquire(blocking=False):
+            return  # nothing to book, or a poll is still running (stuck): it owns the totals
+        try:
+            for gpu, seconds, charges in self._unpriced.drain(last, costing.energy_per_kwh):
+                log.warning(
+                    "GPU %d was never identified: its %s unobserved before this stop are booked at $0 under %s, "
+                    "its price being unknown without its model",
+                    gpu.index, format_duration(seconds), gpu.uuid, extra={"gpu": gpu.index, "uuid": gpu.uuid},
+                )  # fmt: skip
+                for booked in charges:
+                    self._totals = accumulate(self._totals, booked, forget_after_s=costing.forget_after_s)
+                    if costing.sink is not None:
+                        costing.sink.add(booked)
+            if self._unplaced.seconds:
+                log.warning(
+                    "%s went unobserved with no GPU known to book it to: the driver never listed one",
+                    format_duration(self._unplaced.seconds),
+                )
+            self._state = replace(self._state, costs=self._totals)
+        finally:
+            self._polling.release()
 
     def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
         snapshot = sampled.snapshot
@@ -460,9 +523,10 @@ class Pipeline:
         result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at)
         self._rule_states = result.states
         self._flags = result.flags
+        idle_rules = IDLE_RULES | {r.name for r in self.rules if r.condition == "idle"}
         for t in result.transitions:
             left = self._left_by.get(t.uuid) or left_before.get(t.uuid)
-            _log_transition(t, left if t.rule in IDLE_RULES else None)
+            _log_transition(t, left, idle=t.rule in idle_rules)
 
     def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, set[Workload]]) -> None:
         """Remember who held each GPU at the last poll that saw it held; once nobody holds it,
@@ -631,13 +695,21 @@ def run_on_scenario_time(
     return steps
 
 
-def _log_transition(t: Transition, left_by: LeftBy | None = None) -> None:
+NOBODY_SINCE_START = "(nobody since the agent started)"
+
+
+def _log_transition(t: Transition, left_by: LeftBy | None = None, *, idle: bool = True) -> None:
     """One structured line per flag change: GPU, rule, workload, how long, what it cost so far;
-    for the idle rules, who left the GPU idle and when (not whoever ends the idle stretch)."""
+    for the idle rules (`idle`), who left the GPU idle and when they were last seen on it (not
+    whoever ends the idle stretch), or that nobody has held it since the agent started."""
     workloads = ", ".join(w.describe() for w in t.holders) or "(nobody)"
     left = ""
-    if left_by is not None:
+    if not idle:
+        left_by = None
+    elif left_by is not None:
         left = f" left_by={left_by.describe()} left_at={datetime.fromtimestamp(left_by.at, UTC).isoformat()}"
+    else:
+        left = f" left_by={NOBODY_SINCE_START}"
     log.warning(
         "flag %s: rule=%s gpu=%d uuid=%s workload=%s for=%s cost_so_far=$%.2f%s",
         "raised" if t.raised else "cleared",
@@ -656,6 +728,6 @@ def _log_transition(t: Transition, left_by: LeftBy | None = None) -> None:
             "workload": workloads,
             "held_s": t.held_s,
             "cost_dollars": t.dollars,
-            "left_by": left_by.describe() if left_by is not None else None,
+            "left_by": left_by.describe() if left_by is not None else (NOBODY_SINCE_START if idle else None),
         },
     )

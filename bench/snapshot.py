@@ -258,6 +258,8 @@ def floor_reader(node: fake_nvml.InstalledNode) -> Reader:
     # Per-process samples since the previous poll, as gpuledger asks for them (passing 0 instead
     # would re-read each process's whole sample buffer every poll and slow the floor down).
     last_seen = [0] * len(handles)
+    # The device's own utilization samples since the previous poll, as gpuledger reads them too.
+    device_seen = [0] * len(handles)
 
     # Each reading is taken out of its ctypes struct into a plain value, as any caller must to
     # use it; nothing more (no per-pid averaging, no objects): that is left to `readings`.
@@ -279,6 +281,13 @@ def floor_reader(node: fake_nvml.InstalledNode) -> Reader:
                 samples = []
             if samples:
                 last_seen[i] = max(stamp for _, stamp, _ in samples)
+            try:
+                _kind, found = pynvml.nvmlDeviceGetSamples(h, pynvml.NVML_GPU_UTILIZATION_SAMPLES, device_seen[i])
+                device = [(s.timeStamp, s.sampleValue.uiVal) for s in found]
+            except pynvml.NVMLError_NotFound:
+                device = []
+            if device:
+                device_seen[i] = max(stamp for stamp, _ in device)
             rows.append((util, memory.used, memory.total, temperature, power, energy, nvlinks, processes, samples))
         return rows
 

@@ -203,6 +203,31 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "dollars",
     ),
     MetricSpec(
+        "gpuledger_gpu_idle_left_by_seconds_total",
+        Kind.COUNTER,
+        "Idle time of the GPU by who left it idle: the workload that held it last before each idle stretch "
+        "(all workload labels empty where nobody has held it since the agent started). A workload's series "
+        "goes once it has added nothing for accounting.forget_after.",
+        WORKLOAD,
+        "seconds",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_idle_left_by_cost_dollars_total",
+        Kind.COUNTER,
+        "Idle cost of the GPU by who left it idle (labels as gpuledger_gpu_idle_left_by_seconds_total): "
+        "what nobody held, named after the last holder.",
+        WORKLOAD,
+        "dollars",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_busy_seconds_total",
+        Kind.COUNTER,
+        "Time the GPU was busy while observed: its utilization averaged over its own samples of each "
+        "interval (nvmlDeviceGetSamples) x the interval. Its workloads' busy seconds never add up to more.",
+        DEVICE,
+        "seconds",
+    ),
+    MetricSpec(
         "gpuledger_gpu_observed_seconds_total",
         Kind.COUNTER,
         "Time covered by polls close enough together to be charged.",
@@ -336,6 +361,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         ("call", "error"),
     ),
     MetricSpec("gpuledger_nvml_up", Kind.GAUGE, "1 while NVML is initialised and answering, 0 otherwise.", ()),
+    MetricSpec(
+        "gpuledger_undiscovered_gpus",
+        Kind.GAUGE,
+        "GPUs the node has (by NVML's count; while the driver cannot say, by the PCI bus or the ledger) that "
+        "discovery has not identified yet: retried with backoff, the agent degraded meanwhile; 0 when all are.",
+        (),
+    ),
     MetricSpec(
         "gpuledger_build_info",
         Kind.INFO,

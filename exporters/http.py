@@ -49,6 +49,7 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 
+from agent.model import AgentState
 from exporters.webconfig import REALM, BasicAuth, Login, WebConfig, peer_san_allowed
 
 log = logging.getLogger(__name__)
@@ -160,9 +161,10 @@ def make_app(
             start_response = _with_headers(start_response, extra_headers)
         path = environ.get("PATH_INFO", "/")
         if path == "/healthz":
-            ok = healthy()
-            body = b"ok\n" if ok else b"no successful poll within 3 poll intervals\n"
-            return _text(start_response, "200 OK" if ok else "503 Service Unavailable", body, [])
+            if not healthy():
+                body = b"no successful poll within 3 poll intervals\n"
+                return _text(start_response, "503 Service Unavailable", body, [])
+            return _text(start_response, "200 OK", (degraded(state()) or "ok").encode() + b"\n", [])
         if auth is not None:
             login = auth.verdict(environ.get("HTTP_AUTHORIZATION"), environ.get("REMOTE_ADDR", ""))
             if login is Login.THROTTLED:
@@ -188,6 +190,21 @@ def make_app(
         return [body]
 
     return app
+
+
+def degraded(state: object) -> str:
+    """Why a healthy agent is degraded ("" when it is not): GPUs discovery has not identified
+    yet. /healthz still answers 200 then: it is what liveness probes and systemd's watchdog ask,
+    and restarting the agent cannot mend a GPU's inforom; gpuledger_undiscovered_gpus and
+    gpuledger_gpu_down_reason are what to alert on."""
+    snapshot = state.snapshot if isinstance(state, AgentState) else None
+    if snapshot is None:
+        return ""
+    undiscovered = [g for g in snapshot.gpus if not g.discovered]
+    if not undiscovered:
+        return ""
+    gpus = ", ".join(f"GPU {g.index} ({g.down_reason or 'unknown'})" for g in undiscovered)
+    return f"degraded: not yet discovered, retried with backoff: {gpus}"
 
 
 # --- serving ------------------------------------------------------------------------------

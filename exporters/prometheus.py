@@ -70,6 +70,7 @@ class GpuledgerCollector(Collector):
             _workload_series(out, state, self._per_pid)
             out.add("gpuledger_poll_duration_seconds", (), snapshot.poll_duration_s)
             out.add("gpuledger_nvml_up", (), 1.0 if snapshot.driver_up else 0.0)
+            out.add("gpuledger_undiscovered_gpus", (), float(sum(not d.discovered for d in snapshot.gpus)))
         _cost_series(out, state)
         _flag_series(out, state)
         if state.attribution.kubelet_up is not None:
@@ -191,6 +192,12 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_gpu_idle_energy_joules_total", ids, g.idle_joules)
         if g.idle_energy_dollars is not None:
             out.add("gpuledger_gpu_idle_energy_cost_dollars_total", ids, g.idle_energy_dollars)
+        if g.busy_s is not None:
+            out.add("gpuledger_gpu_busy_seconds_total", ids, g.busy_s)
+        for left_by, idle in sorted(g.idle_by_left.items()):
+            labels = (*ids, *left_by.labels())
+            out.add("gpuledger_gpu_idle_left_by_seconds_total", labels, idle.idle_s)
+            out.add("gpuledger_gpu_idle_left_by_cost_dollars_total", labels, idle.idle_dollars)
         # no_poll is there from the start at 0, so that cost + idle + unobserved sums in PromQL
         # have a series to add; the other reasons appear with their first second.
         reasons = {UNOBSERVED_NO_POLL: (0.0, 0.0), **g.unobserved_by_reason}

@@ -6,6 +6,7 @@ For the scenario time the node is at, it keeps up to date
   - a passwd-format file naming the scenario's users,
   - Slurm's GPU mapping directory (one file per GPU index or MIG `gpu.gi`: job id and user),
   - the kubelet's `/var/log/pods/<namespace>_<pod>_<uid>` directories,
+  - sysfs's PCI devices (`sys/bus/pci/devices/<bus id>/{vendor,device,class}`) of its GPUs,
   - and serves the kubelet pod-resources v1 API on a unix socket (a real gRPC server),
 so the agent reads them with its production code, exactly as on a real node.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
 import shlex
 import shutil
 import threading
@@ -66,6 +68,7 @@ class FakeHost:
         self.slurm_map_dir = root / "slurm-gpus"
         self.pod_logs_dir = root / "pods"
         self.podresources_socket = root / "kubelet.sock"
+        self.sys_root = root / "sys"
         self._lock = threading.Lock()
         scenario = node.scenario
         points: set[float] = set()
@@ -125,6 +128,13 @@ class FakeHost:
                 parents=True, exist_ok=True
             )
         (self.proc_root / "stat").write_text(f"btime {int(self.node.clock.start_epoch) - BOOT_BEFORE_START_S}\n")
+        # The GPUs on the PCI bus, as sysfs shows them whether or not the driver is loaded.
+        for gpu in self.node.scenario.gpus:
+            device = self.sys_root / "bus" / "pci" / "devices" / gpu.pci_bus_id.removeprefix("0000").lower()
+            device.mkdir(parents=True, exist_ok=True)
+            (device / "vendor").write_text("0x10de\n")
+            (device / "device").write_text(f"0x{gpu.pci_device_id:04x}\n")
+            (device / "class").write_text("0x030200\n")  # a 3D controller
 
     def _write_processes(self, t: float) -> None:
         running = {p.pid: p for p in self.node.scenario.processes if p.running_at(t)}
@@ -157,23 +167,29 @@ class FakeHost:
         self._written_pids = set(running)
 
     def _write_slurm_map(self, t: float) -> None:
-        wanted: dict[str, str] = {}
+        """The prolog's files for the jobs running at t, each dated (its modification time) when
+        its job started, in scenario wall-clock time, as a prolog writing it then would leave it."""
+        wanted: dict[str, tuple[str, float]] = {}
         scenario = self.node.scenario
+        epoch = self.node.clock.start_epoch
         for a in scenario.allocations:
             if a.slurm_job is not None and a.start_s <= t and (a.end_s is None or t < a.end_s):
                 for ref in a.gpus:
-                    wanted[self._map_name(ref)] = f"{a.slurm_job} {a.user}" if a.user else a.slurm_job
+                    content = f"{a.slurm_job} {a.user}" if a.user else a.slurm_job
+                    wanted[self._map_name(ref)] = (content, epoch + a.start_s)
         for p in scenario.processes:
             if p.slurm_job is not None and p.running_at(t):
                 for ref in p.gpus:
-                    wanted.setdefault(self._map_name(ref), f"{p.slurm_job} {p.user}" if p.user else p.slurm_job)
+                    content = f"{p.slurm_job} {p.user}" if p.user else p.slurm_job
+                    wanted.setdefault(self._map_name(ref), (content, epoch + p.start_s))
         for existing in self.slurm_map_dir.iterdir():
             if existing.name not in wanted:
                 existing.unlink(missing_ok=True)
-        for name, content in wanted.items():
+        for name, (content, written_at) in wanted.items():
             target = self.slurm_map_dir / name
-            if not target.exists() or target.read_text().strip() != content:
+            if not target.exists() or target.read_text().strip() != content or target.stat().st_mtime != written_at:
                 target.write_text(content + "\n")
+                os.utime(target, (written_at, written_at))
 
     def _map_name(self, ref: GpuRef) -> str:
         if ref.mig is None:

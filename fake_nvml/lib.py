@@ -831,6 +831,36 @@ def _process_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, samples: Any,
     return SUCCESS
 
 
+GPU_UTILIZATION_SAMPLES = 1  # nvmlSamplingType_t NVML_GPU_UTILIZATION_SAMPLES
+
+
+@_c("nvmlDeviceGetSamples")
+def _samples(
+    lib: FakeNvmlLibrary, t: float, dev: Dev, kind: Any, last_seen: Any, value_type: Any, count: Any, samples: Any
+) -> int:
+    # GPU utilization samples only, and, like nvmlDeviceGetUtilizationRates, none under MIG.
+    if _int(kind) != GPU_UTILIZATION_SAMPLES or dev.mig is not None or lib._node.gpu(dev.gpu).mig:
+        return NOT_SUPPORTED
+    found = lib._node.device_samples(dev.gpu, _int(last_seen), t)
+    if not found:
+        return NOT_FOUND
+    _obj(value_type).value = _VALUE_TYPE_UINT
+    counter = _obj(count)
+    if samples is None:  # the size query pynvml's wrapper makes first
+        counter.value = len(found)
+        return SUCCESS
+    if counter.value < len(found):
+        counter.value = len(found)
+        return INSUFFICIENT_SIZE
+    array = _obj(samples)
+    for i, (stamp_us, percent) in enumerate(found):
+        sample = array[i]
+        sample.timeStamp = stamp_us
+        sample.sampleValue.uiVal = percent
+    counter.value = len(found)
+    return SUCCESS
+
+
 @_c("nvmlDeviceGetAccountingMode")
 def _accounting_mode(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     _obj(out).value = 0

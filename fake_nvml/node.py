@@ -16,6 +16,10 @@ from fake_nvml.scenario import Fault, Gpu, Process, Scenario
 # and how many it keeps per process (the real driver keeps a short ring buffer too).
 PROCESS_SAMPLE_PERIOD_S = 1.0
 PROCESS_SAMPLES_KEPT = 32
+# The device's own utilization samples (nvmlDeviceGetSamples, GPU_UTILIZATION_SAMPLES): one per
+# period whether or not anything ran (0 then), and a longer ring than the per-process one.
+DEVICE_SAMPLE_PERIOD_S = 1.0
+DEVICE_SAMPLES_KEPT = 120
 _NONE_DOWN: frozenset[int] = frozenset()
 
 
@@ -102,6 +106,7 @@ class FakeNode:
         # utilization, energy): each memo keeps the last t's answer per key.
         self._running_memo: dict[tuple[int, int | None], tuple[float, tuple[Process, ...]]] = {}
         self._utilization_memo: dict[int, tuple[float, float]] = {}
+        self._segment_times: dict[int, list[float]] = {}  # id(process) -> its segments' start times
         # The faults that can touch a call, per (call, family, gpu): the scenario's faults never
         # change, so each call looks through only its own.
         self._nvlink_faults = {
@@ -185,6 +190,38 @@ class FakeNode:
         if not faults:
             return _NONE_DOWN
         return frozenset(link for f in faults if f.active(t) for link in f.nvlink_down)
+
+    def device_samples(self, gpu: int, last_seen_us: int, t: float) -> list[tuple[int, int]]:
+        """(timestamp_us, percent) GPU utilization samples newer than `last_seen_us`.
+
+        Derived as the per-process samples are: at each DEVICE_SAMPLE_PERIOD_S of scenario time,
+        the whole percents of the processes running then, summed and capped at 100. Unlike the
+        per-process ones, a period with no work has its sample too (0%), and a process that has
+        ended still shows in the samples of the periods it ran. Only the newest
+        DEVICE_SAMPLES_KEPT survive.
+        """
+        start_epoch = self.clock.start_epoch
+        newest_k = int(t // DEVICE_SAMPLE_PERIOD_S)
+        unseen_k = math.floor((last_seen_us / 1_000_000 - start_epoch) / DEVICE_SAMPLE_PERIOD_S)
+        entries = self._by_gpu[gpu]
+        samples: list[tuple[int, int]] = []
+        for k in range(max(newest_k - DEVICE_SAMPLES_KEPT + 1, unseen_k, 0), newest_k + 1):
+            at = k * DEVICE_SAMPLE_PERIOD_S
+            stamp_us = round((start_epoch + at) * 1_000_000)
+            if stamp_us <= last_seen_us:
+                continue
+            percent = sum(round(self._util_at(e.process, at)) for e in entries if e.process.running_at(at))
+            samples.append((stamp_us, min(percent, 100)))
+        return samples
+
+    def _util_at(self, process: Process, t: float) -> float:
+        """`process.sm_util_at` for scenario time t, by bisection: a bursty process has hundreds
+        of segments and every device sample looks one up."""
+        times = self._segment_times.get(id(process))
+        if times is None:
+            times = self._segment_times[id(process)] = [s.at_s for s in process.segments]
+        i = bisect.bisect_right(times, t - process.start_s)
+        return process.segments[i - 1].sm_util if i else 0.0
 
     def process_samples(self, gpu: int, last_seen_us: int, t: float) -> list[tuple[int, int, int]]:
         """(pid, timestamp_us, sm_util) samples newer than `last_seen_us`, as the driver keeps them.

@@ -99,6 +99,7 @@ WEEKEND_ALERT_SERIES = (
     "gpuledger_gpu_up",
     "gpuledger_gpu_idle_cost_dollars_total",
     "gpuledger_gpu_idle_left_by_timestamp_seconds",
+    "gpuledger_gpu_idle_left_by_cost_dollars_total",
 )
 
 

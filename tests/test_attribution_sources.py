@@ -4,6 +4,7 @@ the agent gathers from it, schedules its refreshers and closes it without knowin
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -103,6 +104,9 @@ def test_sources_are_opened_from_the_options_alone(tmp_path: Path) -> None:
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "3").write_text("4242 bob\n")
     (tmp_path / "slurm" / "0.2").write_text("4243\n")  # MIG GPU instance 2 of GPU 0, no user
+    # The prolog wrote them when each job started there: that time is the allocation's start.
+    os.utime(tmp_path / "slurm" / "3", (1_795_000_000.0, 1_795_000_000.0))
+    os.utime(tmp_path / "slurm" / "0.2", (1_795_000_060.0, 1_795_000_060.0))
     options = SourceOptions(proc_root=str(tmp_path / "proc"), slurm_map_dir=str(tmp_path / "slurm"))
     opened = sources.open_sources(options)
     try:
@@ -113,5 +117,8 @@ def test_sources_are_opened_from_the_options_alone(tmp_path: Path) -> None:
         for source in opened:
             source.close()
     # The map files' own type is the one attribution reads: no conversion between them.
-    assert found.slurm_allocations == (SlurmAllocation(0, 2, "4243", None), SlurmAllocation(3, None, "4242", "bob"))
+    assert found.slurm_allocations == (
+        SlurmAllocation(0, 2, "4243", None, started_at=1_795_000_060.0),
+        SlurmAllocation(3, None, "4242", "bob", started_at=1_795_000_000.0),
+    )
     assert found.kubelet_up is None  # no socket configured: no kubelet, and no health series

@@ -26,6 +26,7 @@ from agent.devices.backend import (
     ReadingKey,
     ReadingNotSupported,
     ReadResult,
+    UtilizationSample,
 )
 from agent.devices.nvml import mig_profile_from_name
 from agent.devices.sampler import Sampler
@@ -148,6 +149,11 @@ class TinyBackend:
         samples = [(10, 1_000_000, 40), (10, 2_000_000, 60), (11, 1_500_000, 10)]
         return [s for s in samples if s[1] > since_us]
 
+    def utilization_samples(self, handle: Handle, since_us: int) -> list[UtilizationSample]:
+        self._ask(f"utilization samples {handle}", handle)
+        samples: list[UtilizationSample] = [(1_000_000, 30.0), (2_000_000, 70.0)]
+        return [s for s in samples if s[0] > since_us]
+
 
 def tiny_sampler(backend: TinyBackend) -> Sampler:
     typed: DeviceBackend = backend  # mypy checks TinyBackend against the protocol here
@@ -171,6 +177,7 @@ def test_a_backend_without_nvml_drives_the_sampler_to_a_full_snapshot(aggregate_
     whole = devices["0"]
     assert (whole.uuid, whole.name, whole.pci_bus_id, whole.sm_count) == ("TINY-g0", "Tiny T1", "0000:00:00.0", 80)
     assert (whole.utilization, whole.power_w, whole.energy_j, whole.power_limit_w) == (0.5, 150.0, 9000.0, 300.0)
+    assert whole.interval_utilization == 0.5  # its own samples since the last poll, 30% and 70%
     assert (whole.memory_used_bytes, whole.memory_total_bytes) == (2 * GiB, 16 * GiB)
     assert whole.temperature_c is None  # the tiny GPU has no sensor
     assert [(link.link, link.up) for link in whole.nvlinks] == [(0, True), (1, False)]

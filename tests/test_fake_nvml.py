@@ -381,6 +381,19 @@ READING_TABLE: dict[str, Reading] = {
         lambda d: pynvml.nvmlDeviceGetProcessUtilization(d.gpu(2), 0),
         pynvml.NVMLError_NotFound,
     ),
+    "device utilization samples": Reading(
+        "nvmlDeviceGetSamples",
+        lambda d: device_samples(d.gpu(1), 0),
+        (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, [(START_US, 25)]),
+    ),
+    "an idle GPU's device samples are 0, not absent": Reading(
+        "nvmlDeviceGetSamples",
+        lambda d: device_samples(d.gpu(2), 0),
+        (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, [(START_US, 0)]),
+    ),
+    "no device samples newer than the last seen": Reading(
+        "nvmlDeviceGetSamples", lambda d: device_samples(d.gpu(1), START_US), pynvml.NVMLError_NotFound
+    ),
     # -- MIG ------------------------------------------------------------------------------------
     "MIG mode on a partitioned GPU": Reading(
         "nvmlDeviceGetMigMode", lambda d: pynvml.nvmlDeviceGetMigMode(d.gpu(0)), [1, 1], "mig"
@@ -484,6 +497,9 @@ READING_TABLE: dict[str, Reading] = {
         pynvml.NVMLError_NotSupported,
         "mig",
     ),
+    "no device samples on a MIG GPU": Reading(
+        "nvmlDeviceGetSamples", lambda d: device_samples(d.gpu(0), 0), pynvml.NVMLError_NotSupported, "mig"
+    ),
     "no power reading per MIG instance": Reading(
         "nvmlDeviceGetPowerUsage",
         lambda d: pynvml.nvmlDeviceGetPowerUsage(d.mig(0, 0)),
@@ -491,6 +507,12 @@ READING_TABLE: dict[str, Reading] = {
         "mig",
     ),
 }
+
+
+def device_samples(handle: Any, last_seen_us: int) -> tuple[int, list[tuple[int, int]]]:
+    """nvmlDeviceGetSamples of GPU utilization, as (value type, [(timestamp, percent)])."""
+    kind, found = pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, last_seen_us)
+    return kind, [(sample.timeStamp, sample.sampleValue.uiVal) for sample in found]
 
 
 def _expects_error(expected: object) -> bool:
@@ -691,6 +713,38 @@ def test_field_values_on_a_mig_instance_answer_only_what_an_instance_has(install
     instance = Devices().mig(0, 0)
     fields = pynvml.nvmlDeviceGetFieldValues(instance, [186, 83, (165, 0)])
     assert [f.nvmlReturn for f in fields] == [pynvml.NVML_ERROR_NOT_SUPPORTED] * 3
+
+
+# -- the device's own utilization samples -----------------------------------------------------
+
+
+def test_device_samples_follow_the_processes_and_keep_the_periods_without_work(install_fake: InstallFake) -> None:
+    # GPU 0 runs pid 1 at 40% from 2 s to 4 s and pid 2 at 70% from 3 s on; the poll is at 5 s.
+    # One sample a second, 0% included, each the running processes' percents summed (capped
+    # at 100): t=0,1 -> 0; 2 -> 40; 3 -> 40 + 70 = 110, capped 100; 4 -> 70 (pid 1 ended at 4 s,
+    # yet its periods are still in the device's samples); 5 -> 70.
+    node = install_fake(
+        node_with(
+            processes=[
+                {"pid": 1, "gpus": [0], "start": "2s", "end": "4s", "sm_util": 40},
+                {"pid": 2, "gpus": [0], "start": "3s", "sm_util": 70},
+            ]
+        )
+    )
+    node.clock.advance(5)
+    gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+    second = 1_000_000
+    kind, found = device_samples(gpu, 0)
+    assert kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+    assert found == [(START_US + k * second, util) for k, util in enumerate([0, 0, 40, 100, 70, 70])]
+    # Since the last one seen, as the per-process samples; none newer is NOT_FOUND.
+    assert device_samples(gpu, START_US + 3 * second)[1] == [(START_US + 4 * second, 70), (START_US + 5 * second, 70)]
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        device_samples(gpu, START_US + 5 * second)
+    # The ring keeps the newest 120: an hour on, the oldest sample is 119 s back.
+    node.clock.advance(3600)
+    stamps = [stamp for stamp, _ in device_samples(gpu, 0)[1]]
+    assert (len(stamps), stamps[0], stamps[-1]) == (120, START_US + 3486 * second, START_US + 3605 * second)
 
 
 # -- per-process utilization samples ----------------------------------------------------------

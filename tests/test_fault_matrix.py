@@ -140,6 +140,7 @@ SERIES = DEVICE_SERIES | {
     "gpuledger_ledger_up",
     "gpuledger_ledger_pending_rows",
     "gpuledger_ledger_corrupt_files_total",
+    "gpuledger_undiscovered_gpus",
 }
 
 ANN = {"pid": 100, "gpus": [0], "sm_util": 60, "memory_mib": 4000, "uid": 1000, "user": "ann",
@@ -393,11 +394,11 @@ def assert_nothing_lost(run: Run, case: Case) -> None:
         idle = run.total(RUN_S, "gpuledger_gpu_idle_cost_dollars_total", gpu=label)
         unobserved = run.total(RUN_S, "gpuledger_gpu_unobserved_cost_dollars_total", gpu=label)
         assert charged + idle + unobserved == pytest.approx(WALL), f"GPU {gpu}: {charged}, {idle}, {unobserved}"
-        seen = {
-            labels["reason"]: seconds
-            for labels, seconds in run.find(RUN_S, "gpuledger_gpu_unobserved_seconds_total", gpu=label)
-            if seconds
-        }
+        # Summed over the GPU's uuids: one it could not be identified by, then its own.
+        seen: dict[str, float] = {}
+        for labels, seconds in run.find(RUN_S, "gpuledger_gpu_unobserved_seconds_total", gpu=label):
+            if seconds:
+                seen[labels["reason"]] = seen.get(labels["reason"], 0.0) + seconds
         expected = case.unobserved.get(gpu, {})
         assert set(seen) == set(expected), f"GPU {gpu}: unobserved {seen}"
         for reason, seconds in expected.items():
@@ -464,11 +465,12 @@ def call_case(reading: str, kind: str) -> Case:
         # is over; unobserved 0:15 to 1:15, 4 x 15 s = 60 s a GPU. Field values are read at
         # discovery too (the NVLink count), so there the init itself fails at 0:45 (next 0:55) and
         # 1:00 (next 1:20), waits at 1:15 and succeeds at 1:30: 75 s. Sticky: 0:15 to 2:00, 105 s.
+        # NVLink: the re-discovery at 0:45 and 1:00 cannot read GPU 1's link count (the field
+        # answers with the error) and keeps the count it read before; the poll then fails.
         seconds = (75.0 if reading == "field values" else 60.0) if transient else 105.0
-        bug = CALL_BUGS.get((reading, "driver"))
         return Case(
             name, faults, transient, down=dict.fromkeys(GPUS, kind), driver_down=True, error=kind,
-            unobserved=every_gpu({kind: None if bug else seconds}), bug=bug,
+            unobserved=every_gpu({kind: seconds}),
         )  # fmt: skip
     if reading == "processes":
         # Who holds GPU 1 is unknown at the polls that meet the fault: transient 0:30, 0:45, 1:00,
@@ -497,40 +499,27 @@ def growing_buffer(kind: str, transient: bool) -> dict[str, Any]:
     return {}
 
 
-# Known bugs, by (reading, kind); "driver" stands for every kind in DRIVER_GONE.
-CALL_BUGS = {
-    ("nvlink", "driver"): "after the driver comes back, re-discovery reads GPU 1's NVLink count through the "
-    "failing call and takes the error for 'no NVLink': GPU 1 is up again mid-fault and has no NVLink series "
-    "for good",
-}
-
-
 def discovery_case(what: str, kind: str) -> Case:
     """`kind` from GPU 1's `what` call from the start (to 1:15 when transient). GPUs 0 and 2
     are polled throughout; GPU 1 is down with the error until it is discovered, its time
-    unobserved with that reason."""
+    unobserved with that reason, under its provisional uuid at the node's price
+    ($3.6/h from pricing.gpu_hourly: its model is unknown until then)."""
     transient = transient_for(kind, list(DISCOVERY).index(what))
     faults = [{**_window(transient, at="0s"), "gpu": FAULTED, "call": DISCOVERY[what], "error": kind}]
     name = f"discovery {what}/{kind}/{_how(transient)}"
+    # Retried with backoff from the failure at start (5 s, doubling): at 0:15 (next 0:25), 0:30
+    # (next 0:50) and 1:00 (next 1:40); transient, the fault is over at 1:15 and the try at 1:45
+    # succeeds: unobserved 0:00 to 1:45, 105 s; sticky, the whole run, 120 s.
+    seconds = 105.0 if transient else RUN_S
     if kind in DRIVER_GONE:
+        # Discovery as a whole fails (the library is re-initialised on that schedule); NVML's
+        # device count names the three GPUs meanwhile, down for the error, so each one's time
+        # is booked from the start.
         return Case(
             name, faults, transient, down=dict.fromkeys(GPUS, kind), driver_down=True, error=kind,
-            unobserved=every_gpu({kind: None}), bug=DISCOVERY_BUGS["driver"],
+            unobserved=every_gpu({kind: seconds}),
         )  # fmt: skip
-    bug = DISCOVERY_BUGS["gone" if kind in GPU_GONE else "other"]
-    return Case(name, faults, transient, down={FAULTED: kind}, error=kind, unobserved={FAULTED: {kind: None}}, bug=bug)
-
-
-DISCOVERY_BUGS = {
-    # The other GPUs are discovered and polled, and this one reads as down for its error; what
-    # is left is the money: until it answers it has no uuid, so no price, and its unobserved
-    # seconds before then are booked at $0 under an empty uuid.
-    "other": "a GPU that could not be identified at discovery has no uuid and so no price until it "
-    "answers: its unobserved time before then is booked at $0",
-    "driver": "while discovery fails with a driver error no GPU is known: none shows as down, and the time "
-    "until discovery succeeds is recorded nowhere",
-    "gone": "a GPU lost at discovery has no uuid and no price: its unobserved time is charged $0",
-}
+    return Case(name, faults, transient, down={FAULTED: kind}, error=kind, unobserved={FAULTED: {kind: seconds}})
 
 
 # --- hangs ----------------------------------------------------------------------------------------
@@ -635,28 +624,60 @@ def node_cases() -> list[Case]:
             unobserved={FAULTED: {"GPU_IS_LOST": 105.0}},
         )
     )
-    # The driver is not loaded when the agent starts, and loads at 1:15.
+    # The driver is not loaded when the agent starts, and loads at 1:15. The GPUs are on the PCI
+    # bus all along: sysfs names them, so they show down for the missing driver from the start.
+    # nvmlInit is retried with backoff (5 s, doubling): it fails at 0:00 (next 0:05), 0:15 (next
+    # 0:25), 0:30 (next 0:50) and 1:00 (next 1:40), and succeeds at 1:45: 0:00 to 1:45 is
+    # unobserved, 105 s a GPU; the jobs pay for the last 15 s.
+    driver_absent = {"at": "0s", "until": "75s", "error": "DRIVER_NOT_LOADED"}
     cases.append(
         Case(
             "driver absent then present",
-            [{"at": "0s", "until": "75s", "error": "DRIVER_NOT_LOADED"}],
+            [driver_absent],
             down=dict.fromkeys(GPUS, "DRIVER_NOT_LOADED"),
             driver_down=True,
             error="DRIVER_NOT_LOADED",
-            unobserved=every_gpu({"DRIVER_NOT_LOADED": None}),
-            bug="while the driver is absent at start no GPU is known: none shows as down, and the time until "
-            "the driver answers is recorded nowhere (the GPUs' partition starts at discovery, not at start)",
+            unobserved=every_gpu({"DRIVER_NOT_LOADED": 105.0}),
+            check=undiscovered_check({BEFORE_S: 3, DURING_S: 3, RUN_S: 0}),
         )
     )
-    # Never loaded: nothing can be known of the GPUs, but the agent runs and says so.
+    # The same on a host whose PCI bus cannot be read either (no sysfs): nothing names a GPU
+    # until the driver does at 1:45, and then the 105 s before are booked to each GPU it names.
+    cases.append(
+        Case(
+            "driver absent then present, no PCI view",
+            [driver_absent],
+            driver_down=True,
+            error="DRIVER_NOT_LOADED",
+            unobserved=every_gpu({"DRIVER_NOT_LOADED": 105.0}),
+            setup=hide_pci_bus,
+            check=undiscovered_check({BEFORE_S: 0, DURING_S: 0, RUN_S: 0}),
+        )
+    )
+    # Never loaded: the agent runs and says so, and the GPUs the PCI bus shows are down for it,
+    # their whole run unobserved (120 s each).
     cases.append(
         Case(
             "driver never present",
             [{"at": "0s", "error": "DRIVER_NOT_LOADED"}],
             transient=False,
+            down=dict.fromkeys(GPUS, "DRIVER_NOT_LOADED"),
+            driver_down=True,
+            error="DRIVER_NOT_LOADED",
+            unobserved=every_gpu({"DRIVER_NOT_LOADED": RUN_S}),
+            check=never_up_check,
+        )
+    )
+    # Never loaded, and no PCI view: nothing can be known of the GPUs.
+    cases.append(
+        Case(
+            "driver never present, no PCI view",
+            [{"at": "0s", "error": "DRIVER_NOT_LOADED"}],
+            transient=False,
             driver_down=True,
             error="DRIVER_NOT_LOADED",
             known=(),
+            setup=hide_pci_bus,
             check=never_up_check,
         )
     )
@@ -722,6 +743,22 @@ def nvlink_down_check(transient: bool) -> Callable[[Run], None]:
 
 def never_up_check(run: Run) -> None:
     assert {t: run.value(t, "gpuledger_nvml_up") for t in run.states} == dict.fromkeys(run.states, 0.0)
+    assert not any(run.healthy.values())
+
+
+def hide_pci_bus(context: Context) -> None:
+    """A host whose sysfs cannot be read: the GPUs on its PCI bus are not to be seen."""
+    shutil.rmtree(context.agent_rig.node.host.sys_root)
+
+
+def undiscovered_check(expected: Mapping[float, int]) -> Callable[[Run], None]:
+    """gpuledger_undiscovered_gpus at the given times: the GPUs the node has that discovery
+    has not identified (the agent is degraded while there are any)."""
+
+    def check(run: Run) -> None:
+        assert {t: run.value(t, "gpuledger_undiscovered_gpus") for t in expected} == expected
+
+    return check
 
 
 # --- the host: procfs and the kubelet ---------------------------------------------------------------
@@ -838,6 +875,8 @@ def kubelet_cases() -> list[Case]:
         for t in (True, False)
     ]
     # GPU 2 allocated to a notebook pod that runs nothing on it: only the kubelet knows it is held.
+    # Away for 45 s (0:30 to 1:15), within attribution.kubelet_stale_after (5 min), the kubelet's
+    # last allocations stand for it: the notebook pays for GPU 2 throughout, never idle.
     notebook = {"namespace": "research", "name": "notebook-2", "container": "jupyter",
                 "uid": "1e2d3c4b-5a69-4788-9a0b-c1d2e3f4a5b6"}  # fmt: skip
     cases.append(
@@ -847,8 +886,6 @@ def kubelet_cases() -> list[Case]:
             held=GPUS,
             host=kubelet_gone(True),
             check=kubelet_check(True),
-            bug="while the kubelet is away, a GPU allocated to a pod that runs no process on it is booked "
-            "idle: who holds it is unknown (unobserved), not nobody",
         )
     )
     return cases
@@ -1006,13 +1043,13 @@ def disk_full_connection(transient: bool) -> Case:
     """The ledger's connection answers SQLITE_FULL to every write from 0:30 (to 1:15)."""
 
     def prepare(context: Context) -> Path:
-        real = store._open_file
+        real = store.open_file
         disk_full = context.scratch["disk full"] = threading.Event()
 
         def open_file(*args: Any) -> Any:
             return _FullConnection(real(*args), disk_full)
 
-        context.monkeypatch.setattr(store, "_open_file", open_file)
+        context.monkeypatch.setattr(store, "open_file", open_file)
         return context.tmp / "ledger.db"
 
     def host(context: Context, now: float) -> None:

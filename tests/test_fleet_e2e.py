@@ -38,8 +38,8 @@ import yaml
 from agent.fleet.promapi import PrometheusAPI
 from agent.fleet.report import StoreQuery, read_counters, report_from_prometheus, usage_rows
 from agent.fleet.source import Window
+from agent.ledger.read import read_info, read_usage
 from agent.ledger.report import report_from_ledgers
-from agent.ledger.store import read_info, read_usage
 from tests import promstore
 from tests.fake_engines import Engine, Engines
 from tests.test_prometheus_e2e import ROOT, free_port, start, wait_http
@@ -403,8 +403,13 @@ def test_the_fleet_report_is_the_sum_of_the_ledgers(fleet: Fleet, tails: dict[st
         assert -1e-6 <= difference <= bound(key) + 1e-6, (key, dollars, ours.get(key), bound(key))
     everything = sum(tail.dollars for tail in tails.values())
     assert 0 <= ledgers.total.dollars - store.total.dollars == pytest.approx(everything, abs=1e-6)
-    # Who left GPUs idle, where the agents export it (and the ledgers record it).
-    assert {line.key for line in store.idle_by} <= {line.key for line in ledgers.idle_by} or not ledgers.idle_by
+    # Who left GPUs idle: the same workloads, each no more in the store than in the ledgers and
+    # less by no more than every node's tail.
+    theirs_left = {line.left_by: line.dollars for line in ledgers.idle_by}
+    assert store.idle_by
+    for line in store.idle_by:
+        assert line.left_by in theirs_left
+        assert -1e-6 <= theirs_left[line.left_by] - line.dollars <= everything + 1e-6, line.left_by
     # The store holds the whole fleet: 40 nodes x 2 to 8 GPUs, an hour or more each.
     assert store.total.gpu_hours_charged > NODES * 2
 

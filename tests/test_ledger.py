@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.ledger.store import SCHEMA_VERSION, Ledger, LedgerError, hour_shares, read_usage
+from agent.ledger.files import LedgerError
+from agent.ledger.pending import hour_shares
+from agent.ledger.read import read_usage
+from agent.ledger.schema import SCHEMA_VERSION
+from agent.ledger.store import Ledger
 from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +100,9 @@ def test_sums_survive_flush_and_reopen(tmp_path: Path) -> None:
         ("GPU-0", "A100-SXM4-80GB", 2.5, 30.0, 0.5),
         ("GPU-1", "A100-SXM4-80GB", 2.5, 30.0, 1.0),
     ]
-    assert stored(path, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,), (4,)]
+    assert stored(path, "SELECT version FROM schema_version ORDER BY version") == [
+        (v,) for v in range(1, SCHEMA_VERSION + 1)
+    ]
     assert stored(path, "PRAGMA journal_mode") == [("wal",)]
 
 

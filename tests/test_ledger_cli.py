@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from agent.ledger.store import Ledger, read_info
+from agent.ledger.read import read_info
+from agent.ledger.store import Ledger
 from tests.test_cli import gpuledger
 
 H = 3600.0

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from agent.ledger.files import LedgerError
+from agent.ledger.read import fallback_uri, open_read_only, read_usage, reader_uri
 from agent.ledger.report import report_from_ledger
-from agent.ledger.store import Ledger, LedgerError, fallback_uri, open_read_only, read_usage, reader_uri
+from agent.ledger.store import Ledger
 from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
 from tests.test_cli import gpuledger
 
@@ -233,7 +235,7 @@ def test_a_month_without_a_ledger_stays_under_four_megabytes(tmp_path: Path) -> 
     """30 days of an 8-GPU node whose ledger never opens: eight jobs, one per GPU, each hour."""
     import tracemalloc
 
-    from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS, PendingCharges
+    from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS, PendingCharges
 
     jobs = [Workload(namespace="training", pod=f"llama-pretrain-{gpu}", container="trainer", user="ann",
                      model="llama-3-70b", team="research") for gpu in range(8)]  # fmt: skip
@@ -439,7 +441,7 @@ def test_a_file_that_is_not_sqlite_is_never_moved(tmp_path: Path) -> None:
 
 
 def test_moving_aside_takes_the_wal_along_and_never_overwrites(tmp_path: Path) -> None:
-    from agent.ledger.store import move_aside
+    from agent.ledger.files import move_aside
 
     path = tmp_path / "ledger.db"
     for content in (b"first", b"second"):

@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 
 from agent import __version__
+from agent.ledger.files import LedgerError
+from agent.ledger.read import read_info, read_usage
 from agent.ledger.report import report_from_ledger
-from agent.ledger.store import SCHEMA_VERSION, Ledger, LedgerError, read_info, read_usage
-from agent.model import WORKLOAD_LABELS, Charges, GpuCharge, Workload, WorkloadCharge
+from agent.ledger.schema import SCHEMA_VERSION
+from agent.ledger.store import Ledger
+from agent.model import WORKLOAD_LABELS, Charges, GpuCharge, IdleCharge, Workload, WorkloadCharge
 from tests.test_cli import gpuledger
 
 H = 3600
@@ -179,9 +182,28 @@ def write_v3_ledger(path: Path) -> None:
         conn.close()
 
 
+# --- version 4, as that release wrote it: version 3's tables and each workload's charged seconds ---
+
+
+def write_v4_ledger(path: Path) -> None:
+    """The same two hours as a version-4 agent left them (created at version 1, migrated through
+    every later step): version 3's rows, each workload row with its charged seconds (every GPU
+    had one holder at a time, so its held seconds), and no record of who left GPU 2 idle."""
+    write_v3_ledger(path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ALTER TABLE workload_hours ADD COLUMN charged_s REAL NOT NULL DEFAULT 0.0")
+        conn.execute("UPDATE workload_hours SET charged_s = held_s")
+        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (4, ?)", (1_795_300_000.0,))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 # One writer per schema a release shipped before the current one: a new schema version must add
 # the writer of the one it replaces (the test below fails until it does).
-WRITERS = {1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger}
+WRITERS = {1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger, 4: write_v4_ledger}
 
 
 def rows(path: Path, sql: str) -> list[tuple[object, ...]]:
@@ -244,8 +266,12 @@ def test_report_reads_a_first_release_ledger_without_writing_it(v1_ledger: Path)
 def test_opening_a_first_release_ledger_migrates_it_in_place(v1_ledger: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="gpuledger.ledger")
     Ledger(v1_ledger).close()
-    assert rows(v1_ledger, "SELECT version FROM schema_version ORDER BY version") == [(1,), (2,), (3,), (4,)]
-    assert [r.getMessage() for r in caplog.records] == [f"ledger {v1_ledger}: schema migrated from version 1 to 4"]
+    assert rows(v1_ledger, "SELECT version FROM schema_version ORDER BY version") == [
+        (v,) for v in range(1, SCHEMA_VERSION + 1)
+    ]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ledger {v1_ledger}: schema migrated from version 1 to {SCHEMA_VERSION}"
+    ]
     assert rows(v1_ledger, "SELECT gpu, hour, hpc_job, unit, user, dollars FROM workload_hours ORDER BY gpu, hour") == [
         (0, H0, "8812", "", "alice", 2.5),
         (0, H1, "9911_3", "", "bob", 2.5),  # an array task's id is a Slurm job id too
@@ -266,7 +292,7 @@ def test_opening_a_first_release_ledger_migrates_it_in_place(v1_ledger: Path, ca
     ]
     check_report_matches_the_first_release(v1_ledger)
     Ledger(v1_ledger).close()  # opening it again changes nothing
-    assert rows(v1_ledger, "SELECT COUNT(*) FROM schema_version") == [(4,)]
+    assert rows(v1_ledger, "SELECT COUNT(*) FROM schema_version") == [(SCHEMA_VERSION,)]
 
 
 def test_the_agent_keeps_adding_to_migrated_rows(v1_ledger: Path) -> None:
@@ -502,3 +528,50 @@ def gpu_charge(seconds: float) -> GpuCharge:
         gpu=0, uuid="GPU-0", model="A100-SXM4-80GB", dollars_per_hour=3.6, observed_s=seconds, dollars=seconds / 1000,
         idle_s=seconds, idle_dollars=seconds / 1000, unobserved_s=0.0, joules=0.0, idle_joules=0.0,
     )  # fmt: skip
+
+
+# --- version 5: idle time by who left the GPU idle ---
+
+
+def test_version_5_books_the_idle_time_of_older_hours_to_nobody_known(tmp_path: Path) -> None:
+    # A version-4 file recorded GPU 2 idle for 1800 s ($1.25, 90 kJ) of H0 and all of H1
+    # (3600 s, $2.50, 180 kJ), and not who left it so: each GPU-hour gets one idle_hours row with
+    # empty labels holding all of its idle time, so the rows add up to gpu_hours' idle figures.
+    path = tmp_path / "v4.db"
+    write_v4_ledger(path)
+    Ledger(path, retention_s=None).close()
+    labels = ", ".join(WORKLOAD_LABELS)
+    assert rows(path, f"SELECT hour, uuid, gpu, {labels}, idle_s, idle_dollars, idle_joules FROM idle_hours") == [
+        (H0, "GPU-2", 2, *[""] * len(WORKLOAD_LABELS), 1800.0, 1.25, 90_000.0),
+        (H1, "GPU-2", 2, *[""] * len(WORKLOAD_LABELS), 3600.0, 2.5, 180_000.0),
+    ]
+    # The agent, upgraded, then books a minute of the next hour, H2, to job 8812, which left
+    # GPU 2 idle: a row of its own. 60 s at $2.50/h = $0.041666...
+    h2 = H1 + H
+    left = Workload(hpc_job="8812", user="alice")
+    minute = 60 * 2.5 / H
+    gpu = GpuCharge(
+        gpu=2, uuid="GPU-2", model="A100-SXM4-80GB", dollars_per_hour=2.5, observed_s=60.0, dollars=minute,
+        idle_s=60.0, idle_dollars=minute, unobserved_s=0.0, joules=3000.0, idle_joules=3000.0,
+        idle_by=(IdleCharge(left, 60.0, minute, 3000.0),),
+    )  # fmt: skip
+    with Ledger(path, retention_s=None) as ledger:
+        ledger.add(Charges(h2, h2 + 60.0, "node-a", (), (gpu,)))
+    assert rows(path, "SELECT hour, hpc_job, user, idle_s, idle_dollars FROM idle_hours ORDER BY hour") == [
+        (H0, "", "", 1800.0, 1.25),
+        (H1, "", "", 3600.0, 2.5),
+        (h2, "8812", "alice", 60.0, minute),
+    ]
+    # Per GPU-hour the idle rows add up to the GPU row's idle figures.
+    assert rows(
+        path,
+        "SELECT g.hour, g.idle_s, g.idle_dollars, sum(i.idle_s), sum(i.idle_dollars) FROM gpu_hours g"
+        " JOIN idle_hours i USING (hour, node, uuid) GROUP BY g.hour, g.uuid ORDER BY g.hour",
+    ) == [(H0, 1800.0, 1.25, 1800.0, 1.25), (H1, 3600.0, 2.5, 3600.0, 2.5), (h2, 60.0, minute, 60.0, minute)]
+    report = report_from_ledger(path, by=["hpc_job"])
+    assert [(line.left_by, line.dollars) for line in report.idle_by] == [
+        (Workload(), 3.75),  # H0's $1.25 and H1's $2.50, left by nobody known
+        (left, minute),
+    ]
+    assert report.idle.dollars == IDLE + minute
+    assert report.total.dollars == TOTAL + minute  # 3 GPUs x 2 h x $2.50, and the minute

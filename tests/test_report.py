@@ -18,6 +18,8 @@ import pytest
 from hypothesis import given, settings
 
 from agent.accounting.cost import account
+from agent.ledger.files import LedgerError
+from agent.ledger.read import LedgerInfo, read_usage
 from agent.ledger.report import (
     GROUP_KEYS,
     Report,
@@ -30,7 +32,7 @@ from agent.ledger.report import (
     report_from_ledger,
     report_from_ledgers,
 )
-from agent.ledger.store import Ledger, LedgerError, LedgerInfo, read_usage
+from agent.ledger.store import Ledger
 from agent.model import (
     Attribution,
     Charges,
@@ -257,7 +259,7 @@ def test_csv_reads_back_to_the_same_numbers(weekend_ledger: Path) -> None:
     rows = list(csv.DictReader(io.StringIO(render(report, "csv"))))
     assert list(rows[0]) == [
         "kind", "node", "pod", "dollars", "gpu_hours_charged", "gpu_hours_used", "efficiency_ratio",
-        "waste_dollars", "energy_kwh", "energy_dollars",
+        "waste_dollars", "energy_kwh", "energy_dollars", "left_by",
     ]  # fmt: skip
     assert [r["kind"] for r in rows] == ["group"] * len(report.lines) + ["idle", "unobserved", "total"]
     for r, line in zip(rows, [*report.lines, report.idle, report.unobserved, report.total], strict=True):
@@ -268,6 +270,7 @@ def test_csv_reads_back_to_the_same_numbers(weekend_ledger: Path) -> None:
             assert float(r["gpu_hours_used"]) == line.gpu_hours_used
             assert float(r["waste_dollars"]) == line.waste_dollars
     assert rows[-3]["efficiency_ratio"] == ""  # nobody held the idle GPUs
+    assert rows[-3]["left_by"] == "{}"  # hours written without saying who left the GPUs idle: nobody known
     # nobody saw the unobserved time: how much of it was used is unknown, not 0
     assert (rows[-2]["gpu_hours_used"], rows[-2]["efficiency_ratio"], rows[-2]["waste_dollars"]) == ("", "", "")
     assert float(rows[-1]["efficiency_ratio"]) == report.total.efficiency

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import math
 import socket
 import ssl
 import threading
@@ -29,14 +30,13 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.core import Metric
-from prometheus_client.samples import Sample
 
 from agent.cli.wiring import build_agent
 from agent.config import Settings
 from agent.fleet.promapi import EmptyStore, PrometheusAPI
 from agent.fleet.report import ALL_COUNTERS, PROBE_COUNTER, StoreQuery, report_from_prometheus
 from agent.ledger.report import Report, ReportLine, render, report_from_ledgers
+from agent.model import Workload
 from tests import promstore
 from tests.promstore import Scrape
 from tests.test_cli import gpuledger
@@ -99,32 +99,6 @@ def run_node(
     return scrapes
 
 
-def left_by(scrapes: Sequence[Scrape]) -> list[Scrape]:
-    """The scrapes with who left each GPU idle, as agents that export it do: the GPU's idle
-    seconds and dollars under the workload labels of its last holder (all empty: nobody)."""
-    out = []
-    holder: dict[str, dict[str, str]] = {}
-    names = {"gpuledger_gpu_idle_seconds": "gpuledger_gpu_idle_left_by_seconds",
-             "gpuledger_gpu_idle_cost_dollars": "gpuledger_gpu_idle_left_by_cost_dollars"}  # fmt: skip
-    empty = dict.fromkeys(("namespace", "pod", "container", "hpc_job", "unit", "user", "model", "team"), "")
-    for scrape in scrapes:
-        extra = []
-        for metric in scrape.metrics:
-            if metric.name == "gpuledger_workload_cost_dollars":
-                for s in metric.samples:
-                    holder[s.labels["uuid"]] = {k: v for k, v in s.labels.items() if k not in ("gpu", "uuid")}
-        for metric in scrape.metrics:
-            if metric.name in names:
-                family = Metric(names[metric.name], "who left it idle", "counter")
-                family.samples.extend(
-                    Sample(f"{family.name}_total", {**s.labels, **holder.get(s.labels["uuid"], empty)}, s.value)
-                    for s in metric.samples
-                )
-                extra.append(family)
-        out.append(Scrape(scrape.at, [*scrape.metrics, *extra]))
-    return out
-
-
 @dataclass
 class Store:
     api: PrometheusAPI
@@ -133,10 +107,10 @@ class Store:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
-    """gpu-node-01 (restarted) and gpu-node-07 (who left its GPUs idle, exported) in one store."""
+    """gpu-node-01 (restarted) and gpu-node-07 (its job leaves its GPUs idle) in one store."""
     work = tmp_path_factory.mktemp("fleet")
     demo = run_node("demo", "gpu-node-01", work / "node-01.db", [(0.0, 3 * H), (4 * H, 8 * H)])
-    weekend = left_by(run_node("weekend-idle", "gpu-node-07", work / "node-07.db", [(0.0, 8 * H)]))
+    weekend = run_node("weekend-idle", "gpu-node-07", work / "node-07.db", [(0.0, 8 * H)])
     metrics = promstore.with_target(demo, {"job": "gpuledger", "instance": "gpu-node-01"}, READ)
     metrics += promstore.with_target(weekend, {"job": "gpuledger", "instance": "gpu-node-07"}, READ)
     promstore.backfill_prometheus(metrics, work / "data", work)
@@ -179,6 +153,16 @@ def assert_same(prometheus: Report, ledger: Report, rel: float = 1e-9) -> None:
             name: None if value is None else pytest.approx(value, rel=rel, abs=1e-9)
             for name, value in figures(theirs).items()
         }, ours.key
+    # Who left GPUs idle: the same workloads, the same time and dollars. (Energy by last holder
+    # is the GPU's idle energy split by idle seconds where the store is read: not compared.)
+    theirs_left = {line.left_by: line for line in ledger.idle_by}
+    assert sorted(map(str, (line.left_by for line in prometheus.idle_by))) == sorted(map(str, theirs_left))
+    for line in prometheus.idle_by:
+        other = theirs_left[line.left_by]
+        assert (line.dollars, line.charged_s) == (
+            pytest.approx(other.dollars, rel=rel, abs=1e-9),
+            pytest.approx(other.charged_s, rel=rel, abs=1e-9),
+        ), line.left_by
 
 
 @pytest.mark.parametrize(
@@ -227,19 +211,20 @@ def test_downtime_is_counted_when_the_agent_books_it(fleet: Store) -> None:
 def test_idle_is_broken_down_by_who_left_it(fleet: Store) -> None:
     prometheus, ledger = both(fleet, 2, 8, ("hpc_job",))
     assert prometheus.idle.dollars == pytest.approx(ledger.idle.dollars, rel=1e-9)
-    left = {line.key: line for line in prometheus.idle_by}
+    left = {(line.left_by or Workload()).hpc_job: line for line in prometheus.idle_by}
     # Job 9001 held gpu-node-07's 8 GPUs until 4h and left them idle until 8h. Its end is seen
     # between the polls at 3:55 and 4:00, so idle begins at the midpoint, 3:57:30: 8 GPUs x
     # (4 h + 2.5 min) x $2.50 = $80.83.
-    assert left[("9001",)].dollars == pytest.approx(8 * (4 + 2.5 / 60) * 2.5, rel=1e-9)
-    assert left[("9001",)].charged_s == pytest.approx(8 * (4 * H + 150), rel=1e-9)
-    # gpu-node-01 exports no left_by series: its idle stays in the idle row alone.
-    assert set(left) == {("9001",)}
-    assert prometheus.idle.dollars > left[("9001",)].dollars
-    text = render(prometheus)
-    assert "(idle) left by 9001" in text
-    csv_kinds = [row.split(",")[0] for row in render(prometheus, "csv").splitlines()[1:]]
-    assert csv_kinds.count("idle_left_by") == 1
+    assert left["9001"].dollars == pytest.approx(8 * (4 + 2.5 / 60) * 2.5, rel=1e-9)
+    assert left["9001"].charged_s == pytest.approx(8 * (4 * H + 150), rel=1e-9)
+    # gpu-node-01's GPU 6, which nobody ever held, idle from 2h to 8h but for the hour its agent
+    # was down (3h-4h, unobserved): 1 GPU x 5 h x $2.50 = $12.50.
+    assert left[""].dollars == pytest.approx(5 * 2.5, rel=1e-9)
+    assert left[""].left_by == Workload()
+    assert set(left) == {"9001", ""}
+    # Every joule of idle energy is somewhere among them.
+    assert math.fsum(line.joules for line in prometheus.idle_by) == pytest.approx(prometheus.idle.joules, rel=1e-9)
+    assert "(idle) left by job 9001 (dave)" in render(prometheus)
 
 
 def test_edges_between_samples_are_off_by_at_most_a_scrape_interval(sparse: Store) -> None:

@@ -361,5 +361,6 @@ def test_a_long_process_list_is_read_in_one_call_once_the_buffer_fits(install: A
     assert [p.sm_util for p in reading.processes] == [pytest.approx((1 + n % 50) / 100) for n in range(100)]
     assert calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 1
     assert calls["nvmlDeviceGetProcessUtilization"] == 1
-    # memory, utilization, temperature, field values, processes, process samples
-    assert sum(calls.values()) == 6
+    assert calls["nvmlDeviceGetSamples"] == 1  # the device's own utilization samples, in one call too
+    # memory, utilization, temperature, field values, processes, process samples, device samples
+    assert sum(calls.values()) == 7

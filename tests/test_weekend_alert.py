@@ -71,8 +71,10 @@ def test_the_weekend_idle_simulation_fires_the_weekend_alert_with_its_dollars(
         f"Idle cost this weekend so far (since Saturday 00:00 UTC): ${weekend_dollars:.2f}; over the last 4h: "
         f"${last_4h:.2f}; burning ${BURN:.2f}/h now. "
         # Who left them idle: job 9001 ends at 22:00 Friday; the last minute's poll that saw it
-        # on its GPUs was 21:59.
-        "Left idle by job 9001 (user dave), last seen on them at 2026-11-20 21:59:00 +0000 UTC. "
+        # on its GPUs was 21:59. All the idle cost of the last 4h is booked to it: it left all
+        # eight GPUs idle (gpuledger_gpu_idle_left_by_cost_dollars_total).
+        "Left idle by job 9001 (user dave), last seen on them at 2026-11-20 21:59:00 +0000 UTC: "
+        f"${last_4h:.2f} of idle cost over the last 4h. "
         "Scale the node pool down or give the GPUs to a batch queue."
     )
     test = {

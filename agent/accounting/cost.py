@@ -6,7 +6,9 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
   - Over the interval dt between two polls a unit costs price x weight x dt. Nobody holding it:
     all of that is idle cost. Otherwise it is split among its holders by measured SM
     utilization; where none was measured, by memory held; where neither, equally.
-  - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization.
+  - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization,
+    and a unit's holders' busy seconds never add up to more than the GPU's own (its utilization
+    averaged over its samples of the interval x dt): where they would, each is scaled down.
     Charged seconds are held seconds x the holder's share (the share that splits the dollars):
     a unit's charged seconds plus its idle seconds are its observed seconds, so they add up
     across holders where held seconds count a shared unit once per holder.
@@ -16,18 +18,27 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
   - Time is a partition: each unit-second is charged to workloads, idle (observed, held by
     nobody) or unobserved (charged to nobody, with the reason): the interval was longer than
     `max_interval_s` (no poll: the agent stopped, the node slept), the GPU could not be read at
-    either end (its NVML error: GPU_IS_LOST, TIMEOUT, ...), or the unit's process list failed
-    and no allocation names a holder. Charged + idle + unobserved = price x weight x dt.
-The interval is described by the later poll: its per-process utilization is the mean of the
-driver's samples since the earlier poll, and its holders are those seen at its end.
+    either end (its NVML error: GPU_IS_LOST, TIMEOUT, ...), the unit's process list failed
+    and no allocation names a holder, or nobody runs on it and its allocations cannot be known
+    (attribution_unavailable: the kubelet unreachable past attribution.kubelet_stale_after).
+    Charged + idle + unobserved = price x weight x dt.
+  - Boundaries (`agent.accounting.boundaries`): a holder at both polls held the whole
+    interval; one gone by the later poll held its first half; one new at the later poll held it
+    from its start where that is known (process or allocation start), else from the midpoint.
+    Idle stretches carry who left the unit idle (`IdleCharge.left_by`).
+The interval's per-process utilization is the mean of the driver's samples since the earlier
+poll (read at the later one), its holders those seen at its two ends.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from agent.accounting.boundaries import Part, stretches
 from agent.model import (
+    UNOBSERVED_ATTRIBUTION,
     UNOBSERVED_NO_POLL,
     UNOBSERVED_PROCESSES,
     UNOBSERVED_UNREADABLE,
@@ -38,6 +49,8 @@ from agent.model import (
     GpuCharge,
     GpuTotals,
     Holding,
+    IdleCharge,
+    IdleTotals,
     Price,
     Snapshot,
     Workload,
@@ -73,12 +86,21 @@ def cost_units(snapshot: Snapshot, gpu: DeviceReading) -> list[CostUnit]:
     return units
 
 
+def device_busy_ratio(device: DeviceReading | None) -> float | None:
+    """How busy the device was over the interval (0-1): its utilization averaged over its own
+    samples since the previous poll, else (those could not be read) its latest reading; None
+    where it measures none (MIG)."""
+    if device is None:
+        return None
+    return device.interval_utilization if device.interval_utilization is not None else device.utilization
+
+
 def holder_utilization(holding: Holding, unit: CostUnit, holders: int) -> float | None:
     """The holder's measured share of the unit's SMs; None when the device cannot tell."""
     if holding.sm_util is not None:
         return holding.sm_util
-    if holders == 1 and unit.device is not None and unit.device.utilization is not None:
-        return unit.device.utilization  # a sole holder of a GPU that measures only as a whole
+    if holders == 1:
+        return device_busy_ratio(unit.device)  # a sole holder of a GPU that measures only as a whole
     return None
 
 
@@ -103,13 +125,16 @@ def _charge(
     workloads: dict[tuple[int, str, Workload], _Acc],
     gpu_index: int,
     unit: CostUnit,
-    holders: tuple[Holding, ...],
+    parts: tuple[Part, ...],
     held: float,
     dollars: float,
     joules: float,
 ) -> None:
-    """`held` unit-seconds costing `dollars` and `joules`, split among `holders`."""
+    """`held` unit-seconds costing `dollars` and `joules`, split among the holders of `parts`."""
+    holders = tuple(p.holding for p in parts)
     utils = [holder_utilization(h, unit, len(holders)) for h in holders]
+    # Each holder's utilization over its own part of the interval (see Part.util_scale).
+    utils = [None if u is None else min(u * p.util_scale, 1.0) for u, p in zip(utils, parts, strict=True)]
     seen: dict[Workload, float] = {}
     for holding, share, util in zip(holders, split_shares(holders, utils), utils, strict=True):
         acc = workloads.setdefault((gpu_index, unit.uuid, holding.workload), _Acc())
@@ -122,6 +147,11 @@ def _charge(
         acc.charged_s += held * share
         acc.dollars += dollars * share
         acc.joules += joules * share
+
+
+def _by_index(index: int) -> str:
+    """The key an undiscovered GPU's previous reading is also found by (no uuid looks like it)."""
+    return f"#{index}"
 
 
 def _unobserved(prev: DeviceReading | None, curr: DeviceReading, dt: float, max_interval_s: float) -> str | None:
@@ -165,14 +195,17 @@ def account(
     energy_per_kwh: float | None = None,
     earlier: Attribution | None = None,
     energy_before: Mapping[str, float] | None = None,
+    left_by: Mapping[str, tuple[Workload, ...]] | None = None,
 ) -> Charges:
     """Charges for the interval (prev.taken_at, curr.taken_at]. `prices` is keyed by GPU uuid;
     with `energy_per_kwh` every charge's joules are priced too.
 
     `earlier` is the attribution at `prev`. Where a unit's holders changed between the two
-    polls, all that is known is that the change fell between them: the first half of the
-    interval goes to the holders at its start, the second half to those at its end (a job's
-    last interval is not all idle, a new job does not pay for time before it started).
+    polls the interval is cut where they changed (`agent.accounting.boundaries`): a new holder
+    pays from its start where that is known, else from the midpoint; a holder gone pays the
+    first half (a job's last interval is not all idle, a new job does not pay for time before
+    it started). `left_by` holds, per unit uuid, the workloads that held it last before `prev`:
+    who left it idle, where it is idle before anyone holds it within the interval.
 
     `energy_before` holds each GPU's last energy counter reading, for a counter that could not
     be read at `prev`: its difference across the gap is the gap's energy, not 0."""
@@ -181,6 +214,11 @@ def account(
     if dt <= 0:
         return charges
     previous = {d.uuid: d for d in prev.gpus}
+    # A GPU discovered at this poll went by a remembered or provisional uuid at the last one:
+    # that reading (down, for why it could not be identified) is where its interval starts.
+    for d in prev.gpus:
+        if not d.discovered:
+            previous.setdefault(_by_index(d.index), d)
     prev_devices = {d.uuid: d for d in prev.devices}
     # Each unit's holders, in attribution order (`Attribution.for_device`, found in one pass).
     holders_of: dict[str, list[Holding]] = {}
@@ -188,10 +226,14 @@ def account(
         holders_of.setdefault(h.device_uuid, []).append(h)
     workloads: dict[tuple[int, str, Workload], _Acc] = {}
     gpus: list[GpuCharge] = []
+    # Whether a unit nobody runs on is idle or of unknown holder, at each end of the interval.
+    allocated = attribution.allocations_known
+    allocated_before = earlier.allocations_known if earlier is not None else allocated
     for gpu in curr.gpus:
         price = prices.get(gpu.uuid)
         hourly = price.dollars_per_hour if price is not None else 0.0
-        reason = _unobserved(previous.get(gpu.uuid), gpu, dt, max_interval_s)
+        was_gpu = previous.get(gpu.uuid) or previous.get(_by_index(gpu.index))
+        reason = _unobserved(was_gpu, gpu, dt, max_interval_s)
         if reason is not None:
             gpus.append(_unobserved_charge(gpu, hourly, dt, reason, energy_per_kwh))
             continue
@@ -200,6 +242,7 @@ def account(
         idle_s = idle_dollars = idle_joules = 0.0
         unobserved_s = unobserved_dollars = 0.0
         unobserved_reason = ""
+        idle_by: dict[Workload, list[float]] = {}  # left by -> [seconds, dollars, joules]
         for unit in cost_units(curr, gpu):
             unit_dollars = gpu_dollars * unit.weight
             unit_joules = gpu_joules * unit.weight
@@ -214,17 +257,35 @@ def account(
                 unobserved_dollars += unit_dollars
                 unobserved_reason = UNOBSERVED_PROCESSES
                 continue
-            same = {h.workload for h in before} == {h.workload for h in holders}
-            halves = [(holders, 1.0)] if same else [(before, 0.5), (holders, 0.5)]
-            for owners, part in halves:
-                if not owners:
+            last = (left_by or {}).get(unit.uuid, ()) if unit.uuid else ()
+            charged: dict[tuple[int, str, Workload], _Acc] = {}
+            for stretch in stretches(prev.taken_at, dt, before, holders, last):
+                part = stretch.seconds / dt
+                # Whether the allocations were known at the end of the interval this stretch
+                # belongs to (a stretch wholly in the first half: the earlier poll's).
+                whole = stretch.start_s == 0.0 and stretch.end_s == dt
+                allocations_known = allocated_before if not whole and stretch.end_s <= dt / 2 else allocated
+                if not stretch.parts and not allocations_known:
+                    # Nobody runs on it, and whom the scheduler allocated it to cannot be known
+                    # (the kubelet unreachable): not idle.
+                    unobserved_s += dt * unit.weight * part
+                    unobserved_dollars += unit_dollars * part
+                    unobserved_reason = UNOBSERVED_ATTRIBUTION
+                    continue
+                if not stretch.parts:
                     idle_s += dt * unit.weight * part
                     idle_dollars += unit_dollars * part
                     idle_joules += unit_joules * part
+                    _leave_idle(
+                        idle_by, stretch.left_by, dt * unit.weight * part, unit_dollars * part, unit_joules * part
+                    )
                     continue
                 _charge(
-                    workloads, gpu.index, unit, owners, dt * unit.weight * part, unit_dollars * part, unit_joules * part
-                )
+                    charged, gpu.index, unit, stretch.parts, dt * unit.weight * part, unit_dollars * part,
+                    unit_joules * part,
+                )  # fmt: skip
+            _cap_busy(charged, device_busy_ratio(unit.device), dt * unit.weight)
+            workloads.update(charged)
         gpus.append(
             GpuCharge(
                 gpu=gpu.index,
@@ -242,6 +303,11 @@ def account(
                 energy_dollars=energy_dollars(gpu_joules, energy_per_kwh),
                 idle_energy_dollars=energy_dollars(idle_joules, energy_per_kwh),
                 unobserved_reason=unobserved_reason,
+                idle_by=tuple(
+                    IdleCharge(w, seconds, dollars, joules, energy_dollars(joules, energy_per_kwh))
+                    for w, (seconds, dollars, joules) in sorted(idle_by.items())
+                ),
+                busy_s=_gpu_busy_s(curr, gpu, dt - unobserved_s),
             )
         )
     return Charges(
@@ -265,6 +331,57 @@ def account(
         ),
         gpus=tuple(gpus),
     )
+
+
+def _by_left(
+    old: Mapping[Workload, IdleTotals], g: GpuCharge, end: float, horizon: float
+) -> Mapping[Workload, IdleTotals]:
+    """The idle totals by who left the GPU idle, plus `g`'s; those nothing has added to since
+    `horizon` are dropped, as finished workloads' are, so that every job that ever left a GPU
+    idle does not keep a series alive for good."""
+    found = {w: t for w, t in old.items() if t.last_at >= horizon}
+    for part in g.idle_by:
+        was = found.get(part.left_by, _NO_IDLE_TOTALS)
+        found[part.left_by] = IdleTotals(was.idle_s + part.idle_s, was.idle_dollars + part.idle_dollars, end)
+    return found
+
+
+def _leave_idle(
+    idle_by: dict[Workload, list[float]], left_by: tuple[Workload, ...], seconds: float, dollars: float, joules: float
+) -> None:
+    """Idle time left by `left_by`, in equal parts where several held the unit last together
+    (nobody: Workload(), the empty labels)."""
+    owners = left_by or (Workload(),)
+    for workload in owners:
+        sums = idle_by.setdefault(workload, [0.0, 0.0, 0.0])
+        sums[0] += seconds / len(owners)
+        sums[1] += dollars / len(owners)
+        sums[2] += joules / len(owners)
+
+
+def _cap_busy(charged: Mapping[tuple[int, str, Workload], _Acc], ratio: float | None, unit_s: float) -> None:
+    """Scale the unit's holders' busy seconds down, in proportion, where they add up to more
+    than the device was busy (`ratio` of `unit_s`): per-process readings of one interval can
+    exceed the device's own (samples the process ring kept that the device's had rolled past,
+    a holder gone at the midpoint carrying its previous reading). Dollars are untouched: the
+    shares that split them are proportions and stay as measured."""
+    if ratio is None:
+        return
+    device_busy_s = ratio * unit_s
+    total = math.fsum(acc.busy_s for acc in charged.values())
+    if total > device_busy_s and total > 0:
+        scale = device_busy_s / total
+        for acc in charged.values():
+            acc.busy_s *= scale
+
+
+def _gpu_busy_s(snapshot: Snapshot, gpu: DeviceReading, observed_s: float) -> float | None:
+    """The GPU's busy seconds over its observed time: None for a MIG-enabled GPU (neither it
+    nor its instances measure utilization) or one that measures none."""
+    if snapshot.mig_devices(gpu.uuid):
+        return None
+    ratio = device_busy_ratio(gpu)
+    return None if ratio is None else ratio * observed_s
 
 
 def _by_reason(old: Mapping[str, tuple[float, float]], g: GpuCharge) -> Mapping[str, tuple[float, float]]:
@@ -318,6 +435,7 @@ def downtime(
 
 
 _NO_WORKLOAD_TOTALS = WorkloadTotals()
+_NO_IDLE_TOTALS = IdleTotals()
 _NO_GPU_TOTALS = GpuTotals()
 
 
@@ -362,5 +480,7 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
             energy_dollars=energy_dollars(gpu_joules, per_kwh),
             idle_energy_dollars=energy_dollars(idle_joules, per_kwh),
             unobserved_by_reason=_by_reason(old_gpu.unobserved_by_reason, g),
+            idle_by_left=_by_left(old_gpu.idle_by_left, g, charges.end, horizon),
+            busy_s=old_gpu.busy_s if g.busy_s is None else (old_gpu.busy_s or 0.0) + g.busy_s,
         )
     return CostTotals(workloads, gpus)

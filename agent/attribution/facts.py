@@ -31,6 +31,9 @@ class SlurmAllocation:
     gpu_instance_id: int | None  # a MIG GPU instance (a `<gpu>.<gi>` map file); None for a whole GPU
     job: str
     user: str | None
+    # When the prolog wrote the map file (its modification time, unix seconds): the
+    # allocation's start. None where the file's time could not be read.
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -43,3 +46,5 @@ class HostFacts:
     pod_allocations: tuple[PodAllocation, ...] = ()
     slurm_allocations: tuple[SlurmAllocation, ...] = ()
     kubelet_up: bool | None = None  # None: no kubelet on this node
+    # False while the scheduler's allocations cannot be known (see Attribution.allocations_known)
+    allocations_known: bool = True

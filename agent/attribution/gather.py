@@ -9,6 +9,7 @@ that refresh on a schedule of their own (the kubelet's allocation list) say so t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 from agent.attribution.facts import HostFacts
@@ -35,7 +36,7 @@ class Attributor:
         found = HostFacts()
         for source in self.sources:
             found = source.gather(snapshot, found)
-        return attribute(
+        attribution = attribute(
             Inputs(
                 snapshot=snapshot,
                 processes=found.processes,
@@ -48,6 +49,7 @@ class Attributor:
                 kubelet_up=found.kubelet_up,
             )
         )
+        return attribution if found.allocations_known else replace(attribution, allocations_known=False)
 
     def refreshers(self) -> tuple[Refresher, ...]:
         """Every source's scheduled work, in the order the sources gather."""

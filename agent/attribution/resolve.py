@@ -42,6 +42,12 @@ class _Acc:
     memory_bytes: int | None = None
     allocated: bool = False
     self_reported: bool = False
+    started_at: float | None = None
+
+    def began(self, at: float | None) -> None:
+        """It held the device from `at` (a process's or allocation's start), if that is earlier."""
+        if at is not None and (self.started_at is None or at < self.started_at):
+            self.started_at = at
 
 
 _HoldingKey = tuple[str, Workload, int | None]  # (device uuid, workload, pid when per-pid)
@@ -101,6 +107,8 @@ def attribute(inputs: Inputs) -> Attribution:
             acc = holdings.setdefault(key, _Acc())
             acc.self_reported = acc.self_reported or (facts is not None and claimed)
             acc.pids.append(proc.pid)
+            if facts is not None:
+                acc.began(facts.started_at)
             if proc.sm_util is not None:
                 acc.sm_util = (acc.sm_util or 0.0) + proc.sm_util
             if proc.used_memory_bytes is not None:
@@ -115,9 +123,10 @@ def attribute(inputs: Inputs) -> Attribution:
     for uuid, allocs in pods_on_device.items():
         for alloc in allocs:
             base = Workload(namespace=alloc.namespace, pod=alloc.pod, container=alloc.container)
-            _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], base, inputs)
+            _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], base, inputs, None)
     for uuid, s in slurm_on_device.items():
-        _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], Workload(hpc_job=s.job, user=s.user or ""), inputs)
+        job = Workload(hpc_job=s.job, user=s.user or "")
+        _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], job, inputs, s.started_at)
 
     order = {d.uuid: i for i, d in enumerate(snapshot.devices)}
     return Attribution(
@@ -131,6 +140,7 @@ def attribute(inputs: Inputs) -> Attribution:
                 allocated=acc.allocated,
                 pid=pid,
                 self_reported=acc.self_reported and not acc.allocated,
+                started_at=acc.started_at,
             )
             for (uuid, workload, pid), acc in sorted(
                 holdings.items(), key=lambda kv: (order[kv[0][0]], kv[0][1], kv[0][2] or 0)
@@ -161,20 +171,24 @@ def _mark_allocated(
     device: DeviceReading,
     base: Workload,
     inputs: Inputs,
+    started_at: float | None,
 ) -> None:
     """An allocation is held by the process holdings of the same owner on that device; with
     none, the allocation holds the device by itself (a notebook that runs nothing), using
     none of it: 0 where the device measures use, unknown where it cannot. `measures` remembers
-    per device whether it does."""
+    per device whether it does. The holding began no later than the allocation (`started_at`,
+    where the scheduler's record tells it)."""
     held = by_owner.get((device.uuid, _owner_of_allocation(base)))
     if held:
         for acc in held:
             acc.allocated = True
+            acc.began(started_at)
         return
     workload = apply_rules(base, (), None, inputs.rules)
     acc = holdings.setdefault((device.uuid, workload, None), _Acc())
     _index_holding(by_owner, device.uuid, workload, acc)  # a later allocation of the same owner shares it
     acc.allocated = True
+    acc.began(started_at)
     if device.uuid not in measures:
         measures[device.uuid] = device.utilization is not None or any(p.sm_util is not None for p in device.processes)
     acc.sm_util = 0.0 if measures[device.uuid] else acc.sm_util

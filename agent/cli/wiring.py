@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from agent.config import Settings, host_problems, load_catalogue
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
 from agent.devices.instance import detect_instance_type
+from agent.devices.pci import nvidia_gpus
 from agent.devices.sampler import Sampler
 from agent.errors import BadInputError
 from agent.model import AgentState, Price, Snapshot
@@ -94,6 +96,7 @@ class Agent:
             return self._ledger_written
         self._closed = True
         idle = self.pipeline.stop()
+        self.pipeline.settle()  # time still waiting for a price is booked before the ledger closes
         if self.costing is not None and self.costing.sink is not None:
             # The last charges reach the ledger before anything slower.
             self._ledger_written = self.costing.sink.close()
@@ -147,7 +150,8 @@ def build_agent(
         interval_s = max(interval_s / fake_speed, FAKE_MIN_POLL_S)
     backend, node = _backend(fake, 0.0, settings.backend)  # the clock starts with Agent.start
     try:
-        sampler = Sampler(backend, hostname=node_name(settings, node))
+        sys_root = str(node.host.sys_root) if node is not None else settings.sys_root
+        sampler = Sampler(backend, hostname=node_name(settings, node), pci_gpus=partial(nvidia_gpus, sys_root))
         # The devices first (within the call budget): without a driver nothing else is built,
         # so `run` says that, and only that, in its one line.
         pipeline = Pipeline(
@@ -172,6 +176,11 @@ def build_agent(
                 rhythm_s = interval_s * fake_speed if fake_speed else interval_s
                 priced = replace(priced, max_interval_s=max(priced.max_interval_s, 3 * rhythm_s))
         pipeline.costing = priced
+        if priced is not None and priced.sink is not None:
+            from agent.ledger.sink import LedgerSink
+
+            if isinstance(priced.sink, LedgerSink):
+                sampler.remember(priced.sink.known_gpus)  # what the GPUs go by while the driver cannot say
     except BaseException:
         if node is not None:
             import fake_nvml
@@ -254,6 +263,7 @@ def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Att
         podresources_socket=socket_path,
         kubelet_timeout_s=a.kubelet_timeout,
         kubelet_interval_s=a.kubelet_interval,
+        kubelet_stale_after_s=a.kubelet_stale_after,
     )
     return Attributor(open_sources(options), rules=rules, per_pid=a.per_pid_series)
 
@@ -274,6 +284,8 @@ def _costing(
     instance_type = node.scenario.node.instance_type if node is not None else detect_instance_type()
 
     def prices(snapshot: Snapshot) -> dict[str, Price | None]:
+        # A GPU not identified yet (no name, so no model) is priced by what prices the whole
+        # node, where that is set (gpu_hourly, the instance type); else it waits for its own.
         gpus = snapshot.gpus
         found = {
             g.uuid: resolve_price(
@@ -285,10 +297,9 @@ def _costing(
                 catalogue=catalogue,
             )
             for g in gpus
-            if g.name
         }
         for g in gpus:
-            if g.name and found.get(g.uuid) is None:
+            if g.discovered and found.get(g.uuid) is None:
                 log.warning("no price for GPU %d (%s): set pricing.by_model or pricing.gpu_hourly", g.index, g.model)
         return found
 

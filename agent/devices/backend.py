@@ -113,6 +113,9 @@ class ProcessInfo:
 # (pid, timestamp in microseconds, SM utilization in whole percent): a tuple, not a class,
 # because a busy node yields tens of thousands of samples a poll.
 ProcessSample = tuple[int, int, int]
+# (timestamp in microseconds, the device's utilization over its sampling period in whole
+# percent): the device's own samples, one per sampling period, 0% included.
+UtilizationSample = tuple[int, float]
 
 
 class DeviceBackend(Protocol):
@@ -121,8 +124,8 @@ class DeviceBackend(Protocol):
     Every method raises only `DeviceError`s. `DeviceLost` and `DriverUnavailable` are always
     raised (they end the device's poll, or the whole poll); `read` returns other per-key
     failures in its result. Discovery methods (`name` .. `compute_instance_id`) are called
-    once per device when the sampler (re)discovers devices; `read`, `running_processes` and
-    `process_utilization` every poll, so those are the ones to make cheap: batch, pre-size
+    once per device when the sampler (re)discovers devices; `read`, `running_processes`,
+    `process_utilization` and `utilization_samples` every poll, so those are the ones to make cheap: batch, pre-size
     buffers, remember which call variant the driver has.
     """
 
@@ -167,4 +170,9 @@ class DeviceBackend(Protocol):
 
     def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:
         """Per-process SM utilization samples stamped after `since_us`; [] when there are none."""
+        ...
+
+    def utilization_samples(self, handle: Handle, since_us: int) -> list[UtilizationSample]:
+        """The device's own utilization samples stamped after `since_us`, oldest first; [] when
+        there are none."""
         ...

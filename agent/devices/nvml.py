@@ -35,6 +35,7 @@ from agent.devices.backend import (
     ReadingKey,
     ReadingNotSupported,
     ReadResult,
+    UtilizationSample,
 )
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ _DRIVER_GONE = {"UNINITIALIZED", "DRIVER_NOT_LOADED", "LIB_RM_VERSION_MISMATCH"}
 # The one definition of a lost GPU: every path (single calls, field values, discovery) that
 # sees one of these marks the GPU down.
 _GPU_GONE = {"GPU_IS_LOST", "GPU_NOT_FOUND", "RESET_REQUIRED"}
+# What a device without NVLink, or a link index past its last link, answers (an older driver
+# lacks the call or the field altogether: FUNCTION_NOT_FOUND).
+_NO_SUCH_LINK = {"NOT_SUPPORTED", "INVALID_ARGUMENT", "NOT_FOUND", "FUNCTION_NOT_FOUND"}
 
 
 class _FunctionMissing(ReadingNotSupported):
@@ -150,6 +154,10 @@ class _FieldValue(ctypes.Structure):
 
 class _ProcessSample(ctypes.Structure):
     _fields_ = pynvml.c_nvmlProcessUtilizationSample_t._fields_
+
+
+class _Sample(ctypes.Structure):
+    _fields_ = pynvml.c_nvmlSample_t._fields_
 
 
 class _ProcessInfo(ctypes.Structure):
@@ -241,6 +249,7 @@ class _Device:
         "temperature",
         "unbatched",
         "utilization",
+        "utilization_samples",
     )
 
     def __init__(self, handle: Any) -> None:
@@ -252,6 +261,7 @@ class _Device:
         # Reused result buffers, grown when the driver says they are too small.
         self.processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 32)()
         self.samples: ctypes.Array[_ProcessSample] = (_ProcessSample * 64)()
+        self.utilization_samples: ctypes.Array[_Sample] = (_Sample * 128)()
         # Reused result structs of the single calls read every poll.
         self.memory = _Memory()
         self.memory_v2 = _MemoryV2()
@@ -320,17 +330,29 @@ class NvmlBackend:
         return int(_call("nvmlDeviceGetAttributes", pynvml.nvmlDeviceGetAttributes, handle.handle).multiprocessorCount)
 
     def nvlink_count(self, handle: Handle) -> int:
-        """The link-count field where the driver has it, else the links that answer a state query."""
+        """The link-count field where the driver has it, else the links that answer a state query.
+
+        Only "no such field" or "no such link" ends the count: any other error means the count
+        cannot be read now, and is raised, never taken for "no NVLink". An error code on the
+        field alone is the driver answering about that field, so it is raised as that field's
+        error (`DeviceError`), not as the driver gone."""
         with contextlib.suppress(ReadingNotSupported):
             value, code = self._fields(handle, [(_FI_NVLINK_LINK_COUNT, 0)])[0]
             if code is None:
                 return int(value)
+            failure = _error("nvmlDeviceGetFieldValues", code)
+            if isinstance(failure, DeviceLost):
+                raise failure
+            if failure.error not in _NO_SUCH_LINK:
+                raise DeviceError(failure.call, failure.error)
         links = 0
         for link in range(_MAX_NVLINKS):
             try:
                 self._nvlink_up(handle, link)
-            except DeviceError:
-                break
+            except DeviceError as exc:
+                if exc.error in _NO_SUCH_LINK:
+                    break
+                raise
             links += 1
         return links
 
@@ -590,4 +612,30 @@ class NvmlBackend:
                 return []
             _check(call, code)
             return [(s.pid, s.timeStamp, s.smUtil) for s in buffer[: count.value]]
+        raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")
+
+    def utilization_samples(self, handle: Handle, since_us: int) -> list[UtilizationSample]:
+        """The GPU's utilization samples since `since_us` (nvmlDeviceGetSamples with
+        NVML_GPU_UTILIZATION_SAMPLES), in one call into the device's buffer: pynvml's wrapper
+        makes two (the size, then the samples)."""
+        call = "nvmlDeviceGetSamples"
+        fn = _function(call, call)
+        kind = ctypes.c_uint(pynvml.NVML_GPU_UTILIZATION_SAMPLES)
+        since = ctypes.c_ulonglong(since_us)
+        value_type = ctypes.c_uint(0)
+        count = ctypes.c_uint(0)
+        for _attempt in range(3):
+            buffer = handle.utilization_samples
+            count.value = len(buffer)
+            code = fn(handle.handle, kind, since, ctypes.byref(value_type), ctypes.byref(count), buffer)
+            if code == pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                if len(buffer) >= MAX_SAMPLES:
+                    break
+                handle.utilization_samples = (_Sample * min(count.value * 2 + 5, MAX_SAMPLES))()
+                continue
+            if code == pynvml.NVML_ERROR_NOT_FOUND:
+                return []  # nothing sampled since `since_us`
+            _check(call, code)
+            member = _VALUE_MEMBERS.get(value_type.value, "uiVal")
+            return [(s.timeStamp, float(getattr(s.sampleValue, member))) for s in buffer[: count.value]]
         raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")

@@ -11,7 +11,7 @@ import itertools
 import logging
 import socket
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
@@ -29,7 +29,7 @@ from agent.devices.backend import (
     ReadingKey,
     ReadingNotSupported,
 )
-from agent.model import DeviceReading, NodeInfo, NvLinkReading, ProcessReading, Snapshot
+from agent.model import DeviceReading, NodeInfo, NvLinkReading, ProcessReading, Snapshot, provisional_uuid
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,9 +83,10 @@ class _Mig:
 @dataclass
 class _Gpu:
     index: int
-    handle: Handle
+    handle: Handle | None  # None until discovery has completed for it
     uuid: str
     name: str
+    discovered: bool = True
     pci_bus_id: str = ""
     power_limit_w: float | None = None
     sm_count: int | None = None
@@ -109,10 +110,19 @@ class _Gpu:
     # The most samples one process has had in one poll: the driver's ring buffer holds at most
     # that many (as far as we have seen), so a process with that many may have lost older ones.
     samples_kept: int = 0
+    # The device's own utilization samples: the newest one read, and the sampling period as
+    # observed (the smallest gap between two of them).
+    utilization_seen_us: int = 0
+    utilization_period_us: int | None = None
     unsupported: Unsupported = field(default_factory=Unsupported)
     lost_reason: str | None = None
     retry_at: float = 0.0
     retry_backoff_s: float = REINIT_BACKOFF_FIRST_S
+    # Static facts that failed at discovery (other than NOT_SUPPORTED): read again, with
+    # backoff, while the GPU is polled as usual.
+    missing: set[str] = field(default_factory=set)
+    facts_retry_at: float = 0.0
+    facts_backoff_s: float = REINIT_BACKOFF_FIRST_S
 
 
 class Sampler:
@@ -132,6 +142,14 @@ class Sampler:
       (`DriverLibraryMissing`) is raised: nothing can be sampled on this host.
     - Static facts (name, uuid, PCI bus, power limit, SMs, NVLink count, MIG layout) are read
       at discovery, not every poll.
+    - Discovery errors are retried with backoff. A GPU whose handle, uuid, name or MIG layout
+      cannot be read is down for that error (`discovered` False) while the others are polled;
+      an optional fact that fails (PCI bus, power limit, SMs, NVLink count) is absent and read
+      again later, the GPU polled meanwhile (an NVLink count read before keeps its value: an
+      error is never taken for "no NVLink"). While the driver cannot list the GPUs at all, the
+      down snapshot still names the GPUs the node has: those an earlier discovery found, else
+      NVML's device count, else the NVIDIA GPUs on the PCI bus (`pci_gpus`), else those the
+      ledger remembers (`remember`), so their time is booked, as unobserved, from the start.
     - A MIG-enabled GPU is read as itself (temperature, power, energy, NVLink) plus one memory
       reading per MIG device; its processes come from one read of the GPU's process list,
       split over the MIG devices by instance ids, so a fully split GPU costs about as many
@@ -141,15 +159,25 @@ class Sampler:
     Not thread-safe: the scheduler runs one poll at a time.
     """
 
-    def __init__(self, backend: DeviceBackend, hostname: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: DeviceBackend,
+        hostname: str | None = None,
+        pci_gpus: Callable[[], Sequence[str]] | None = None,
+    ) -> None:
         self.backend = backend
         self.hostname = hostname or socket.gethostname()
         self.errors: Counter[tuple[str, str]] = Counter()
         self._gpus: list[_Gpu] = []
+        # What discovery (or the ledger, through `remember`) has learned of each GPU index, kept
+        # across re-discoveries: a GPU that cannot be identified now goes by what it was.
         self._known_uuids: dict[int, str] = {}
         self._known_names: dict[int, str] = {}
+        self._known_links: dict[str, int] = {}  # GPU uuid -> its NVLink count
+        self._device_count: int | None = None  # NVML's, once it has answered
+        self._pci_gpus = pci_gpus
         self._initialised = False
-        # The GPU being read right now (its uuid, or "#index" before it has one; "" while the
+        # The GPU being read right now (its uuid, provisional before it has one; "" while the
         # driver itself is being set up), so that whoever gave up waiting on a poll knows which
         # GPU's call is stuck.
         self.reading: str | None = None
@@ -176,6 +204,7 @@ class Sampler:
             raise
         except DeviceError as exc:
             self._count(exc)
+            self._driver_down_reason = exc.error
             log.error("the GPU driver is not answering (%s); retrying with backoff", exc.error)
             self._schedule_reinit(now)
 
@@ -184,17 +213,29 @@ class Sampler:
             self.backend.shutdown()
             self._initialised = False
 
+    def remember(self, gpus: Iterable[tuple[int, str, str]]) -> None:
+        """GPUs (index, uuid, name) known from elsewhere (the ledger's record of this node): what
+        a GPU goes by while the driver cannot identify it. Discovery's own findings win."""
+        for index, uuid, name in gpus:
+            self._known_uuids.setdefault(index, uuid)
+            if name:
+                self._known_names.setdefault(index, name)
+
     def _init(self, now: float) -> None:
         self.backend.init()
         self._initialised = True
         try:
             self._driver_version = self.backend.driver_version()
             self._cuda_version = self._optional("", "cuda_version", self.backend.cuda_driver_version)
-            self._gpus = [self._discover(i) for i in range(self.backend.device_count())]
+            self._device_count = self.backend.device_count()
+            earlier = {g.index: g for g in self._gpus}
+            gpus = [self._discover(i, now, earlier.get(i)) for i in range(self._device_count)]
         except DeviceError:
-            # Half a discovery is no discovery: the next attempt starts from scratch.
+            # Half a discovery is no discovery: the next attempt starts from scratch (what it
+            # identified is remembered, and names the GPUs while the driver is down).
             self._initialised = False
             raise
+        self._gpus = gpus
         self._init_backoff_s = REINIT_BACKOFF_FIRST_S
         log.info(
             "GPU driver initialised: driver %s, %d GPU(s)",
@@ -203,46 +244,126 @@ class Sampler:
             extra={"driver_version": self._driver_version, "gpus": len(self._gpus)},
         )
 
-    def _discover(self, index: int) -> _Gpu:
+    def _discover(self, index: int, now: float, earlier: _Gpu | None = None) -> _Gpu:
+        """GPU `index` as discovery finds it now; `earlier` is what it was before (its backoff
+        and down reason carry over). Raises only when the driver itself is gone."""
         b = self.backend
         try:
             handle = b.handle_by_index(index)
-            uuid = b.uuid(handle)
-            name = b.name(handle)
+            # Each identity call on its own: what one of them gives is kept when the other fails.
+            failure: DeviceError | None = None
+            for read, known in ((b.uuid, self._known_uuids), (b.name, self._known_names)):
+                try:
+                    known[index] = read(handle)
+                except (DriverUnavailable, DriverLibraryMissing):
+                    raise
+                except DeviceError as exc:
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
+            gpu = self._discover_identified(index, handle, self._known_uuids[index], self._known_names[index], now)
         except (DriverUnavailable, DriverLibraryMissing):
             raise  # the driver itself: discovery as a whole is retried
         except DeviceError as exc:
             # One GPU that cannot be identified (lost, NOT_READY at boot, a corrupted inforom)
             # must not hide the others: it reads as down for its error, and is looked up again
             # with backoff.
-            self._count(exc)
-            gpu = _Gpu(index, None, self._known_uuids.get(index, ""), self._known_names.get(index, ""))
-            gpu.lost_reason = exc.error
-            return gpu
-        self._known_uuids[index], self._known_names[index] = uuid, name
-        gpu = _Gpu(
-            index=index,
-            handle=handle,
-            uuid=uuid,
-            name=name,
-            pci_bus_id=self._optional(uuid, "pci", lambda: b.pci_bus_id(handle)) or "",
-            power_limit_w=self._optional(uuid, "power_limit", lambda: b.power_limit_w(handle)),
-            sm_count=self._optional(uuid, "sm_count", lambda: b.sm_count(handle)),
-            mig_enabled=bool(self._optional(uuid, "mig_mode", lambda: b.mig_enabled(handle))),
-        )
-        nvlinks = self._optional(uuid, "nvlink_count", lambda: b.nvlink_count(handle)) or 0
-        links = tuple(ReadingKey(Quantity.NVLINK_UP, link) for link in range(nvlinks))
-        gpu.links = tuple((key, link) for link, key in enumerate(links))
+            return self._undiscovered(index, now, exc, earlier)
+        if earlier is not None and not earlier.discovered and earlier.lost_reason is not None:
+            log.warning("GPU %d (%s) is discovered at last", index, gpu.uuid, extra={"gpu": index, "uuid": gpu.uuid})
+        return gpu
+
+    def _undiscovered(self, index: int, now: float, exc: DeviceError, earlier: _Gpu | None) -> _Gpu:
+        self._count(exc)
+        gpu = self._placeholder(index)
+        if earlier is not None and not earlier.discovered:
+            gpu.retry_backoff_s = earlier.retry_backoff_s
+        if earlier is None or earlier.lost_reason != exc.error:
+            log.error(
+                "GPU %d cannot be discovered (%s); reading it as down and retrying with backoff",
+                index,
+                exc,
+                extra={"gpu": index, "uuid": gpu.uuid},
+            )
+        gpu.lost_reason = exc.error
+        self._back_off(gpu, now)
+        return gpu
+
+    def _placeholder(self, index: int, pci_bus_id: str = "") -> _Gpu:
+        """GPU `index` before discovery has completed for it: as remembered, else provisional."""
+        uuid = self._known_uuids.get(index) or provisional_uuid(index)
+        return _Gpu(index, None, uuid, self._known_names.get(index, ""), discovered=False, pci_bus_id=pci_bus_id)
+
+    def _listed(self) -> list[_Gpu]:
+        """The GPUs the node has, as far as anything says: discovery's, else placeholders for
+        NVML's device count, the PCI bus's NVIDIA GPUs or the remembered GPUs."""
+        if self._gpus:
+            return self._gpus
+        bus_ids: Sequence[str] = ()
+        count = self._device_count
+        if count is None:
+            bus_ids = self._pci_gpus() if self._pci_gpus is not None else ()
+            count = len(bus_ids) or (max(self._known_uuids) + 1 if self._known_uuids else 0)
+        return [self._placeholder(i, bus_ids[i] if i < len(bus_ids) else "") for i in range(count)]
+
+    def _discover_identified(self, index: int, handle: Handle, uuid: str, name: str, now: float) -> _Gpu:
+        b = self.backend
+        gpu = _Gpu(index=index, handle=handle, uuid=uuid, name=name)
+        gpu.mig_enabled = bool(self._optional(uuid, "mig_mode", lambda: b.mig_enabled(handle)))
+        self._read_facts(gpu, now, ("pci", "power_limit", "sm_count", "nvlink_count"))
         if gpu.mig_enabled:
             gpu.migs = [self._discover_mig(gpu, slot, mig_handle) for slot, mig_handle in b.mig_handles(handle)]
         if gpu.migs:
             total = self._optional(uuid, "memory", lambda: b.read(handle, [_MEMORY_TOTAL]).values.get(_MEMORY_TOTAL))
             gpu.memory_total_bytes = None if total is None else int(total)
-            gpu.keys = (_UTILIZATION, _TEMPERATURE, _POWER, _ENERGY, *links)
             gpu.mig_by_instance = _by_instance(gpu.migs)
-        else:
-            gpu.keys = (*_MEMORY, _UTILIZATION, _TEMPERATURE, _POWER, _ENERGY, *links)
+        _set_keys(gpu)
         return gpu
+
+    def _read_facts(self, gpu: _Gpu, now: float, facts: Iterable[str]) -> None:
+        """Read the optional static `facts` of a GPU. One that fails (other than NOT_SUPPORTED)
+        is counted, left absent and read again with backoff; a lost GPU or a gone driver
+        raises."""
+        b = self.backend
+        handle = gpu.handle
+        reads: dict[str, Callable[[], object]] = {
+            "pci": lambda: b.pci_bus_id(handle),
+            "power_limit": lambda: b.power_limit_w(handle),
+            "sm_count": lambda: b.sm_count(handle),
+            "nvlink_count": lambda: b.nvlink_count(handle),
+        }
+        for what in facts:
+            try:
+                value = self._optional(gpu.uuid, what, reads[what])
+            except (DeviceLost, DriverUnavailable, DriverLibraryMissing):
+                raise
+            except DeviceError as exc:
+                self._count(exc)
+                if what == "nvlink_count" and gpu.uuid in self._known_links:
+                    # Read before: the links are still there, whatever this call says.
+                    gpu.links = _links(self._known_links[gpu.uuid])
+                    gpu.missing.discard(what)
+                    continue
+                if what not in gpu.missing:
+                    log.warning(
+                        "GPU %d (%s): %s unreadable (%s); reading it again later", gpu.index, gpu.uuid, what, exc
+                    )
+                gpu.missing.add(what)
+                continue
+            gpu.missing.discard(what)
+            if what == "pci":
+                gpu.pci_bus_id = str(value or "")
+            elif what == "power_limit":
+                gpu.power_limit_w = float(value) if isinstance(value, int | float) else None
+            elif what == "sm_count":
+                gpu.sm_count = value if isinstance(value, int) else None
+            else:
+                count = value if isinstance(value, int) else 0
+                self._known_links[gpu.uuid] = count
+                gpu.links = _links(count)
+        if gpu.missing:
+            gpu.facts_retry_at = now + gpu.facts_backoff_s
+            gpu.facts_backoff_s = min(gpu.facts_backoff_s * 2, REINIT_BACKOFF_MAX_S)
 
     def _discover_mig(self, gpu: _Gpu, slot: int, handle: Handle) -> _Mig:
         b = self.backend
@@ -297,16 +418,16 @@ class Sampler:
                 self._schedule_reinit(now)
                 return self._down_snapshot(now, exc.error)
         devices: list[DeviceReading] = []
-        for gpu in self._gpus:
+        for position, gpu in enumerate(self._gpus):
             if self._generation != generation:
                 raise PollAbandoned
-            key = gpu.uuid or f"#{gpu.index}"  # a GPU lost at discovery has no uuid yet
+            key = gpu.uuid
             if skip and key in skip:
                 devices.append(_down(gpu, skip[key]))
                 continue
             self.reading = key
             try:
-                devices.extend(self._read_gpu(gpu, now))
+                devices.extend(self._read_gpu(position, gpu, now))
             except DriverUnavailable as exc:
                 self._count(exc)
                 log.error("the GPU driver went away (%s); re-initialising with backoff", exc.error)
@@ -329,9 +450,9 @@ class Sampler:
 
     def _down_snapshot(self, now: float, reason: str) -> Snapshot:
         self._driver_down_reason = reason
-        devices = tuple(_down(g, reason) for g in self._gpus)
+        devices = tuple(_down(g, reason) for g in self._listed())
         node = NodeInfo(self.hostname, self._driver_version, self._cuda_version)
-        return Snapshot(now, node, devices, driver_up=False)
+        return Snapshot(now, node, devices, driver_up=False, down_reason=reason)
 
     def _count(self, exc: DeviceError) -> None:
         self.errors[(exc.call, exc.error)] += 1
@@ -351,20 +472,19 @@ class Sampler:
         self._back_off(gpu, now)
         return _down(gpu, exc.error)
 
-    def _read_gpu(self, gpu: _Gpu, now: float) -> list[DeviceReading]:
+    def _read_gpu(self, position: int, gpu: _Gpu, now: float) -> list[DeviceReading]:
         if gpu.lost_reason is not None:
             if now < gpu.retry_at:
                 return [_down(gpu, gpu.lost_reason)]
-            if gpu.handle is None:
-                # Lost before we ever had a handle: look it up again.
-                rediscovered = self._discover(gpu.index)
-                if rediscovered.lost_reason is not None:
-                    rediscovered.retry_backoff_s = gpu.retry_backoff_s
-                    self._back_off(rediscovered, now)
-                    self._gpus[gpu.index] = rediscovered
-                    return [_down(rediscovered, rediscovered.lost_reason)]
-                self._gpus[gpu.index] = gpu = rediscovered
+            if not gpu.discovered:
+                # Not discovered yet (lost, or unidentifiable, at discovery): look it up again.
+                self._gpus[position] = gpu = self._discover(gpu.index, now, gpu)
+                if not gpu.discovered:
+                    return [_down(gpu, gpu.lost_reason or "UNKNOWN")]
         try:
+            if gpu.missing and now >= gpu.facts_retry_at:
+                self._read_facts(gpu, now, sorted(gpu.missing))
+                _set_keys(gpu)
             gpu.previous_poll_at, gpu.poll_at = gpu.poll_at, now
             readings = self._read_healthy(gpu)
         except DeviceLost as exc:
@@ -434,6 +554,7 @@ class Sampler:
         memory_used = values.get(_MEMORY_USED)
         memory_total = values.get(_MEMORY_TOTAL)
         processes = self._whole_gpu_processes(gpu, where)
+        interval_utilization = self._interval_utilization(gpu, where)
         return [
             DeviceReading(
                 index=gpu.index,
@@ -453,8 +574,44 @@ class Sampler:
                 nvlinks=links,
                 processes=processes or (),
                 processes_known=processes is not None,
+                interval_utilization=interval_utilization,
             )
         ]
+
+    def _interval_utilization(self, gpu: _Gpu, where: str) -> float | None:
+        """The GPU's utilization (0-1) time-weighted over its own samples since the last poll.
+
+        The driver records one device sample every sampling period, 0% included, so unlike the
+        per-process samples a missing period is missing data (a ring that wrapped, a driver that
+        paused), not idleness: each sample stands for the time since the one before it, at most
+        one sampling period, and the mean is over the time the samples cover. At a first poll,
+        or with a single sample, each sample counts for one period. None where the samples
+        could not be read (learned unsupported, or failed this poll: then the next poll reads
+        from the last sample seen, so the mean covers both intervals) or none were new."""
+        since = gpu.utilization_seen_us
+        samples = self._call(
+            where, gpu.unsupported, "utilization samples", lambda: self.backend.utilization_samples(gpu.handle, since)
+        )
+        if not samples:
+            return None
+        stamps = sorted((stamp, percent) for stamp, percent in samples if stamp > since)
+        if not stamps:
+            return None
+        gaps = [b - a for (a, _), (b, _) in itertools.pairwise(stamps) if b > a]
+        if gaps:
+            gpu.utilization_period_us = min(*gaps, gpu.utilization_period_us or min(gaps))
+        period = gpu.utilization_period_us
+        weighted = total = 0.0
+        previous = since if since else None
+        for stamp, percent in stamps:
+            span = period if period is not None else 1
+            if previous is not None and period is not None:
+                span = min(stamp - previous, period)
+            weighted += percent * span
+            total += span
+            previous = stamp
+        gpu.utilization_seen_us = stamps[-1][0]
+        return min(weighted / total / 100, 1.0) if total > 0 else None
 
     def _whole_gpu_processes(self, gpu: _Gpu, where: str) -> tuple[ProcessReading, ...] | None:
         """The GPU's processes; None when the list could not be read this poll (not "none")."""
@@ -635,5 +792,24 @@ def _split_by_instance(
 def _down(gpu: _Gpu, reason: str) -> DeviceReading:
     """A GPU that could not be read: its identity, up=0, and why; no readings."""
     return DeviceReading(
-        index=gpu.index, uuid=gpu.uuid, name=gpu.name, up=False, pci_bus_id=gpu.pci_bus_id, down_reason=reason
+        index=gpu.index,
+        uuid=gpu.uuid,
+        name=gpu.name,
+        up=False,
+        pci_bus_id=gpu.pci_bus_id,
+        down_reason=reason,
+        discovered=gpu.discovered,
     )
+
+
+def _links(count: int) -> tuple[tuple[ReadingKey, int], ...]:
+    return tuple((ReadingKey(Quantity.NVLINK_UP, link), link) for link in range(count))
+
+
+def _set_keys(gpu: _Gpu) -> None:
+    """What one poll asks `read` for: a MIG-enabled GPU's memory is its MIG devices'."""
+    links = tuple(key for key, _link in gpu.links)
+    if gpu.migs:
+        gpu.keys = (_UTILIZATION, _TEMPERATURE, _POWER, _ENERGY, *links)
+    else:
+        gpu.keys = (*_MEMORY, _UTILIZATION, _TEMPERATURE, _POWER, _ENERGY, *links)

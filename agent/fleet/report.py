@@ -31,8 +31,9 @@ from dataclasses import dataclass, replace
 from agent.fleet import DEFAULT_NODE_LABEL
 from agent.fleet.promapi import EmptyStore, LabelSet, PrometheusAPI
 from agent.fleet.source import DEFAULT_LOOKBACK_S, Window, counter_growth, has_series
+from agent.ledger.pending import hour_start, iso_time
+from agent.ledger.read import UsageRow
 from agent.ledger.report import Report, build_report, check_by
-from agent.ledger.store import UsageRow, hour_start, iso_time
 from agent.model import WORKLOAD_LABELS, Workload
 
 QUERY_WORKERS = 4  # counters asked for at once: enough to overlap round trips, few for the store
@@ -172,9 +173,11 @@ def _workload_rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> 
 
 
 def _idle_rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> list[UsageRow]:
-    """One idle row per GPU series; where the agent exports who left the GPU idle, the idle time
-    comes as one row per last holder and the GPU's row keeps what they leave (its energy, which
-    is not split by last holder, and any rounding)."""
+    """The idle rows of each GPU series: one per last holder where the agent exports who left the
+    GPU idle, else one (left by nobody known). The counters by last holder have no energy: the
+    GPU's idle energy is split among them by idle seconds (an idle GPU draws its idle power,
+    whoever left it so); what they leave of the idle seconds and dollars (rounding; time an
+    older agent did not attribute) is the nobody-known row's."""
     idle = {field: growth[metric] for field, metric in IDLE_COUNTERS.items()}
     left_s, left_dollars = (growth[LEFT_BY_COUNTERS[k]] for k in ("seconds", "dollars"))
     left_by: dict[LabelSet, list[LabelSet]] = {}
@@ -182,29 +185,40 @@ def _idle_rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> list
         left_by.setdefault(_without_workload(labels), []).append(labels)
     rows = []
     for labels in sorted(set().union(*(series.keys() for series in idle.values())) | left_by.keys()):
-        all_seconds, all_dollars = idle["seconds"].get(labels, 0.0), idle["dollars"].get(labels, 0.0)
-        seconds, dollars = all_seconds, all_dollars
-        for holder in sorted(left_by.get(labels, ())):
-            held, paid = left_s.get(holder, 0.0), left_dollars.get(holder, 0.0)
+        seconds, dollars = idle["seconds"].get(labels, 0.0), idle["dollars"].get(labels, 0.0)
+        joules, energy_dollars = idle["joules"].get(labels, 0.0), idle["energy_dollars"].get(labels)
+        holders = [
+            (holder, left_s.get(holder, 0.0), left_dollars.get(holder, 0.0))
+            for holder in sorted(left_by.get(labels, ()))
+        ]
+        if not holders:
+            rows.append(
+                _row(labels, node_label, hour, held_s=seconds, charged_s=seconds, dollars=dollars, idle=True,
+                     joules=joules, energy_dollars=energy_dollars)
+            )  # fmt: skip
+            continue
+        rest_s, rest_dollars = seconds, dollars
+        for holder, held, paid in holders:
+            held_j, held_energy = _energy_share(held, seconds, joules, energy_dollars)
             rows.append(
                 _row(holder, node_label, hour, held_s=held, charged_s=held, dollars=paid, idle=True,
-                     left_by=_workload(holder))
+                     joules=held_j, energy_dollars=held_energy, left_by=_workload(holder))
             )  # fmt: skip
-            seconds, dollars = seconds - held, dollars - paid
-        rows.append(
-            _row(
-                labels,
-                node_label,
-                hour,
-                held_s=_tidy(seconds, all_seconds),
-                charged_s=_tidy(seconds, all_seconds),
-                dollars=_tidy(dollars, all_dollars),
-                joules=idle["joules"].get(labels, 0.0),
-                energy_dollars=idle["energy_dollars"].get(labels),
-                idle=True,
-            )
-        )
+            rest_s, rest_dollars = rest_s - held, rest_dollars - paid
+        rest_s, rest_dollars = _tidy(rest_s, seconds), _tidy(rest_dollars, dollars)
+        if rest_s or rest_dollars:
+            rest_j, rest_energy = _energy_share(rest_s, seconds, joules, energy_dollars)
+            rows.append(
+                _row(labels, node_label, hour, held_s=rest_s, charged_s=rest_s, dollars=rest_dollars, idle=True,
+                     joules=rest_j, energy_dollars=rest_energy)
+            )  # fmt: skip
     return rows
+
+
+def _energy_share(part_s: float, whole_s: float, joules: float, dollars: float | None) -> tuple[float, float | None]:
+    """The idle energy (joules, dollars) of `part_s` of a GPU's `whole_s` idle seconds."""
+    share = part_s / whole_s if whole_s > 0 else 0.0
+    return joules * share, None if dollars is None else dollars * share
 
 
 def _row(
@@ -221,7 +235,7 @@ def _row(
     energy_dollars: float | None = None,
     idle: bool = False,
     unobserved: bool = False,
-    left_by: Workload | None = None,
+    left_by: Workload | None = None,  # an idle row's last holder; None: nobody known
 ) -> UsageRow:
     values = dict(labels)
     return UsageRow(
@@ -238,7 +252,7 @@ def _row(
         idle=idle,
         charged_s=charged_s,
         unobserved=unobserved,
-        left_by=left_by,
+        left_by=left_by or Workload(),
     )
 
 

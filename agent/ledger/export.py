@@ -13,8 +13,8 @@ by (hour, node, uuid, kind, the workload labels, the left_by labels).
     namespace pod container hpc_job unit user model team
                          the workload's labels; empty on idle and unobserved rows
     left_by_namespace ... left_by_team
-                         on an idle row, the labels of the workload that held the GPU last,
-                         where the ledger records it; empty (Parquet: null) otherwise
+                         on an idle row, the labels of the workload that held the GPU last
+                         (empty where nobody is known to); empty (Parquet: null) on the others
     dollars              cost in the hour
     gpu_hours_charged    the row's share of the GPU's time (rows of a GPU-hour add up to 1 per GPU)
     gpu_hours_held       time held (a shared GPU counts once per holder)
@@ -42,7 +42,8 @@ from typing import IO, Any
 
 from agent.errors import BadInputError
 from agent.ledger.report import check_overlaps
-from agent.ledger.store import HOUR_S, UsageRow, iso_time, read_ledger
+from agent.ledger.pending import HOUR_S, iso_time
+from agent.ledger.read import UsageRow, read_ledger
 from agent.model import WORKLOAD_LABELS, Workload
 from agent.units import joules_to_kwh
 
@@ -67,6 +68,8 @@ def records(rows: Iterable[UsageRow]) -> list[Record]:
 
 def _record(row: UsageRow) -> Record:
     kind = "unobserved" if row.unobserved else "idle" if row.idle else "workload"
+    # Empty labels on an idle row: nobody is known to have held the GPU (or the ledger is older
+    # than left_by); no labels (null) on the other kinds, which nobody left.
     left: Workload | None = row.left_by if row.idle else None
     return {
         "hour": row.hour,

@@ -1,7 +1,7 @@
 """`gpuledger report`: cost and usage from one or more ledgers, grouped, as a table, CSV or JSON.
 
-Layering: this module only reads ledgers, through `agent.ledger.store.read_ledger` (the one module
-that talks to sqlite3); it never writes. Everything else here is pure: rows in, text out.
+Layering: this module only reads ledgers, through `agent.ledger.read.read_ledger` (the ledger package is
+the only one that talks to sqlite3); it never writes. Everything else here is pure: rows in, text out.
 
 Choices a reader of the output should know:
 - Several ledgers (files, or every *.db file of a directory) are merged into one report: the
@@ -13,6 +13,12 @@ Choices a reader of the output should know:
   (the agent stopped, the driver or GPU unreadable, polls too far apart), are not workloads:
   they come after them, just above TOTAL, always in the same place (shown at 0.00 when empty),
   so neither people nor scripts have to look for them.
+- Idle time is broken down by who left the GPUs idle (`left_by`: the workload that held a GPU
+  last before each idle stretch). Where some is known, the table shows one `(idle) left by ...`
+  row per such workload instead of the one `(idle)` row (`(idle) left by nobody known` for the
+  rest: GPUs nobody held since the agent started, hours recorded before the ledger kept it), so
+  the column still adds up to TOTAL; CSV has one `idle` row per left_by with the workload's
+  labels as a JSON object in its `left_by` column; JSON lists them under `idle.left_by`.
 - GPU-hours charged are each workload's share of its GPUs' time (the share that splits the
   dollars), not the time it held them: two workloads sharing a GPU for an hour held it an hour
   each, and are charged, say, 0.75 and 0.25 of it. So the rows add up: workloads + idle +
@@ -31,10 +37,6 @@ Choices a reader of the output should know:
   hour by stored hour, so that a workload on GPUs of different prices wastes what each idle
   GPU-hour cost (with one price it is the row's dollars x (1 - efficiency)). All the idle row's
   dollars are waste; TOTAL's waste is the workloads' plus the idle row's.
-- Idle rows whose source knows who left the GPU idle (`UsageRow.left_by`: Prometheus's
-  gpuledger_gpu_idle_left_by_* counters) also make `(idle) left by` lines, one per last holder
-  grouped by the same keys: a breakdown of the idle row, which keeps the idle total (and its
-  energy, which is not split by last holder).
 - Energy is the GPUs' own energy counters split like cost, in kWh; its dollars are the ledger's
   (priced once, by accounting, at `pricing.energy_per_kwh`), summed over the hours that had a
   price. CSV and JSON always carry `energy_kwh` and `energy_dollars` (empty / null where
@@ -55,7 +57,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from agent.ledger.store import HOUR_S, LedgerInfo, UsageRow, hour_start, iso_time, read_ledger
+from agent.ledger.pending import HOUR_S, hour_start, iso_time
+from agent.ledger.read import LedgerInfo, UsageRow, read_ledger
 from agent.model import WORKLOAD_LABELS, Workload
 from agent.units import joules_to_kwh, parse_duration
 
@@ -66,7 +69,6 @@ DEFAULT_BY = ("namespace", "hpc_job")
 FORMATS = ("table", "csv", "json")
 
 IDLE_LABEL = "(idle)"
-LEFT_BY_PREFIX = "(idle) left by "  # the table's lines breaking the idle row down by last holder
 UNOBSERVED_LABEL = "(unobserved)"
 TOTAL_LABEL = "TOTAL"
 NONE_LABEL = "(none)"  # a workload with no value for a grouping key (a Slurm job has no namespace)
@@ -82,6 +84,7 @@ class ReportLine:
     energy_dollars: float | None = None  # None where no hour of the line had an energy price
     waste_dollars: float | None = None  # paid for and not used; None where use is unknown
     observed: bool = True  # False for unobserved time: its use, waste and energy are unknown
+    left_by: Workload | None = None  # an idle line's: who left the GPUs idle (Workload(): nobody known)
 
     @property
     def energy_kwh(self) -> float:
@@ -115,10 +118,9 @@ class Report:
     until: float | None = None  # end of the last hour covered
     ledgers: int = 1  # how many ledger files were merged
     unobserved: ReportLine = field(default_factory=_unobserved_line)
-    # The idle line broken down by who left the GPUs idle (keys: the left_by workload's values
-    # of `by`), dollars descending; empty where the source does not say.
+    # The idle line by who left the GPUs idle, dollars descending: they add up to `idle`.
     idle_by: tuple[ReportLine, ...] = ()
-    store: str | None = None  # where the figures come from when not ledgers ("Prometheus at URL")
+    store: str | None = None  # where the figures come from when not ledgers ("Prometheus API at URL")
 
 
 def parse_by(text: str) -> tuple[str, ...]:
@@ -139,14 +141,12 @@ def check_by(by: Sequence[str]) -> tuple[str, ...]:
     return keys
 
 
-def _key_value(row: UsageRow, key: str, workload: Workload | None = None) -> str:
-    """The row's value for a grouping key; the workload's labels are `workload`'s where given
-    (an idle row's last holder)."""
+def _key_value(row: UsageRow, key: str) -> str:
     if key == "node":
         return row.node
     if key == "gpu":
         return str(row.gpu)
-    value: str = getattr(workload or row.workload, key)
+    value: str = getattr(row.workload, key)
     return value
 
 
@@ -161,7 +161,7 @@ def build_report(
     keys = check_by(by)
     groups: dict[tuple[str, ...], _Sums] = {}
     idle = _Sums()
-    idle_by: dict[tuple[str, ...], _Sums] = {}
+    idle_by: dict[Workload, _Sums] = {}
     unobserved = _Sums(observed=False)
     everything = _Sums()
     hours: set[int] = set()
@@ -171,20 +171,21 @@ def build_report(
             sums = unobserved
         elif row.idle:
             sums = idle
-            if row.left_by is not None:
-                left = tuple(_key_value(row, key, row.left_by) for key in keys)
-                idle_by.setdefault(left, _Sums()).add(row)
+            idle_by.setdefault(row.left_by, _Sums()).add(row)
         else:
             sums = groups.setdefault(tuple(_key_value(row, key) for key in keys), _Sums())
         sums.add(row)
         everything.add(row)
 
     lines = sorted((sums.line(key) for key, sums in groups.items()), key=lambda ln: (-ln.dollars, ln.key))
-    left_lines = sorted((sums.line(key) for key, sums in idle_by.items()), key=lambda ln: (-ln.dollars, ln.key))
     if since is None and hours:
         since = float(min(hours))
     if until is None and hours:
         until = float(max(hours) + HOUR_S)
+    left = sorted(
+        (replace(sums.line(()), left_by=w) for w, sums in idle_by.items()),
+        key=lambda ln: (-ln.dollars, ln.left_by == Workload(), ln.left_by),
+    )
     return Report(
         keys,
         tuple(lines),
@@ -193,7 +194,7 @@ def build_report(
         since,
         until,
         unobserved=unobserved.line(()),
-        idle_by=tuple(left_lines),
+        idle_by=tuple(left),
     )
 
 
@@ -380,13 +381,11 @@ def _maybe(value: float | None) -> str:
     return "-" if value is None else _amount(value)
 
 
-def _numbers(
-    line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = True, with_energy: bool = True
-) -> list[str]:
+def _numbers(line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = True) -> list[str]:
     """The line's figures, "-" where unknown; `energy` says whether the table shows (kWh, energy
     dollars)."""
     with_kwh, with_energy_dollars = energy
-    figures = _figures(line, efficiency=efficiency, energy=with_energy)
+    figures = _figures(line, efficiency=efficiency)
     return [
         _amount(line.dollars),
         _amount(line.gpu_hours_charged),
@@ -409,6 +408,25 @@ def _span(report: Report) -> str:
     return f"ledger hours {start} to {end}{merged}"
 
 
+NOBODY_KNOWN = "nobody known"
+
+
+def left_by_name(workload: Workload) -> str:
+    """Who left GPUs idle, for people: "job 9001 (dave)", "serving/vllm-llama-0", "nobody known"."""
+    if workload == Workload():
+        return NOBODY_KNOWN
+    name = workload.describe()
+    return f"{name} ({workload.user})" if workload.hpc_job and workload.user else name
+
+
+def _idle_lines(report: Report) -> list[tuple[str, ReportLine]]:
+    """The table's idle rows: one `(idle)` row, or one per workload that left GPUs idle where
+    any is known (they add up to the one row they replace)."""
+    if not report.idle_by or [line.left_by for line in report.idle_by] == [Workload()]:
+        return [(IDLE_LABEL, report.idle)]
+    return [(f"{IDLE_LABEL} left by {left_by_name(line.left_by or Workload())}", line) for line in report.idle_by]
+
+
 def _render_table(report: Report) -> str:
     key_count = len(report.by)
     # Energy columns only where there is something to show: GPUs without an energy counter record
@@ -418,21 +436,13 @@ def _render_table(report: Report) -> str:
     header = [key.upper() for key in report.by] + list(_NUMBER_HEADERS) + shown_energy
     body = [[value or NONE_LABEL for value in line.key] + _numbers(line, energy) for line in report.lines]
     # Nobody held the idle GPUs, so there is no used/charged to speak of.
-    idle = [IDLE_LABEL] + [""] * (key_count - 1) + _numbers(report.idle, energy, efficiency=False)
-    # Under the idle row, who left the GPUs idle: the first key cell says so, the rest are the
-    # last holder's values as in the rows above.
-    left_by = [
-        [
-            f"{LEFT_BY_PREFIX}{line.key[0] or NONE_LABEL}",
-            *(value or NONE_LABEL for value in line.key[1:]),
-            *_numbers(line, energy, efficiency=False, with_energy=False),
-        ]
-        for line in report.idle_by
+    idle = [
+        [label] + [""] * (key_count - 1) + _numbers(line, energy, efficiency=False)
+        for label, line in _idle_lines(report)
     ]
     unobserved = [UNOBSERVED_LABEL] + [""] * (key_count - 1) + _numbers(report.unobserved, energy)
     total = [TOTAL_LABEL] + [""] * (key_count - 1) + _numbers(report.total, energy)
-    rows = [header, *body, idle, *left_by, unobserved, total]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    widths = [max(len(row[i]) for row in [header, *body, *idle, unobserved, total]) for i in range(len(header))]
 
     def fmt(row: list[str]) -> str:
         cells = [
@@ -448,8 +458,7 @@ def _render_table(report: Report) -> str:
         fmt(header),
         rule,
         *(fmt(row) for row in body),
-        fmt(idle),
-        *(fmt(row) for row in left_by),
+        *(fmt(row) for row in idle),
         fmt(unobserved),
         rule,
         fmt(total),
@@ -465,11 +474,8 @@ _NUMBER_FIELDS = (
 )  # fmt: skip
 
 
-def _figures(line: ReportLine, *, efficiency: bool = True, energy: bool = True) -> dict[str, float | None]:
-    """The line's figures by field name, None where unknown (the table, CSV and JSON all show
-    these). `energy` False: energy not known for this line (idle by last holder)."""
-    if not energy:
-        return _figures(line, efficiency=efficiency) | {"energy_kwh": None, "energy_dollars": None}
+def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | None]:
+    """The line's figures by field name, None where unknown (the table, CSV and JSON all show these)."""
     return {
         "dollars": line.dollars,
         "gpu_hours_charged": line.gpu_hours_charged,
@@ -484,21 +490,28 @@ def _figures(line: ReportLine, *, efficiency: bool = True, energy: bool = True) 
 def _render_csv(report: Report) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["kind", *report.by, *_NUMBER_FIELDS])
+    writer.writerow(["kind", *report.by, *_NUMBER_FIELDS, "left_by"])
 
-    def numbers(line: ReportLine, *, efficiency: bool = True, energy: bool = True) -> list[str]:
+    def numbers(line: ReportLine, *, efficiency: bool = True) -> list[str]:
         # repr: the shortest text that reads back as the same float; no thousands separators.
-        return ["" if v is None else repr(v) for v in _figures(line, efficiency=efficiency, energy=energy).values()]
+        return ["" if v is None else repr(v) for v in _figures(line, efficiency=efficiency).values()]
 
     blank = [""] * len(report.by)
     for line in report.lines:
-        writer.writerow(["group", *line.key, *numbers(line)])
-    writer.writerow(["idle", *blank, *numbers(report.idle, efficiency=False)])
-    for line in report.idle_by:
-        writer.writerow(["idle_left_by", *line.key, *numbers(line, efficiency=False, energy=False)])
-    writer.writerow(["unobserved", *blank, *numbers(report.unobserved)])
-    writer.writerow(["total", *blank, *numbers(report.total)])
+        writer.writerow(["group", *line.key, *numbers(line), ""])
+    # One idle row per workload that left GPUs idle ({} where nobody is known), adding up to the
+    # idle total; a report with no breakdown has its one idle row.
+    for idle in report.idle_by or (report.idle,):
+        left_by = "" if idle.left_by is None else json.dumps(_set_labels(idle.left_by), sort_keys=True)
+        writer.writerow(["idle", *blank, *numbers(idle, efficiency=False), left_by])
+    writer.writerow(["unobserved", *blank, *numbers(report.unobserved), ""])
+    writer.writerow(["total", *blank, *numbers(report.total), ""])
     return out.getvalue()
+
+
+def _set_labels(workload: Workload) -> dict[str, str]:
+    """The workload's labels that have a value."""
+    return {name: value for name, value in workload.label_dict().items() if value}
 
 
 def _render_json(report: Report) -> str:
@@ -507,14 +520,14 @@ def _render_json(report: Report) -> str:
         "until": None if report.until is None else iso_time(report.until),
         "by": list(report.by),
         "rows": [dict(zip(report.by, line.key, strict=True)) | _figures(line) for line in report.lines],
-        "idle": _figures(report.idle, efficiency=False),
+        "idle": _figures(report.idle, efficiency=False)
+        | {
+            "left_by": [
+                {"workload": (line.left_by or Workload()).label_dict()} | _figures(line, efficiency=False)
+                for line in report.idle_by
+            ]
+        },
         "unobserved": _figures(report.unobserved),
         "total": _figures(report.total),
     }
-    if report.idle_by:
-        # The idle row by who left the GPUs idle, keyed like `rows`: only where the source says.
-        document["idle_left_by"] = [
-            dict(zip(report.by, line.key, strict=True)) | _figures(line, efficiency=False, energy=False)
-            for line in report.idle_by
-        ]
     return json.dumps(document, indent=2) + "\n"

@@ -15,7 +15,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.ledger.store import DEFAULT_MAX_PENDING_ROWS, Ledger, LedgerError, PendingCharges, recorded_period
+from agent.ledger.files import LedgerError
+from agent.ledger.known import recorded_gpus
+from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS, PendingCharges
+from agent.ledger.read import recorded_period
+from agent.ledger.store import Ledger
 from agent.model import Charges, LedgerHealth
 
 log = logging.getLogger(__name__)
@@ -40,8 +44,11 @@ class LedgerSink:
         self._open_failed = False
         try:
             period = recorded_period(self.path)
+            # The GPUs it recorded last: what the node's GPUs go by while the driver cannot say.
+            self.known_gpus = recorded_gpus(self.path, node)
         except LedgerError:
             period = None  # not a ledger: _open says so
+            self.known_gpus = []
         # Where the ledger's record ended before this run: the time up to this run's first poll
         # went unwatched, and is booked as unobserved (agent_down).
         self.recorded_until: float | None = period[1] if period is not None else None

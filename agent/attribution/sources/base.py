@@ -40,6 +40,8 @@ class SourceOptions:
     podresources_socket: str | None = None  # None or "": no kubelet to ask
     kubelet_timeout_s: float = 2.0
     kubelet_interval_s: float = 10.0
+    # How long the kubelet's last allocations stand in for it while it does not answer.
+    kubelet_stale_after_s: float = 300.0
 
 
 class AttributionSource(Protocol):

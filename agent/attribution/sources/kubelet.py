@@ -171,20 +171,38 @@ class KubeletSource(AttributionSource):
 
     A node without the socket is a node without Kubernetes: quiet, and no health series.
     Once the socket has been seen, losing it is an outage: logged once per change of state.
+
+    An outage does not make the allocations nobody's. The kubelet restarts on every upgrade,
+    and a GPU handed to a notebook that runs nothing on it is held all the same: the last
+    allocations it gave stand for `stale_after_s` (of the polls' clock) after its last answer.
+    Past that, or when it has never answered, the allocations are unknown: each poll says so
+    (`HostFacts.allocations_known`), and a GPU no process holds is then booked as unobserved
+    (attribution_unavailable), not idle. A pod that ended during the outage is billed for at
+    most `stale_after_s` more.
     """
 
-    def __init__(self, socket_path: str, timeout_s: float = 2.0, interval_s: float = 10.0) -> None:
+    def __init__(
+        self, socket_path: str, timeout_s: float = 2.0, interval_s: float = 10.0, stale_after_s: float = 300.0
+    ) -> None:
         self.socket_path = socket_path
         self.interval_s = interval_s
+        self.stale_after_s = stale_after_s
         self._client = PodResourcesClient(socket_path, timeout_s=timeout_s)
         self._lock = threading.Lock()
         self._allocations: tuple[PodAllocation, ...] = ()
         self._up: bool | None = None
         self._seen_socket = False
+        self._answered_at: float | None = None  # the last poll that found a fresh answer (poll clock)
+        self._stale = False  # the last allocations are past standing in for the kubelet
 
     @classmethod
     def from_options(cls, options: SourceOptions) -> KubeletSource:
-        return cls(options.podresources_socket or "", options.kubelet_timeout_s, options.kubelet_interval_s)
+        return cls(
+            options.podresources_socket or "",
+            options.kubelet_timeout_s,
+            options.kubelet_interval_s,
+            options.kubelet_stale_after_s,
+        )
 
     @property
     def up(self) -> bool | None:
@@ -194,10 +212,27 @@ class KubeletSource(AttributionSource):
         return self._allocations
 
     def gather(self, snapshot: Snapshot, found: HostFacts) -> HostFacts:
+        up = self._up
+        if up is None:
+            return found  # no kubelet on this node (or not asked yet)
+        allocations = self._allocations
+        now = snapshot.taken_at
+        if up:
+            self._answered_at = now
+            self._stale = False
+        elif self._answered_at is None or now - self._answered_at > self.stale_after_s:
+            if not self._stale:
+                log.warning(
+                    "kubelet pod-resources silent %s: its allocations are not known, so GPUs no process holds "
+                    "are booked as unobserved, not idle, until it answers",
+                    "since the start" if self._answered_at is None else f"for over {self.stale_after_s:g}s",
+                )
+            self._stale = True
         return replace(
             found,
-            pod_allocations=(*found.pod_allocations, *self._allocations),
-            kubelet_up=self._up if self._up is not None else found.kubelet_up,
+            pod_allocations=(*found.pod_allocations, *(() if self._stale else allocations)),
+            kubelet_up=up,
+            allocations_known=found.allocations_known and not self._stale,
         )
 
     def refreshers(self) -> Iterable[Refresher]:
@@ -211,11 +246,12 @@ class KubeletSource(AttributionSource):
             rows = self._client.list_gpu_allocations()
         except KubeletUnavailable as exc:
             if self._up is not False:
-                log.warning("kubelet pod-resources unavailable (%s): attributing pods from cgroups only", exc)
+                log.warning(
+                    "kubelet pod-resources unavailable (%s): its last allocations stand for up to %gs",
+                    exc,
+                    self.stale_after_s,
+                )
             self._up = False
-            # Stale allocations would bill pods that may be gone: cgroups alone until it is back.
-            with self._lock:
-                self._allocations = ()
             return
         allocations = tuple(PodAllocation(r.namespace, r.pod, r.container, r.device_id) for r in rows)
         with self._lock:

@@ -29,6 +29,12 @@ from agent.model import ProcessFacts, ProcessIdentity, Snapshot
 log = logging.getLogger(__name__)
 
 _READ_CHUNK_BYTES = 65536
+# Clock ticks a second in /proc/<pid>/stat's start time: USER_HZ, 100 on every Linux platform
+# that matters; sysconf says so where it can.
+try:
+    CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+    CLOCK_TICKS_PER_S = 100
 
 
 class ProcessGone(GpuledgerError):
@@ -51,6 +57,7 @@ class ProcFS:
         self._root = str(self.root)
         self.env_allowlist = frozenset(env_allowlist)
         self._environ_denied_logged = False
+        self._boot_time: float | None = None
 
     def _read(self, pid: int, name: str) -> bytes:
         # os.open and os.read rather than open(): a buffered file object costs more than these
@@ -79,6 +86,26 @@ class ProcFS:
             raise ProcessGone(f"pid {pid}: unreadable stat") from None
         return ProcessIdentity(pid, start_ticks)
 
+    def boot_time(self) -> float | None:
+        """When the host booted (unix seconds): `btime` in <root>/stat, read once. None where it
+        cannot be read."""
+        if self._boot_time is None:
+            try:
+                with open(f"{self._root}/stat", "rb") as stat:
+                    for line in stat:
+                        if line.startswith(b"btime "):
+                            self._boot_time = float(line.split()[1])
+                            break
+            except (OSError, ValueError, IndexError):
+                return None
+        return self._boot_time
+
+    def started_at(self, identity: ProcessIdentity) -> float | None:
+        """When the process started, wall clock: boot time + its start ticks (psutil's
+        create_time(), from the same two files). None where the boot time is unknown."""
+        boot = self.boot_time()
+        return None if boot is None else boot + identity.start_ticks / CLOCK_TICKS_PER_S
+
     def facts(self, identity: ProcessIdentity) -> ProcessFacts:
         pid = identity.pid
         cmdline = tuple(part.decode(errors="replace") for part in self._read(pid, "cmdline").split(b"\0") if part)
@@ -88,7 +115,7 @@ class ProcFS:
         # The pid may have been reused while we read: only facts of the same process count.
         if self.identity(pid) != identity:
             raise ProcessGone(f"pid {pid}: exited while being read")
-        return ProcessFacts(identity, uid, cmdline, cgroup, env)
+        return ProcessFacts(identity, uid, cmdline, cgroup, env, self.started_at(identity))
 
     def _environ(self, pid: int) -> tuple[tuple[str, str], ...]:
         try:

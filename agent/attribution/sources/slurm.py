@@ -1,5 +1,6 @@
 """Slurm's GPU mapping directory, as a prolog writes it and an epilog removes it: one file per
-GPU index (or MIG `gpu.gi`) holding `JOBID [USER]`. A missing directory is a node without Slurm."""
+GPU index (or MIG `gpu.gi`) holding `JOBID [USER]`, its modification time the job's start there.
+A missing directory is a node without Slurm."""
 
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
             continue
         path = os.path.join(directory, name)
         try:
-            first = _read_text(path).strip().splitlines()
+            text, written_at = _read_text(path)
         except OSError:
             continue  # removed by the epilog while we listed: the job is gone
+        first = text.strip().splitlines()
         fields = first[0].split() if first else []
         if not fields or not re.fullmatch(r"[0-9]+(?:_[0-9]+)?", fields[0]):
             log.debug("ignoring %s: no job id on its first line", path)
@@ -46,6 +48,7 @@ def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
                 gpu_instance_id=int(match.group(2)) if match.group(2) else None,
                 job=fields[0],
                 user=fields[1] if len(fields) > 1 else None,
+                started_at=written_at,
             )
         )
     return found
@@ -68,14 +71,17 @@ class SlurmMapSource(AttributionSource):
         return replace(found, slurm_allocations=(*found.slurm_allocations, *read_slurm_map(self.directory)))
 
 
-def _read_text(path: str) -> str:
-    """The file's text, as Path.read_text(errors="replace") gives it, through os.open and
-    os.read: the map is read every poll, and a buffered text file costs more than the read."""
+def _read_text(path: str) -> tuple[str, float]:
+    """The file's text, as Path.read_text(errors="replace") gives it, and its modification time,
+    through os.open, os.read and os.fstat: the map is read every poll, and a buffered text file
+    costs more than the read. The time is when the prolog wrote the file: the job's start on
+    this GPU, which accounting charges it from."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        written_at = os.fstat(fd).st_mtime
         chunks = []
         while chunk := os.read(fd, 4096):
             chunks.append(chunk)
     finally:
         os.close(fd)
-    return b"".join(chunks).decode(locale.getpreferredencoding(False), errors="replace")
+    return b"".join(chunks).decode(locale.getpreferredencoding(False), errors="replace"), written_at

@@ -1,0 +1,338 @@
+"""Charges waiting for the ledger file: summed in memory into one row per hour and key between
+flushes, and bounded while the file cannot be written (`PendingCharges`: past `max_rows` the
+oldest hours are dropped whole, counted and logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from operator import attrgetter
+from pathlib import Path
+from typing import NamedTuple
+
+from agent.ledger.schema import GPU_MEASURES, IDLE_MEASURES, PRICED_MEASURES, WORKLOAD_MEASURES
+from agent.model import Charges, GpuCharge, IdleCharge, Workload
+
+log = logging.getLogger("gpuledger.ledger")
+
+
+HOUR_S = 3600
+# An interval longer than this is a clock error upstream, not usage: splitting it into hours
+# would make one pending row per hour back to 1970.
+MAX_INTERVAL_S = 366 * 86400
+# Pending rows kept in memory while the file cannot be written. A row takes about 750 bytes
+# (measured with tracemalloc on eight GPUs' rows), so the default stays under 4 MB: about ten
+# days of an 8-GPU node's hours (16 to 32 rows an hour).
+DEFAULT_MAX_PENDING_ROWS = 5000
+
+
+class _WorkloadHour(NamedTuple):
+    """The key of a pending workload row."""
+
+    hour: int
+    node: str
+    gpu: int
+    uuid: str
+    workload: Workload
+
+    def columns(self) -> dict[str, object]:
+        return {"hour": self.hour, "node": self.node, "gpu": self.gpu, "uuid": self.uuid, **self.workload.label_dict()}
+
+
+class _GpuHour(NamedTuple):
+    """The key of a pending GPU row."""
+
+    hour: int
+    node: str
+    uuid: str
+
+    def columns(self) -> dict[str, object]:
+        return {"hour": self.hour, "node": self.node, "uuid": self.uuid}
+
+
+# Measure name -> the pending sum (None: a priced measure nothing priced has reached yet).
+Sums = dict[str, float | None]
+
+
+def _add_sums(sums: Sums, names: Iterable[str], values: Iterable[float | None], share: float = 1.0) -> None:
+    for name, value in zip(names, values, strict=True):
+        if value is None:
+            continue
+        old = sums.get(name)
+        sums[name] = value * share if old is None else old + value * share
+
+
+# The measures of a charge, in the order of the names above (attrgetter: this runs every poll).
+_workload_measures = attrgetter(*WORKLOAD_MEASURES)
+_gpu_measures = attrgetter(*GPU_MEASURES)
+_idle_measures = attrgetter(*IDLE_MEASURES)
+
+
+def idle_parts(gc: GpuCharge) -> tuple[IdleCharge, ...]:
+    """A GPU charge's idle time by who left it idle; a charge that does not break its idle time
+    down (made by hand, or by downtime booking) is all left by nobody known."""
+    if gc.idle_by or not (gc.idle_s or gc.idle_dollars or gc.idle_joules):
+        return gc.idle_by
+    return (IdleCharge(Workload(), gc.idle_s, gc.idle_dollars, gc.idle_joules, gc.idle_energy_dollars),)
+
+
+@dataclass(slots=True)
+class _PendingGpu:
+    """A pending GPU-hour row, and its idle time by who left the GPU idle (the idle_hours rows
+    of the same hour and GPU: they go wherever the GPU-hour goes, so they count as part of it)."""
+
+    gpu: int
+    model: str
+    dollars_per_hour: float
+    sums: Sums = field(default_factory=dict)
+    idle_by: dict[Workload, Sums] = field(default_factory=dict)
+
+    def columns(self) -> dict[str, object]:
+        return {"gpu": self.gpu, "model": self.model, "dollars_per_hour": self.dollars_per_hour}
+
+    def add_idle(self, idle_by: dict[Workload, Sums]) -> None:
+        for left_by, sums in idle_by.items():
+            _add_sums(self.idle_by.setdefault(left_by, {}), sums.keys(), sums.values())
+
+
+def hour_start(t: float) -> int:
+    """The unix time of the start of the UTC hour holding `t`."""
+    return int(t // HOUR_S) * HOUR_S
+
+
+def hour_shares(start: float, end: float) -> list[tuple[int, float]]:
+    """(hour, fraction of [start, end) that falls in it) for every hour the interval touches.
+
+    A zero-length interval (a reading with nothing to integrate) belongs wholly to its hour.
+    """
+    if not end > start:
+        return [(hour_start(start), 1.0)]
+    span = end - start
+    shares = []
+    hour = hour_start(start)
+    while hour < end:
+        overlap = min(end, hour + HOUR_S) - max(start, hour)
+        if overlap > 0:
+            shares.append((hour, overlap / span))
+        hour += HOUR_S
+    return shares
+
+
+def _finite(values: Sequence[float | None]) -> bool:
+    return all(v is None or math.isfinite(v) for v in values)
+
+
+@dataclass(slots=True)
+class Batch:
+    """Hourly rows not yet written, and the period of the charges summed into them."""
+
+    workload_rows: dict[_WorkloadHour, Sums] = field(default_factory=dict)
+    gpu_rows: dict[_GpuHour, _PendingGpu] = field(default_factory=dict)
+    first_at: float | None = None
+    last_at: float | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.workload_rows) + len(self.gpu_rows)
+
+    def dollars(self) -> float:
+        """What these rows would add to `report`'s TOTAL: workload dollars plus idle dollars."""
+        return math.fsum(
+            [s.get("dollars") or 0.0 for s in self.workload_rows.values()]
+            + [p.sums.get("idle_dollars") or 0.0 for p in self.gpu_rows.values()]
+        )
+
+    def nodes(self) -> set[str]:
+        return {key.node for key in self.gpu_rows} | {key.node for key in self.workload_rows}
+
+    def idle_columns(self) -> list[dict[str, object]]:
+        """The idle_hours rows (a GPU-hour's idle time by who left it idle), as UPSERT_IDLE takes them."""
+        return [
+            key.columns()
+            | left_by.label_dict()
+            | {"gpu": p.gpu}
+            | {name: sums.get(name, None if name in PRICED_MEASURES else 0.0) for name in IDLE_MEASURES}
+            for key, p in self.gpu_rows.items()
+            for left_by, sums in p.idle_by.items()
+        ]
+
+    def cover(self, start: float, end: float) -> None:
+        self.first_at = start if self.first_at is None else min(self.first_at, start)
+        self.last_at = end if self.last_at is None else max(self.last_at, end)
+
+    def absorb(self, newer: Batch) -> None:
+        """Add `newer`'s rows to these (these being the older: a newer GPU row's attributes win)."""
+        for key, sums in newer.workload_rows.items():
+            old = self.workload_rows.get(key)
+            if old is None:
+                self.workload_rows[key] = sums
+            else:
+                _add_sums(old, sums.keys(), sums.values())
+        for gpu_key, later in newer.gpu_rows.items():
+            earlier = self.gpu_rows.get(gpu_key)
+            if earlier is None:
+                self.gpu_rows[gpu_key] = later
+            else:
+                earlier.gpu, earlier.model, earlier.dollars_per_hour = later.gpu, later.model, later.dollars_per_hour
+                _add_sums(earlier.sums, later.sums.keys(), later.sums.values())
+                earlier.add_idle(later.idle_by)
+        if newer.first_at is not None and newer.last_at is not None:
+            self.cover(newer.first_at, newer.last_at)
+
+    def take_hour(self, hour: int) -> Batch:
+        """Remove every row of `hour` and return them; the period then starts after that hour."""
+        taken = Batch(
+            {k: v for k, v in self.workload_rows.items() if k.hour == hour},
+            {k: v for k, v in self.gpu_rows.items() if k.hour == hour},
+        )
+        for key in taken.workload_rows:
+            del self.workload_rows[key]
+        for gpu_key in taken.gpu_rows:
+            del self.gpu_rows[gpu_key]
+        if not self.rows:
+            self.first_at = self.last_at = None
+        elif self.first_at is not None and self.last_at is not None:
+            self.first_at = min(max(self.first_at, hour + HOUR_S), self.last_at)
+        return taken
+
+
+class PendingCharges:
+    """Charges added and not yet written, summed into one row per hour and key: at most
+    `max_rows` rows, so a ledger that cannot be written for days never exhausts memory.
+
+    Past `max_rows` the oldest hours are dropped whole (never part of an hour, so a dropped
+    hour's GPU rows and workload rows go together); the rows and dollars dropped are counted
+    and the first drop of each outage is logged as an error. Safe to call from several threads.
+    `LedgerSink` keeps one while the file cannot even be opened and hands it to the `Ledger`
+    that opens it.
+    """
+
+    def __init__(self, path: str | Path, max_rows: int = DEFAULT_MAX_PENDING_ROWS) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be 1 or more, got {max_rows}")
+        self._path = Path(path)
+        self.max_rows = max_rows
+        self._lock = threading.Lock()
+        self._batch = Batch()
+        self._dropped_rows = 0
+        self._dropped_dollars = 0.0
+        self._dropping = False  # a drop has been logged since the last successful flush
+        self._rejected = 0
+
+    @property
+    def rows(self) -> int:
+        with self._lock:
+            return self._batch.rows
+
+    @property
+    def dropped_rows(self) -> int:
+        """Hourly rows dropped, since this started, because more than `max_rows` were pending."""
+        return self._dropped_rows
+
+    @property
+    def dropped_dollars(self) -> float:
+        """What the dropped rows held: workload dollars plus idle dollars."""
+        return self._dropped_dollars
+
+    @property
+    def rejected(self) -> int:
+        """Charges (or parts of them) refused for non-finite figures or an impossible interval."""
+        return self._rejected
+
+    def lost(self) -> tuple[int, float]:
+        """(rows, dollars) pending now: what would be lost if nothing more could be written."""
+        with self._lock:
+            return self._batch.rows, self._batch.dollars()
+
+    def add(self, charges: Charges) -> None:
+        """Sum one interval's charges into the pending rows of the hours it covers, pro rata."""
+        if not (_finite((charges.start, charges.end)) and charges.end - charges.start <= MAX_INTERVAL_S):
+            self._reject(f"interval {charges.start!r} to {charges.end!r}")
+            return
+        shares = hour_shares(charges.start, charges.end)
+        node = charges.node
+        with self._lock:
+            batch = self._batch
+            for wc in charges.workloads:
+                measures: tuple[float | None, ...] = _workload_measures(wc)
+                if not _finite(measures):
+                    self._reject(f"workload charge {wc.workload.describe()} on {wc.uuid}: {measures}")
+                    continue
+                for hour, share in shares:
+                    key = _WorkloadHour(hour, node, wc.gpu, wc.uuid, wc.workload)
+                    _add_sums(batch.workload_rows.setdefault(key, {}), WORKLOAD_MEASURES, measures, share)
+            for gc in charges.gpus:
+                gpu_measures: tuple[float | None, ...] = _gpu_measures(gc)
+                if not _finite((*gpu_measures, gc.dollars_per_hour)):
+                    self._reject(f"GPU charge on {gc.uuid}: {gpu_measures}")
+                    continue
+                for hour, share in shares:
+                    gpu_key = _GpuHour(hour, node, gc.uuid)
+                    pending = batch.gpu_rows.get(gpu_key)
+                    if pending is None:
+                        pending = batch.gpu_rows[gpu_key] = _PendingGpu(gc.gpu, gc.model, gc.dollars_per_hour)
+                    else:
+                        pending.gpu, pending.model, pending.dollars_per_hour = gc.gpu, gc.model, gc.dollars_per_hour
+                    _add_sums(pending.sums, GPU_MEASURES, gpu_measures, share)
+                    for idle in idle_parts(gc):
+                        sums = pending.idle_by.setdefault(idle.left_by, {})
+                        _add_sums(sums, IDLE_MEASURES, _idle_measures(idle), share)
+            if charges.workloads or charges.gpus:
+                batch.cover(charges.start, charges.end)
+            self._cap()
+
+    def take(self) -> Batch:
+        """Everything pending, for a flush to write; `restore` it if the flush fails."""
+        with self._lock:
+            batch, self._batch = self._batch, Batch()
+        return batch
+
+    def restore(self, batch: Batch) -> None:
+        """Put rows a failed flush took back in front of whatever was added meanwhile."""
+        with self._lock:
+            batch.absorb(self._batch)
+            self._batch = batch
+            self._cap()
+
+    def written(self) -> None:
+        """A flush worked: the next drop starts a new outage, logged again."""
+        self._dropping = False
+
+    def _cap(self) -> None:
+        # Called with the lock held. Drops whole hours, oldest first, until the rows fit.
+        batch = self._batch
+        while batch.rows > self.max_rows:
+            oldest = min([key.hour for key in batch.gpu_rows] + [key.hour for key in batch.workload_rows])
+            dropped = batch.take_hour(oldest)
+            dollars = dropped.dollars()
+            self._dropped_rows += dropped.rows
+            self._dropped_dollars += dollars
+            if not self._dropping:
+                self._dropping = True
+                log.error(
+                    "ledger %s: more than ledger.max_pending_rows (%d) hourly rows wait to be written; dropping "
+                    "the oldest hours, starting with %s ($%.2f in %d rows); gpuledger_ledger_dropped_rows_total "
+                    "counts every drop",
+                    self._path,
+                    self.max_rows,
+                    iso_time(oldest),
+                    dollars,
+                    dropped.rows,
+                )
+
+    def _reject(self, what: str) -> None:
+        self._rejected += 1
+        if self._rejected == 1:
+            log.warning(
+                "ledger %s: refusing %s (not finite or too long); further refusals are only counted", self._path, what
+            )
+
+
+def iso_time(t: float) -> str:
+    """`t` (unix seconds) as 2026-11-27T18:00:00Z."""
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")

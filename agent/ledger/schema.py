@@ -1,0 +1,235 @@
+"""The ledger's SQLite schema: its tables, and the ordered steps that bring a file written by any
+earlier release to the current version.
+
+Schema (version 5; `schema_version` holds one row per applied version):
+
+    workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team
+                    | held_s, busy_s, dollars, joules, energy_dollars, charged_s
+    gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour (latest seen in the hour),
+                    observed_s, dollars, idle_s, idle_dollars, unobserved_s, unobserved_dollars, joules,
+                    idle_joules, energy_dollars, idle_energy_dollars
+    idle_hours      hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team
+                    (the workload that left the GPU idle) | gpu, idle_s, idle_dollars, idle_joules,
+                    idle_energy_dollars
+    ledger_meta     one row: ledger_id, node, created_at, created_by, first_at, last_at
+
+Opening a file applies, in one transaction, every migration step after its version (the steps
+are listed below `MIGRATIONS`); a file from a newer gpuledger is refused, never guessed at.
+Version 1 (the first release) had `job` where version 2 has `hpc_job` and `unit`, and no energy
+dollars: its rows keep NULL there (their price per kWh was never recorded). Version 3 added
+`ledger_meta`: which node the ledger belongs to and the period it records, so that `report`
+can merge the ledgers of many nodes and refuse to count one node's time twice. Version 4 added
+`charged_s`, a workload's share of the unit's time (held seconds count a shared GPU once per
+holder, so only charged seconds add up to the GPU's hours); older rows get it from their dollars.
+Version 5 added `idle_hours`: a GPU-hour's idle time broken down by who left the GPU idle.
+
+`hour` is the unix time of the start of the UTC hour. Both tables are WITHOUT ROWID with a primary
+key that starts with `hour`: the table itself is the index that reports scan by time range and
+that retention deletes by, so no second index has to be kept in step.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sqlite3
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+
+from agent.model import WORKLOAD_LABELS
+
+log = logging.getLogger("gpuledger.ledger")
+
+
+_WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS)
+WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules", "energy_dollars", "charged_s")
+_GPU_KEYS = ("hour", "node", "uuid")
+_IDLE_KEYS = ("hour", "node", "uuid", *WORKLOAD_LABELS)
+IDLE_MEASURES = ("idle_s", "idle_dollars", "idle_joules", "idle_energy_dollars")
+_GPU_ATTRIBUTES = ("gpu", "model", "dollars_per_hour")
+GPU_MEASURES = (
+    "observed_s", "dollars", "idle_s", "idle_dollars", "unobserved_s", "unobserved_dollars", "joules", "idle_joules",
+    "energy_dollars", "idle_energy_dollars",
+)  # fmt: skip
+# Energy dollars are NULL where no price per kWh was set: unknown, not free. A sum of them counts
+# the priced parts only and stays NULL while nothing was priced.
+PRICED_MEASURES = frozenset({"energy_dollars", "idle_energy_dollars"})
+
+# --- schema versions -------------------------------------------------------------------------
+# Each step takes the file from the version before it to its own, inside the one transaction
+# that opens the file; `schema_version` gets a row per step applied. The DDL is written out per
+# version, never derived from the model: a step must do tomorrow exactly what it did the day it
+# shipped. A new workload label (a new `Workload` field) therefore needs a new step.
+
+_SCHEMA_V1 = (
+    "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)",
+    """CREATE TABLE workload_hours (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, job TEXT NOT NULL,
+        user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL,
+        held_s REAL NOT NULL, busy_s REAL NOT NULL, dollars REAL NOT NULL, joules REAL NOT NULL,
+        PRIMARY KEY (hour, node, gpu, uuid, namespace, pod, container, job, user, model, team)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE gpu_hours (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, uuid TEXT NOT NULL,
+        gpu INTEGER NOT NULL, model TEXT NOT NULL, dollars_per_hour REAL NOT NULL,
+        observed_s REAL NOT NULL, dollars REAL NOT NULL, idle_s REAL NOT NULL, idle_dollars REAL NOT NULL,
+        unobserved_s REAL NOT NULL, unobserved_dollars REAL NOT NULL, joules REAL NOT NULL, idle_joules REAL NOT NULL,
+        PRIMARY KEY (hour, node, uuid)
+    ) WITHOUT ROWID""",
+)
+
+# Version 2: the workload label `job` became `hpc_job` (Prometheus's own `job` label clashed with
+# it) and systemd units moved to a label of their own, `unit`; energy dollars are stored.
+_SCHEMA_V2 = (
+    """CREATE TABLE workload_hours_v2 (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL,
+        held_s REAL NOT NULL, busy_s REAL NOT NULL, dollars REAL NOT NULL, joules REAL NOT NULL,
+        energy_dollars REAL,
+        PRIMARY KEY (hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team)
+    ) WITHOUT ROWID""",
+    # Version 1 wrote a Slurm job id and a systemd unit name into the same `job` column; each value
+    # goes to one of the two new ones. That split is one-to-one, so no two rows meet here; the
+    # GROUP BY states the rule for every step that changes the key: rows whose new keys are equal
+    # are summed, never dropped or refused by the primary key.
+    """INSERT INTO workload_hours_v2 (
+        hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
+        held_s, busy_s, dollars, joules, energy_dollars
+    )
+    SELECT hour, node, gpu, uuid, namespace, pod, container,
+        CASE WHEN gpuledger_is_hpc_job(job) THEN job ELSE '' END,
+        CASE WHEN gpuledger_is_hpc_job(job) THEN '' ELSE job END,
+        user, model, team, SUM(held_s), SUM(busy_s), SUM(dollars), SUM(joules), NULL
+    FROM workload_hours
+    GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12""",
+    "DROP TABLE workload_hours",
+    "ALTER TABLE workload_hours_v2 RENAME TO workload_hours",
+    "ALTER TABLE gpu_hours ADD COLUMN energy_dollars REAL",
+    "ALTER TABLE gpu_hours ADD COLUMN idle_energy_dollars REAL",
+)
+
+# A Slurm job id, or an array task's "<job>_<task>"; anything else version 1 kept in `job` came
+# from a systemd unit ("nginx.service", "inference@0.service").
+_SLURM_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")
+
+
+def _is_hpc_job(value: str) -> bool:
+    return _SLURM_JOB_ID.fullmatch(value) is not None
+
+
+# Version 3: the ledger knows itself. One row: a random id (copies of a file share it), the node
+# it belongs to, when and by which release it was created, and the period it records (the
+# earliest charge start and latest charge end written; NULL while it records nothing). A file
+# from before version 3 gets the node most of its rows name, the hours its rows cover, the time
+# its first schema step was applied, and '' for the release that created it (not recorded).
+_SCHEMA_V3 = (
+    """CREATE TABLE ledger_meta (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        ledger_id TEXT NOT NULL, node TEXT NOT NULL, created_at REAL NOT NULL, created_by TEXT NOT NULL,
+        first_at REAL, last_at REAL
+    )""",
+    """INSERT INTO ledger_meta (id, ledger_id, node, created_at, created_by, first_at, last_at)
+    SELECT 1, gpuledger_new_ledger_id(),
+        coalesce((SELECT node FROM gpu_hours GROUP BY node ORDER BY count(*) DESC, node LIMIT 1), ''),
+        (SELECT min(applied_at) FROM schema_version), '',
+        (SELECT min(hour) FROM gpu_hours), (SELECT max(hour) + 3600 FROM gpu_hours)""",
+)
+
+
+def _run(statements: Iterable[str]) -> Callable[[sqlite3.Connection], None]:
+    def step(conn: sqlite3.Connection) -> None:
+        conn.create_function("gpuledger_is_hpc_job", 1, _is_hpc_job, deterministic=True)
+        conn.create_function("gpuledger_new_ledger_id", 0, _new_ledger_id)
+        for statement in statements:
+            conn.execute(statement)
+
+    return step
+
+
+def _new_ledger_id() -> str:
+    return uuid.uuid4().hex
+
+
+# Version 4: a workload's charged seconds, its share of the unit's time (held seconds x the
+# share that split the dollars), which add up over a shared GPU's holders where held seconds
+# count the GPU once per holder. Accounting split seconds and dollars by the same share, so an
+# older row's charged seconds are its dollars over what the whole hour cost: dollars / the
+# GPU-hour's dollars_per_hour x 3600 (a MIG instance's weight is already in its dollars). Where
+# that price is not above 0 (unpriced GPUs, or no GPU row for the hour) the dollars say nothing
+# and the row keeps its held seconds, as `report` counted it before. The price is the latest
+# seen in the hour: where it changed within the hour the figure is approximate, so it is capped
+# at the held seconds, the most a share can be.
+_SCHEMA_V4 = (
+    "ALTER TABLE workload_hours ADD COLUMN charged_s REAL NOT NULL DEFAULT 0.0",
+    # The GPU-hour is found by the row's uuid (a whole GPU's), else by its GPU index (a MIG
+    # instance's row names the instance; the first uuid where a GPU was swapped within the hour).
+    """UPDATE workload_hours SET charged_s = coalesce(
+        (SELECT min(workload_hours.held_s, workload_hours.dollars / g.dollars_per_hour * 3600)
+         FROM gpu_hours AS g
+         WHERE g.hour = workload_hours.hour AND g.node = workload_hours.node AND g.uuid = workload_hours.uuid
+             AND g.dollars_per_hour > 0),
+        (SELECT min(workload_hours.held_s, workload_hours.dollars / g.dollars_per_hour * 3600)
+         FROM gpu_hours AS g
+         WHERE g.hour = workload_hours.hour AND g.node = workload_hours.node AND g.gpu = workload_hours.gpu
+             AND g.dollars_per_hour > 0
+         ORDER BY g.uuid
+         LIMIT 1),
+        held_s)""",
+)
+
+
+# Version 5: idle time by who left the GPU idle. One row per hour, GPU and workload that held the
+# GPU last before its idle stretches (the workload labels; all empty where nobody is known to
+# have held it): its share of the GPU-hour's idle seconds, dollars, joules and energy dollars.
+# A GPU-hour's rows add up to its idle figures in gpu_hours. Hours written before version 5 did
+# not record who left a GPU idle: each gets one row with empty labels holding all its idle time.
+_SCHEMA_V5 = (
+    """CREATE TABLE idle_hours (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL,
+        gpu INTEGER NOT NULL,
+        idle_s REAL NOT NULL, idle_dollars REAL NOT NULL, idle_joules REAL NOT NULL, idle_energy_dollars REAL,
+        PRIMARY KEY (hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team)
+    ) WITHOUT ROWID""",
+    """INSERT INTO idle_hours (
+        hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
+        gpu, idle_s, idle_dollars, idle_joules, idle_energy_dollars
+    )
+    SELECT hour, node, uuid, '', '', '', '', '', '', '', '', gpu, idle_s, idle_dollars, idle_joules, idle_energy_dollars
+    FROM gpu_hours
+    WHERE idle_s != 0 OR idle_dollars != 0 OR idle_joules != 0""",
+)
+
+
+# Step n (from 1) brings a file at version n - 1 (0: empty) to version n.
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
+    _run(_SCHEMA_V1),
+    _run(_SCHEMA_V2),
+    _run(_SCHEMA_V3),
+    _run(_SCHEMA_V4),
+    _run(_SCHEMA_V5),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def _upsert(table: str, keys: Sequence[str], replaced: Sequence[str], summed: Sequence[str]) -> str:
+    columns = (*keys, *replaced, *summed)
+    updates = [f"{c} = excluded.{c}" for c in replaced] + [
+        # coalesce: a NULL (unpriced) side adds nothing; NULL + NULL stays NULL.
+        f"{c} = coalesce({c} + excluded.{c}, {c}, excluded.{c})"
+        if c in PRICED_MEASURES
+        else f"{c} = {c} + excluded.{c}"
+        for c in summed
+    ]
+    return (
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(f':{c}' for c in columns)}) "
+        f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(updates)}"
+    )
+
+
+UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, (), WORKLOAD_MEASURES)
+UPSERT_GPU = _upsert("gpu_hours", _GPU_KEYS, _GPU_ATTRIBUTES, GPU_MEASURES)
+UPSERT_IDLE = _upsert("idle_hours", _IDLE_KEYS, ("gpu",), IDLE_MEASURES)
