@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from agent.errors import BadInputError
-from agent.ledger.report import check_overlaps
 from agent.ledger.pending import HOUR_S, iso_time
 from agent.ledger.read import UsageRow, read_ledger
+from agent.ledger.report import check_overlaps
 from agent.model import WORKLOAD_LABELS, Workload
 from agent.units import joules_to_kwh
 
