@@ -13,10 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.cli.main import main
 from agent.cli.wiring import build_agent
 from agent.config import Settings
-from agent.ledger.export import COLUMNS
+from agent.ledger.export import COLUMNS, read_records, write
 from agent.ledger.report import report_from_ledgers
 from agent.pipeline import run_on_scenario_time
 from tests.test_cli import gpuledger
@@ -62,9 +61,10 @@ def ledgers(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 def export(tmp_path: Path, ledger: Path, fmt: str) -> Path:
-    """`gpuledger export` run in this process (the command's own code, without a Python start)."""
+    """What `gpuledger export --ledger LEDGER --format FMT --out FILE` does, in this process
+    (the command's two calls, without a Python start; the command line itself is run below)."""
     out = tmp_path / f"{ledger.stem}.{fmt}"
-    assert main(["export", "--ledger", str(ledger), "--format", fmt, "--out", str(out)]) == 0
+    write(read_records([ledger]), fmt, str(out))
     return out
 
 
