@@ -178,6 +178,8 @@ class PrometheusAPI:
         except ValueError:
             payload = None
         if not isinstance(payload, dict) or payload.get("status") not in ("success", "error"):
+            if status >= 500:  # a store that is there but failing (restarting, overloaded)
+                raise StoreError(f"{self.url}: HTTP {status} {response.reason_phrase} for {_short(expr)}")
             kind = response.headers.get("content-type", "no content type").split(";")[0]
             raise NotPrometheusAPI(
                 f"{self.url}: not a Prometheus query API (HTTP {status}, {kind} from /api/v1/query): give the "
