@@ -44,11 +44,15 @@ from tests import promstore
 from tests.fake_engines import Engine, Engines
 from tests.test_prometheus_e2e import ROOT, free_port, start, wait_http
 
-pytestmark = pytest.mark.skipif(
-    promstore.PROMETHEUS is None or promstore.VICTORIA_METRICS is None,
-    reason="the fleet test needs Debian's prometheus and victoria-metrics: apt-get install prometheus "
-    "victoria-metrics (scripts/check installs both)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        promstore.PROMETHEUS is None or promstore.VICTORIA_METRICS is None,
+        reason="the fleet test needs Debian's prometheus and victoria-metrics: apt-get install prometheus "
+        "victoria-metrics (scripts/check installs both)",
+    ),
+    # One worker starts its stores, whatever the others run (pyproject's --dist loadgroup).
+    pytest.mark.xdist_group("fleet-e2e"),
+]
 
 NODES = 40
 SCENARIOS = ("demo", "weekend-idle", "mig", "old-driver", "gpu-lost")

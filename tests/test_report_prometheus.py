@@ -43,10 +43,14 @@ from tests.test_cli import gpuledger
 from tests.test_prometheus_e2e import free_port
 from tests.test_webconfig import Pki, _cryptography_pki
 
-pytestmark = pytest.mark.skipif(
-    promstore.PROMETHEUS is None or promstore.PROMTOOL is None,
-    reason="prometheus and promtool are missing: apt-get install prometheus (Debian's package)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        promstore.PROMETHEUS is None or promstore.PROMTOOL is None,
+        reason="prometheus and promtool are missing: apt-get install prometheus (Debian's package)",
+    ),
+    # One worker starts its stores, whatever the others run (pyproject's --dist loadgroup).
+    pytest.mark.xdist_group("prometheus-store"),
+]
 
 H = 3600.0
 START = "2025-03-07T18:00:00+00:00"  # a Friday evening, in the past: Prometheus backfills history
