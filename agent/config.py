@@ -6,21 +6,35 @@ problem is reported with the key it concerns (and the variable, when one set it)
 
 from __future__ import annotations
 
+import datetime
 import functools
+import itertools
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from agent.accounting.pricing import Catalogue, parse_catalogue
+from agent.actions.config import ActionsConfig
+from agent.actions.config import cross_problems as action_problems
+from agent.actions.config import host_problems as action_host_problems
 from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
 from agent.errors import ConfigError
 from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS
+from agent.model import WORKLOAD_LABELS
 from agent.scrub import escape_control
 from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
@@ -36,6 +50,32 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+Purchase = Literal["on_demand", "spot", "reserved", "savings_plan", "committed"]
+Dollars = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# Purchase options whose price cannot be guessed from the on-demand one: they need a rate or a
+# discount (spot may have its price per instance type in spot_hourly instead).
+_NEEDS_TERMS = ("reserved", "savings_plan", "committed")
+
+
+class PriceChange(_Section):
+    """From `at` on, these pricing keys have these values (the others keep theirs)."""
+
+    at: datetime.datetime
+    gpu_hourly: Dollars | None = None
+    by_uuid: dict[str, Dollars] | None = None
+    by_model: dict[str, Dollars] | None = None
+    instance_hourly: dict[str, Dollars] | None = None
+    purchase: Purchase | None = None
+    rate: Dollars | None = None
+    discount: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    spot_hourly: dict[str, Dollars] | None = None
+
+    @field_validator("at")
+    @classmethod
+    def _utc(cls, value: datetime.datetime) -> datetime.datetime:
+        return value if value.tzinfo is not None else value.replace(tzinfo=datetime.UTC)
+
+
 class PricingConfig(_Section):
     gpu_hourly: float | None = Field(default=None, ge=0)
     by_uuid: dict[str, Annotated[float, Field(ge=0)]] = {}
@@ -43,6 +83,55 @@ class PricingConfig(_Section):
     instance_type: str | None = None
     instance_hourly: dict[str, Annotated[float, Field(ge=0)]] = {}
     energy_per_kwh: float | None = Field(default=None, ge=0)
+    # How this node is bought, and at what terms: `rate` ($/GPU-hour) replaces the price found
+    # above, `discount` (0-1) takes that fraction off it; spot takes its price per instance type
+    # from spot_hourly ($/instance-hour, like instance_hourly) where listed.
+    purchase: Purchase = "on_demand"
+    rate: Dollars | None = None
+    discount: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    spot_hourly: dict[str, Dollars] = {}
+    # The price history: each change applies from its `at` (UTC unless it says) on.
+    changes: list[PriceChange] = []
+
+    @model_validator(mode="after")
+    def _terms(self) -> PricingConfig:
+        for at, pricing in self.epochs():
+            where = "" if at is None else f" (from pricing.changes at {_iso(at)})"
+            if pricing.rate is not None and pricing.discount is not None:
+                raise ValueError(f"give rate or discount, not both{where}")
+            if pricing.purchase in _NEEDS_TERMS and pricing.rate is None and pricing.discount is None:
+                raise ValueError(f"purchase {pricing.purchase} needs its rate or discount{where}")
+            terms = pricing.rate is not None or pricing.discount is not None or pricing.spot_hourly
+            if pricing.purchase == "spot" and not terms:
+                raise ValueError(f"purchase spot needs spot_hourly, a rate or a discount{where}")
+        return self
+
+    @field_validator("changes")
+    @classmethod
+    def _in_order(cls, value: list[PriceChange]) -> list[PriceChange]:
+        for earlier, later in itertools.pairwise(value):
+            if later.at <= earlier.at:
+                raise ValueError(f"changes must be in time order: {_iso(later.at.timestamp())} is not after "
+                                 f"{_iso(earlier.at.timestamp())}")  # fmt: skip
+        return value
+
+    def epochs(self) -> list[tuple[float | None, PricingConfig]]:
+        """(from, the pricing in force) for each period: this section from always, then each
+        change merged into what was in force before it."""
+        base = self.model_copy(update={"changes": []})
+        found: list[tuple[float | None, PricingConfig]] = [(None, base)]
+        for change in self.changes:
+            update = change.model_dump(exclude={"at"}, exclude_none=True)
+            if "rate" in update:
+                update.setdefault("discount", None)  # a new rate replaces a discount in force
+            elif "discount" in update:
+                update.setdefault("rate", None)
+            found.append((change.at.timestamp(), found[-1][1].model_copy(update=update)))
+        return found
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 class LedgerConfig(_Section):
@@ -70,6 +159,18 @@ class AccountingConfig(_Section):
     max_interval: Duration = Field(default=300.0, gt=0)
     # A finished workload's cost series stay exported this long after its last charge.
     forget_after: Duration = Field(default=3600.0, gt=0)
+    # What "busy" means for busy seconds and the flag rules: GPM's SM activity where the GPU has it
+    # (Hopper and later), else NVML's utilization (auto); NVML's utilization only; GPM's only.
+    busy_source: Literal["auto", "nvml", "gpm"] = "auto"
+
+
+class EventsConfig(_Section):
+    # Read the driver's events (Xid errors, ECC errors, clock changes) on a thread of their own.
+    enabled: bool = True
+    # Each wait on the driver lasts at most this long (stopping the agent waits for one).
+    wait: Duration = Field(default=1.0, gt=0, le=10)
+    # A GPU or driver that stopped answering is registered again this often.
+    retry: Duration = Field(default=30.0, gt=0)
 
 
 class AttributionRule(_Section):
@@ -110,6 +211,8 @@ class AttributionConfig(_Section):
     # GPU no process holds is booked unobserved (attribution_unavailable), never idle.
     kubelet_stale_after: Duration = Field(default=300.0, gt=0)
     rules: list[AttributionRule] = []
+    # A Slurm job's account is its `team` where no rule sets one.
+    team_from_account: bool = True
 
 
 class _RuleBase(_Section):
@@ -179,6 +282,39 @@ class ExportersConfig(_Section):
         return value
 
 
+class WorkCounterConfig(_Section):
+    """A counter of work (tokens, inferences, training steps) that `gpuledger rules` joins with
+    the cost series: dollars per `scale` units. Entries with the same name add up; a name the
+    built-in engine counters use replaces them (exporters/promrules.py)."""
+
+    name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
+    metric: Annotated[str, Field(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
+    unit: Annotated[str, Field(pattern=r"^[a-z][a-z ]*$")] = "unit"
+    scale: Literal[1, 1000, 1000000, 1000000000] = 1
+    # Workload labels the counter shares with gpuledger's series: a list of names both use, or
+    # a mapping of gpuledger's label to the counter's (model: model_name).
+    join: list[str] | dict[str, str] = ["namespace", "pod"]
+
+    @field_validator("join")
+    @classmethod
+    def _workload_labels(cls, value: list[str] | dict[str, str]) -> list[str] | dict[str, str]:
+        pairs = value.items() if isinstance(value, dict) else ((label, label) for label in value)
+        if not value:
+            raise ValueError("name at least one label to join on")
+        for ours, theirs in pairs:
+            if ours not in WORKLOAD_LABELS:
+                raise ValueError(f"{ours!r} is not a workload label ({', '.join(WORKLOAD_LABELS)})")
+            if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", theirs):
+                raise ValueError(f"{theirs!r} is not a label name")
+        return value
+
+    def join_pairs(self) -> tuple[tuple[str, str], ...]:
+        """(gpuledger label, the counter's label) pairs."""
+        if isinstance(self.join, dict):
+            return tuple(self.join.items())
+        return tuple((label, label) for label in self.join)
+
+
 def parse_listen(value: object) -> tuple[str, int]:
     """(host, port) from "HOST:PORT" ("[::1]:9835" for IPv6; an empty host means every
     address). The config key and the --listen flag both go through here."""
@@ -214,12 +350,29 @@ class Settings(BaseSettings):
     ledger: LedgerConfig = LedgerConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     accounting: AccountingConfig = AccountingConfig()
+    events: EventsConfig = EventsConfig()
     attribution: AttributionConfig = AttributionConfig()
     rules: RulesConfig = RulesConfig()
     exporters: ExportersConfig = ExportersConfig()
+    actions: ActionsConfig = ActionsConfig()
+    # Work counters for `gpuledger rules`, beside the built-in engines' (WorkCounterConfig).
+    work: list[WorkCounterConfig] = []
     # TLS and basic auth for the HTTP endpoint, in the exporter-toolkit web-config format
     # (like exporters' --web.config.file); read by exporters/webconfig.py when `run` starts.
     web_config_file: str | None = None
+
+    @field_validator("work")
+    @classmethod
+    def _work_adds_up(cls, value: list[WorkCounterConfig]) -> list[WorkCounterConfig]:
+        # Counters of one name are summed into one unit of work: they must measure it alike.
+        first: dict[str, WorkCounterConfig] = {}
+        for entry in value:
+            same = first.setdefault(entry.name, entry)
+            if (same.unit, same.scale, same.join_pairs()) != (entry.unit, entry.scale, entry.join_pairs()):
+                raise ValueError(
+                    f"{entry.name}: {same.metric} and {entry.metric} add up: give them one unit, scale and join"
+                )
+        return value
 
     @field_validator("backend")
     @classmethod
@@ -275,7 +428,7 @@ def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
     except ConfigError as exc:
         return None, [str(exc)]
     try:
-        return Settings(**data), []
+        settings = Settings(**data)
     except ValidationError as exc:
         return None, _problems(exc, source)
     except SettingsError as exc:
@@ -283,6 +436,16 @@ def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
         field = re.search(r'field "([^"]+)"', str(exc))
         name = ENV_PREFIX + (field.group(1).upper() if field else "*")
         return None, [f"environment: {name}: not a JSON object (or set its keys as {name}__KEY)"]
+    problems = action_problems(settings.actions, rule_conditions(settings.rules), source)
+    return (None, problems) if problems else (settings, [])
+
+
+def rule_conditions(rules: RulesConfig) -> dict[str, tuple[str, bool]]:
+    """Each flag rule's name -> (its condition, whether it is enabled)."""
+    built_in = ("idle", "allocated_idle", "underused", "stranded_memory")
+    found = {name: (name, bool(getattr(rules, name).enabled)) for name in built_in}
+    found.update({c.name: (c.condition, c.enabled) for c in rules.custom})
+    return found
 
 
 def host_problems(settings: Settings, source: str = "config") -> list[str]:
@@ -303,7 +466,7 @@ def host_problems(settings: Settings, source: str = "config") -> list[str]:
         parent = next((p for p in ledger.parents if p.exists()), None)
         if parent is not None and not parent.is_dir():
             problems.append(f"{source}: ledger.path: {parent} is not a directory")
-    return problems
+    return problems + action_host_problems(settings.actions, source)
 
 
 def load_config(path: str | Path | None = None) -> Settings:

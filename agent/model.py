@@ -28,6 +28,27 @@ class NvLinkReading:
 
 
 @dataclass(frozen=True, slots=True)
+class Activity:
+    """What a GPU's (or MIG instance's) SMs did between the previous poll and this one, as GPU
+    Performance Monitoring measures it (Hopper and later): fractions 0-1, None where not read.
+
+    NVML's utilization counts time in which any kernel ran, so one small kernel reads 100%;
+    `sm_active` is the share of the SMs that had work, the measure of "busy" that tells the truth.
+    """
+
+    graphics_active: float | None = None  # time any kernel or graphics work ran (the GR engine)
+    sm_active: float | None = None  # SMs with at least one warp assigned
+    sm_occupancy: float | None = None  # warps resident over the SMs' maximum
+    tensor_active: float | None = None  # cycles the tensor pipes were active
+    dram_active: float | None = None  # cycles the memory interface moved data
+
+
+# Where a device's "busy" figure comes from (`DeviceReading.busy_source`).
+BUSY_GPM = "gpm"  # Activity.sm_active
+BUSY_NVML = "nvml"  # DeviceReading.utilization
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceReading:
     """One GPU, or one MIG instance of a GPU (then `parent_uuid` is set), as read in one poll.
 
@@ -66,6 +87,18 @@ class DeviceReading:
     # The device's own utilization (0-1) time-weighted over its samples since the previous poll:
     # what accounting caps its holders' busy time by. None where the samples could not be read.
     interval_utilization: float | None = None
+    activity: Activity | None = None  # GPM, over the interval since the previous poll
+    busy_source: str = BUSY_NVML  # BUSY_GPM, BUSY_NVML, or "" where the device has no busy measure
+
+    @property
+    def busy(self) -> float | None:
+        """How busy the device was (0-1), by its busy source: what accounting's busy seconds and
+        the flag rules measure. None where that source has no figure this poll."""
+        if self.busy_source == BUSY_GPM:
+            return self.activity.sm_active if self.activity is not None else None
+        if self.busy_source == BUSY_NVML:
+            return self.utilization
+        return None
 
     @property
     def model(self) -> str:
@@ -228,6 +261,9 @@ class Holding:
     # start of its processes, or of its allocation (a Slurm map file's time). Accounting
     # charges a new holder from then rather than from the midpoint of the interval.
     started_at: float | None = None
+    # The Slurm account a job's holding is billed to (the prolog's map file, else the process's
+    # SLURM_JOB_ACCOUNT); not a metric label: the ledger and `report --by account` carry it.
+    account: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +389,26 @@ class LedgerHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuEvents:
+    """The driver events one GPU reported since the agent started (agent/devices/events.py)."""
+
+    gpu: int
+    uuid: str
+    watched: bool  # registered for its events right now (False: lost, or the driver is away)
+    counts: tuple[tuple[str, int, int], ...] = ()  # (event kind, Xid or 0, how many)
+    last_xid: int | None = None
+    last_xid_at: float | None = None  # backend clock, when the agent received it
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceEvents:
+    """What the driver-event reader has seen: per GPU, and whether it has an event set open."""
+
+    gpus: tuple[GpuEvents, ...] = ()
+    reading: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class AgentState:
     snapshot: Snapshot | None = None
     attribution: Attribution = field(default_factory=Attribution)
@@ -362,14 +418,63 @@ class AgentState:
     flags: tuple[Flag, ...] = ()  # the rules stage's output, rendered as is
     left_by: tuple[LeftBy, ...] = ()  # GPUs nobody holds now, and who held them last
     health: AgentHealth = field(default_factory=AgentHealth)
+    actions: tuple[tuple[str, str, int], ...] = ()  # (action, result, count) since the agent started
+    events: DeviceEvents | None = None  # None: no event reader (events off, or no event API)
 
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """What one GPU costs per hour, and why that figure (shown in `snapshot`)."""
+    """What one GPU costs per hour, and why that figure (shown in `snapshot`).
+
+    A price that changes later (config `pricing.changes`) carries its later prices in `changes`,
+    each from its time on: `at(t)` is the price in force at t, `dollars(start, end)` what the
+    GPU costs over that span. The fields after `source` do not take part in equality: two
+    prices are the same figure for the same reason.
+    """
 
     dollars_per_hour: float
     source: str  # e.g. "config pricing.gpu_hourly", "instance p4d.24xlarge / 8 GPUs (AWS, read 2026-11-01)"
+    # Where the figure comes from, in one stable word: config, instance or catalogue.
+    origin: str = field(default="config", compare=False)
+    # How the node is bought: on_demand, spot, reserved, savings_plan or committed.
+    purchase: str = field(default="on_demand", compare=False)
+    # Set where the instance type's GPU model is not the GPU's: why the instance was not used.
+    mismatch: str = field(default="", compare=False)
+    changes: tuple[tuple[float, Price], ...] = field(default=(), compare=False)  # (from, price), in time order
+
+    def at(self, t: float) -> Price:
+        """The price in force at `t` (backend clock, unix seconds)."""
+        current = self
+        for start, later in self.changes:
+            if start > t:
+                break
+            current = later
+        return current
+
+    def during(self, start: float, end: float) -> Price:
+        """The price that applied last within [start, end): a change at `end` is the next
+        interval's, not this one's (what the ledger records for the interval's hour)."""
+        current = self
+        for at, later in self.changes:
+            if at > end or (at == end and end > start):
+                break
+            current = later
+        return current
+
+    def dollars(self, start: float, end: float) -> float:
+        """What the GPU costs from `start` to `end`: each part at the price in force then."""
+        if not self.changes:
+            return self.dollars_per_hour * (end - start) / 3600
+        total = 0.0
+        t, rate = start, self.dollars_per_hour
+        for at, later in self.changes:
+            if at >= end:
+                break
+            if at > t:
+                total += rate * (at - t) / 3600
+                t = at
+            rate = later.dollars_per_hour
+        return total + rate * (end - t) / 3600
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,6 +493,7 @@ class WorkloadCharge:
     # holders' charged seconds plus its idle seconds are its observed seconds, so these add up
     # across workloads where held seconds count a shared GPU once per holder.
     charged_s: float = 0.0
+    account: str = ""  # the Slurm account (Holding.account), "" where none
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,6 +535,8 @@ class GpuCharge:
     # of the interval (its latest reading where those could not be read) x the observed seconds.
     # Its holders' busy seconds never add up to more. None where the GPU measures no utilization.
     busy_s: float | None = None
+    purchase: str = ""  # how the GPU is bought (Price.purchase), the last price within the interval
+    price_source: str = ""  # where its price comes from (Price.origin); "" where unpriced
 
 
 # Why time was not observed (besides a GPU's own NVML error, such as GPU_IS_LOST or TIMEOUT).
@@ -441,6 +549,22 @@ UNOBSERVED_ATTRIBUTION = "attribution_unavailable"
 
 
 @dataclass(frozen=True, slots=True)
+class UnitUsage:
+    """What one workload used of one cost unit (a GPU or a MIG instance) at the poll that ends an
+    interval: what right-sizing needs (agent/accounting/usage.py builds it, the ledger keeps it
+    per hour in `sizing_hours`). None where the reading is missing."""
+
+    workload: Workload
+    uuid: str
+    gpu_model: str  # the physical GPU's model, as pricing names it
+    mig_profile: str  # "" for a whole GPU
+    memory_bytes: int | None
+    memory_total_bytes: int | None  # the unit's capacity
+    busy: float | None  # 0-1: SM activity where GPM measures it, else NVML utilization
+    busy_source: str = ""  # "gpm", "nvml", "process" (the workload's own processes' SM share)
+
+
+@dataclass(frozen=True, slots=True)
 class Charges:
     """One interval's accounting: from `start` to `end` (backend clock, unix seconds)."""
 
@@ -450,3 +574,4 @@ class Charges:
     workloads: tuple[WorkloadCharge, ...] = ()
     gpus: tuple[GpuCharge, ...] = ()
     energy_per_kwh: float | None = None  # the price the charges' energy dollars are at
+    usage: tuple[UnitUsage, ...] = ()  # who used how much of each unit, for right-sizing

@@ -38,11 +38,13 @@ from typing import Any, Protocol, TypeVar
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from agent.accounting.cost import account, accumulate, downtime
+from agent.accounting.cost import account, accumulate, cost_units, downtime
 from agent.accounting.unpriced import Unplaced, Unpriced
+from agent.accounting.usage import unit_usage
 from agent.attribution.gather import Attributor
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.deadline import CallTimeout, Worker
+from agent.devices.events import EventReader
 from agent.devices.sampler import Sampler
 from agent.errors import GpuledgerError
 from agent.model import (
@@ -53,6 +55,7 @@ from agent.model import (
     Attribution,
     Charges,
     CostTotals,
+    DeviceReading,
     Flag,
     LedgerHealth,
     LeftBy,
@@ -112,6 +115,15 @@ class ChargeSink(Protocol):
     def recorded_until(self) -> float | None:
         """Where the sink's record ended before this run (None: it records nothing yet)."""
         ...
+
+
+class ActionHook(Protocol):
+    """What acts on each poll's published state (agent.actions.Actions): it decides on the poll
+    thread, runs elsewhere, and reports its counts for the next state published."""
+
+    def observe(self, state: AgentState) -> None: ...
+
+    def counts(self) -> tuple[tuple[str, str, int], ...]: ...
 
 
 @dataclass(frozen=True)
@@ -197,6 +209,9 @@ class Pipeline:
         self._worker = Worker("gpuledger-poll")
         self._stuck: dict[str, float] = {}  # GPU key ("" for the driver) -> when its call got stuck
         self.attributor = attributor
+        # The driver-event reader: on its own thread in the daemon, caught up at each poll
+        # otherwise (`simulate`, `snapshot`), so its events land in the state either way.
+        self.events: EventReader | None = None
         self.costing = costing
         self.rules = tuple(rules)
         self.poll_interval_s = poll_interval_s
@@ -204,7 +219,7 @@ class Pipeline:
         # Each stage's last good result, which a failing stage leaves in place.
         self._previous: Snapshot | None = None
         self._attribution = Attribution()
-        self._clean_workloads: dict[Workload, Workload] = {}
+        self._clean_workloads: dict[Workload, Workload | None] = {}
         self._last_energy: dict[str, float] = {}  # GPU uuid -> its last energy counter reading
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
@@ -227,6 +242,7 @@ class Pipeline:
         self._scheduler: BackgroundScheduler | None = None
         self._overrun_lock = threading.Lock()
         self._polling = threading.Lock()  # held by a scheduled poll while it runs
+        self.actions: ActionHook | None = None  # set by the wiring when actions are configured
 
     @property
     def state(self) -> AgentState:
@@ -296,8 +312,22 @@ class Pipeline:
             self._last_success_monotonic = self._monotonic()
         state = self._run("publish", lambda: self._publish(sampled, poll_duration_s), None)
         if state is not None:
+            state = self._act(state)
             self._state = state  # one reference assignment: scrapes see old or new, never half
         return self._state
+
+    def _act(self, state: AgentState) -> AgentState:
+        """The actions' decisions on the state about to be published, and their counts in it."""
+        actions = self.actions
+        if actions is None:
+            return state
+        try:
+            actions.observe(state)
+            return replace(state, actions=actions.counts())
+        except Exception:
+            # Like a failing stage: logged, and the poll's state is published all the same.
+            log.exception("the actions failed")
+            return state
 
     def _run(self, name: str, work: Callable[[], T], fallback: T) -> T:
         """Run one stage: time it, count its failure and hand back `fallback` if it raises."""
@@ -335,7 +365,7 @@ class Pipeline:
         else:
             skip = dict.fromkeys(stuck, TIMEOUT)
             try:
-                snapshot = self._worker.call(lambda: self.sampler.poll(skip), self.call_timeout_s)
+                snapshot = self._worker.call(lambda: self._read_devices(skip), self.call_timeout_s)
             except CallTimeout:
                 key = self.sampler.reading or ""
                 self.sampler.abandon()
@@ -351,6 +381,13 @@ class Pipeline:
         sampled = Sampled(snapshot, self._previous)
         self._previous = snapshot
         return sampled
+
+    def _read_devices(self, skip: Mapping[str, str]) -> Snapshot:
+        """The sampler's poll, then (when no thread reads them) the driver events up to now."""
+        snapshot = self.sampler.poll(skip)
+        if self.events is not None:
+            self.events.catch_up()
+        return snapshot
 
     def _attribute(self, snapshot: Snapshot) -> Attribution:
         if self.attributor is None:
@@ -369,13 +406,14 @@ class Pipeline:
         changed = False
         for holding in attribution.holdings:
             workload = holding.workload
-            scrubbed = clean.get(workload)
-            if scrubbed is None:
+            scrubbed = clean.get(workload, workload)
+            if scrubbed is workload:  # not seen yet
                 values = {name: scrub_label(value) for name, value in workload.label_dict().items()}
-                scrubbed = workload if values == workload.label_dict() else Workload.from_labels(values)
-                clean[workload] = scrubbed
-            changed = changed or scrubbed is not workload
-            holdings.append(holding if scrubbed is workload else replace(holding, workload=scrubbed))
+                # None: nothing to scrub. Each poll's attribution may build its workloads anew,
+                # so "the same" means equal, not the object first remembered.
+                scrubbed = clean[workload] = None if values == workload.label_dict() else Workload.from_labels(values)
+            changed = changed or scrubbed is not None
+            holdings.append(holding if scrubbed is None else replace(holding, workload=scrubbed))
         return replace(attribution, holdings=tuple(holdings)) if changed else attribution
 
     def _account(self, sampled: Sampled, attribution: Attribution, earlier: Attribution) -> Charges | None:
@@ -410,6 +448,8 @@ class Pipeline:
             energy_before=self._last_energy,
             left_by=self._unit_left_by,
         )
+        if sampled.interval_s <= costing.max_interval_s:  # what longer intervals used is not known
+            charges = replace(charges, usage=unit_usage(snapshot, attribution))
         self._remember_holders(attribution)
         for gpu in snapshot.gpus:
             if gpu.energy_j is not None:
@@ -490,11 +530,12 @@ class Pipeline:
     def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
         snapshot = sampled.snapshot
         parent = {d.uuid: d.parent_uuid or d.uuid for d in snapshot.devices}
-        holders: dict[str, set[Workload]] = {}
+        held_by: dict[str, set[Workload]] = {}
         for h in attribution.holdings:
             gpu_uuid = parent.get(h.device_uuid)
             if gpu_uuid is not None:
-                holders.setdefault(gpu_uuid, set()).add(h.workload)
+                held_by.setdefault(gpu_uuid, set()).add(h.workload)
+        holders = {uuid: tuple(sorted(workloads)) for uuid, workloads in held_by.items()}
         # Who left each GPU idle, as of before this poll: a clearing idle flag names them, not
         # the workload whose arrival cleared it.
         left_before = dict(self._left_by)
@@ -503,23 +544,28 @@ class Pipeline:
             return
         cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
         observations = []
+        node, interval_s = snapshot.node.hostname, sampled.interval_s
         for gpu in snapshot.gpus:
             charge = cost.get(gpu.uuid)
+            migs = snapshot.mig_devices(gpu.uuid)
             observations.append(
                 GpuObservation(
                     gpu=gpu.index,
                     uuid=gpu.uuid,
                     model=gpu.model,
-                    node=snapshot.node.hostname,
+                    node=node,
                     up=gpu.up,
-                    utilization=gpu.utilization,
+                    # How busy, by the GPU's busy source. A MIG-enabled GPU is judged per instance.
+                    utilization=None if migs else gpu.busy,
                     memory_used_bytes=gpu.memory_used_bytes,
-                    holders=tuple(sorted(holders.get(gpu.uuid, ()))),
-                    interval_s=sampled.interval_s,
+                    holders=holders.get(gpu.uuid, ()),
+                    interval_s=interval_s,
                     dollars=charge.dollars if charge is not None else 0.0,
                     idle_dollars=charge.idle_dollars if charge is not None else 0.0,
                 )
             )
+            if migs:
+                observations += self._mig_observations(sampled, gpu, attribution, charge.dollars if charge else 0.0)
         result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at)
         self._rule_states = result.states
         self._flags = result.flags
@@ -528,7 +574,37 @@ class Pipeline:
             left = self._left_by.get(t.uuid) or left_before.get(t.uuid)
             _log_transition(t, left, idle=t.rule in idle_rules)
 
-    def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, set[Workload]]) -> None:
+    def _mig_observations(
+        self, sampled: Sampled, gpu: DeviceReading, attribution: Attribution, gpu_dollars: float
+    ) -> list[GpuObservation]:
+        """Each MIG instance of `gpu` as the rules see it: a unit of its own (its uuid, its
+        holders, its share of the GPU's cost), busy by its GPM SM activity where it has that."""
+        snapshot = sampled.snapshot
+        found = []
+        for unit in cost_units(snapshot, gpu):
+            device = unit.device
+            if device is None:
+                continue  # SMs no instance holds: nobody to flag
+            held = tuple(sorted({h.workload for h in attribution.holdings if h.device_uuid == unit.uuid}))
+            dollars = gpu_dollars * unit.weight
+            found.append(
+                GpuObservation(
+                    gpu=gpu.index,
+                    uuid=device.uuid,
+                    model=gpu.model,
+                    node=snapshot.node.hostname,
+                    up=gpu.up and device.up,
+                    utilization=device.busy,
+                    memory_used_bytes=device.memory_used_bytes,
+                    holders=held,
+                    interval_s=sampled.interval_s,
+                    dollars=dollars,
+                    idle_dollars=0.0 if held else dollars,
+                )
+            )
+        return found
+
+    def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, tuple[Workload, ...]]) -> None:
         """Remember who held each GPU at the last poll that saw it held; once nobody holds it,
         they are who left it idle (`left_by`), until someone holds it again."""
         for gpu in snapshot.gpus:
@@ -536,7 +612,7 @@ class Pipeline:
                 continue
             held = holders.get(gpu.uuid)
             if held:
-                self._last_held[gpu.uuid] = LeftBy(gpu.index, gpu.uuid, tuple(sorted(held)), snapshot.taken_at)
+                self._last_held[gpu.uuid] = LeftBy(gpu.index, gpu.uuid, held, snapshot.taken_at)
                 self._left_by.pop(gpu.uuid, None)
             elif gpu.uuid in self._last_held:
                 self._left_by[gpu.uuid] = self._last_held[gpu.uuid]
@@ -563,11 +639,19 @@ class Pipeline:
             snapshot=snapshot,
             attribution=self._attribution if sampled is not None else previous.attribution,
             costs=self._totals if costing is not None else CostTotals(),
-            prices=tuple(sorted(self._prices.items())) if costing is not None else (),
+            prices=self._prices_at(snapshot.taken_at if snapshot is not None else None) if costing is not None else (),
             ledger=costing.sink.health() if costing is not None and costing.sink is not None else None,
             flags=self._flags,
             left_by=tuple(self._left_by[uuid] for uuid in sorted(self._left_by)),
             health=health,
+            events=self.events.events if self.events is not None else None,
+        )
+
+    def _prices_at(self, t: float | None) -> tuple[tuple[str, Price | None], ...]:
+        """Each GPU's price in force at `t` (a price history changes it over time)."""
+        return tuple(
+            (uuid, price.at(t) if price is not None and t is not None else price)
+            for uuid, price in sorted(self._prices.items())
         )
 
     def _stage_health(self, taken_at: float | None) -> tuple[StageHealth, ...]:

@@ -84,6 +84,99 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gpuledger_mig_memory_used_bytes", Kind.GAUGE, "Memory in use on a MIG instance.", (*DEVICE, "mig"), "bytes"
     ),
     MetricSpec("gpuledger_mig_memory_total_bytes", Kind.GAUGE, "Memory of a MIG instance.", (*DEVICE, "mig"), "bytes"),
+    # GPU activity (GPM, Hopper and later), over the interval between the last two polls; a MIG
+    # instance's over its own SMs.
+    MetricSpec(
+        "gpuledger_gpu_sm_active_ratio",
+        Kind.GAUGE,
+        "Fraction of the GPU's SMs that had work (at least one warp), averaged over the last poll interval (GPM).",
+        DEVICE,
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_sm_occupancy_ratio",
+        Kind.GAUGE,
+        "Warps resident on the GPU's SMs over the most they can hold, averaged over the last poll interval (GPM).",
+        DEVICE,
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_tensor_active_ratio",
+        Kind.GAUGE,
+        "Fraction of cycles the GPU's tensor pipes were active over the last poll interval (GPM).",
+        DEVICE,
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_dram_active_ratio",
+        Kind.GAUGE,
+        "Fraction of cycles the GPU's memory interface moved data over the last poll interval (GPM).",
+        DEVICE,
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_mig_sm_active_ratio",
+        Kind.GAUGE,
+        "Fraction of a MIG instance's SMs that had work, averaged over the last poll interval (GPM).",
+        (*DEVICE, "mig"),
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_mig_sm_occupancy_ratio",
+        Kind.GAUGE,
+        "Warps resident on a MIG instance's SMs over the most they can hold, over the last poll interval (GPM).",
+        (*DEVICE, "mig"),
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_mig_tensor_active_ratio",
+        Kind.GAUGE,
+        "Fraction of cycles a MIG instance's tensor pipes were active over the last poll interval (GPM).",
+        (*DEVICE, "mig"),
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_mig_dram_active_ratio",
+        Kind.GAUGE,
+        "Fraction of cycles a MIG instance's memory interface moved data over the last poll interval (GPM).",
+        (*DEVICE, "mig"),
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_busy_source_info",
+        Kind.INFO,
+        "What busy seconds and the flag rules take as the GPU's (or MIG instance's, by its uuid) busy figure: "
+        "gpm (SM activity) or nvml (utilization); always 1.",
+        (*DEVICE, "source"),
+    ),
+    # Driver events (agent/devices/events.py), counted since the agent started.
+    MetricSpec(
+        "gpuledger_gpu_xid_errors_total",
+        Kind.COUNTER,
+        "Xid errors the driver reported for the GPU since the agent started, by Xid code (NVML events).",
+        (*DEVICE, "xid"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_last_xid_timestamp_seconds",
+        Kind.GAUGE,
+        "When the agent received the GPU's latest Xid error (unix time); the code is the xid label of "
+        "gpuledger_gpu_xid_errors_total.",
+        DEVICE,
+        "seconds",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_events_total",
+        Kind.COUNTER,
+        "Driver events received for the GPU since the agent started: xid, single_bit_ecc, double_bit_ecc, "
+        "clock_change.",
+        (*DEVICE, "event"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_events_up",
+        Kind.GAUGE,
+        "1 while the agent receives the GPU's driver events, 0 while it cannot (GPU lost, driver away).",
+        DEVICE,
+    ),
     MetricSpec(
         "gpuledger_workload_gpu_utilization_ratio",
         Kind.GAUGE,
@@ -260,8 +353,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuledger_gpu_price_info",
         Kind.INFO,
-        "Where the GPU's price comes from (config override, instance type, catalogue); always 1.",
-        (*DEVICE, "source"),
+        "Where the GPU's price comes from (source: config, instance or catalogue; `snapshot` cites it in "
+        "full) and how the node is bought (purchase: on_demand, spot, reserved, savings_plan, committed); always 1.",
+        (*DEVICE, "source", "purchase"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_price_mismatch",
+        Kind.GAUGE,
+        "1 when the node's instance type comes with another GPU model than the one NVML reports (the GPU is "
+        "then priced by its own model), 0 otherwise.",
+        DEVICE,
     ),
     MetricSpec("gpuledger_gpu_flag", Kind.GAUGE, "1 while the rule holds for the GPU, 0 otherwise.", (*DEVICE, "rule")),
     MetricSpec(
@@ -284,6 +385,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         Kind.GAUGE,
         "1 for each workload holding a GPU flagged allocated_idle or stranded_memory: who to ask.",
         (*WORKLOAD, "rule"),
+    ),
+    MetricSpec(
+        "gpuledger_actions_total",
+        Kind.COUNTER,
+        "Decisions and outcomes of the configured actions (config actions.triggers), by result: executed, "
+        "failed, timeout, dry_run, denied, cooldown, deferred.",
+        ("action", "result"),
     ),
     MetricSpec("gpuledger_ledger_up", Kind.GAUGE, "1 while the ledger's last flush succeeded, 0 while failing.", ()),
     MetricSpec("gpuledger_ledger_pending_rows", Kind.GAUGE, "Ledger rows waiting for the next flush.", ()),

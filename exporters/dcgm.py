@@ -36,8 +36,15 @@ Decisions where gpuledger and dcgm-exporter differ:
   `GPU_I_ID`; `gpu` and `UUID` are the parent's, as dcgm-exporter prints them), and its
   temperature, power and energy are one series for the whole GPU, so sums over a node never
   count a board twice.
-- Not emitted: `DCGM_FI_DEV_XID_ERRORS` and `DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL` (gpuledger
-  reads neither), and the DCP `DCGM_FI_PROF_*` fields (NVML has no equivalent).
+- `DCGM_FI_DEV_XID_ERRORS` is the last Xid's code, as dcgm-exporter's gauge ("Value of the last
+  XID error encountered."), 0 for a GPU the agent watches that has had none since it started;
+  absent for a GPU whose events the agent cannot read.
+- The DCP profiling fields (`DCGM_FI_PROF_GR_ENGINE_ACTIVE`, `_SM_ACTIVE`, `_SM_OCCUPANCY`,
+  `_PIPE_TENSOR_ACTIVE`, `_DRAM_ACTIVE`; names and HELP from `etc/dcp-metrics-included.csv`, the
+  two it leaves commented out in its words) come from NVML's GPM where the GPU has it (Hopper and
+  later): ratios 0-1 over the last poll interval, as DCGM gives them over its own sampling
+  period. Per GPU, and per MIG instance with its `GPU_I_PROFILE` and `GPU_I_ID`.
+- Not emitted: `DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL` (gpuledger does not read it).
 """
 
 from __future__ import annotations
@@ -81,6 +88,14 @@ DCGM_CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("DCGM_FI_DEV_GPU_TEMP", Kind.GAUGE, "GPU temperature (in C).", IDENTITY, "celsius", WORKLOAD_ATTRIBUTES),
     MetricSpec("DCGM_FI_DEV_POWER_USAGE", Kind.GAUGE, "Power draw (in W).", IDENTITY, "watts", WORKLOAD_ATTRIBUTES),
     MetricSpec(
+        "DCGM_FI_DEV_XID_ERRORS",
+        Kind.GAUGE,
+        "Value of the last XID error encountered.",
+        IDENTITY,
+        "",
+        WORKLOAD_ATTRIBUTES,
+    ),
+    MetricSpec(
         "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
         Kind.GAUGE,  # a counter in dcgm-exporter: see the module docstring
         "Total energy consumption since boot (in mJ).",
@@ -89,6 +104,23 @@ DCGM_CATALOGUE: tuple[MetricSpec, ...] = (
         WORKLOAD_ATTRIBUTES,
     ),
 )
+
+# The profiling fields, with the Activity attribute each renders.
+DCGM_PROFILING: tuple[tuple[MetricSpec, str], ...] = tuple(
+    (MetricSpec(name, Kind.GAUGE, help_text, IDENTITY, "ratio", (*MIG_LABELS, *WORKLOAD_ATTRIBUTES)), field)
+    for name, help_text, field in (
+        ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "Ratio of time the graphics engine is active.", "graphics_active"),
+        ("DCGM_FI_PROF_SM_ACTIVE", "The ratio of cycles an SM has at least 1 warp assigned.", "sm_active"),
+        ("DCGM_FI_PROF_SM_OCCUPANCY", "The ratio of number of warps resident on an SM.", "sm_occupancy"),
+        ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "Ratio of cycles the tensor (HMMA) pipe is active.", "tensor_active"),
+        (
+            "DCGM_FI_PROF_DRAM_ACTIVE",
+            "Ratio of cycles the device memory interface is active sending or receiving data.",
+            "dram_active",
+        ),
+    )
+)
+DCGM_CATALOGUE = (*DCGM_CATALOGUE, *(spec for spec, _ in DCGM_PROFILING))
 
 DCGM_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in DCGM_CATALOGUE}
 
@@ -105,6 +137,7 @@ class DcgmCollector(Collector):
         snapshot = state.snapshot
         if snapshot is not None:
             node = snapshot.node
+            events = {g.uuid: g for g in state.events.gpus} if state.events is not None else {}
             for gpu in snapshot.gpus:
                 if not gpu.up:
                     continue  # dcgm-exporter skips blank values; a lost GPU has none
@@ -118,9 +151,13 @@ class DcgmCollector(Collector):
                     _add(families, "DCGM_FI_DEV_POWER_USAGE", board, gpu.power_w)
                 if gpu.energy_j is not None:
                     _add(families, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", board, round(gpu.energy_j * 1000))
+                seen = events.get(gpu.uuid)
+                if seen is not None and (seen.watched or seen.last_xid is not None):
+                    _add(families, "DCGM_FI_DEV_XID_ERRORS", board, seen.last_xid or 0)
                 instances = snapshot.mig_devices(gpu.uuid)
                 if not instances:
                     _framebuffer(families, board, gpu)
+                    _profiling(families, board, gpu)
                 for mig in instances:
                     mig_labels = {
                         **labels,
@@ -129,6 +166,7 @@ class DcgmCollector(Collector):
                         **_workload_attributes(state, mig.uuid),
                     }
                     _framebuffer(families, mig_labels, mig)
+                    _profiling(families, mig_labels, mig)
         yield from (family for family in families.values() if family.samples)
 
 
@@ -180,6 +218,16 @@ def _framebuffer(families: dict[str, Metric], labels: dict[str, str], device: De
         _add(families, "DCGM_FI_DEV_FB_USED", labels, used // MIB)
         if total is not None:
             _add(families, "DCGM_FI_DEV_FB_FREE", labels, max(0, total - used) // MIB)
+
+
+def _profiling(families: dict[str, Metric], labels: dict[str, str], device: DeviceReading) -> None:
+    activity = device.activity
+    if activity is None:
+        return
+    for spec, field in DCGM_PROFILING:
+        value = getattr(activity, field)
+        if value is not None:
+            _add(families, spec.name, labels, value)
 
 
 def _add(families: dict[str, Metric], name: str, labels: dict[str, str], value: float) -> None:

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent import __version__
-from agent.model import UNOBSERVED_NO_POLL, AgentState, DeviceReading
+from agent.model import UNOBSERVED_NO_POLL, Activity, AgentState, DeviceReading
 from exporters.catalogue import BY_NAME, Kind
 from exporters.dcgm import DcgmCollector
 
@@ -73,6 +73,7 @@ class GpuledgerCollector(Collector):
             out.add("gpuledger_undiscovered_gpus", (), float(sum(not d.discovered for d in snapshot.gpus)))
         _cost_series(out, state)
         _flag_series(out, state)
+        _event_series(out, state)
         if state.attribution.kubelet_up is not None:
             out.add("gpuledger_kubelet_up", (), 1.0 if state.attribution.kubelet_up else 0.0)
         health = state.health
@@ -88,6 +89,8 @@ class GpuledgerCollector(Collector):
                 out.add("gpuledger_stage_last_success_timestamp_seconds", (stage.stage,), stage.last_success_at)
         for call, error, count in health.nvml_errors:
             out.add("gpuledger_nvml_errors_total", (call, error), count)
+        for action, result, count in state.actions:
+            out.add("gpuledger_actions_total", (action, result), count)
         out.add("gpuledger_build_info", (__version__, driver, cuda), 1.0)
         yield from out
 
@@ -113,6 +116,9 @@ def _gpu_series(out: _Families, d: DeviceReading, driver_version: str, processes
             out.add(name, ids, float(value))
     for link in d.nvlinks:
         out.add("gpuledger_gpu_nvlink_up", (*ids, str(link.link)), 1.0 if link.up else 0.0)
+    _activity_series(out, "gpuledger_gpu", ids, d.activity)
+    if d.busy_source:
+        out.add("gpuledger_gpu_busy_source_info", (*ids, d.busy_source), 1.0)
     if processes is not None:
         out.add("gpuledger_gpu_processes", ids, float(processes))
 
@@ -126,6 +132,23 @@ def _mig_series(out: _Families, d: DeviceReading) -> None:
         out.add("gpuledger_mig_memory_used_bytes", ids, float(d.memory_used_bytes))
     if d.memory_total_bytes is not None:
         out.add("gpuledger_mig_memory_total_bytes", ids, float(d.memory_total_bytes))
+    _activity_series(out, "gpuledger_mig", ids, d.activity)
+    if d.busy_source:
+        # A MIG instance is a cost unit of its own: named by its uuid, as its flags and holders are.
+        out.add("gpuledger_gpu_busy_source_info", (str(d.index), d.uuid, d.busy_source), 1.0)
+
+
+def _activity_series(out: _Families, prefix: str, ids: tuple[str, ...], activity: Activity | None) -> None:
+    if activity is None:
+        return
+    for suffix, value in (
+        ("sm_active_ratio", activity.sm_active),
+        ("sm_occupancy_ratio", activity.sm_occupancy),
+        ("tensor_active_ratio", activity.tensor_active),
+        ("dram_active_ratio", activity.dram_active),
+    ):
+        if value is not None:
+            out.add(f"{prefix}_{suffix}", ids, value)
 
 
 def _workload_series(out: _Families, state: AgentState, per_pid: bool) -> None:
@@ -154,6 +177,23 @@ def _workload_series(out: _Families, state: AgentState, per_pid: bool) -> None:
                 unresolved.get(m.uuid, 0) for m in snapshot.mig_devices(device.uuid)
             )
             out.add("gpuledger_gpu_unresolved_processes", (str(device.index), device.uuid), float(count))
+
+
+def _event_series(out: _Families, state: AgentState) -> None:
+    if state.events is None:
+        return
+    for gpu in state.events.gpus:
+        ids = (str(gpu.gpu), gpu.uuid)
+        out.add("gpuledger_gpu_events_up", ids, 1.0 if gpu.watched else 0.0)
+        by_kind: dict[str, int] = {}
+        for kind, value, count in gpu.counts:
+            by_kind[kind] = by_kind.get(kind, 0) + count
+            if kind == "xid":
+                out.add("gpuledger_gpu_xid_errors_total", (*ids, str(value)), float(count))
+        for kind, count in sorted(by_kind.items()):
+            out.add("gpuledger_gpu_events_total", (*ids, kind), float(count))
+        if gpu.last_xid_at is not None:
+            out.add("gpuledger_gpu_last_xid_timestamp_seconds", ids, gpu.last_xid_at)
 
 
 def _flag_series(out: _Families, state: AgentState) -> None:
@@ -211,7 +251,8 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         for uuid, price in state.prices:
             if price is not None and uuid in index:
                 out.add("gpuledger_gpu_price_dollars_per_hour", (str(index[uuid]), uuid), price.dollars_per_hour)
-                out.add("gpuledger_gpu_price_info", (str(index[uuid]), uuid, price.source), 1.0)
+                out.add("gpuledger_gpu_price_info", (str(index[uuid]), uuid, price.origin, price.purchase), 1.0)
+                out.add("gpuledger_gpu_price_mismatch", (str(index[uuid]), uuid), 1.0 if price.mismatch else 0.0)
     if state.ledger is not None:
         out.add("gpuledger_ledger_up", (), 1.0 if state.ledger.healthy else 0.0)
         out.add("gpuledger_ledger_pending_rows", (), float(state.ledger.pending_rows))

@@ -20,6 +20,7 @@ from typing import Any
 
 import pynvml
 
+from fake_nvml import events, gpm  # noqa: F401 - register the event-set and GPM C functions
 from fake_nvml.host import FakeHost
 from fake_nvml.lib import FakeNvmlLibrary, implemented_functions
 from fake_nvml.node import FakeNode, ScenarioClock

@@ -4,7 +4,7 @@ For the scenario time the node is at, it keeps up to date
   - a procfs-shaped tree (`proc/<pid>/{stat,status,cmdline,environ,cgroup}`) of the running
     scenario processes, with the cgroup paths their pod / Slurm job / container implies,
   - a passwd-format file naming the scenario's users,
-  - Slurm's GPU mapping directory (one file per GPU index or MIG `gpu.gi`: job id and user),
+  - Slurm's GPU mapping directory (one file per GPU index or MIG `gpu.gi`: job id, user, account),
   - the kubelet's `/var/log/pods/<namespace>_<pod>_<uid>` directories,
   - sysfs's PCI devices (`sys/bus/pci/devices/<bus id>/{vendor,device,class}`) of its GPUs,
   - and serves the kubelet pod-resources v1 API on a unix socket (a real gRPC server),
@@ -175,7 +175,7 @@ class FakeHost:
         for a in scenario.allocations:
             if a.slurm_job is not None and a.start_s <= t and (a.end_s is None or t < a.end_s):
                 for ref in a.gpus:
-                    content = f"{a.slurm_job} {a.user}" if a.user else a.slurm_job
+                    content = " ".join(f for f in (a.slurm_job, a.user, a.account) if f)
                     wanted[self._map_name(ref)] = (content, epoch + a.start_s)
         for p in scenario.processes:
             if p.slurm_job is not None and p.running_at(t):

@@ -12,7 +12,9 @@ so nothing has to be looked up in a table to know which device a handle names.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
+import struct
 import sys
 import threading
 import time
@@ -33,6 +35,7 @@ UNINITIALIZED = ERROR_CODES["UNINITIALIZED"]
 
 _HANDLE_TAG = 0x6E760000  # "nv" in the high bytes: a handle this library made
 _HANDLE_MASK = 0xFFFF0000
+_DECODED_KEPT = 1024  # handle objects remembered (a node has a few dozen devices)
 
 # Field ids (nvml.h) the fake answers in nvmlDeviceGetFieldValues, and the call each mirrors:
 # a fault on the call hits the field too, as a sensor that is missing is missing either way.
@@ -62,6 +65,13 @@ FUNCTION_SINCE_DRIVER: dict[str, int] = {
     "nvmlDeviceGetMPSComputeRunningProcesses_v3": 510,
     "nvmlDeviceGetMemoryInfo_v2": 510,
     "nvmlDeviceGetTemperatureV": 565,
+    # GPM: the R520 API reference has the group; the MIG sample call is first listed in R525's.
+    "nvmlGpmQueryDeviceSupport": 520,
+    "nvmlGpmSampleAlloc": 520,
+    "nvmlGpmSampleFree": 520,
+    "nvmlGpmSampleGet": 520,
+    "nvmlGpmMetricsGet": 520,
+    "nvmlGpmMigSampleGet": 525,
 }
 # Fields newer than the field-values call itself (instant power arrived with the R530 fields).
 FIELD_SINCE_DRIVER = {FI_POWER_INSTANT: 530}
@@ -135,6 +145,8 @@ class FakeNvmlLibrary:
         self._hidden.update(n for n, since in FUNCTION_SINCE_DRIVER.items() if major < since)
         self._fields_hidden = {f for f, since in FIELD_SINCE_DRIVER.items() if major < since}
         self._devices: dict[int, Dev | None] = {}
+        self._decoded: dict[int, tuple[Any, Dev | None]] = {}  # id(handle) -> (handle, device)
+        self._synced_at: float | None = None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         spec = _REGISTRY.get(name)
@@ -151,7 +163,7 @@ class FakeNvmlLibrary:
         fam = family(name)
         impl = spec.impl
         calls = node.calls
-        now = node.now
+        now = node.clock.now
         sync_host = node.sync_host
         faults_for = node.faults_for
         takes_device = spec.takes_device
@@ -165,7 +177,11 @@ class FakeNvmlLibrary:
         def symbol(*args: Any) -> Any:
             calls[name] += 1
             t = now()
-            sync_host(t)
+            # Host files depend on scenario time alone: one sync per instant is enough, and a
+            # poll makes dozens of calls at the same instant.
+            if t != self._synced_at:
+                sync_host(t)
+                self._synced_at = t
             if node_latencies:
                 latency = node.call_latency_s(name, fam, None, t)
                 if latency:
@@ -204,6 +220,19 @@ class FakeNvmlLibrary:
     # -- handles ------------------------------------------------------------------------------
 
     def _decode(self, handle: Any) -> Dev | None:
+        # The handles a caller keeps are asked about on every call: known by identity (the
+        # object is held, so its id is not reused) until a handle lookup writes into one.
+        known = self._decoded.get(id(handle))
+        if known is not None and known[0] is handle:
+            return known[1]
+        dev = self._decode_handle(handle)
+        if isinstance(handle, ctypes._Pointer):
+            if len(self._decoded) >= _DECODED_KEPT:
+                self._decoded.clear()
+            self._decoded[id(handle)] = (handle, dev)
+        return dev
+
+    def _decode_handle(self, handle: Any) -> Dev | None:
         if isinstance(handle, ctypes._Pointer):
             # A pointer's bytes are its address: read them rather than cast, which costs five
             # times as much, and every device call decodes its handle.
@@ -230,10 +259,11 @@ class FakeNvmlLibrary:
             return None
         return Dev(gpu, mig)
 
-    @staticmethod
-    def _store_handle(out: Any, gpu: int, mig: int | None = None) -> None:
+    def _store_handle(self, out: Any, gpu: int, mig: int | None = None) -> None:
         value = _HANDLE_TAG | ((gpu + 1) << 8) | (0 if mig is None else mig + 1)
-        ctypes.c_void_p.from_buffer(_obj(out)).value = value
+        handle = _obj(out)
+        ctypes.c_void_p.from_buffer(handle).value = value
+        self._decoded.pop(id(handle), None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,8 +584,8 @@ def _codec_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, util: Any, peri
 def _memory_bytes(lib: FakeNvmlLibrary, dev: Dev, t: float) -> tuple[int, int]:
     gpu = lib._node.gpu(dev.gpu)
     total_mib = gpu.memory_total_mib if dev.mig is None else gpu.mig[dev.mig].memory_total_mib
-    used_mib = min(total_mib, lib._node.memory_used_mib(dev.gpu, dev.mig, t))
-    return total_mib * 2**20, used_mib * 2**20
+    total = total_mib * 2**20
+    return total, min(total, lib._node.memory_used_bytes(dev.gpu, dev.mig, t))
 
 
 @_c("nvmlDeviceGetMemoryInfo")
@@ -669,7 +699,7 @@ def _pstate(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
 def _energy(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     if dev.mig is not None:
         return NOT_SUPPORTED
-    _obj(out).value = int(lib._node.energy_j(dev.gpu, t) * 1000)
+    _obj(out).value = lib._node.energy_mj(dev.gpu, t)
     return SUCCESS
 
 
@@ -743,7 +773,7 @@ def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: 
             field.nvmlReturn = SUCCESS
         elif fid == FI_TOTAL_ENERGY_CONSUMPTION:
             field.valueType = _VALUE_TYPE_ULONGLONG
-            field.value.ullVal = int(node.energy_j(index, t) * 1000)
+            field.value.ullVal = node.energy_mj(index, t)
             field.nvmlReturn = SUCCESS
         elif fid == FI_NVLINK_LINK_COUNT:
             field.valueType = _VALUE_TYPE_UINT
@@ -779,7 +809,7 @@ def _running_processes(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, inf
     for i, (process, mig) in enumerate(entries):
         info = array[i]
         info.pid = process.pid
-        info.usedGpuMemory = process.memory_mib * 2**20
+        info.usedGpuMemory = process.memory_bytes_at(t - process.start_s)
         if hasattr(info, "gpuInstanceId"):
             info.gpuInstanceId = _NO_INSTANCE if mig is None else gpu.mig[mig].gpu_instance_id
             info.computeInstanceId = _NO_INSTANCE if mig is None else 0
@@ -818,15 +848,10 @@ def _process_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, samples: Any,
     if samples is None or counter.value < len(found):
         counter.value = len(found)
         return INSUFFICIENT_SIZE
-    array = _obj(samples)
-    for i, (pid, stamp_us, sm_util) in enumerate(found):
-        sample = array[i]
-        sample.pid = pid
-        sample.timeStamp = stamp_us
-        sample.smUtil = sm_util
-        sample.memUtil = 0
-        sample.encUtil = 0
-        sample.decUtil = 0
+    # Packed in one go (memUtil, encUtil and decUtil 0): a busy GPU has dozens of samples a
+    # poll, and six ctypes attribute writes each cost more.
+    values = [value for pid, stamp_us, sm_util in found for value in (pid, stamp_us, sm_util, 0, 0, 0)]
+    _samples_layout(len(found)).pack_into(_obj(samples), 0, *values)
     counter.value = len(found)
     return SUCCESS
 
@@ -859,6 +884,13 @@ def _samples(
         sample.sampleValue.uiVal = percent
     counter.value = len(found)
     return SUCCESS
+
+
+@functools.lru_cache(maxsize=64)
+def _samples_layout(count: int) -> struct.Struct:
+    """`count` nvmlProcessUtilizationSample_t: pid, timeStamp, smUtil, memUtil, encUtil, decUtil,
+    aligned as the C struct is."""
+    return struct.Struct("@" + "IQIIII" * count)
 
 
 @_c("nvmlDeviceGetAccountingMode")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fake_nvml.scenario import Fault, Gpu, Process, Scenario
+from fake_nvml.scenario.model import ReadingRow
 
 # How often the fake driver records a per-process utilization sample, in scenario seconds,
 # and how many it keeps per process (the real driver keeps a short ring buffer too).
@@ -37,17 +38,18 @@ class ScenarioClock:
     ) -> None:
         self.start_epoch = start_epoch
         self._monotonic = monotonic
-        self._lock = threading.Lock()
-        self._base_s = 0.0
-        self._speed = speed
-        self._anchor = monotonic()
+        self._lock = threading.Lock()  # one writer at a time
+        # (scenario seconds at the anchor, the anchor on the monotonic clock, speed): replaced
+        # whole by a writer, so a reader needs no lock, only one read of it. Every fake driver
+        # call reads the clock.
+        self._state = (0.0, monotonic(), speed)
 
     def now(self) -> float:
         """Scenario seconds since t=0."""
-        with self._lock:
-            if self._speed:
-                return self._base_s + (self._monotonic() - self._anchor) * self._speed
-            return self._base_s
+        base_s, anchor, speed = self._state
+        if speed:
+            return base_s + (self._monotonic() - anchor) * speed
+        return base_s
 
     def wall_time(self) -> float:
         """Unix time the scenario is at now: what a real node's wall clock would show."""
@@ -58,15 +60,16 @@ class ScenarioClock:
         if seconds < 0:
             raise ValueError("the scenario clock does not run backwards")
         with self._lock:
-            self._base_s += seconds
-            return self._base_s + (self._monotonic() - self._anchor) * self._speed
+            base_s, anchor, speed = self._state
+            base_s += seconds
+            self._state = (base_s, anchor, speed)
+            return base_s + (self._monotonic() - anchor) * speed
 
     def set_speed(self, speed: float) -> None:
         with self._lock:
             now = self._monotonic()
-            self._base_s += (now - self._anchor) * self._speed
-            self._anchor = now
-            self._speed = speed
+            base_s, anchor, old_speed = self._state
+            self._state = (base_s + (now - anchor) * old_speed, now, speed)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ class FakeNode:
                     points.add(entry.process.end_s)
                 points.update(entry.process.start_s + s.at_s for s in entry.process.segments)
             self._breakpoints.append(sorted(points))
+        # A recorded trace's readings per GPU (row start times, rows): they stand in for physics.
+        self._rows = [([row.at_s for row in gpu.readings], gpu.readings) for gpu in scenario.gpus]
         self._energy_cache: list[tuple[float, float]] = [(0.0, 0.0) for _ in scenario.gpus]
         self._energy_lock = threading.Lock()
         self._faults_by_gpu: dict[int | None, list[Fault]] = {}
@@ -143,8 +148,19 @@ class FakeNode:
 
     # -- device readings ----------------------------------------------------------------------
 
+    def reading_row(self, gpu: int, t: float) -> ReadingRow | None:
+        """The recorded row in force at t (None: the scenario has none then; physics decides)."""
+        times, rows = self._rows[gpu]
+        if not rows:
+            return None
+        i = bisect.bisect_right(times, t)
+        return rows[i - 1] if i else None
+
     def utilization(self, gpu: int, t: float) -> float:
         """Percent of the GPU kept busy: the running processes' sm_util summed, capped at 100."""
+        row = self.reading_row(gpu, t)
+        if row is not None and row.utilization is not None:
+            return row.utilization
         memo = self._utilization_memo.get(gpu)
         if memo is not None and memo[0] == t:
             return memo[1]
@@ -155,11 +171,24 @@ class FakeNode:
     def memory_used_mib(self, gpu: int, mig: int | None, t: float) -> int:
         return sum(p.memory_mib for p in self.processes_on(gpu, mig, t))
 
+    def memory_used_bytes(self, gpu: int, mig: int | None, t: float) -> int:
+        """Memory in use: a recorded row's figure, else what the running processes hold now."""
+        row = self.reading_row(gpu, t) if mig is None else None
+        if row is not None and row.memory_used_bytes is not None:
+            return row.memory_used_bytes
+        return sum(p.memory_bytes_at(t - p.start_s) for p in self.processes_on(gpu, mig, t))
+
     def power_w(self, gpu: int, t: float) -> float:
+        row = self.reading_row(gpu, t)
+        if row is not None and row.power_w is not None:
+            return row.power_w
         spec = self.scenario.gpus[gpu]
         return spec.idle_power_w + (spec.power_limit_w - spec.idle_power_w) * self.utilization(gpu, t) / 100
 
     def temperature_c(self, gpu: int, t: float) -> float:
+        row = self.reading_row(gpu, t)
+        if row is not None and row.temperature_c is not None:
+            return row.temperature_c
         spec = self.scenario.gpus[gpu]
         return spec.idle_temp_c + (spec.max_temp_c - spec.idle_temp_c) * self.utilization(gpu, t) / 100
 
@@ -181,11 +210,21 @@ class FakeNode:
             self._energy_cache[gpu] = (t, energy)
             return energy
 
+    def energy_mj(self, gpu: int, t: float) -> int:
+        """The energy counter as the driver reports it, in whole millijoules."""
+        row = self.reading_row(gpu, t)
+        if row is not None and row.energy_mj is not None:
+            return row.energy_mj
+        return int(self.energy_j(gpu, t) * 1000)
+
     def nvlink_up(self, gpu: int, link: int, t: float) -> bool:
         return link not in self.nvlinks_down(gpu, t)
 
     def nvlinks_down(self, gpu: int, t: float) -> frozenset[int]:
-        """The GPU's links that a fault holds down at t."""
+        """The GPU's links that a fault (or a recorded row) holds down at t."""
+        row = self.reading_row(gpu, t)
+        if row is not None and row.nvlink_down is not None:
+            return frozenset(row.nvlink_down)
         faults = self._nvlink_faults.get(gpu)
         if not faults:
             return _NONE_DOWN
@@ -246,16 +285,19 @@ class FakeNode:
             # as samples move forward in time that boundary only moves forward too, so it is
             # walked once per process rather than searched for every sample (`sm_util_at`).
             segments, start_s, pid = process.segments, process.start_s, process.pid
+            count = len(segments)
             in_force, util = 0, 0
+            next_change_s = segments[0].at_s if count else math.inf
             for k in range(max(first_k, 0), newest_k + 1):
                 at = k * PROCESS_SAMPLE_PERIOD_S
                 stamp_us = round((start_epoch + at) * 1_000_000)
                 if stamp_us <= last_seen_us:
                     continue
-                if in_force < len(segments) and segments[in_force].at_s <= at - start_s:
-                    while in_force < len(segments) and segments[in_force].at_s <= at - start_s:
+                if at - start_s >= next_change_s:
+                    while in_force < count and segments[in_force].at_s <= at - start_s:
                         in_force += 1
                     util = round(segments[in_force - 1].sm_util)
+                    next_change_s = segments[in_force].at_s if in_force < count else math.inf
                 if util > 0:
                     samples.append((pid, stamp_us, util))
         return samples

@@ -91,21 +91,27 @@ def _slide(
 ) -> tuple[tuple[tuple[float, float, float], ...], float, float, float | None]:
     """The window after adding `sample` and dropping what ended before now - window_s, its
     running sums, and the time-weighted mean over exactly the last window_s seconds."""
-    window, seconds, weighted = state.window, state.window_seconds, state.window_weighted
+    old, seconds, weighted = state.window, state.window_seconds, state.window_weighted
     if sample is not None:
-        window = (*window, sample)
         seconds += sample[1]
         weighted += sample[1] * sample[2]
     start = now - window_s
     drop = 0
-    for end, dt, util in window:
+    for end, dt, util in old:
         if end > start:
             break
         drop += 1
         seconds -= dt
         weighted -= dt * util
-    if drop:
-        window = window[drop:]
+    # The window holds hundreds of samples: one slice and one concatenation, not a copy to
+    # add and another to drop.
+    window = old[drop:] if drop else old
+    if sample is not None:
+        if drop < len(old) or sample[0] > start:
+            window += (sample,)
+        else:  # the window is shorter than the interval: the sample ended before it began
+            seconds -= sample[1]
+            weighted -= sample[1] * sample[2]
     if not window:
         return (), 0.0, 0.0, None
     first_end, first_dt, first_util = window[0]

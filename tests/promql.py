@@ -8,8 +8,9 @@ _STRINGS = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`')
 _MATCHERS = re.compile(r"\{[^{}]*\}")
 _RANGES = re.compile(r"\[[^\[\]]*\]")
 _LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
-# Not preceded by a name character, a digit or a dot: "5m" and "1e3" hold no name.
-_NAMES = re.compile(r"(?<![A-Za-z0-9_:.])[A-Za-z_:][A-Za-z0-9_:]*")
+# Not preceded by a name character, a digit or a dot: "5m" and "1e3" hold no name; nor by $:
+# a Grafana variable ($__interval_ms) is a number.
+_NAMES = re.compile(r"(?<![A-Za-z0-9_:.$])[A-Za-z_:][A-Za-z0-9_:]*")
 _KEYWORDS = frozenset(
     {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
     | {"atan2", "inf", "nan", "Inf", "NaN"}

@@ -104,12 +104,20 @@ def test_a_new_holder_is_charged_from_its_start_and_idle_before_it_is_left_by_th
     ]
 
 
-@pytest.mark.parametrize("started_at", [None, T0 - 30, T0 + 60, T0 + 90], ids=["unknown", "before", "at-end", "after"])
+@pytest.mark.parametrize("started_at", [None, T0 - 30, T0 + 90], ids=["unknown", "before", "after"])
 def test_a_new_holder_with_no_start_in_the_interval_is_charged_from_the_midpoint(started_at: float | None) -> None:
     # A start before the earlier poll (a process that held no GPU then, or a map file written
     # before) or not inside the interval says only that the change fell between the polls.
     c = Holding("G", C, started_at=started_at)
     assert stretches(T0, 60.0, [], [c]) == [Stretch(0.0, 30.0), Stretch(30.0, 60.0, (Part(c, 30.0, 60.0, 2.0),))]
+
+
+def test_a_new_holder_that_started_at_either_poll_is_charged_from_then() -> None:
+    # Started at the earlier poll itself (it was not listed yet): all of the interval. Started
+    # at the later poll itself (a job starting on the minute, polled on the minute): none of it.
+    at_start, at_end = Holding("G", C, started_at=T0), Holding("G", C, started_at=T0 + 60)
+    assert stretches(T0, 60.0, [], [at_start]) == [Stretch(0.0, 60.0, (Part(at_start, 0.0, 60.0, 1.0),))]
+    assert stretches(T0, 60.0, [], [at_end], (A,)) == [Stretch(0.0, 60.0, (), (A,))]
 
 
 def test_a_holder_gone_pays_to_the_midpoint_and_leaves_the_rest_idle_in_its_name() -> None:
@@ -405,9 +413,13 @@ def test_at_most_ten_nvml_calls_per_gpu_per_poll(run: Any) -> None:
     before = rig.node.calls.copy()
     rig.poll(15)
     calls = rig.node.calls - before
-    # memory, utilization, temperature, field values, processes, process samples, device samples
+    # One wait on the node's event set (driver events, read in the poll where no reader thread
+    # runs), and per GPU: memory, utilization, temperature, field values, processes, process
+    # samples, device samples.
+    assert calls.pop("nvmlEventSetWait_v2") == 1
     per_gpu = sum(calls.values()) / 2
     assert per_gpu == 7
+    assert per_gpu + 1 / 2 <= 10
 
 
 # -- who left it idle ---------------------------------------------------------------------------------

@@ -175,7 +175,10 @@ def test_run_fake_names_every_demo_workload_over_http(daemon: type[Daemon], tmp_
 
 
 def test_fake_speed_makes_energy_grow_at_the_simulated_rate(daemon: type[Daemon]) -> None:
-    d = daemon("--fake", "--fake-speed", "3600", env={"GPULEDGER_POLL_INTERVAL": "0.2s"})  # type: ignore[call-arg]
+    # max_interval 1h: at 3600x the default 5 min is 83 real ms, and a poll that late on a loaded
+    # machine would leave scenario minutes unobserved; this test is about the simulated rate.
+    env = {"GPULEDGER_POLL_INTERVAL": "0.2s", "GPULEDGER_ACCOUNTING__MAX_INTERVAL": "1h"}
+    d = daemon("--fake", "--fake-speed", "3600", env=env)  # type: ignore[call-arg]
     first = d.wait_for(polls_at_least(2))  # cost counters start with the second poll's interval
     t0 = time.monotonic()
     start_polls = value(first, "gpuledger_polls_total")
@@ -374,9 +377,9 @@ def test_simulate_prints_a_summary_whose_dollars_add_up(tmp_path: Path) -> None:
     assert "16.00 GPU-hours observed, 0.00 unobserved" in gpu_time  # 8 GPUs x 2 h, watched throughout
     cost = next(line for line in lines if line.strip().startswith("cost"))
     charged, idle, unobserved = (float(part.split("$")[1].split()[0].replace(",", "")) for part in cost.split(","))
-    # The demo node is a p4d.24xlarge: its hourly price over its 8 GPUs, for 8 GPUs x 2 h.
-    p4d = load_catalogue().instance_types["p4d.24xlarge"]
-    whole = p4d.dollars_per_hour / 8 * 8 * 2
+    # The demo node is a p4de.24xlarge: its hourly price over its 8 GPUs, for 8 GPUs x 2 h.
+    p4de = load_catalogue().instance_types["p4de.24xlarge"]
+    whole = p4de.dollars_per_hour / 8 * 8 * 2
     assert unobserved == 0.0
     assert charged > 0
     assert idle > 0

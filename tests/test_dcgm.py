@@ -34,6 +34,25 @@ DCGM_HELP = {
     "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %).",
     "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",
     "DCGM_FI_DEV_FB_USED": "Framebuffer memory used (in MiB).",
+    "DCGM_FI_DEV_XID_ERRORS": "Value of the last XID error encountered.",
+}
+# The DCP fields, from GPM on Hopper and later: etc/dcp-metrics-included.csv (SM_ACTIVE and
+# SM_OCCUPANCY are commented out there, with these texts).
+DCGM_PROFILING_HELP = {
+    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": "Ratio of time the graphics engine is active.",
+    "DCGM_FI_PROF_SM_ACTIVE": "The ratio of cycles an SM has at least 1 warp assigned.",
+    "DCGM_FI_PROF_SM_OCCUPANCY": "The ratio of number of warps resident on an SM.",
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": "Ratio of cycles the tensor (HMMA) pipe is active.",
+    "DCGM_FI_PROF_DRAM_ACTIVE": "Ratio of cycles the device memory interface is active sending or receiving data.",
+}
+# A Hopper node (GPM: the DCP fields), one GPU whole and one split in MIG instances.
+HOPPER = {
+    "node": {"hostname": "gpu-hopper-01"},
+    "gpus": [{"model": "H100-SXM5-80GB"}, {"model": "H100-SXM5-80GB", "mig": ["3g.40gb", "3g.40gb"]}],
+    "processes": [
+        {"pid": 10, "gpus": [0], "sm_util": 90, "sm_active": 45, "tensor": 50, "memory_mib": 1000},
+        {"pid": 11, "gpus": ["1:0"], "sm_util": 60, "sm_active": 30, "memory_mib": 1000},
+    ],
 }
 # The label set of internal/pkg/rendermetrics/render_metrics.go (gpuMetricsFormat) with the
 # DCGM_FI_DRIVER_VERSION label field of dcp-metrics-included.csv.
@@ -209,6 +228,22 @@ def test_mig_framebuffer_is_per_instance_and_board_readings_are_per_gpu() -> Non
     assert MIG.isdisjoint(one(samples, "DCGM_FI_DEV_FB_USED", gpu="1")[0])
 
 
+def test_profiling_fields_come_from_gpm_per_gpu_and_per_mig_instance() -> None:
+    samples = parse(exposition(run_rig(HOPPER)))
+    # GPU 0, whole: SM activity 45%, half of it on the tensor cores; kernels ran 90% of the time.
+    assert one(samples, "DCGM_FI_PROF_SM_ACTIVE", gpu="0")[1] == 0.45
+    assert one(samples, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", gpu="0")[1] == 0.225
+    assert one(samples, "DCGM_FI_PROF_GR_ENGINE_ACTIVE", gpu="0")[1] == 0.9
+    assert MIG.isdisjoint(one(samples, "DCGM_FI_PROF_SM_ACTIVE", gpu="0")[0])
+    # GPU 1 in MIG mode: one series per instance (30% on GPU instance 1, nothing on 2), none
+    # for the board.
+    by_instance = {labels["GPU_I_ID"]: v for labels, v in find(samples, "DCGM_FI_PROF_SM_ACTIVE", gpu="1")}
+    assert by_instance == {"1": 0.3, "2": 0.0}
+    # The agent's own series carry the same figures.
+    assert one(samples, "gpuledger_gpu_sm_active_ratio", gpu="0")[1] == 0.45
+    assert one(samples, "gpuledger_mig_sm_active_ratio", gpu="1", mig="0")[1] == 0.3
+
+
 def test_a_lost_gpu_has_no_dcgm_readings() -> None:
     samples = parse(exposition(run_rig("gpu-lost", duration_s=900, step_s=60)))
     assert one(samples, "gpuledger_gpu_up", gpu="1")[1] == 0
@@ -218,8 +253,8 @@ def test_a_lost_gpu_has_no_dcgm_readings() -> None:
 
 
 def test_help_and_type_lines_are_dcgm_exporters() -> None:
-    text = exposition(run_rig("demo", duration_s=15))
-    for name, help_text in DCGM_HELP.items():
+    text = exposition(run_rig("demo", duration_s=15)) + exposition(run_rig(HOPPER, duration_s=15))
+    for name, help_text in {**DCGM_HELP, **DCGM_PROFILING_HELP}.items():
         assert f"# HELP {name} {help_text}\n" in text
         # All gauges; dcgm-exporter types the energy field a counter without `_total`, which
         # prometheus_client and OpenMetrics cannot express (see exporters/dcgm.py).
@@ -228,14 +263,15 @@ def test_help_and_type_lines_are_dcgm_exporters() -> None:
 
 def test_the_catalogue_holds_exactly_what_is_emitted() -> None:
     emitted: dict[str, set[str]] = {}
-    for scenario in ("demo", "mig"):
+    for scenario in ("demo", "mig", HOPPER):
         for name, labels, _ in parse(exposition(run_rig(scenario, duration_s=15))):
             if name.startswith("DCGM_"):
                 emitted.setdefault(name, set()).update(labels)
-    assert set(emitted) == {spec.name for spec in DCGM_CATALOGUE} == set(DCGM_HELP)
+    every_help = {**DCGM_HELP, **DCGM_PROFILING_HELP}
+    assert set(emitted) == {spec.name for spec in DCGM_CATALOGUE} == set(every_help)
     for name, labels in emitted.items():
         spec = DCGM_BY_NAME[name]
-        assert spec.help == DCGM_HELP[name]
+        assert spec.help == every_help[name]
         assert labels <= {*spec.labels, *spec.optional_labels}, name
 
 

@@ -40,7 +40,12 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "gpuledger"
 ALL_ON_VALUES = CHART / "ci" / "all-on-values.yaml"
 RULES_DIR = ROOT / "deploy" / "prometheus"
-RULE_FILES = ("gpuledger-recording.rules.yml", "gpuledger-alerts.rules.yml")
+RULE_FILES = (
+    "gpuledger-recording.rules.yml",
+    "gpuledger-alerts.rules.yml",
+    "gpuledger-fleet.rules.yml",
+    "gpuledger-work.rules.yml",
+)
 SYSTEMD_DIR = ROOT / "deploy" / "systemd"
 UNIT = SYSTEMD_DIR / "gpuledger.service"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fake_nvml
+from agent.actions import Actions, Trigger
 from agent.cli.wiring import rule_specs
 from agent.config import Settings
 from agent.ledger.sink import LedgerSink
@@ -29,9 +30,12 @@ UPDATE = os.environ.get("GPULEDGER_UPDATE_GOLDEN") == "1"  # GPULEDGER_UPDATE_GO
 PRICE = Price(2.745, "test price")
 
 
-def simulate(scenario: object, at_s: float, tmp_path: Path, flush: bool = False) -> AgentState:
-    """The whole pipeline (attribution, cost, the default rules, a ledger) polling `scenario`
-    every minute up to at_s - 5, then at at_s, as the daemon would have since t=0."""
+def simulate(
+    scenario: object, at_s: float, tmp_path: Path, flush: bool = False, triggers: Sequence[Trigger] = ()
+) -> AgentState:
+    """The whole pipeline (attribution, cost, the default rules, a ledger, and the actions
+    `triggers` if any) polling `scenario` every minute up to at_s - 5, then at at_s, as the
+    daemon would have since t=0."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     ledger = LedgerSink(tmp_path / "ledger.db", retention_s=None, clock=lambda: 1_795_300_000.0)
     rig = Rig(
@@ -40,6 +44,8 @@ def simulate(scenario: object, at_s: float, tmp_path: Path, flush: bool = False)
         costing=Costing(prices=lambda s: {g.uuid: PRICE for g in s.gpus}, energy_per_kwh=0.12, sink=ledger),
         flag_rules=rule_specs(Settings()),
     )
+    if triggers:
+        rig.pipeline.actions = Actions(triggers)
     rig.run(at_s - 5, 60)
     if flush:
         rig.pipeline.flush_ledger()
@@ -94,6 +100,7 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
             {
                 "gpus": [{"count": 2, "nvlink_links": 2}],
                 "faults": [
+                    {"at": "5s", "gpu": 1, "xid": 79},  # the driver-event series
                     {"at": "10s", "gpu": 1, "error": "GPU_IS_LOST"},
                     {"call": "nvmlDeviceGetComputeRunningProcesses", "error": "TIMEOUT"},
                 ],
@@ -110,9 +117,25 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
             30,
             tmp_path / "claim",
         ),
+        # A Hopper GPU split in MIG instances: GPM activity per GPU and per instance.
+        simulate(
+            {
+                "gpus": [{"model": "H100-SXM5-80GB", "mig": ["3g.40gb"]}],
+                "processes": [{"pid": 302, "gpus": ["0:0"], "sm_util": 50, "sm_active": 20, "tensor": 50}],
+            },
+            30,
+            tmp_path / "gpm",
+        ),
         # A job that ends, leaving its GPU idle: the left-by series.
         simulate(
             {"gpus": [{"count": 1}], "processes": [{"pid": 301, "gpus": [0], "end": "15s"}]}, 30, tmp_path / "left"
+        ),
+        # An action (a dry run) on an idle GPU: the actions' counters.
+        simulate(
+            {"gpus": [{"count": 1}]},
+            3600,
+            tmp_path / "act",
+            triggers=[Trigger("notify", "idle", "gpu", webhook_url="http://127.0.0.1:9/")],
         ),
     ]
     emitted = _emitted(states)

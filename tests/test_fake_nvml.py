@@ -55,9 +55,16 @@ READINGS: dict[str, Any] = {
 
 # The built-in `mig` node: GPU 0 is split into two 3g.40gb instances (pid 800 on 0:0 at 70%
 # with 20000 MiB, pid 801 on 0:1 idle with 8000 MiB); GPU 1 is whole (pid 802 at 40%).
+# An H100 split in two 3g.40gb instances (48 of its 132 SMs each); pid 900 on 0:0 runs kernels
+# 60% of the time that keep 30% of the instance's SMs busy: GPM's figures (tests/test_gpm.py).
+HOPPER = {
+    "gpus": [{"model": "H100-SXM5-80GB", "mig": ["3g.40gb", "3g.40gb"]}],
+    "processes": [{"pid": 900, "gpus": ["0:0"], "sm_util": 60, "sm_active": 30}],
+}
 SCENARIOS = {
     "readings": fake_nvml.load_scenario(READINGS),
     "mig": fake_nvml.load_scenario("mig"),
+    "hopper": fake_nvml.load_scenario(HOPPER),
 }
 
 
@@ -506,6 +513,20 @@ READING_TABLE: dict[str, Reading] = {
         pynvml.NVMLError_NotSupported,
         "mig",
     ),
+    # -- driver events (tests/test_events.py specifies delivery) --------------------------------
+    "a data-centre GPU's event types: ECC errors, P-state, Xids, clocks": Reading(
+        "nvmlDeviceGetSupportedEventTypes", lambda d: pynvml.nvmlDeviceGetSupportedEventTypes(d.gpu(0)), 0x1F
+    ),
+    "an event set with nothing pending times out, and is freed": Reading(
+        "nvmlEventSetWait_v2", lambda d: _wait_on_a_new_event_set(d.gpu(0)), "timed out"
+    ),
+    # -- GPM (tests/test_gpm.py specifies the figures) ------------------------------------------
+    "no GPM before Hopper": Reading(
+        "nvmlGpmQueryDeviceSupport", lambda d: pynvml.nvmlGpmQueryDeviceSupport(d.gpu(0)).isSupportedDevice, 0
+    ),
+    "GPM SM activity of a Hopper GPU and of its MIG instance": Reading(
+        "nvmlGpmMetricsGet", lambda d: _sm_activity(d.gpu(0)), (1, round(30 * 48 / 132, 6), 30.0), "hopper"
+    ),
 }
 
 
@@ -513,6 +534,40 @@ def device_samples(handle: Any, last_seen_us: int) -> tuple[int, list[tuple[int,
     """nvmlDeviceGetSamples of GPU utilization, as (value type, [(timestamp, percent)])."""
     kind, found = pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, last_seen_us)
     return kind, [(sample.timeStamp, sample.sampleValue.uiVal) for sample in found]
+
+
+def _sm_activity(handle: Any) -> tuple[int, float, float]:
+    """GPM support, then the SM activity of the GPU and of GPU instance 1, from two samples each."""
+    supported = pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice
+    found = []
+    for instance in (None, 1):
+        samples = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
+        for sample in samples:
+            if instance is None:
+                pynvml.nvmlGpmSampleGet(handle, sample)
+            else:
+                pynvml.nvmlGpmMigSampleGet(handle, instance, sample)
+        request = pynvml.c_nvmlGpmMetricsGet_t()
+        request.version, request.numMetrics = pynvml.NVML_GPM_METRICS_GET_VERSION, 1
+        request.sample1, request.sample2 = samples
+        request.metrics[0].metricId = pynvml.NVML_GPM_METRIC_SM_UTIL
+        pynvml.nvmlGpmMetricsGet(request)
+        found.append(round(request.metrics[0].value, 6))
+        for sample in samples:
+            pynvml.nvmlGpmSampleFree(sample)
+    return supported, found[0], found[1]
+
+
+def _wait_on_a_new_event_set(handle: Any) -> str:
+    event_set = pynvml.nvmlEventSetCreate()
+    pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+    try:
+        pynvml.nvmlEventSetWait_v2(event_set, 0)
+    except pynvml.NVMLError_Timeout:
+        return "timed out"
+    finally:
+        pynvml.nvmlEventSetFree(event_set)
+    return "an event"
 
 
 def _expects_error(expected: object) -> bool:

@@ -224,13 +224,42 @@ def test_dashboard_identity_and_variables(dashboard: dict[str, Any]) -> None:
     assert len(ids) == len(set(ids)), "panel ids repeat"
 
 
+FLEET_DASHBOARD = "gpuledger-fleet-overview.json"
+
+
+def test_the_fleet_dashboard_reads_recording_rules_only() -> None:
+    """On 500 nodes a query over the agents' per-GPU series reads thousands of them; every
+    fleet panel and variable reads recording-rule series instead (a few per node or workload)."""
+    dashboard = DASHBOARDS[FLEET_DASHBOARD]
+    recorded = recorded_names()
+    queries = panel_queries(dashboard) + [
+        (f"${v['name']}", label_values_query(variable_query(v))[0])
+        for v in variables(dashboard)
+        if v["type"] == "query"
+    ]
+    assert len(queries) > 30
+    raw = {where: sorted(metric_names(expr) - recorded) for where, expr in queries if metric_names(expr) - recorded}
+    assert not raw, f"fleet queries that read series no recording rule records: {raw}"
+    assert all(metric_names(expr) for _, expr in queries), "every query names a series"
+    # The per-owner, per-job and per-unit-of-work levels are there, not only per node.
+    used = set().union(*(metric_names(expr) for _, expr in queries))
+    for level in ("owner:", "team:", "model:", "hpc_job:", "instance:", "namespace_pod:"):
+        assert any(name.startswith(level) for name in used), level
+
+
 def test_metric_names_finds_names_and_only_names() -> None:
     expr = (
         'sum by (namespace) (increase(gpuledger_workload_cost_dollars_total{cluster=~"$cluster"}[$__range]))'
         " / on (cluster) group_left (source) cluster:gpuledger_gpus_up:sum or on () vector(0)"
         ' * label_replace(up{job="x"}, "a", "b", "c", "") > bool 1e3'
+        " + sum_over_time(owner:x:rate5m[$__range:$__interval]) * $__interval_ms / 3600000"
     )
-    assert metric_names(expr) == {"gpuledger_workload_cost_dollars_total", "cluster:gpuledger_gpus_up:sum", "up"}
+    assert metric_names(expr) == {
+        "gpuledger_workload_cost_dollars_total",
+        "cluster:gpuledger_gpus_up:sum",
+        "up",
+        "owner:x:rate5m",
+    }
 
 
 def test_variable_refs_and_substitution() -> None:
@@ -247,7 +276,7 @@ PROMTOOL = shutil.which("promtool")
 def test_every_query_parses(tmp_path: Path) -> None:
     """promtool parses every panel and variable query, as recording rules in a scratch file."""
     values = dict.fromkeys(("cluster", "instance", "gpu", "namespace", "team", "model"), ".*")
-    values |= {"__range": "1h", "__rate_interval": "1m", "__interval": "15s"}
+    values |= {"__range": "1h", "__rate_interval": "1m", "__interval": "15s", "__interval_ms": "15000"}
     rules = []
     for name, dashboard in DASHBOARDS.items():
         series = [label_values_query(variable_query(v))[0] for v in variables(dashboard)[1:]]

@@ -57,6 +57,10 @@ VIOLATIONS = [
     ("agent/devices/sampler.py", "from agent.pipeline import Pipeline", "Each layer imports only the layers below it"),
     ("agent/ledger/store.py", "import fake_nvml", "Only the command line imports the fake node"),
     ("fake_nvml/lib.py", "from agent.devices.sampler import Sampler", "The fake node stands in for the driver"),
+    ("agent/actions/engine.py", "from agent.pipeline import Pipeline", "Actions act on the published state only"),
+    ("agent/actions/runner.py", "from agent.ledger.store import Ledger", "Actions act on the published state only"),
+    ("agent/actions/policy.py", "import subprocess", "Which actions are due, and what they are told, is pure"),
+    ("agent/actions/context.py", "from pathlib import Path", "Which actions are due, and what they are told, is pure"),
 ]
 
 

@@ -1,6 +1,6 @@
 """Ledger schema migrations, from every schema a release has shipped.
 
-Versions 1 (the first release), 2 and 3 are rebuilt here with raw SQL, their DDL copied from those
+Versions 1 (the first release) to 4 are rebuilt here with raw SQL, their DDL copied from those
 releases, so these tests keep describing the files people have on disk whatever the code
 becomes. Opening one migrates it in one transaction; `report` reads it before and after with the
 same dollars; a ledger from a newer gpuledger is refused in one line.
@@ -18,7 +18,7 @@ from agent import __version__
 from agent.ledger.files import LedgerError
 from agent.ledger.read import read_info, read_usage
 from agent.ledger.report import report_from_ledger
-from agent.ledger.schema import SCHEMA_VERSION
+from agent.ledger.schema import MIGRATIONS, SCHEMA_VERSION
 from agent.ledger.store import Ledger
 from agent.model import WORKLOAD_LABELS, Charges, GpuCharge, IdleCharge, Workload, WorkloadCharge
 from tests.test_cli import gpuledger
@@ -201,9 +201,53 @@ def write_v4_ledger(path: Path) -> None:
         conn.close()
 
 
+def write_v5_ledger(path: Path) -> None:
+    """The same two hours as a version-5 agent left them: version 4's file with `idle_hours`,
+    whose rows (one per idle GPU-hour, left by nobody known) hold GPU 2's idle time."""
+    write_v4_ledger(path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(
+            """CREATE TABLE idle_hours (
+                hour INTEGER NOT NULL, node TEXT NOT NULL, uuid TEXT NOT NULL,
+                namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+                unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL,
+                gpu INTEGER NOT NULL,
+                idle_s REAL NOT NULL, idle_dollars REAL NOT NULL, idle_joules REAL NOT NULL, idle_energy_dollars REAL,
+                PRIMARY KEY (hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team)
+            ) WITHOUT ROWID"""
+        )
+        conn.execute(
+            """INSERT INTO idle_hours SELECT hour, node, uuid, '', '', '', '', '', '', '', '', gpu, idle_s,
+            idle_dollars, idle_joules, idle_energy_dollars FROM gpu_hours WHERE idle_s != 0"""
+        )
+        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (5, ?)", (1_795_400_000.0,))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def write_v6_ledger(path: Path) -> None:
+    """The same two hours as a version-6 agent left them: version 5's file taken through step 6
+    as it shipped (the Slurm account in the workload key, each row's price columns)."""
+    write_v5_ledger(path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        MIGRATIONS[5](conn)
+        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (6, ?)", (1_795_500_000.0,))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 # One writer per schema a release shipped before the current one: a new schema version must add
 # the writer of the one it replaces (the test below fails until it does).
-WRITERS = {1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger, 4: write_v4_ledger}
+WRITERS = {
+    1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger, 4: write_v4_ledger, 5: write_v5_ledger,
+    6: write_v6_ledger,
+}  # fmt: skip
 
 
 def rows(path: Path, sql: str) -> list[tuple[object, ...]]:
@@ -326,8 +370,8 @@ def test_the_latest_schema_has_a_column_for_every_workload_label(tmp_path: Path)
     Ledger(path).close()
     columns = [name for _cid, name, *_ in rows(path, "PRAGMA table_info(workload_hours)")]
     assert columns == [
-        "hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "held_s", "busy_s", "dollars", "joules", "energy_dollars",
-        "charged_s",
+        "hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "account", "held_s", "busy_s", "dollars", "joules",
+        "energy_dollars", "charged_s", "dollars_per_hour", "purchase", "price_source",
     ]  # fmt: skip
     assert rows(path, "SELECT version FROM schema_version ORDER BY version") == [
         (v,) for v in range(1, SCHEMA_VERSION + 1)
@@ -575,3 +619,50 @@ def test_version_5_books_the_idle_time_of_older_hours_to_nobody_known(tmp_path: 
     ]
     assert report.idle.dollars == IDLE + minute
     assert report.total.dollars == TOTAL + minute  # 3 GPUs x 2 h x $2.50, and the minute
+
+
+# --- version 6: the Slurm account in the key, the price each row was charged at ---
+
+
+def test_version_4_rows_get_no_account_and_no_recorded_purchase(tmp_path: Path) -> None:
+    path = tmp_path / "v4.db"
+    write_v4_ledger(path)
+    Ledger(path).close()
+    assert rows(path, "SELECT DISTINCT account, dollars_per_hour, purchase, price_source FROM workload_hours") == [
+        ("", None, None, None)
+    ]
+    # GPU rows had their price; how it was bought and where it came from were not recorded.
+    assert rows(path, "SELECT DISTINCT dollars_per_hour, purchase, price_source FROM gpu_hours") == [(2.5, None, None)]
+    check_report_matches_the_first_release(path)
+    assert {line.key: line.dollars for line in report_from_ledger(path, by=["account"]).lines} == {("",): 15.0 - IDLE}
+
+
+def test_after_version_6_a_job_is_kept_by_its_account_with_its_price(tmp_path: Path) -> None:
+    path = tmp_path / "v4.db"
+    write_v4_ledger(path)
+    alice = Workload(hpc_job="8812", user="alice", model="llama-3-8b", team="research")
+
+    def charge(account: str, dollars: float) -> WorkloadCharge:
+        return WorkloadCharge(0, "GPU-0", alice, 60.0, 45.0, dollars, 0.0, charged_s=60.0, account=account)
+
+    gpu = GpuCharge(
+        gpu=0, uuid="GPU-0", model="A100-SXM4-80GB", dollars_per_hour=1.5, observed_s=60.0, dollars=0.025,
+        idle_s=0.0, idle_dollars=0.0, unobserved_s=0.0, joules=0.0, idle_joules=0.0, purchase="spot",
+        price_source="instance",
+    )  # fmt: skip
+    with Ledger(path, retention_s=None) as ledger:
+        # Upgraded mid-hour: the job without an account lands on the row version 4 wrote ...
+        ledger.add(Charges(H0 + 1800.0, H0 + 1860.0, "node-a", (charge("", 0.025),), (gpu,)))
+        # ... and with one, beside it: $1.50/h spot x 60 s = $0.025.
+        ledger.add(Charges(H0 + 1860.0, H0 + 1920.0, "node-a", (charge("nlp", 0.025),), (gpu,)))
+    stored = rows(
+        path,
+        "SELECT account, held_s, dollars, dollars_per_hour, purchase, price_source FROM workload_hours"
+        " WHERE hpc_job = '8812' ORDER BY account",
+    )
+    assert stored == [
+        ("", 3660.0, 2.525, 1.5, "spot", "instance"),  # 3600 + 60 s, $2.50 + $0.025; the hour's latest price
+        ("nlp", 60.0, 0.025, 1.5, "spot", "instance"),
+    ]
+    by_account = {line.key: line.dollars for line in report_from_ledger(path, by=["account"]).lines}
+    assert by_account == {("",): pytest.approx(15.0 - IDLE + 0.025), ("nlp",): pytest.approx(0.025)}

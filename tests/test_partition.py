@@ -304,9 +304,9 @@ def test_run_at_3600x_charges_the_job_what_simulate_charges(tmp_path: Path) -> N
     stderr = "".join(lines)
     assert daemon.returncode == 0, stderr
     expected = job_dollars(simulated, "9001")
-    # 8 GPUs x 4 h at the p4d.24xlarge's price per GPU: the job's whole life, as simulate saw it.
+    # 8 GPUs x 4 h at the p4de.24xlarge's price per GPU: the job's whole life, as simulate saw it.
     assert expected == pytest.approx(
-        8 * 4 * load_catalogue().instance_types["p4d.24xlarge"].dollars_per_hour / 8, rel=0.01
+        8 * 4 * load_catalogue().instance_types["p4de.24xlarge"].dollars_per_hour / 8, rel=0.01
     )
     assert job_dollars(ran, "9001") == pytest.approx(expected, rel=0.01)
 

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import engines
 from tests.test_grafana import (
     label_values_query,
     load_dashboards,
@@ -48,6 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RULE_FILES = (
     ROOT / "deploy" / "prometheus" / "gpuledger-recording.rules.yml",
     ROOT / "deploy" / "prometheus" / "gpuledger-alerts.rules.yml",
+    ROOT / "deploy" / "prometheus" / "gpuledger-fleet.rules.yml",
+    ROOT / "deploy" / "prometheus" / "gpuledger-work.rules.yml",
 )
 PROMETHEUS = shutil.which("prometheus") or shutil.which("prometheus", path="/usr/bin")
 pytestmark = pytest.mark.skipif(
@@ -58,6 +61,16 @@ SPEED = 600  # scenario seconds per real second
 GPUS = 8  # the demo node: 8 x A100
 CLUSTER = "e2e"  # target label of the agent in gpuledger's own mode
 DCGM_CLUSTER = "e2e-dcgm"  # target label of the agent in dcgm-exporter compatible mode
+# A second node, in a cluster of its own: the weekend-idle scenario's job ends 4 scenario hours
+# in (24 s at 600x) and leaves its GPUs idle, so the idle-left-behind rules have a leaver.
+WEEKEND_CLUSTER = "e2e-weekend"
+# The serving engines and training job the work rules join with the demo's pods: vLLM and
+# Triton (its vLLM backend exports both) in the vLLM pod, a step counter in a notebook.
+ENGINES = (
+    engines.vllm("serving", "vllm-llama-0", "meta-llama/Llama-3.1-8B-Instruct", tokens_per_s=1000),
+    engines.triton("serving", "vllm-llama-0", "llama", inferences_per_s=50),
+    engines.trainer("research-nlp", "notebook-7", steps_per_s=2),
+)
 SCRAPE_JOB = "gpuledger"
 DEADLINE_S = 60.0  # how long to wait for every query to have data
 STARTUP_S = 30.0  # how long a process may take to answer HTTP
@@ -150,13 +163,13 @@ AGENT_CONFIG = {
 
 
 def start_agent(
-    name: str, tmp: Path, extra_env: Mapping[str, str], extra_args: Sequence[str] = ()
+    name: str, tmp: Path, extra_env: Mapping[str, str], extra_args: Sequence[str] = (), scenario: str = "demo"
 ) -> tuple[Process, str]:
     port = free_port()
     target = f"127.0.0.1:{port}"
     config = tmp / f"{name}.yaml"
     config.write_text(yaml.safe_dump(AGENT_CONFIG), encoding="utf-8")
-    argv = [sys.executable, "-m", "agent", "run", "--config", str(config), "--fake", "demo"]
+    argv = [sys.executable, "-m", "agent", "run", "--config", str(config), "--fake", scenario]
     argv += ["--fake-speed", str(SPEED), "--listen", target]
     process = start(name, [*argv, *extra_args], tmp / f"{name}.log", {**AGENT_ENV, **extra_env})
     return process, target
@@ -238,7 +251,7 @@ class Stack:
     processes: list[Process] = field(default_factory=list)
 
 
-def prometheus_config(path: Path, target: str, dcgm_target: str) -> None:
+def prometheus_config(path: Path, target: str, dcgm_target: str, weekend_target: str, serving: engines.Serving) -> None:
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(p) for p in RULE_FILES],
@@ -248,8 +261,17 @@ def prometheus_config(path: Path, target: str, dcgm_target: str) -> None:
                 "static_configs": [
                     {"targets": [target], "labels": {"cluster": CLUSTER}},
                     {"targets": [dcgm_target], "labels": {"cluster": DCGM_CLUSTER}},
+                    {"targets": [weekend_target], "labels": {"cluster": WEEKEND_CLUSTER}},
                 ],
-            }
+            },
+            {
+                # As Kubernetes discovery labels a pod's target (deploy/prometheus/README.md).
+                "job_name": "engines",
+                "static_configs": [
+                    {"targets": [where], "labels": {"cluster": CLUSTER, "namespace": e.namespace, "pod": e.pod}}
+                    for e, where in serving.targets
+                ],
+            },
         ],
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
@@ -259,13 +281,17 @@ def prometheus_config(path: Path, target: str, dcgm_target: str) -> None:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("e2e")
     processes: list[Process] = []
+    serving = engines.serve(list(ENGINES))
     try:
         # Run as deployed, with a ledger, so gpuledger_ledger_up is there for the node view.
         agent, target = start_agent("agent", tmp, {}, ["--ledger", str(tmp / "ledger.db")])
         processes.append(agent)
         dcgm_agent, dcgm_target = start_agent("agent-dcgm", tmp, {"GPULEDGER_EXPORTERS__DCGM_COMPAT": "true"})
         processes.append(dcgm_agent)
+        weekend_agent, weekend_target = start_agent("agent-weekend", tmp, {}, scenario="weekend-idle")
+        processes.append(weekend_agent)
         wait_http(agent, f"http://{target}/metrics")
+        wait_http(weekend_agent, f"http://{weekend_target}/metrics")
         dcgm_error = None
         try:
             wait_http(dcgm_agent, f"http://{dcgm_target}/metrics")
@@ -273,7 +299,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             dcgm_error = str(exc)
 
         config = tmp / "prometheus.yml"
-        prometheus_config(config, target, dcgm_target)
+        prometheus_config(config, target, dcgm_target, weekend_target, serving)
         web = f"127.0.0.1:{free_port()}"
         assert PROMETHEUS is not None
         server = start(
@@ -293,6 +319,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     finally:
         for process in reversed(processes):
             process.stop()
+        serving.stop()
 
 
 @pytest.fixture(scope="module")
@@ -314,15 +341,26 @@ def _logs(stack: Stack) -> str:
 
 # --- dashboards ----------------------------------------------------------------------------------
 
-GRAFANA_BUILTINS = {"__range": "1m", "__rate_interval": "30s", "__interval": "15s", "__range_s": "60"}
+GRAFANA_BUILTINS = {
+    "__range": "1m",
+    "__rate_interval": "30s",
+    "__interval": "15s",
+    "__interval_ms": "15000",
+    "__range_s": "60",
+}
+FLEET_UID = "gpuledger-fleet"
 
 
 def dashboard_values(dashboard: Mapping[str, Any], target: str) -> dict[str, str]:
-    """What Grafana would put in for each variable with cluster=e2e, node=the agent, All elsewhere."""
+    """What Grafana would put in for each variable with cluster=e2e, node=the agent, All elsewhere;
+    the fleet view with every cluster (the weekend node's is the one with a leaver)."""
     values = dict(GRAFANA_BUILTINS)
+    chosen = {"cluster": CLUSTER, "instance": target}
+    if dashboard.get("uid") == FLEET_UID:
+        chosen["cluster"] = ".*"
     for variable in variables(dashboard):
         name = variable["name"]
-        values[name] = {"cluster": CLUSTER, "instance": target}.get(name, str(variable.get("allValue", ".*")))
+        values[name] = chosen.get(name, str(variable.get("allValue", ".*")))
     return values
 
 
@@ -342,6 +380,8 @@ def test_every_dashboard_panel_query_has_data(scraping: Stack) -> None:
 
 
 def test_every_dashboard_variable_lists_values(scraping: Stack) -> None:
+    expected = {"cluster": CLUSTER, "instance": scraping.target}
+
     def check() -> list[str]:
         found = []
         for name, dashboard in load_dashboards().items():
@@ -357,8 +397,8 @@ def test_every_dashboard_variable_lists_values(scraping: Stack) -> None:
                     continue
                 if not listed:
                     found.append(f"{name} ${variable['name']}: label_values({series}, {label}) lists nothing")
-                elif variable["name"] in ("cluster", "instance") and values[variable["name"]] not in listed:
-                    found.append(f"{name} ${variable['name']}: {values[variable['name']]!r} not among {listed}")
+                elif variable["name"] in expected and expected[variable["name"]] not in listed:
+                    found.append(f"{name} ${variable['name']}: {expected[variable['name']]!r} not among {listed}")
         return found
 
     found = wait_for(check)

@@ -67,6 +67,8 @@ WEEKEND = [
     ("gpu-node-02", 1, None, 3.1, 1.0, 0.0),
 ]
 HOURS = 6
+# The Slurm accounts jobs are billed to (`report --by account`); pods have none.
+ACCOUNTS = {TRAIN: "nlp"}
 
 
 @pytest.fixture
@@ -87,9 +89,10 @@ def weekend_ledger(tmp_path: Path) -> Path:
                     else:
                         wcs.append(
                             WorkloadCharge(
-                                gpu, uuid, workload, held_h * H, busy_h * H, dollars, 0.0, charged_s=held_h * H
+                                gpu, uuid, workload, held_h * H, busy_h * H, dollars, 0.0, charged_s=held_h * H,
+                                account=ACCOUNTS.get(workload, ""),
                             )
-                        )
+                        )  # fmt: skip
                         gcs.append(GpuCharge(gpu, uuid, "A100", dollars, H, dollars, 0, 0, 0, 0, 0))
                 ledger.add(Charges(start, start + H, node, tuple(wcs), tuple(gcs)))
     return path
@@ -106,7 +109,7 @@ def expected(by: tuple[str, ...]) -> dict[tuple[str, ...], float]:
     for node, gpu, workload, dollars, _, _ in WEEKEND:
         if workload is None:
             continue
-        facts = {"node": node, "gpu": str(gpu)} | {k: getattr(workload, k) for k in GROUP_KEYS[2:]}
+        facts = {"node": node, "gpu": str(gpu)} | workload.label_dict() | {"account": ACCOUNTS.get(workload, "")}
         sums.setdefault(tuple(facts[k] for k in by), []).extend([dollars] * HOURS)
     return {key: math.fsum(values) for key, values in sums.items()}
 

@@ -383,6 +383,7 @@ def test_a_store_that_wants_credentials_says_so(http_server: Any) -> None:
         (("--prometheus", "http://x", "--bearer-token-file", "/nonexistent/token"), ("--bearer-token-file",)),
         (("--prometheus", "http://x", "--query-timeout", "soon"), ("--query-timeout",)),
         (("--prometheus", "http://x", "--ledger", "x.db"), ("--ledger and --prometheus",)),
+        (("--prometheus", "http://x", "--runs", "--by", "hpc_job"), ("--runs reads ledgers",)),
     ],
 )
 def test_bad_store_options_are_one_line(args: tuple[str, ...], words: tuple[str, ...]) -> None:

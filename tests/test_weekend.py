@@ -20,9 +20,9 @@ from tests.helpers import WeekendIdleRun
 
 REPO = Path(__file__).resolve().parent.parent
 HOUR = 3600.0
-# p4d.24xlarge from the shipped catalogue, per GPU: what the weekend-idle node's GPUs cost.
-P4D = load_catalogue().instance_types["p4d.24xlarge"]
-PRICE = P4D.dollars_per_hour / P4D.gpus
+# p4de.24xlarge (8 x A100 80GB) from the shipped catalogue, per GPU: what the weekend-idle node's GPUs cost.
+P4DE = load_catalogue().instance_types["p4de.24xlarge"]
+PRICE = P4DE.dollars_per_hour / P4DE.gpus
 
 
 def gpuledger(*args: str) -> subprocess.CompletedProcess[str]:
@@ -59,8 +59,13 @@ def test_the_idle_weekend_is_flagged_and_priced(weekend_idle: WeekendIdleRun) ->
     assert report["total"]["gpu_hours_charged"] == pytest.approx(8 * 48)  # GPUs x hours, not more
     assert report["rows"] == []  # nobody held a GPU all weekend
     whole = json.loads(gpuledger("report", "--ledger", str(ledger_path), "--by", "job", "--format", "json").stdout)
-    # Friday 22:00 to Monday 09:00 is 59 idle hours on each GPU.
-    assert whole["idle"]["dollars"] == pytest.approx(PRICE * 8 * 59, rel=1e-9)
+    # Friday 22:00 to Monday 09:00 is 59 idle hours on each GPU. Polled every minute: job 9001's
+    # end (22:00, unknown to NVML) is booked at the midpoint of 21:59-22:00, so its GPUs idle from
+    # 21:59:30; job 9107's start is known (procfs: 09:00) and charged from then. 59 h + 30 s.
+    assert whole["idle"]["dollars"] == pytest.approx(PRICE * 8 * (59 + 30 / 3600), rel=1e-9)
+    # All of it left idle by job 9001.
+    [left] = whole["idle"]["left_by"]
+    assert (left["workload"]["hpc_job"], left["dollars"]) == ("9001", pytest.approx(whole["idle"]["dollars"]))
 
 
 def prom_values(text: str) -> dict[str, float]:

@@ -22,8 +22,8 @@ STEP_S = 60
 OFFSET_MIN = (24 + 18) * 60
 KEEP = WEEKEND_ALERT_SERIES
 TARGET = {"cluster": "sim", "instance": "gpu-node-07:9835", "job": "gpuledger"}
-P4D = load_catalogue().instance_types["p4d.24xlarge"]
-BURN = P4D.dollars_per_hour  # all eight GPUs idle: the whole instance's price per hour
+P4DE = load_catalogue().instance_types["p4de.24xlarge"]
+BURN = P4DE.dollars_per_hour  # all eight GPUs idle: the whole instance's price per hour
 
 
 def series_of(run: WeekendIdleRun, hours: float) -> dict[str, list[float]]:

@@ -6,8 +6,9 @@ A poll sees who holds each unit at its own moment only. Between two polls:
   - one holding it at the start only is gone by the end, and when it went is not known (NVML
     gives no end time): it held the first half (the midpoint rule);
   - one holding it at the end only began within the interval: from its start where that is
-    known and falls inside the interval (the earliest start of its processes, as procfs gives
-    it, or its allocation's, as the Slurm map file's time gives it), else from the midpoint.
+    known and falls within the interval (the earliest start of its processes, as procfs gives
+    it, or its allocation's, as the Slurm map file's time gives it; at the later poll itself:
+    none of it), else from the midpoint.
 
 Wherever nobody held the unit it was idle, and each idle stretch is left by the workloads whose
 part ended last before it; where none ended within the interval, by those that held the unit
@@ -80,9 +81,10 @@ def stretches(
             parts.append(Part(h, 0.0, dt))
             continue
         began = midpoint
-        if h.started_at is not None and 0.0 < h.started_at - start < dt:
+        if h.started_at is not None and 0.0 <= h.started_at - start <= dt:
             began = h.started_at - start
-        parts.append(Part(h, began, dt, dt / (dt - began)))
+        if began < dt:  # one that began at the later poll itself held none of the interval
+            parts.append(Part(h, began, dt, dt / (dt - began)))
     parts.extend(Part(h, 0.0, midpoint) for h in before if h.workload not in after_workloads)
     cuts = sorted({0.0, dt, *(p.start_s for p in parts), *(p.end_s for p in parts)})
     found: list[Stretch] = []

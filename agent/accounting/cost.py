@@ -8,7 +8,10 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
     utilization; where none was measured, by memory held; where neither, equally.
   - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization,
     and a unit's holders' busy seconds never add up to more than the GPU's own (its utilization
-    averaged over its samples of the interval x dt): where they would, each is scaled down.
+    averaged over its samples of the interval x dt): where they would, each is scaled down. Where
+    the unit's busy source is GPM (`DeviceReading.busy_source`), its SM activity is how busy it
+    was, split among its holders by the shares that split its cost: a kernel that keeps one SM
+    busy is not a full GPU, whatever NVML's utilization says.
     Charged seconds are held seconds x the holder's share (the share that splits the dollars):
     a unit's charged seconds plus its idle seconds are its observed seconds, so they add up
     across holders where held seconds count a shared unit once per holder.
@@ -38,6 +41,8 @@ from dataclasses import dataclass
 
 from agent.accounting.boundaries import Part, stretches
 from agent.model import (
+    BUSY_GPM,
+    BUSY_NVML,
     UNOBSERVED_ATTRIBUTION,
     UNOBSERVED_NO_POLL,
     UNOBSERVED_PROCESSES,
@@ -68,8 +73,10 @@ class CostUnit:
     device: DeviceReading | None  # the unit's own reading (None for unassigned SMs)
 
 
-def cost_units(snapshot: Snapshot, gpu: DeviceReading) -> list[CostUnit]:
-    migs = snapshot.mig_devices(gpu.uuid)
+def cost_units(snapshot: Snapshot, gpu: DeviceReading, migs: tuple[DeviceReading, ...] | None = None) -> list[CostUnit]:
+    """The GPU's cost units; `migs`, its MIG devices where the caller has them at hand."""
+    if migs is None:
+        migs = snapshot.mig_devices(gpu.uuid)
     if not migs:
         return [CostUnit(gpu, gpu.uuid, 1.0, gpu)]
     if gpu.sm_count and all(m.sm_count for m in migs):
@@ -87,11 +94,13 @@ def cost_units(snapshot: Snapshot, gpu: DeviceReading) -> list[CostUnit]:
 
 
 def device_busy_ratio(device: DeviceReading | None) -> float | None:
-    """How busy the device was over the interval (0-1): its utilization averaged over its own
-    samples since the previous poll, else (those could not be read) its latest reading; None
-    where it measures none (MIG)."""
+    """How busy the device was over the interval (0-1): its GPM SM activity where that is its busy
+    source, else its utilization averaged over its own samples since the previous poll, else
+    (those could not be read) its latest reading; None where it measures none."""
     if device is None:
         return None
+    if device.busy_source == BUSY_GPM:
+        return device.busy  # SM activity over the interval: GPM samples are interval means already
     return device.interval_utilization if device.interval_utilization is not None else device.utilization
 
 
@@ -102,6 +111,20 @@ def holder_utilization(holding: Holding, unit: CostUnit, holders: int) -> float 
     if holders == 1:
         return device_busy_ratio(unit.device)  # a sole holder of a GPU that measures only as a whole
     return None
+
+
+def holder_busy(unit: CostUnit, util: float | None, share: float) -> float:
+    """How busy (0-1) a holder kept the unit: the unit's SM activity x the holder's share where
+    its busy source is GPM; the holder's measured utilization where it is NVML; 0 where the unit
+    has no busy measure (busy_source gpm on a GPU without GPM, or a MIG instance without it)."""
+    device = unit.device
+    source = device.busy_source if device is not None else ""
+    if source == BUSY_GPM:
+        busy = device.busy if device is not None else None
+        return min(busy or 0.0, 1.0) * share
+    if source == BUSY_NVML:
+        return min(util or 0.0, 1.0)
+    return 0.0
 
 
 def split_shares(holdings: tuple[Holding, ...], utils: list[float | None]) -> list[float]:
@@ -137,12 +160,17 @@ def _charge(
     utils = [None if u is None else min(u * p.util_scale, 1.0) for u, p in zip(utils, parts, strict=True)]
     seen: dict[Workload, float] = {}
     for holding, share, util in zip(holders, split_shares(holders, utils), utils, strict=True):
-        acc = workloads.setdefault((gpu_index, unit.uuid, holding.workload), _Acc())
+        workload = holding.workload
+        acc = workloads.get((gpu_index, unit.uuid, workload))
+        if acc is None:
+            acc = workloads[(gpu_index, unit.uuid, workload)] = _Acc()
+        acc.account = acc.account or holding.account
         # Per-pid holdings of one workload each held the unit: count its time once (per part).
-        if held > seen.get(holding.workload, 0.0):
-            acc.held_s += held - seen.get(holding.workload, 0.0)
-            seen[holding.workload] = held
-        acc.busy_s += held * min(util or 0.0, 1.0)
+        counted = seen.get(workload, 0.0)
+        if held > counted:
+            acc.held_s += held - counted
+            seen[workload] = held
+        acc.busy_s += held * holder_busy(unit, util, share)
         # Summed, unlike held: each of a workload's holdings is its own part of the share.
         acc.charged_s += held * share
         acc.dollars += dollars * share
@@ -183,6 +211,7 @@ class _Acc:
     charged_s: float = 0.0
     dollars: float = 0.0
     joules: float = 0.0
+    account: str = ""
 
 
 def account(
@@ -220,10 +249,18 @@ def account(
         if not d.discovered:
             previous.setdefault(_by_index(d.index), d)
     prev_devices = {d.uuid: d for d in prev.devices}
-    # Each unit's holders, in attribution order (`Attribution.for_device`, found in one pass).
+    # Each unit's holders, now and at the start, in attribution order (`Attribution.for_device`,
+    # found in one pass each), and each GPU's MIG devices (`Snapshot.mig_devices`, likewise).
     holders_of: dict[str, list[Holding]] = {}
     for h in attribution.holdings:
         holders_of.setdefault(h.device_uuid, []).append(h)
+    earlier_of: dict[str, list[Holding]] = {}
+    for h in earlier.holdings if earlier is not None else ():
+        earlier_of.setdefault(h.device_uuid, []).append(h)
+    migs_of: dict[str, list[DeviceReading]] = {}
+    for d in curr.devices:
+        if d.parent_uuid is not None:
+            migs_of.setdefault(d.parent_uuid, []).append(d)
     workloads: dict[tuple[int, str, Workload], _Acc] = {}
     gpus: list[GpuCharge] = []
     # Whether a unit nobody runs on is idle or of unknown holder, at each end of the interval.
@@ -231,26 +268,27 @@ def account(
     allocated_before = earlier.allocations_known if earlier is not None else allocated
     for gpu in curr.gpus:
         price = prices.get(gpu.uuid)
-        hourly = price.dollars_per_hour if price is not None else 0.0
+        # A price that changed within the interval charges each part at its own figure.
+        gpu_dollars = price.dollars(prev.taken_at, curr.taken_at) if price is not None else 0.0
+        in_force = price.during(prev.taken_at, curr.taken_at) if price is not None else None
         was_gpu = previous.get(gpu.uuid) or previous.get(_by_index(gpu.index))
         reason = _unobserved(was_gpu, gpu, dt, max_interval_s)
         if reason is not None:
-            gpus.append(_unobserved_charge(gpu, hourly, dt, reason, energy_per_kwh))
+            gpus.append(_unobserved_charge(gpu, in_force, gpu_dollars, dt, reason, energy_per_kwh))
             continue
-        gpu_dollars = hourly * dt / 3600
         gpu_joules = _energy_delta(previous.get(gpu.uuid), gpu, (energy_before or {}).get(gpu.uuid))
         idle_s = idle_dollars = idle_joules = 0.0
         unobserved_s = unobserved_dollars = 0.0
         unobserved_reason = ""
         idle_by: dict[Workload, list[float]] = {}  # left by -> [seconds, dollars, joules]
-        for unit in cost_units(curr, gpu):
+        for unit in cost_units(curr, gpu, tuple(migs_of.get(gpu.uuid, ()))):
             unit_dollars = gpu_dollars * unit.weight
             unit_joules = gpu_joules * unit.weight
             holders = tuple(holders_of.get(unit.uuid, ())) if unit.uuid else ()
             was = prev_devices.get(unit.uuid)
             # Who held it at the start, where that is known (its process list was read then).
             known = earlier is not None and was is not None and was.processes_known
-            before = earlier.for_device(unit.uuid) if known and earlier is not None and unit.uuid else holders
+            before = tuple(earlier_of.get(unit.uuid, ())) if known and unit.uuid else holders
             if unit.device is not None and not unit.device.processes_known and not holders:
                 # Nobody is known to hold it, but its processes could not be listed: not idle.
                 unobserved_s += dt * unit.weight
@@ -291,7 +329,7 @@ def account(
                 gpu=gpu.index,
                 uuid=gpu.uuid,
                 model=gpu.model,
-                dollars_per_hour=hourly,
+                dollars_per_hour=in_force.dollars_per_hour if in_force is not None else 0.0,
                 observed_s=dt - unobserved_s,
                 dollars=gpu_dollars - unobserved_dollars,
                 idle_s=idle_s,
@@ -308,6 +346,8 @@ def account(
                     for w, (seconds, dollars, joules) in sorted(idle_by.items())
                 ),
                 busy_s=_gpu_busy_s(curr, gpu, dt - unobserved_s),
+                purchase=in_force.purchase if in_force is not None else "",
+                price_source=in_force.origin if in_force is not None else "",
             )
         )
     return Charges(
@@ -326,6 +366,7 @@ def account(
                 joules=acc.joules,
                 energy_dollars=energy_dollars(acc.joules, energy_per_kwh),
                 charged_s=acc.charged_s,
+                account=acc.account,
             )
             for (gpu, uuid, workload), acc in workloads.items()
         ),
@@ -392,14 +433,15 @@ def _by_reason(old: Mapping[str, tuple[float, float]], g: GpuCharge) -> Mapping[
 
 
 def _unobserved_charge(
-    gpu: DeviceReading, hourly: float, seconds: float, reason: str, energy_per_kwh: float | None
+    gpu: DeviceReading, price: Price | None, dollars: float, seconds: float, reason: str, energy_per_kwh: float | None
 ) -> GpuCharge:
-    """A GPU nobody could see for `seconds`: all of its cost unobserved, for `reason`."""
+    """A GPU nobody could see for `seconds`, costing `dollars` at `price` (the one in force at its
+    end): all of it unobserved, for `reason`."""
     return GpuCharge(
         gpu=gpu.index,
         uuid=gpu.uuid,
         model=gpu.model,
-        dollars_per_hour=hourly,
+        dollars_per_hour=price.dollars_per_hour if price is not None else 0.0,
         observed_s=0.0,
         dollars=0.0,
         idle_s=0.0,
@@ -407,10 +449,12 @@ def _unobserved_charge(
         unobserved_s=seconds,
         joules=0.0,
         idle_joules=0.0,
-        unobserved_dollars=hourly * seconds / 3600,
+        unobserved_dollars=dollars,
         energy_dollars=energy_dollars(0.0, energy_per_kwh),
         idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
         unobserved_reason=reason,
+        purchase=price.purchase if price is not None else "",
+        price_source=price.origin if price is not None else "",
     )
 
 
@@ -427,7 +471,12 @@ def downtime(
     GPU of `snapshot` unobserved for all of it, at its price, for `reason`."""
     gpus = tuple(
         _unobserved_charge(
-            gpu, p.dollars_per_hour if (p := prices.get(gpu.uuid)) else 0.0, end - start, reason, energy_per_kwh
+            gpu,
+            p.during(start, end) if (p := prices.get(gpu.uuid)) else None,
+            p.dollars(start, end) if p else 0.0,
+            end - start,
+            reason,
+            energy_per_kwh,
         )
         for gpu in snapshot.gpus
     )
@@ -463,7 +512,8 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
             energy_dollars=energy_dollars(joules, per_kwh),
         )
     horizon = charges.end - forget_after_s
-    workloads = {k: v for k, v in workloads.items() if v.last_charged_at >= horizon}
+    if any(v.last_charged_at < horizon for v in workloads.values()):
+        workloads = {k: v for k, v in workloads.items() if v.last_charged_at >= horizon}
     gpus = dict(totals.gpus)
     for g in charges.gpus:
         old_gpu = gpus.get((g.gpu, g.uuid), _NO_GPU_TOTALS)

@@ -1,10 +1,17 @@
 """What a GPU costs per hour, and why (PRODUCT.md "Cost arithmetic").
 
-The config's overrides win; else the instance type's price split over the node's GPUs; else
-the shipped catalogue's figure for the GPU model; else the price is unknown and the caller
-charges nothing. Pure: it parses a catalogue it is handed (agent.config reads the file) and
-knows nothing of the config module: it takes anything shaped like its pricing section
-(`PricingLike`).
+The on-demand figure: the config's overrides win; else the instance type's price split over the
+node's GPUs; else the shipped catalogue's figure for the GPU model; else the price is unknown
+and the caller charges nothing. An instance type the catalogue lists with another GPU model than
+the one NVML reports is not used (`Price.mismatch`): the GPU is priced by its own model.
+
+Then how the node is bought (`pricing.purchase`): on_demand as is; spot at the instance type's
+spot price (`pricing.spot_hourly`, $/instance-hour); reserved, savings_plan and committed (and
+spot without a spot price) at `pricing.rate` ($/GPU-hour) where set, else at `pricing.discount`
+off the on-demand figure. A price history (`price_schedule`) is one such price per period.
+
+Pure: it parses a catalogue it is handed (agent.config reads the file) and knows nothing of the
+config module: it takes anything shaped like its pricing section (`PricingLike`).
 """
 
 from __future__ import annotations
@@ -12,14 +19,22 @@ from __future__ import annotations
 import datetime as dt
 import math
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
 from agent.model import Price
 
 CLOUDS = ("aws", "gcp", "azure")
+PURCHASE_OPTIONS = ("on_demand", "spot", "reserved", "savings_plan", "committed")
+# Prices' origins, the gpuledger_gpu_price_info{source} label: short and stable.
+ORIGINS = ("config", "instance", "catalogue")
+# One part under two names: NVML calls the SXM5 H100 "H100 80GB HBM3", scenarios and people
+# "H100-SXM5-80GB" (keys as `_model_key` spells them).
+_SAME_PART = {"h100 sxm5 80gb": "h100 80gb hbm3"}
+# How the source of a spot price that fell back to on-demand begins.
+NO_SPOT_PRICE = "spot without a spot price"
 
 _T = TypeVar("_T")
 
@@ -39,6 +54,14 @@ class PricingLike(Protocol):
     def instance_hourly(self) -> Mapping[str, float]: ...
     @property
     def energy_per_kwh(self) -> float | None: ...
+    @property
+    def purchase(self) -> str: ...
+    @property
+    def rate(self) -> float | None: ...
+    @property
+    def discount(self) -> float | None: ...
+    @property
+    def spot_hourly(self) -> Mapping[str, float]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,15 +108,64 @@ def resolve_price(
     """
     if gpu_count < 1:
         raise ValueError(f"gpu_count must be at least 1, got {gpu_count}")
+    it = pricing.instance_type or instance_type
+    listed = _lookup(catalogue.instance_types, it, fuzzy=False) if it else None
+    mismatch = ""
+    if it and listed is not None and not same_model(listed[1].gpu_model, model):
+        mismatch = (
+            f"instance type {listed[0]} comes with {listed[1].gpu_model} GPUs but NVML reports {model}: "
+            f"priced as {model}"
+        )
+        it = None  # neither its on-demand nor its spot price is this GPU's
+    base = _on_demand(model, uuid, gpu_count, it, pricing, catalogue)
+    if base is None:
+        return None
+    price = _purchased(base, it, gpu_count, pricing, catalogue)
+    return replace(price, mismatch=mismatch) if mismatch else price
+
+
+def price_schedule(
+    epochs: Sequence[tuple[float | None, PricingLike]],
+    *,
+    model: str,
+    uuid: str,
+    gpu_count: int,
+    instance_type: str | None,
+    catalogue: Catalogue,
+) -> Price | None:
+    """The GPU's price under each pricing in `epochs` ((from, pricing) in time order, the first
+    from None: always), as one `Price` whose `changes` hold the later ones. A period nothing
+    prices costs 0; None where no period is priced."""
+    found = [
+        (start, resolve_price(model=model, uuid=uuid, gpu_count=gpu_count, instance_type=instance_type,
+                              pricing=pricing, catalogue=catalogue))
+        for start, pricing in epochs
+    ]  # fmt: skip
+    if not found or all(price is None for _, price in found):
+        return None
+    priced = [(start, price or Price(0.0, "no price known", origin="config")) for start, price in found]
+    (_, first), *later = priced
+    changes = tuple((start, price) for start, price in later if start is not None)
+    return replace(first, changes=changes) if changes else first
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model names name one GPU part, however spelt."""
+    ka, kb = _model_key(a), _model_key(b)
+    return _SAME_PART.get(ka, ka) == _SAME_PART.get(kb, kb)
+
+
+def _on_demand(
+    model: str, uuid: str, gpu_count: int, it: str | None, pricing: PricingLike, catalogue: Catalogue
+) -> Price | None:
     if pricing.gpu_hourly is not None:
-        return Price(pricing.gpu_hourly, "config pricing.gpu_hourly")
+        return Price(pricing.gpu_hourly, "config pricing.gpu_hourly", origin="config")
     if uuid in pricing.by_uuid:
-        return Price(pricing.by_uuid[uuid], f"config pricing.by_uuid[{uuid}]")
+        return Price(pricing.by_uuid[uuid], f"config pricing.by_uuid[{uuid}]", origin="config")
     found_model = _lookup(pricing.by_model, model)
     if found_model is not None:
         key, dollars = found_model
-        return Price(dollars, f"config pricing.by_model[{key}]")
-    it = pricing.instance_type or instance_type
+        return Price(dollars, f"config pricing.by_model[{key}]", origin="config")
     if it:
         price = _instance_price(it, gpu_count, pricing, catalogue)
         if price is not None:
@@ -104,8 +176,42 @@ def resolve_price(
         return Price(
             entry.dollars_per_hour,
             f"GPU model {key} {_money(entry.dollars_per_hour)}/h (catalogue: {entry.source}, read {entry.read})",
+            origin="catalogue",
         )
     return None
+
+
+def _purchased(base: Price, it: str | None, gpu_count: int, pricing: PricingLike, catalogue: Catalogue) -> Price:
+    """`base`, the on-demand price, as the node is bought."""
+    option = pricing.purchase
+    if option == "spot" and it:
+        spot = _lookup(pricing.spot_hourly, it, fuzzy=False)
+        if spot is not None:
+            key, dollars = spot
+            listed = _lookup(catalogue.instance_types, key, fuzzy=False)
+            gpus = listed[1].gpus if listed is not None else gpu_count  # as for the on-demand split
+            return Price(
+                dollars / gpus,
+                f"spot: instance {key} {_money(dollars)}/h / {_gpus(gpus)} (config pricing.spot_hourly)",
+                origin="instance",
+                purchase=option,
+            )
+    if pricing.rate is not None:
+        return Price(pricing.rate, f"{option}: config pricing.rate {_money(pricing.rate)}/h", origin="config",
+                     purchase=option)  # fmt: skip
+    if pricing.discount:
+        off = f"{pricing.discount * 100:g}%"
+        return Price(
+            base.dollars_per_hour * (1.0 - pricing.discount),
+            f"{option}: {off} off (config pricing.discount) {base.source}",
+            origin=base.origin,
+            purchase=option,
+        )
+    if option == "spot":
+        # No spot price for this instance type: the on-demand figure, said so.
+        return replace(base, source=f"{NO_SPOT_PRICE} for {it or 'this node'}: on-demand {base.source}",
+                       purchase=option)  # fmt: skip
+    return replace(base, purchase=option)
 
 
 def _instance_price(it: str, gpu_count: int, pricing: PricingLike, catalogue: Catalogue) -> Price | None:
@@ -115,6 +221,7 @@ def _instance_price(it: str, gpu_count: int, pricing: PricingLike, catalogue: Ca
         return Price(
             dollars / gpu_count,
             f"instance {key} {_money(dollars)}/h / {_gpus(gpu_count)} (config pricing.instance_hourly)",
+            origin="instance",
         )
     listed = _lookup(catalogue.instance_types, it, fuzzy=False)
     if listed is None:
@@ -128,6 +235,7 @@ def _instance_price(it: str, gpu_count: int, pricing: PricingLike, catalogue: Ca
     return Price(
         entry.dollars_per_hour / entry.gpus,
         f"instance {key} {_money(entry.dollars_per_hour)}/h / {split} (catalogue: {entry.source}, read {entry.read})",
+        origin="instance",
     )
 
 
@@ -174,7 +282,8 @@ def parse_catalogue(raw: object, path: str) -> Catalogue:
     one line naming the file and the entry."""
     if not isinstance(raw, Mapping):
         raise ValueError(f"{path}: expected a mapping with gpu_models and instance_types, got {type(raw).__name__}")
-    unknown = sorted(str(key) for key in raw if key not in ("gpu_models", "instance_types"))
+    # gpu_specs: what right-sizing compares (agent/accounting/rightsize.py parses it).
+    unknown = sorted(str(key) for key in raw if key not in ("gpu_models", "instance_types", "gpu_specs"))
     if unknown:
         raise ValueError(f"{path}: unknown top-level key {unknown[0]!r} (expected gpu_models and instance_types)")
     models = {

@@ -34,6 +34,7 @@ class SlurmAllocation:
     # When the prolog wrote the map file (its modification time, unix seconds): the
     # allocation's start. None where the file's time could not be read.
     started_at: float | None = None
+    account: str | None = None  # the job's Slurm account, where the map file names it
 
 
 @dataclass(frozen=True)

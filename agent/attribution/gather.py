@@ -26,11 +26,17 @@ class Attributor:
     `per_pid` keeps one holding per process."""
 
     def __init__(
-        self, sources: Sequence[AttributionSource], *, rules: Sequence[LabelRule] = (), per_pid: bool = False
+        self,
+        sources: Sequence[AttributionSource],
+        *,
+        rules: Sequence[LabelRule] = (),
+        per_pid: bool = False,
+        team_from_account: bool = False,
     ) -> None:
         self.sources = tuple(sources)
         self.rules = tuple(rules)
         self.per_pid = per_pid
+        self.team_from_account = team_from_account
 
     def attribute(self, snapshot: Snapshot) -> Attribution:
         found = HostFacts()
@@ -47,6 +53,7 @@ class Attributor:
                 rules=self.rules,
                 per_pid=self.per_pid,
                 kubelet_up=found.kubelet_up,
+                team_from_account=self.team_from_account,
             )
         )
         return attribution if found.allocations_known else replace(attribution, allocations_known=False)

@@ -71,11 +71,13 @@ def apply_rules(
     facts: ProcessFacts | None,
     rules: Sequence[LabelRule],
     account: str | None = None,
+    team_from_account: bool = False,
 ) -> Workload:
     """`w` with the labels the rules set: config rules first (the first rule that sets a
-    field wins it), then the built-in recognisers for a model no rule named. `cmdline`, `facts`
-    (for `env.` keys) and `account` are what a rule may match besides the workload's fields;
-    an allocation without a process has none of them."""
+    field wins it), then the built-in recognisers for a model no rule named, and (with
+    `team_from_account`) the Slurm account as the team no rule named. `cmdline`, `facts` (for
+    `env.` keys) and `account` are what a rule may match besides the workload's fields; an
+    allocation without a process has only the account its map file names."""
     chosen: dict[str, str] = {}
     for rule in rules:
         if all(name in chosen for name, _ in rule.set):
@@ -95,7 +97,18 @@ def apply_rules(
         recognised = _model_of(tuple(cmdline))
         if recognised:
             chosen["model"] = recognised
+    if "team" not in chosen and team_from_account and account:
+        chosen["team"] = account
     return replace(w, **chosen) if chosen else w
+
+
+@lru_cache(maxsize=8192)
+def _recognised(w: Workload, cmdline: tuple[str, ...]) -> Workload:
+    """`apply_rules` without configured rules: the built-in recognisers alone, which see only the
+    workload and the cmdline. Remembered, as every poll asks about the same few; answering with
+    the same object each time also lets later lookups find it by identity."""
+    model = _model_of(cmdline) if cmdline else None
+    return replace(w, model=model) if model else w
 
 
 def _expand(template: str, groups: Sequence[str]) -> str:

@@ -33,6 +33,7 @@ class Inputs:
     rules: Sequence[LabelRule] = ()  # the labelling rules (`attribution.rules`)
     per_pid: bool = False
     kubelet_up: bool | None = None
+    team_from_account: bool = False  # a Slurm job's account is its team where no rule names one
 
 
 @dataclass
@@ -48,6 +49,8 @@ class _Acc:
         """It held the device from `at` (a process's or allocation's start), if that is earlier."""
         if at is not None and (self.started_at is None or at < self.started_at):
             self.started_at = at
+
+    account: str = ""
 
 
 _HoldingKey = tuple[str, Workload, int | None]  # (device uuid, workload, pid when per-pid)
@@ -102,9 +105,13 @@ def attribute(inputs: Inputs) -> Attribution:
                 unresolved[device.uuid] = unresolved.get(device.uuid, 0) + 1
                 workload = Workload()
             else:
-                workload, claimed = _process_workload(facts, device.uuid, inputs, pod_containers, slurm_on_device)
+                workload, claimed, account = _process_workload(
+                    facts, device.uuid, inputs, pod_containers, slurm_on_device
+                )
             key = (device.uuid, workload, proc.pid if inputs.per_pid else None)
             acc = holdings.setdefault(key, _Acc())
+            if facts is not None and account and not acc.account:
+                acc.account = account
             acc.self_reported = acc.self_reported or (facts is not None and claimed)
             acc.pids.append(proc.pid)
             if facts is not None:
@@ -126,7 +133,7 @@ def attribute(inputs: Inputs) -> Attribution:
             _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], base, inputs, None)
     for uuid, s in slurm_on_device.items():
         job = Workload(hpc_job=s.job, user=s.user or "")
-        _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], job, inputs, s.started_at)
+        _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], job, inputs, s.started_at, s.account or "")
 
     order = {d.uuid: i for i, d in enumerate(snapshot.devices)}
     return Attribution(
@@ -141,6 +148,7 @@ def attribute(inputs: Inputs) -> Attribution:
                 pid=pid,
                 self_reported=acc.self_reported and not acc.allocated,
                 started_at=acc.started_at,
+                account=acc.account,
             )
             for (uuid, workload, pid), acc in sorted(
                 holdings.items(), key=lambda kv: (order[kv[0][0]], kv[0][1], kv[0][2] or 0)
@@ -172,6 +180,7 @@ def _mark_allocated(
     base: Workload,
     inputs: Inputs,
     started_at: float | None,
+    account: str = "",
 ) -> None:
     """An allocation is held by the process holdings of the same owner on that device; with
     none, the allocation holds the device by itself (a notebook that runs nothing), using
@@ -183,9 +192,11 @@ def _mark_allocated(
         for acc in held:
             acc.allocated = True
             acc.began(started_at)
+            acc.account = account or acc.account  # the prolog's account wins over the environment's
         return
-    workload = apply_rules(base, (), None, inputs.rules)
+    workload = apply_rules(base, (), None, inputs.rules, account or None, inputs.team_from_account)
     acc = holdings.setdefault((device.uuid, workload, None), _Acc())
+    acc.account = account
     _index_holding(by_owner, device.uuid, workload, acc)  # a later allocation of the same owner shares it
     acc.allocated = True
     acc.began(started_at)
@@ -201,21 +212,21 @@ def _process_workload(
     inputs: Inputs,
     pod_containers: Mapping[str, Mapping[tuple[str, str], set[str]]],
     slurm_on_device: Mapping[str, SlurmAllocation],
-) -> tuple[Workload, bool]:
-    """The process's workload, and whether only its own environment says so.
+) -> tuple[Workload, bool, str]:
+    """The process's workload, whether only its own environment says so, and its Slurm account.
 
     Trusted sources decide: the cgroup (set by the kubelet, slurmd, systemd or the container
     runtime, not by the process), the kubelet's pod names and the prolog's map file (root's).
     A process's environment is its own to write, so SLURM_JOB_ID and SLURM_JOB_USER there are a
     claim: used only where nothing trusted names a job, never for the user (that is the uid's),
     and marked as self-reported. Otherwise any local user could bill their GPU time to someone
-    else's job.
+    else's job. The account is the map file's for the job on this device, else the process's
+    SLURM_JOB_ACCOUNT; only a job has one.
     """
     owner: CgroupOwner | None = _owner_of(facts.cgroup)
     claimed = False
     uid = facts.uid
     user = inputs.user_names.get(uid, str(uid)) if uid is not None else ""
-    w = Workload()
     account: str | None = facts.env_value("SLURM_JOB_ACCOUNT")
     if owner is not None and owner.kind == "pod" and owner.pod_uid:
         namespace, pod = inputs.pod_names.get(owner.pod_uid, ("", ""))
@@ -246,4 +257,9 @@ def _process_workload(
         else:
             owner_uid = owner.uid if owner is not None and owner.uid is not None else uid
             w = Workload(user=inputs.user_names.get(owner_uid, str(owner_uid)) if owner_uid is not None else "")
-    return apply_rules(w, facts.cmdline, facts, inputs.rules, account), claimed
+    mapped = slurm_on_device.get(device_uuid)
+    if w.hpc_job and mapped is not None and mapped.job == w.hpc_job and mapped.account:
+        account = mapped.account
+    # Rules may match any process's account; only a job is billed to one (and teamed by it).
+    labelled = apply_rules(w, facts.cmdline, facts, inputs.rules, account, inputs.team_from_account and bool(w.hpc_job))
+    return labelled, claimed, (account or "") if w.hpc_job else ""

@@ -60,6 +60,10 @@ def cmd_report_prometheus(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.ledger:
         raise BadInputError("gpuledger: report: --ledger and --prometheus read different sources: give one")
+    for flag, given in (("--recommend", args.recommend), ("--runs", args.runs)):
+        if given:
+            # Both read what only a ledger keeps (each hour's sizing sketches; each run's hours).
+            raise BadInputError(f"gpuledger: report: {flag} reads ledgers, not a --prometheus store")
     timeout_s = duration_arg(args.query_timeout, "--query-timeout")
     if timeout_s <= 0:
         raise BadInputError("gpuledger: --query-timeout: must be above 0")

@@ -24,7 +24,10 @@ from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, 
 from agent.cli.export import add_export_command, cmd_export
 from agent.cli.fleet import add_store_options, cmd_report_prometheus
 from agent.cli.logs import setup_logging
+from agent.cli.record import cmd_record
 from agent.cli.render import render_table, snapshot_json
+from agent.cli.rules import add_parser as add_rules_parser
+from agent.cli.rules import cmd_rules
 from agent.cli.simulate import cmd_simulate
 from agent.cli.systemd import notify, watchdog_interval_s
 from agent.cli.wiring import build_agent
@@ -128,7 +131,33 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"group by any of: {', '.join(GROUP_KEYS)} (job: hpc_job)",
     )
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    rep.add_argument(
+        "--recommend",
+        action="store_true",
+        help="right-sizing advice per workload instead: the cheapest fitting GPU, MIG profile or count, or stop",
+    )
+    rep.add_argument(
+        "--headroom", type=float, default=0.2, metavar="F", help="memory and compute headroom for --recommend (0.2)"
+    )
+    rep.add_argument(
+        "--runs", action="store_true", help="with --by hpc_job or pod: each run's first and last hour and its GPUs too"
+    )
+
     add_store_options(rep)
+
+    add_rules_parser(sub)
+
+    rec = sub.add_parser("record", help="poll the driver for a while and write what it saw as a scenario")
+    rec.add_argument("--for", dest="duration", required=True, metavar="DURATION", help="how long to record, e.g. 10m")
+    rec.add_argument("--step", metavar="DURATION", help="poll every this long (default: poll_interval)")
+    rec.add_argument("--out", default="-", metavar="FILE", help="write the trace here (default: stdout)")
+    rec.add_argument(
+        "--keep-cmdlines", action="store_true", help="keep command lines whole (default: the executable and model)"
+    )
+    rec.add_argument("--config", help="YAML config file")
+    rec.add_argument(
+        "--fake", nargs="?", const="demo", metavar="SCENARIO", help="record a fake node (default scenario: demo)"
+    )
 
     add_export_command(sub)
 
@@ -281,7 +310,7 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
         raise BadInputError("gpuledger: --at: only meaningful with --fake")
     if at > MAX_SNAPSHOT_AT_S:
         raise BadInputError(f"gpuledger: --at: at most {format_duration(MAX_SNAPSHOT_AT_S)}, got {args.at}")
-    agent = build_agent(settings, fake=args.fake, poll_interval_s=5.0)
+    agent = build_agent(settings, fake=args.fake, poll_interval_s=5.0, actions="off")
     node, pipeline = agent.node, agent.pipeline
     try:
         pipeline.refresh_allocations()
@@ -322,7 +351,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
         by = parse_by(args.by)
         since = parse_time(args.since, now) if args.since else None
         until = parse_time(args.until, now) if args.until else None
-        report = report_from_ledgers(paths, by=by, since=since, until=until)
+        if args.recommend:
+            from agent.cli.recommend import recommendations, render_recommendations
+
+            if not 0 <= args.headroom < 10:
+                raise ValueError(f"--headroom must be from 0 to 10, got {args.headroom}")
+            advice = recommendations(paths, settings, since=since, until=until, headroom=args.headroom)
+            sys.stdout.write(render_recommendations(advice, args.format))
+            return EXIT_OK
+        report = report_from_ledgers(paths, by=by, since=since, until=until, runs=args.runs)
     except ValueError as exc:
         raise BadInputError(f"gpuledger: report: {exc}") from None
     sys.stdout.write(render(report, args.format))
@@ -356,4 +393,6 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "check-config": _cmd_check_config,
     "report": _cmd_report,
     "export": cmd_export,
+    "record": cmd_record,
+    "rules": cmd_rules,
 }

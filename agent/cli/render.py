@@ -36,6 +36,7 @@ def snapshot_json(state: AgentState) -> dict[str, Any]:
                 for h in attribution.for_device(d.uuid)
             ],
             price=asdict(price) if (price := prices.get(d.uuid)) is not None else None,
+            busy=d.busy,
             flags=flags.get(d.uuid, []),
         )
         for d in snapshot.devices
@@ -53,7 +54,7 @@ def render_table(state: AgentState) -> str:
     prices = dict(state.prices)
     flags = _raised_flags(state, with_duration=True)
     header = (
-        "GPU", "MODEL", "UP", "UTIL", "MEM USED/TOTAL GiB", "TEMP", "POWER W", "PROCS", "NVLINK DOWN",
+        "GPU", "MODEL", "UP", "UTIL", "MEM USED/TOTAL GiB", "BUSY", "TEMP", "POWER W", "PROCS", "NVLINK DOWN",
         "$/H", "FLAGS", "OWNERS",
     )  # fmt: skip
     rows: list[tuple[str, ...]] = [header]
@@ -68,7 +69,10 @@ def render_table(state: AgentState) -> str:
     sources: dict[str, list[str]] = {}
     for d in snapshot.gpus:
         price = prices.get(d.uuid)
-        sources.setdefault(price.source if price is not None else "no price known", []).append(str(d.index))
+        source = (
+            "no price known" if price is None else price.source + (f" ({price.mismatch})" if price.mismatch else "")
+        )
+        sources.setdefault(source, []).append(str(d.index))
     notes = [f"$/H for GPU {','.join(gpus)}: {source}" for source, gpus in sources.items()]
     return "\n".join([title, *lines, "", *notes])
 
@@ -91,6 +95,13 @@ def _owners(attribution: Attribution, d: DeviceReading) -> str:
     return "; ".join(parts) or "-"
 
 
+def _busy(d: DeviceReading) -> str:
+    """How busy the device was, by the figure accounting and the rules take ("37% gpm"):
+    beside UTIL, where NVML counts any kernel as a full GPU."""
+    busy = d.busy
+    return "-" if busy is None else f"{busy:.0%} {d.busy_source}"
+
+
 def _row(d: DeviceReading) -> tuple[str, ...]:
     gib = 1 / 2**30
     memory = (
@@ -106,6 +117,7 @@ def _row(d: DeviceReading) -> tuple[str, ...]:
         "yes" if d.up else f"no ({d.down_reason})",
         _fmt(d.utilization, ".0%"),
         memory,
+        _busy(d),
         _fmt(d.temperature_c, ".0f"),
         _fmt(d.power_w, ".0f"),
         str(len(d.processes)),

@@ -55,7 +55,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.ledger:
         check_ledger(Path(args.ledger), append=args.append)
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
-    agent = build_agent(settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step)
+    # Scenario time is not the host's: actions are only logged as dry runs.
+    agent = build_agent(
+        settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step, actions="dry_run",
+        ledger_write_behind=True,
+    )  # fmt: skip
     node = agent.node
     assert node is not None
     # Progress on a terminal only (tqdm turns itself off when stderr is not a TTY): a week at

@@ -13,12 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from agent.accounting.pricing import resolve_price
+from agent.accounting.pricing import NO_SPOT_PRICE, price_schedule
+from agent.actions import Actions, Selector, Trigger
+from agent.actions.config import TargetList
 from agent.attribution.gather import Attributor
 from agent.attribution.labels import compile_rules, rule_env_keys
 from agent.attribution.sources import open_sources
@@ -26,6 +28,7 @@ from agent.attribution.sources.base import SourceOptions
 from agent.config import Settings, host_problems, load_catalogue
 from agent.devices import create_backend
 from agent.devices.backend import DeviceBackend
+from agent.devices.events import EventBackend, EventReader
 from agent.devices.instance import detect_instance_type
 from agent.devices.pci import nvidia_gpus
 from agent.devices.sampler import Sampler
@@ -59,6 +62,8 @@ class Agent:
     pipeline: Pipeline
     textfile: TextfileWriter | None
     fake_speed: float = 0.0  # scenario seconds per real second once started (0: moved by hand)
+    actions: Actions | None = None  # the configured actions (config `actions:`), if any
+    events: EventReader | None = None  # the driver-event reader (None: events off, or no event API)
     _closed: bool = False
     _ledger_written: bool = True
 
@@ -83,6 +88,8 @@ class Agent:
         if self.node is not None and self.fake_speed:
             self.node.clock.set_speed(self.fake_speed)
         self.pipeline.start()
+        if self.events is not None:
+            self.events.start()
         if self.textfile is not None:
             self.textfile.start(self.pipeline.poll_interval_s)
 
@@ -97,13 +104,16 @@ class Agent:
         self._closed = True
         idle = self.pipeline.stop()
         self.pipeline.settle()  # time still waiting for a price is booked before the ledger closes
+        if self.actions is not None:
+            self.actions.close()
         if self.costing is not None and self.costing.sink is not None:
             # The last charges reach the ledger before anything slower.
             self._ledger_written = self.costing.sink.close()
         if self.textfile is not None:
             self.textfile.stop()  # the last poll reaches the file too
         self.attributor.close()
-        if idle:
+        events_stopped = self.events.stop() if self.events is not None else True
+        if idle and events_stopped:
             self.sampler.close()
         if self.node is not None:
             import fake_nvml
@@ -123,6 +133,9 @@ def build_agent(
     monotonic: Callable[[], float] = time.monotonic,
     costing: Costing | bool = True,
     rules: Sequence[RuleSpec] | None = None,
+    actions: Literal["on", "dry_run", "off"] = "on",
+    ledger_write_behind: bool = False,
+    wrap_backend: Callable[[DeviceBackend], DeviceBackend] | None = None,
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
 
@@ -136,6 +149,13 @@ def build_agent(
     costing        True: prices from the settings; False: no accounting; a `Costing`: that one
                    (tests and benchmarks with prices of their own)
     rules          the flag rules; by default those the settings enable
+    actions        "on": the configured actions, as configured; "dry_run": every one a dry run,
+                   with no state file (`simulate`); "off": none. On a fake node the state file
+                   is never used (a demo must not mark the host's real episodes as acted on).
+    ledger_write_behind  let each ledger flush's fsync overlap the next poll (`LedgerSink`); for
+                   `simulate`, whose polls would otherwise wait on the disk every minute of
+                   scenario time
+    wrap_backend   wraps the device backend before anything uses it (`record` keeps what it says)
     """
     problems = host_problems(settings, "gpuledger")
     if problems:
@@ -149,26 +169,38 @@ def build_agent(
         # miss a 4-hour job and book it as idle.
         interval_s = max(interval_s / fake_speed, FAKE_MIN_POLL_S)
     backend, node = _backend(fake, 0.0, settings.backend)  # the clock starts with Agent.start
+    if wrap_backend is not None:
+        backend = wrap_backend(backend)
     try:
         sys_root = str(node.host.sys_root) if node is not None else settings.sys_root
-        sampler = Sampler(backend, hostname=node_name(settings, node), pci_gpus=partial(nvidia_gpus, sys_root))
+        sampler = Sampler(
+            backend,
+            hostname=node_name(settings, node),
+            pci_gpus=partial(nvidia_gpus, sys_root),
+            busy_source=settings.accounting.busy_source,
+        )
         # The devices first (within the call budget): without a driver nothing else is built,
         # so `run` says that, and only that, in its one line.
+        specs = rule_specs(settings) if rules is None else rules
         pipeline = Pipeline(
             sampler,
             interval_s,
             monotonic=monotonic,
-            rules=rule_specs(settings) if rules is None else rules,
+            rules=specs,
             call_timeout_s=settings.watchdog.call_timeout,
             exit_after_s=settings.watchdog.exit_after,
         )
         pipeline.open_devices()
+        if settings.events.enabled and isinstance(backend, EventBackend):
+            pipeline.events = EventReader(backend, wait_s=settings.events.wait, retry_s=settings.events.retry)
         attributor = pipeline.attributor = _attributor(settings, node)
         priced: Costing | None = None
         if isinstance(costing, Costing):
             priced = costing
         elif costing:
-            priced = _costing(settings, node, ledger_path, clock or backend.clock, sampler.hostname)
+            priced = _costing(
+                settings, node, ledger_path, clock or backend.clock, sampler.hostname, ledger_write_behind
+            )
             if node is not None:
                 # On a fake node one poll interval spans `fake_speed` times as much scenario time
                 # (or, in `simulate`, one step): that is the run's normal rhythm, not a gap to
@@ -181,13 +213,18 @@ def build_agent(
 
             if isinstance(priced.sink, LedgerSink):
                 sampler.remember(priced.sink.known_gpus)  # what the GPUs go by while the driver cannot say
+        acting = _actions(settings, specs, actions, fake=node is not None, interval_s=interval_s)
+        pipeline.actions = acting
     except BaseException:
         if node is not None:
             import fake_nvml
 
             fake_nvml.uninstall()
         raise
-    agent = Agent(settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed)
+    agent = Agent(
+        settings, node, backend, sampler, attributor, priced, pipeline, None, fake_speed=fake_speed, actions=acting,
+        events=pipeline.events,
+    )  # fmt: skip
     if textfile_path:
         agent.textfile = TextfileWriter(textfile_path, lambda: pipeline.state, agent.exposition)
     return agent
@@ -217,6 +254,50 @@ def rule_specs(settings: Settings) -> list[RuleSpec]:
         for name, condition, c in configured
         if c.enabled
     ]
+
+
+# An episode decided before a restart waits this long, past its rule's `for`, for its flag to
+# raise again (at least this many polls).
+RESUME_GRACE_S = 300.0
+RESUME_GRACE_POLLS = 3
+
+
+def _actions(
+    settings: Settings, specs: Sequence[RuleSpec], mode: str, *, fake: bool, interval_s: float
+) -> Actions | None:
+    """The configured actions as the pipeline runs them; None when there are none (or "off")."""
+    config = settings.actions
+    if mode == "off" or not config.triggers:
+        return None
+    for_s = {spec.name: spec.for_s for spec in specs}
+    grace_s = max(RESUME_GRACE_S, RESUME_GRACE_POLLS * interval_s)
+    triggers = [
+        Trigger(
+            name=name,
+            flag=t.flag,
+            scope=t.scope,
+            after_s=t.after,
+            cooldown_s=t.cooldown,
+            dry_run=mode == "dry_run" or (config.dry_run if t.dry_run is None else t.dry_run),
+            allow=(_selector(config.allow), _selector(t.allow)),
+            deny=(_selector(config.deny), _selector(t.deny)),
+            resume_s=for_s.get(t.flag, 0.0) + grace_s,
+            command=tuple(t.command or ()),
+            timeout_s=t.webhook.timeout if t.webhook is not None else t.timeout,
+            env=tuple(sorted(t.env.items())),
+            pass_env=tuple(t.pass_env),
+            webhook_url=t.webhook.url if t.webhook is not None else "",
+            webhook_format=t.webhook.format if t.webhook is not None else "alertmanager",
+            webhook_headers=tuple(sorted(t.webhook.headers.items())) if t.webhook is not None else (),
+        )
+        for name, t in config.triggers.items()
+    ]
+    state_file = None if fake or mode == "dry_run" else config.state_file
+    return Actions(triggers, workers=config.workers, queue_size=config.queue_size, state_file=state_file)
+
+
+def _selector(names: TargetList) -> Selector:
+    return Selector(tuple(names.namespaces), tuple(names.hpc_jobs), tuple(names.users), tuple(names.nodes))
 
 
 def node_name(settings: Settings, node: fake_nvml.InstalledNode | None) -> str | None:
@@ -265,7 +346,9 @@ def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Att
         kubelet_interval_s=a.kubelet_interval,
         kubelet_stale_after_s=a.kubelet_stale_after,
     )
-    return Attributor(open_sources(options), rules=rules, per_pid=a.per_pid_series)
+    return Attributor(
+        open_sources(options), rules=rules, per_pid=a.per_pid_series, team_from_account=a.team_from_account
+    )
 
 
 def _costing(
@@ -274,6 +357,7 @@ def _costing(
     ledger_path: str | Path | None,
     clock: Callable[[], float],
     hostname: str,
+    write_behind: bool = False,
 ) -> Costing:
     """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger
     (which records `hostname`, the node name the charges carry)."""
@@ -283,17 +367,20 @@ def _costing(
     pricing = settings.pricing
     instance_type = node.scenario.node.instance_type if node is not None else detect_instance_type()
 
+    epochs = pricing.epochs()
+    warned: set[str] = set()  # each warning once per run, however often GPUs are priced
+
     def prices(snapshot: Snapshot) -> dict[str, Price | None]:
         # A GPU not identified yet (no name, so no model) is priced by what prices the whole
         # node, where that is set (gpu_hourly, the instance type); else it waits for its own.
         gpus = snapshot.gpus
         found = {
-            g.uuid: resolve_price(
+            g.uuid: price_schedule(
+                epochs,
                 model=g.model,
                 uuid=g.uuid,
                 gpu_count=len(gpus),
                 instance_type=instance_type,
-                pricing=pricing,
                 catalogue=catalogue,
             )
             for g in gpus
@@ -301,6 +388,14 @@ def _costing(
         for g in gpus:
             if g.discovered and found.get(g.uuid) is None:
                 log.warning("no price for GPU %d (%s): set pricing.by_model or pricing.gpu_hourly", g.index, g.model)
+        periods = [p for price in found.values() if price is not None for p in (price, *(c for _, c in price.changes))]
+        for message in sorted({p.mismatch for p in periods if p.mismatch} - warned):
+            warned.add(message)
+            log.warning("pricing: %s (set pricing.instance_type if the detected one is wrong)", message)
+        for p in periods:
+            if p.source.startswith(NO_SPOT_PRICE) and "spot" not in warned:
+                warned.add("spot")
+                log.warning("pricing: %s; add the instance type to pricing.spot_hourly", p.source.split(":")[0])
         return found
 
     sink = (
@@ -310,6 +405,7 @@ def _costing(
             clock=clock,
             node=hostname,
             max_pending_rows=settings.ledger.max_pending_rows,
+            write_behind=write_behind,
         )
         if ledger_path
         else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -30,35 +30,42 @@ class CallTimeout(Exception):
         self.budget_s = budget_s
 
 
-class _Pending(Generic[T]):
-    __slots__ = ("done", "error", "result")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.result: T | None = None
-        self.error: BaseException | None = None
-
-
 class _Thread:
-    """One worker: a daemon thread taking calls from its own queue until abandoned."""
+    """One worker: a daemon thread taking calls from its own queue until abandoned.
+
+    It runs one call at a time, so the outcome of the call in hand has one place to wait in
+    (`result` or `error`), and `done`, a lock held while a call is under way, is how the caller
+    waits for it: released by the thread when the outcome is in. One lock for the thread's
+    life rather than an Event per call, whose Condition costs the caller an extra wake-up
+    (woken by the notify, it then waits for the notifier to let go of the Condition's lock).
+    """
 
     def __init__(self, name: str) -> None:
-        self.jobs: queue.SimpleQueue[tuple[Callable[[], object], _Pending[object]] | None] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self.abandoned = False
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.result: object = None
+        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         while not self.abandoned:
-            job = self.jobs.get()
-            if job is None:
+            work = self.jobs.get()
+            if work is None:
                 return
-            work, pending = job
             try:
-                pending.result = work()
+                self.result = work()
             except BaseException as exc:  # handed to the caller, who decides
-                pending.error = exc
-            pending.done.set()
+                self.error = exc
+            self.done.release()
+
+    def outcome(self) -> tuple[object, BaseException | None]:
+        """The finished call's result and error, which the thread then forgets."""
+        result, error = self.result, self.error
+        self.result = self.error = None
+        return result, error
 
 
 class Worker:
@@ -85,16 +92,16 @@ class Worker:
             self._started += 1
             self._current = _Thread(f"{self._name}-{self._started}")
         worker = self._current
-        pending: _Pending[T] = _Pending()
-        worker.jobs.put((work, pending))  # type: ignore[arg-type]  # one queue carries every T
-        if not pending.done.wait(budget_s):
+        worker.jobs.put(work)
+        if not worker.done.acquire(timeout=budget_s):
             worker.abandoned = True
             self._parked.append(worker)
             self._current = None
             raise CallTimeout(budget_s)
-        if pending.error is not None:
-            raise pending.error
-        return pending.result  # type: ignore[return-value]  # set when no error was
+        result, error = worker.outcome()
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]  # the thread ran `work`, which returns a T
 
     def close(self) -> None:
         """Let the current worker end; parked ones end when their call returns."""

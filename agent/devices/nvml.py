@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -37,6 +39,8 @@ from agent.devices.backend import (
     ReadResult,
     UtilizationSample,
 )
+from agent.devices.events import DeviceEvent, EventKind
+from agent.model import Activity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -160,6 +164,17 @@ class _Sample(ctypes.Structure):
     _fields_ = pynvml.c_nvmlSample_t._fields_
 
 
+# nvmlProcessUtilizationSample_t as struct sees it: pid, timeStamp, smUtil, memUtil, encUtil,
+# decUtil, with the C struct's alignment (a test holds it to the ctypes layout).
+_SAMPLE_FORMAT = "IQIIII"
+_SAMPLE_FIELDS = len(_SAMPLE_FORMAT)
+
+
+@functools.lru_cache(maxsize=64)
+def _samples_layout(count: int) -> struct.Struct:
+    return struct.Struct("@" + _SAMPLE_FORMAT * count)
+
+
 class _ProcessInfo(ctypes.Structure):
     # nvmlProcessInfo_v2_t; v3 of the call returns the same struct.
     _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
@@ -195,6 +210,15 @@ _VALUE_MEMBERS = {
     pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
     pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
 }
+
+
+_WIDEST = "ullVal"
+
+
+def _field_value(item: _FieldValue, value: ctypes.Union) -> float:
+    """A field's value, from the union member its type names (an unknown type reads as
+    unsigned long long, the widest)."""
+    return float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
 
 
 class _FieldRequest:
@@ -270,6 +294,132 @@ class _Device:
         self.celsius = ctypes.c_uint()
 
 
+class _EventData(ctypes.Structure):
+    _fields_ = pynvml.c_nvmlEventData_t._fields_
+
+
+class _EventSet:
+    """An NVML event set, and the token each device on it was registered with, by the address
+    of its handle (what an event's `device` holds)."""
+
+    __slots__ = ("pointer", "tokens")
+
+    def __init__(self, pointer: Any) -> None:
+        self.pointer = pointer
+        self.tokens: dict[int, int] = {}
+
+
+# nvmlEventType* for each kind of event agent/devices/events.py reads.
+_EVENT_TYPES = {
+    EventKind.XID: pynvml.nvmlEventTypeXidCriticalError,
+    EventKind.SINGLE_BIT_ECC: pynvml.nvmlEventTypeSingleBitEccError,
+    EventKind.DOUBLE_BIT_ECC: pynvml.nvmlEventTypeDoubleBitEccError,
+    EventKind.CLOCK_CHANGE: pynvml.nvmlEventTypeClock,
+}
+
+
+def _address(pointer: Any) -> int:
+    return ctypes.cast(pointer, ctypes.c_void_p).value or 0
+
+
+class _NvmlEvents:
+    """The driver's event API, as `agent.devices.events.EventBackend` (the reader's thread)."""
+
+    def supported_events(self, handle: Handle) -> frozenset[EventKind]:
+        call = "nvmlDeviceGetSupportedEventTypes"
+        mask = _call(call, pynvml.nvmlDeviceGetSupportedEventTypes, handle.handle)
+        return frozenset(kind for kind, bit in _EVENT_TYPES.items() if mask & bit)
+
+    def open_event_set(self) -> Any:
+        return _EventSet(_call("nvmlEventSetCreate", pynvml.nvmlEventSetCreate))
+
+    def register_events(self, event_set: Any, handle: Handle, kinds: frozenset[EventKind], token: int) -> None:
+        mask = 0
+        for kind in kinds:
+            mask |= _EVENT_TYPES[kind]
+        _call("nvmlDeviceRegisterEvents", pynvml.nvmlDeviceRegisterEvents, handle.handle, mask, event_set.pointer)
+        event_set.tokens[_address(handle.handle)] = token
+
+    def wait_event(self, event_set: Any, timeout_s: float) -> DeviceEvent | None:
+        # As pynvml's nvmlEventSetWait_v2 calls it, but a timeout is an answer here, not an error.
+        call = "nvmlEventSetWait"
+        data = _EventData()
+        timeout_ms = ctypes.c_uint(max(0, round(timeout_s * 1000)))
+        code = _function(call, "nvmlEventSetWait_v2")(event_set.pointer, ctypes.byref(data), timeout_ms)
+        if code == pynvml.NVML_ERROR_TIMEOUT:
+            return None
+        _check(call, code)
+        kind = next((kind for kind, bit in _EVENT_TYPES.items() if data.eventType & bit), None)
+        if kind is None:
+            return None  # a type nobody asked for
+        return DeviceEvent(event_set.tokens.get(_address(data.device)), kind, int(data.eventData))
+
+    def close_event_set(self, event_set: Any) -> None:
+        # Freeing a set of a driver that is gone is not worth reporting.
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlEventSetFree(event_set.pointer)
+
+
+class _GpmMetricsGet(ctypes.Structure):
+    """pynvml's c_nvmlGpmMetricsGet_t layout in a plain struct (see _FieldValue for why)."""
+
+    _fields_ = pynvml.c_nvmlGpmMetricsGet_t._fields_
+
+
+# The GPM metrics read, in Activity's field order (NVML_GPM_METRIC_*): graphics activity, SM
+# activity, SM occupancy, tensor activity (any tensor op), DRAM bandwidth.
+_GPM_METRICS = (
+    getattr(pynvml, "NVML_GPM_METRIC_GRAPHICS_UTIL", 1),
+    getattr(pynvml, "NVML_GPM_METRIC_SM_UTIL", 2),
+    getattr(pynvml, "NVML_GPM_METRIC_SM_OCCUPANCY", 3),
+    getattr(pynvml, "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 5),
+    getattr(pynvml, "NVML_GPM_METRIC_DRAM_BW_UTIL", 10),
+)
+
+
+class _NvmlActivity:
+    """GPU Performance Monitoring (Hopper and later, R520 drivers on), as
+    `agent.devices.activity.ActivityBackend`: SM, tensor and DRAM activity between two samples."""
+
+    _gpm_request: _GpmMetricsGet | None = None
+
+    def activity_supported(self, handle: Handle) -> bool:
+        support = _call("nvmlGpmQueryDeviceSupport", pynvml.nvmlGpmQueryDeviceSupport, handle.handle)
+        return bool(support.isSupportedDevice)
+
+    def new_activity_sample(self) -> Any:
+        return _call("nvmlGpmSampleAlloc", pynvml.nvmlGpmSampleAlloc)
+
+    def take_activity_sample(self, handle: Handle, sample: Any, gpu_instance_id: int | None) -> None:
+        if gpu_instance_id is None:
+            _call("nvmlGpmSampleGet", pynvml.nvmlGpmSampleGet, handle.handle, sample)
+        else:
+            _call("nvmlGpmMigSampleGet", pynvml.nvmlGpmMigSampleGet, handle.handle, gpu_instance_id, sample)
+
+    def activity_between(self, earlier: Any, later: Any) -> Activity:
+        call = "nvmlGpmMetricsGet"
+        request = self._gpm_request
+        if request is None:
+            # One request struct, reused: it holds room for every metric NVML knows (tens of KB).
+            request = self._gpm_request = _GpmMetricsGet()
+            request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(_GPM_METRICS)
+            for slot, metric_id in enumerate(_GPM_METRICS):
+                request.metrics[slot].metricId = metric_id
+        request.sample1, request.sample2 = earlier, later
+        _check(call, _function(call, call)(ctypes.byref(request)))
+        values: list[float | None] = []
+        for slot in range(len(_GPM_METRICS)):
+            metric = request.metrics[slot]
+            # GPM reports percent; the seam carries fractions.
+            values.append(metric.value / 100 if metric.nvmlReturn == pynvml.NVML_SUCCESS else None)
+        return Activity(*values)
+
+    def free_activity_sample(self, sample: Any) -> None:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlGpmSampleFree(sample)
+
+
 def mig_profile_from_name(name: str) -> str:
     """NVML names a MIG device after its GPU and its profile: "NVIDIA A100-SXM4-80GB MIG 3g.40gb"
     -> "3g.40gb" (also "1c.3g.40gb" for a compute instance smaller than its GPU instance)."""
@@ -277,8 +427,9 @@ def mig_profile_from_name(name: str) -> str:
     return profile if sep else ""
 
 
-class NvmlBackend:
-    """NVML as the sampler uses it. `clock` is the backend's clock in unix seconds."""
+class NvmlBackend(_NvmlEvents, _NvmlActivity):
+    """NVML as the sampler uses it, and as the event reader does (`_NvmlEvents`). `clock` is the
+    backend's clock in unix seconds."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
@@ -440,8 +591,9 @@ class NvmlBackend:
         returns the keys left for single calls."""
         call = "nvmlDeviceGetFieldValues"
         keys = plan.batched
+        request = plan.request
         try:
-            results = self._request(handle, plan.request)
+            self._send(handle, request)
         except ReadingNotSupported as exc:
             log.info("field values are not available (%s): reading one call per value", exc.error)
             self._field_values = False
@@ -452,9 +604,12 @@ class NvmlBackend:
             errors.update(dict.fromkeys(keys, exc))
             return []
         left: list[ReadingKey] = []
-        for key, (value, code) in zip(keys, results, strict=True):
-            if code is None:
-                values[key] = float(bool(value)) if key.quantity is Quantity.NVLINK_UP else _from_milli(value)
+        for key, item, value in zip(keys, request.items, request.values, strict=True):
+            code = item.nvmlReturn
+            if code == pynvml.NVML_SUCCESS:
+                # `_field_value`, inline: a dozen fields per GPU every poll.
+                raw = float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
+                values[key] = float(bool(raw)) if key.quantity is Quantity.NVLINK_UP else _from_milli(raw)
                 continue
             failure = _error(call, code)
             if isinstance(failure, (DeviceLost, DriverUnavailable)):
@@ -533,21 +688,21 @@ class NvmlBackend:
         """One field-values call: per field (value, None), or (0.0, its NVML return code)."""
         return self._request(handle, _FieldRequest(fields))
 
+    @classmethod
+    def _request(cls, handle: _Device, request: _FieldRequest) -> list[tuple[float, int | None]]:
+        cls._send(handle, request)
+        return [
+            (_field_value(item, value), None) if item.nvmlReturn == pynvml.NVML_SUCCESS else (0.0, item.nvmlReturn)
+            for item, value in zip(request.items, request.values, strict=True)
+        ]
+
     @staticmethod
-    def _request(handle: _Device, request: _FieldRequest) -> list[tuple[float, int | None]]:
+    def _send(handle: _Device, request: _FieldRequest) -> None:
+        """One field-values call; each field's outcome is then in `request.items`."""
         call = "nvmlDeviceGetFieldValues"
         array = request.array
         ctypes.memmove(array, request.template, len(request.template))
         _check(call, _function(call, call)(handle.handle, request.length, ctypes.byref(array)))
-        results: list[tuple[float, int | None]] = []
-        for item, value in zip(request.items, request.values, strict=True):
-            code = item.nvmlReturn
-            if code != pynvml.NVML_SUCCESS:
-                results.append((0.0, code))
-            else:
-                # An unknown type reads as unsigned long long, the widest member.
-                results.append((float(getattr(value, _VALUE_MEMBERS.get(item.valueType, "ullVal"))), None))
-        return results
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
         """Compute processes with their memory, through the newest call version the driver has."""
@@ -611,7 +766,10 @@ class NvmlBackend:
             if code == pynvml.NVML_ERROR_NOT_FOUND:
                 return []
             _check(call, code)
-            return [(s.pid, s.timeStamp, s.smUtil) for s in buffer[: count.value]]
+            # The samples as one unpack of the buffer (pid, time stamp, SM utilization of each):
+            # a busy GPU has dozens a poll, and three ctypes attribute reads each cost more.
+            flat = _samples_layout(count.value).unpack_from(buffer)
+            return list(zip(flat[0::_SAMPLE_FIELDS], flat[1::_SAMPLE_FIELDS], flat[2::_SAMPLE_FIELDS], strict=True))
         raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")
 
     def utilization_samples(self, handle: Handle, since_us: int) -> list[UtilizationSample]:

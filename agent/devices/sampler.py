@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
+from agent.devices.activity import ActivityBackend, ActivityMeter
 from agent.devices.backend import (
     DeviceBackend,
     DeviceError,
@@ -29,7 +30,17 @@ from agent.devices.backend import (
     ReadingKey,
     ReadingNotSupported,
 )
-from agent.model import DeviceReading, NodeInfo, NvLinkReading, ProcessReading, Snapshot, provisional_uuid
+from agent.model import (
+    BUSY_GPM,
+    BUSY_NVML,
+    Activity,
+    DeviceReading,
+    NodeInfo,
+    NvLinkReading,
+    ProcessReading,
+    Snapshot,
+    provisional_uuid,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,6 +56,9 @@ REINIT_BACKOFF_FIRST_S = 5.0
 # sample of it is taken to be lost.
 MIN_RING_SAMPLES = 20
 REINIT_BACKOFF_MAX_S = 300.0
+# What a device's "busy" figure is measured by (`accounting.busy_source`): GPM's SM activity where
+# the device has it, else NVML's utilization ("auto"); only NVML's; or only GPM's.
+BUSY_POLICIES = ("auto", "nvml", "gpm")
 
 _UTILIZATION = ReadingKey(Quantity.UTILIZATION)
 _MEMORY_USED = ReadingKey(Quantity.MEMORY_USED)
@@ -78,6 +92,7 @@ class _Mig:
     compute_instance_id: int | None
     sm_count: int | None
     unsupported: Unsupported = field(default_factory=Unsupported)
+    activity: ActivityMeter | None = None
 
 
 @dataclass
@@ -118,6 +133,7 @@ class _Gpu:
     lost_reason: str | None = None
     retry_at: float = 0.0
     retry_backoff_s: float = REINIT_BACKOFF_FIRST_S
+    activity: ActivityMeter | None = None  # GPM, where the GPU has it
     # Static facts that failed at discovery (other than NOT_SUPPORTED): read again, with
     # backoff, while the GPU is polled as usual.
     missing: set[str] = field(default_factory=set)
@@ -164,8 +180,13 @@ class Sampler:
         backend: DeviceBackend,
         hostname: str | None = None,
         pci_gpus: Callable[[], Sequence[str]] | None = None,
+        busy_source: str = "auto",
     ) -> None:
+        if busy_source not in BUSY_POLICIES:
+            raise ValueError(f"busy_source must be one of {', '.join(BUSY_POLICIES)}, got {busy_source!r}")
         self.backend = backend
+        self.busy_policy = busy_source
+        self._activity_backend = backend if isinstance(backend, ActivityBackend) else None
         self.hostname = hostname or socket.gethostname()
         self.errors: Counter[tuple[str, str]] = Counter()
         self._gpus: list[_Gpu] = []
@@ -210,6 +231,8 @@ class Sampler:
 
     def close(self) -> None:
         if self._initialised:
+            for meter in self._meters():
+                meter.close()
             self.backend.shutdown()
             self._initialised = False
 
@@ -311,6 +334,7 @@ class Sampler:
         gpu = _Gpu(index=index, handle=handle, uuid=uuid, name=name)
         gpu.mig_enabled = bool(self._optional(uuid, "mig_mode", lambda: b.mig_enabled(handle)))
         self._read_facts(gpu, now, ("pci", "power_limit", "sm_count", "nvlink_count"))
+        gpu.activity = self._meter(gpu, handle, None)
         if gpu.mig_enabled:
             gpu.migs = [self._discover_mig(gpu, slot, mig_handle) for slot, mig_handle in b.mig_handles(handle)]
         if gpu.migs:
@@ -368,7 +392,7 @@ class Sampler:
     def _discover_mig(self, gpu: _Gpu, slot: int, handle: Handle) -> _Mig:
         b = self.backend
         uuid = b.uuid(handle)
-        return _Mig(
+        mig = _Mig(
             slot=slot,
             handle=handle,
             uuid=uuid,
@@ -378,6 +402,59 @@ class Sampler:
             compute_instance_id=self._optional(uuid, "compute instance", lambda: b.compute_instance_id(handle)),
             sm_count=self._optional(uuid, "sm_count", lambda: b.sm_count(handle)),
         )
+        if gpu.activity is not None and mig.gpu_instance_id is not None and self._activity_backend is not None:
+            # A MIG instance's activity is sampled through its GPU, naming the GPU instance.
+            mig.activity = ActivityMeter(self._activity_backend, gpu.handle, mig.gpu_instance_id)
+        return mig
+
+    def _meter(self, gpu: _Gpu, handle: Handle, gpu_instance_id: int | None) -> ActivityMeter | None:
+        """An activity meter for a GPU that has GPM; None (logged once) for one that has not."""
+        activity = self._activity_backend
+        supported = activity is not None and self._optional(
+            gpu.uuid, "activity (GPM)", lambda: activity.activity_supported(handle)
+        )
+        if not supported or activity is None:
+            if self.busy_policy == "gpm":
+                log.warning(
+                    "GPU %d (%s) has no GPM activity (Hopper or later, driver R520 or later): with "
+                    "busy_source gpm it has no busy figure", gpu.index, gpu.uuid,
+                )  # fmt: skip
+            return None
+        return ActivityMeter(activity, handle, gpu_instance_id)
+
+    def _meters(self) -> list[ActivityMeter]:
+        meters = [g.activity for g in self._gpus] + [m.activity for g in self._gpus for m in g.migs]
+        return [m for m in meters if m is not None]
+
+    def _busy_source(self, unsupported: Unsupported, meter: ActivityMeter | None, nvml: bool) -> str:
+        """Which figure is the device's "busy": SM activity where it has GPM and the policy allows,
+        else NVML's utilization where it has that (whole GPUs) and the policy allows."""
+        if meter is not None and "activity" not in unsupported and self.busy_policy != "nvml":
+            return BUSY_GPM
+        return BUSY_NVML if nvml and self.busy_policy != "gpm" else ""
+
+    def _activity(self, where: str, unsupported: Unsupported, meter: ActivityMeter | None) -> Activity | None:
+        """The device's activity since the previous poll: learned unsupported once, counted
+        when it fails otherwise; None at a device's first poll."""
+        if meter is None or "activity" in unsupported:
+            return None
+
+        def failed(exc: DeviceError) -> None:
+            self._count(exc)
+            log.debug("%s: reading activity failed: %s", where, exc)
+
+        try:
+            activity = meter.read(failed)
+        except ReadingNotSupported as exc:
+            if "activity" in unsupported.worked:
+                self._count(exc)
+                return None
+            unsupported.add("activity")
+            log.info("%s: activity (GPM) is not supported (%s); not asking again", where, exc.error)
+            return None
+        if activity is not None:
+            unsupported.worked.add("activity")
+        return activity
 
     def _optional(self, key: str, what: str, read: Callable[[], T]) -> T | None:
         """A discovery-time reading the device may not have: None, logged once, when it doesn't."""
@@ -470,6 +547,10 @@ class Sampler:
         self._count(exc)
         gpu.lost_reason = exc.error
         self._back_off(gpu, now)
+        # Activity resumes with a fresh interval: the one spanning the loss is not measured.
+        for meter in (gpu.activity, *(m.activity for m in gpu.migs)):
+            if meter is not None:
+                meter.restart()
         return _down(gpu, exc.error)
 
     def _read_gpu(self, position: int, gpu: _Gpu, now: float) -> list[DeviceReading]:
@@ -548,13 +629,14 @@ class Sampler:
     def _read_healthy(self, gpu: _Gpu) -> list[DeviceReading]:
         where = f"GPU {gpu.index} ({gpu.uuid})"
         values = self._read(where, gpu.unsupported, gpu.handle, gpu.keys)
-        links = tuple(_nvlink(link, bool(values[key])) for key, link in gpu.links if key in values)
+        links = tuple([_nvlink(link, bool(values[key])) for key, link in gpu.links if key in values])
         if gpu.migs:
             return self._read_mig_gpu(gpu, where, values, links)
         memory_used = values.get(_MEMORY_USED)
         memory_total = values.get(_MEMORY_TOTAL)
         processes = self._whole_gpu_processes(gpu, where)
         interval_utilization = self._interval_utilization(gpu, where)
+        activity = self._activity(where, gpu.unsupported, gpu.activity)
         return [
             DeviceReading(
                 index=gpu.index,
@@ -575,6 +657,8 @@ class Sampler:
                 processes=processes or (),
                 processes_known=processes is not None,
                 interval_utilization=interval_utilization,
+                activity=activity,
+                busy_source=self._busy_source(gpu.unsupported, gpu.activity, nvml=True),
             )
         ]
 
@@ -634,6 +718,7 @@ class Sampler:
     ) -> list[DeviceReading]:
         memory = [self._read(f"{where} MIG {m.slot}", m.unsupported, m.handle, _MEMORY) for m in gpu.migs]
         processes = self._mig_processes(gpu, where)
+        activity = [self._activity(f"{where} MIG {m.slot}", m.unsupported, m.activity) for m in gpu.migs]
         used = [m.get(_MEMORY_USED) for m in memory]
         parent = DeviceReading(
             index=gpu.index,
@@ -651,9 +736,11 @@ class Sampler:
             power_limit_w=gpu.power_limit_w,
             energy_j=values.get(_ENERGY),
             nvlinks=links,
+            activity=self._activity(where, gpu.unsupported, gpu.activity),
+            busy_source=self._busy_source(gpu.unsupported, gpu.activity, nvml=True),
         )
         readings = [parent]
-        for mig, mig_memory in zip(gpu.migs, memory, strict=True):
+        for mig, mig_memory, mig_activity in zip(gpu.migs, memory, activity, strict=True):
             mig_used = mig_memory.get(_MEMORY_USED)
             mig_total = mig_memory.get(_MEMORY_TOTAL)
             readings.append(
@@ -672,6 +759,9 @@ class Sampler:
                     memory_total_bytes=None if mig_total is None else int(mig_total),
                     processes=processes.get(mig.slot) or (),
                     processes_known=processes.get(mig.slot) is not None,
+                    activity=mig_activity,
+                    # NVML has no utilization of a MIG instance: GPM's SM activity, or nothing.
+                    busy_source=self._busy_source(mig.unsupported, mig.activity, nvml=False),
                 )
             )
         return readings
@@ -721,21 +811,17 @@ class Sampler:
         if samples is None:
             return None
         # A busy GPU gives thousands of samples a poll: one dict lookup per sample.
+        fresh = [sample for sample in samples if sample[1] > since]
         by_pid: defaultdict[int, list[int]] = defaultdict(list)
-        oldest: dict[int, int] = {}
-        stamps: set[int] = set()
-        for pid, stamp_us, util in samples:
-            if stamp_us > since:
-                by_pid[pid].append(util)
-                stamps.add(stamp_us)
-                if stamp_us < oldest.get(pid, stamp_us + 1):
-                    oldest[pid] = stamp_us
+        for pid, _stamp_us, util in fresh:
+            by_pid[pid].append(util)
+        stamps = {stamp_us for _pid, stamp_us, _util in fresh}
         gpu.last_seen_us = max(since, max(stamps, default=since))
         ordered = sorted(stamps)
         gaps = [b - a for a, b in itertools.pairwise(ordered) if b > a]
         if gaps:
             gpu.sample_period_us = min(*gaps, gpu.sample_period_us or min(gaps))
-        gpu.samples_kept = max(gpu.samples_kept, max((len(u) for u in by_pid.values()), default=0))
+        gpu.samples_kept = max(gpu.samples_kept, max(map(len, by_pid.values()), default=0))
         period_us, kept = gpu.sample_period_us, gpu.samples_kept
         if not period_us or gpu.previous_poll_at is None or gpu.poll_at is None:
             # Sum whole percents and divide once: a steady 92% reads 0.92, not 0.9200000000000002.
@@ -748,7 +834,8 @@ class Sampler:
             if kept >= MIN_RING_SAMPLES and len(utils) >= kept and interval_periods > kept:
                 # A full ring over an interval longer than it: older samples may be gone, so
                 # only the span its samples cover (oldest to now) is known.
-                periods = min(periods, (now_us - oldest[pid]) / period_us + 1)
+                oldest_us = min(stamp_us for other, stamp_us, _util in fresh if other == pid)
+                periods = min(periods, (now_us - oldest_us) / period_us + 1)
             found[pid] = min(sum(utils) / max(periods, len(utils)) / 100, 1.0)
         return found
 

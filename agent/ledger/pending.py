@@ -15,8 +15,9 @@ from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple
 
-from agent.ledger.schema import GPU_MEASURES, IDLE_MEASURES, PRICED_MEASURES, WORKLOAD_MEASURES
-from agent.model import Charges, GpuCharge, IdleCharge, Workload
+from agent.accounting import sketch
+from agent.ledger.schema import GPU_MEASURES, IDLE_MEASURES, PRICE_ATTRIBUTES, PRICED_MEASURES, WORKLOAD_MEASURES
+from agent.model import Charges, GpuCharge, IdleCharge, UnitUsage, Workload
 
 log = logging.getLogger("gpuledger.ledger")
 
@@ -39,9 +40,17 @@ class _WorkloadHour(NamedTuple):
     gpu: int
     uuid: str
     workload: Workload
+    account: str = ""
 
     def columns(self) -> dict[str, object]:
-        return {"hour": self.hour, "node": self.node, "gpu": self.gpu, "uuid": self.uuid, **self.workload.label_dict()}
+        return {
+            "hour": self.hour,
+            "node": self.node,
+            "gpu": self.gpu,
+            "uuid": self.uuid,
+            **self.workload.label_dict(),
+            "account": self.account,
+        }
 
 
 class _GpuHour(NamedTuple):
@@ -53,6 +62,82 @@ class _GpuHour(NamedTuple):
 
     def columns(self) -> dict[str, object]:
         return {"hour": self.hour, "node": self.node, "uuid": self.uuid}
+
+
+class _SizingHour(NamedTuple):
+    """The key of a pending sizing row: a workload and the kind of unit it holds, in one hour."""
+
+    hour: int
+    node: str
+    workload: Workload
+    gpu_model: str
+    mig_profile: str
+
+    def columns(self) -> dict[str, object]:
+        return {
+            "hour": self.hour,
+            "node": self.node,
+            **self.workload.label_dict(),
+            "gpu_model": self.gpu_model,
+            "mig_profile": self.mig_profile,
+        }
+
+
+@dataclass(slots=True)
+class _PendingSizing:
+    """A pending sizing_hours row (see schema.py, version 6)."""
+
+    memory_total_bytes: float | None = None
+    busy_source: str = ""
+    held_s: float = 0.0
+    busy_s: float = 0.0
+    measured_s: float = 0.0
+    memory_s: float = 0.0
+    peak_memory_bytes: float | None = None
+    max_units: int = 0
+    busy_sketch: sketch.Sketch = field(default_factory=dict)
+    memory_sketch: sketch.Sketch = field(default_factory=dict)
+
+    def add(self, usage: UnitUsage, unit_s: float) -> None:
+        if usage.memory_total_bytes is not None:
+            self.memory_total_bytes = float(usage.memory_total_bytes)
+        self.held_s += unit_s
+        if usage.busy is not None:
+            self.busy_source = usage.busy_source or self.busy_source
+            self.busy_s += usage.busy * unit_s
+            self.measured_s += unit_s
+            sketch.add(self.busy_sketch, sketch.busy_bucket(usage.busy), unit_s)
+        if usage.memory_bytes is not None:
+            self.memory_s += unit_s
+            self.peak_memory_bytes = max(self.peak_memory_bytes or 0.0, float(usage.memory_bytes))
+            sketch.add(self.memory_sketch, sketch.memory_bucket(usage.memory_bytes), unit_s)
+
+    def absorb(self, later: _PendingSizing) -> None:
+        self.memory_total_bytes = later.memory_total_bytes or self.memory_total_bytes
+        self.busy_source = later.busy_source or self.busy_source
+        self.held_s += later.held_s
+        self.busy_s += later.busy_s
+        self.measured_s += later.measured_s
+        self.memory_s += later.memory_s
+        if later.peak_memory_bytes is not None:
+            self.peak_memory_bytes = max(self.peak_memory_bytes or 0.0, later.peak_memory_bytes)
+        self.max_units = max(self.max_units, later.max_units)
+        sketch.merge(self.busy_sketch, later.busy_sketch)
+        sketch.merge(self.memory_sketch, later.memory_sketch)
+
+    def columns(self) -> dict[str, object]:
+        return {
+            "memory_total_bytes": self.memory_total_bytes,
+            "busy_source": self.busy_source,
+            "held_s": self.held_s,
+            "busy_s": self.busy_s,
+            "measured_s": self.measured_s,
+            "memory_s": self.memory_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "max_units": self.max_units,
+            "busy_sketch": sketch.encode(self.busy_sketch),
+            "memory_sketch": sketch.encode(self.memory_sketch),
+        }
 
 
 # Measure name -> the pending sum (None: a priced measure nothing priced has reached yet).
@@ -91,9 +176,24 @@ class _PendingGpu:
     dollars_per_hour: float
     sums: Sums = field(default_factory=dict)
     idle_by: dict[Workload, Sums] = field(default_factory=dict)
+    purchase: str = ""
+    price_source: str = ""
 
     def columns(self) -> dict[str, object]:
-        return {"gpu": self.gpu, "model": self.model, "dollars_per_hour": self.dollars_per_hour}
+        return {"gpu": self.gpu, "model": self.model, **self.price()}
+
+    def price(self) -> dict[str, object]:
+        """The price columns (PRICE_ATTRIBUTES); '' is stored as NULL: not known."""
+        return {
+            "dollars_per_hour": self.dollars_per_hour,
+            "purchase": self.purchase or None,
+            "price_source": self.price_source or None,
+        }
+
+    def update(self, gpu: int, model: str, dollars_per_hour: float, purchase: str, price_source: str) -> None:
+        """The GPU's attributes as a later charge gives them (the latest in the hour wins)."""
+        self.gpu, self.model, self.dollars_per_hour = gpu, model, dollars_per_hour
+        self.purchase, self.price_source = purchase, price_source
 
     def add_idle(self, idle_by: dict[Workload, Sums]) -> None:
         for left_by, sums in idle_by.items():
@@ -124,7 +224,9 @@ def hour_shares(start: float, end: float) -> list[tuple[int, float]]:
 
 
 def _finite(values: Sequence[float | None]) -> bool:
-    return all(v is None or math.isfinite(v) for v in values)
+    # None and 0 are dropped by filter (both fine); NaN and infinities are truthy and stay. In
+    # C, without a generator frame per value: every charge's figures pass through here.
+    return all(map(math.isfinite, filter(None, values)))
 
 
 @dataclass(slots=True)
@@ -135,10 +237,17 @@ class Batch:
     gpu_rows: dict[_GpuHour, _PendingGpu] = field(default_factory=dict)
     first_at: float | None = None
     last_at: float | None = None
+    sizing_rows: dict[_SizingHour, _PendingSizing] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
+        # Sizing rows are not counted: a workload has one per kind of unit it holds, never more
+        # than its workload rows of the hour, and they are dropped with their hour.
         return len(self.workload_rows) + len(self.gpu_rows)
+
+    def sizing_columns(self) -> list[dict[str, object]]:
+        """The sizing_hours rows, as UPSERT_SIZING takes them."""
+        return [key.columns() | p.columns() for key, p in self.sizing_rows.items()]
 
     def dollars(self) -> float:
         """What these rows would add to `report`'s TOTAL: workload dollars plus idle dollars."""
@@ -146,6 +255,16 @@ class Batch:
             [s.get("dollars") or 0.0 for s in self.workload_rows.values()]
             + [p.sums.get("idle_dollars") or 0.0 for p in self.gpu_rows.values()]
         )
+
+    def workload_prices(self) -> dict[_WorkloadHour, dict[str, object]]:
+        """The price columns of each workload row: its GPU's in the same hour (a GPU's row and
+        its workloads' rows are added, dropped and restored together)."""
+        gpus = {(k.hour, k.node, p.gpu): p for k, p in self.gpu_rows.items()}
+        unknown = dict.fromkeys(PRICE_ATTRIBUTES)
+        return {
+            key: found.price() if (found := gpus.get((key.hour, key.node, key.gpu))) is not None else unknown
+            for key in self.workload_rows
+        }
 
     def nodes(self) -> set[str]:
         return {key.node for key in self.gpu_rows} | {key.node for key in self.workload_rows}
@@ -178,9 +297,15 @@ class Batch:
             if earlier is None:
                 self.gpu_rows[gpu_key] = later
             else:
-                earlier.gpu, earlier.model, earlier.dollars_per_hour = later.gpu, later.model, later.dollars_per_hour
+                earlier.update(later.gpu, later.model, later.dollars_per_hour, later.purchase, later.price_source)
                 _add_sums(earlier.sums, later.sums.keys(), later.sums.values())
                 earlier.add_idle(later.idle_by)
+        for sizing_key, newer_sizing in newer.sizing_rows.items():
+            older_sizing = self.sizing_rows.get(sizing_key)
+            if older_sizing is None:
+                self.sizing_rows[sizing_key] = newer_sizing
+            else:
+                older_sizing.absorb(newer_sizing)
         if newer.first_at is not None and newer.last_at is not None:
             self.cover(newer.first_at, newer.last_at)
 
@@ -189,11 +314,14 @@ class Batch:
         taken = Batch(
             {k: v for k, v in self.workload_rows.items() if k.hour == hour},
             {k: v for k, v in self.gpu_rows.items() if k.hour == hour},
+            sizing_rows={k: v for k, v in self.sizing_rows.items() if k.hour == hour},
         )
         for key in taken.workload_rows:
             del self.workload_rows[key]
         for gpu_key in taken.gpu_rows:
             del self.gpu_rows[gpu_key]
+        for sizing_key in taken.sizing_rows:
+            del self.sizing_rows[sizing_key]
         if not self.rows:
             self.first_at = self.last_at = None
         elif self.first_at is not None and self.last_at is not None:
@@ -264,7 +392,7 @@ class PendingCharges:
                     self._reject(f"workload charge {wc.workload.describe()} on {wc.uuid}: {measures}")
                     continue
                 for hour, share in shares:
-                    key = _WorkloadHour(hour, node, wc.gpu, wc.uuid, wc.workload)
+                    key = _WorkloadHour(hour, node, wc.gpu, wc.uuid, wc.workload, wc.account)
                     _add_sums(batch.workload_rows.setdefault(key, {}), WORKLOAD_MEASURES, measures, share)
             for gc in charges.gpus:
                 gpu_measures: tuple[float | None, ...] = _gpu_measures(gc)
@@ -275,13 +403,16 @@ class PendingCharges:
                     gpu_key = _GpuHour(hour, node, gc.uuid)
                     pending = batch.gpu_rows.get(gpu_key)
                     if pending is None:
-                        pending = batch.gpu_rows[gpu_key] = _PendingGpu(gc.gpu, gc.model, gc.dollars_per_hour)
+                        pending = batch.gpu_rows[gpu_key] = _PendingGpu(
+                            gc.gpu, gc.model, gc.dollars_per_hour, purchase=gc.purchase, price_source=gc.price_source
+                        )
                     else:
-                        pending.gpu, pending.model, pending.dollars_per_hour = gc.gpu, gc.model, gc.dollars_per_hour
+                        pending.update(gc.gpu, gc.model, gc.dollars_per_hour, gc.purchase, gc.price_source)
                     _add_sums(pending.sums, GPU_MEASURES, gpu_measures, share)
                     for idle in idle_parts(gc):
                         sums = pending.idle_by.setdefault(idle.left_by, {})
                         _add_sums(sums, IDLE_MEASURES, _idle_measures(idle), share)
+            _add_usage(batch, charges, shares)
             if charges.workloads or charges.gpus:
                 batch.cover(charges.start, charges.end)
             self._cap()
@@ -307,7 +438,11 @@ class PendingCharges:
         # Called with the lock held. Drops whole hours, oldest first, until the rows fit.
         batch = self._batch
         while batch.rows > self.max_rows:
-            oldest = min([key.hour for key in batch.gpu_rows] + [key.hour for key in batch.workload_rows])
+            oldest = min(
+                [key.hour for key in batch.gpu_rows]
+                + [key.hour for key in batch.workload_rows]
+                + [key.hour for key in batch.sizing_rows]
+            )
             dropped = batch.take_hour(oldest)
             dollars = dropped.dollars()
             self._dropped_rows += dropped.rows
@@ -331,6 +466,26 @@ class PendingCharges:
             log.warning(
                 "ledger %s: refusing %s (not finite or too long); further refusals are only counted", self._path, what
             )
+
+
+def _add_usage(batch: Batch, charges: Charges, shares: Sequence[tuple[int, float]]) -> None:
+    """Each workload's use of each unit, weighted by the interval's seconds in each hour."""
+    interval_s = charges.end - charges.start
+    if not charges.usage or not interval_s > 0:
+        return
+    units: dict[tuple[Workload, str, str], int] = {}
+    for usage in charges.usage:
+        if not _finite((usage.busy, usage.memory_bytes, usage.memory_total_bytes)):
+            continue
+        kind = (usage.workload, usage.gpu_model, usage.mig_profile)
+        units[kind] = units.get(kind, 0) + 1
+        for hour, share in shares:
+            key = _SizingHour(hour, charges.node, *kind)
+            batch.sizing_rows.setdefault(key, _PendingSizing()).add(usage, interval_s * share)
+    for kind, count in units.items():
+        for hour, _share in shares:
+            pending = batch.sizing_rows[_SizingHour(hour, charges.node, *kind)]
+            pending.max_units = max(pending.max_units, count)
 
 
 def iso_time(t: float) -> str:

@@ -39,6 +39,10 @@ class UsageRow:
     where nobody is known to have held it); an unobserved row likewise carries the unobserved seconds
     and dollars, no energy (nobody read the counter) and no energy dollars. `energy_dollars` is
     None where no price per kWh was set (and for hours written before the ledger stored it).
+
+    `account` is the Slurm account of a job's row ('' otherwise, and in rows written before
+    schema version 5); `dollars_per_hour`, `purchase` and `price_source` are the price the row was
+    charged at, the GPU's latest in the hour (None where it was not recorded).
     """
 
     hour: int
@@ -55,6 +59,10 @@ class UsageRow:
     charged_s: float = 0.0
     unobserved: bool = False
     left_by: Workload = field(default_factory=Workload)  # an idle row's: who left the GPU idle
+    account: str = ""
+    dollars_per_hour: float | None = None
+    purchase: str | None = None
+    price_source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,11 +279,24 @@ def _read(
             joules=r["joules"],
             energy_dollars=r["energy_dollars"],
             charged_s=r["charged_s"],
+            account=r["account"],
+            dollars_per_hour=r["dollars_per_hour"],
+            purchase=r["purchase"],
+            price_source=r["price_source"],
         )
         for r in workload
     ]
     # A GPU-hour's idle time by who left it idle (idle_hours); its rows add up to the GPU-hour's
     # idle figures in gpu_hours.
+    # The price an idle row was charged at is its GPU-hour's.
+    prices = {
+        (r["hour"], r["node"], r["uuid"]): {
+            "dollars_per_hour": r["dollars_per_hour"],
+            "purchase": r["purchase"],
+            "price_source": r["price_source"],
+        }
+        for r in gpu
+    }
     usage.extend(
         UsageRow(
             hour=r["hour"],
@@ -291,6 +312,7 @@ def _read(
             idle=True,
             charged_s=r["idle_s"],
             left_by=Workload.from_labels(r),
+            **prices.get((r["hour"], r["node"], r["uuid"]), {}),
         )
         for r in idle
         if r["idle_s"] or r["idle_dollars"] or r["idle_joules"]
@@ -308,6 +330,9 @@ def _read(
             joules=0.0,
             charged_s=r["unobserved_s"],
             unobserved=True,
+            dollars_per_hour=r["dollars_per_hour"],
+            purchase=r["purchase"],
+            price_source=r["price_source"],
         )
         for r in gpu
         if r["unobserved_s"] or r["unobserved_dollars"]

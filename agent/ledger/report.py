@@ -62,7 +62,8 @@ from agent.ledger.read import LedgerInfo, UsageRow, read_ledger
 from agent.model import WORKLOAD_LABELS, Workload
 from agent.units import joules_to_kwh, parse_duration
 
-GROUP_KEYS = ("node", "gpu", *WORKLOAD_LABELS)
+# `account`: the Slurm account a job is billed to, kept in the ledger (it is no metric label).
+GROUP_KEYS = ("node", "gpu", *WORKLOAD_LABELS, "account")
 # Older names `--by` still accepts: `job` was the Slurm job's label before it became `hpc_job`.
 GROUP_ALIASES = {"job": "hpc_job"}
 DEFAULT_BY = ("namespace", "hpc_job")
@@ -85,6 +86,11 @@ class ReportLine:
     waste_dollars: float | None = None  # paid for and not used; None where use is unknown
     observed: bool = True  # False for unobserved time: its use, waste and energy are unknown
     left_by: Workload | None = None  # an idle line's: who left the GPUs idle (Workload(): nobody known)
+    # When and on what it ran (report --runs): the first and the last hour it was charged in (the
+    # ledger keeps hours), and the cost units (GPUs, MIG instances) it was charged for.
+    first_hour: float | None = None
+    last_hour: float | None = None
+    gpus: int = 0
 
     @property
     def energy_kwh(self) -> float:
@@ -121,6 +127,11 @@ class Report:
     # The idle line by who left the GPUs idle, dollars descending: they add up to `idle`.
     idle_by: tuple[ReportLine, ...] = ()
     store: str | None = None  # where the figures come from when not ledgers ("Prometheus API at URL")
+    runs: bool = False  # show each line's start, end and GPUs (report --runs)
+
+
+# A run is a Slurm job or a pod: `--runs` shows when each ran and on how many GPUs.
+RUN_KEYS = ("hpc_job", "pod")
 
 
 def parse_by(text: str) -> tuple[str, ...]:
@@ -146,6 +157,8 @@ def _key_value(row: UsageRow, key: str) -> str:
         return row.node
     if key == "gpu":
         return str(row.gpu)
+    if key == "account":
+        return row.account
     value: str = getattr(row.workload, key)
     return value
 
@@ -222,8 +235,12 @@ class _Sums:
     waste_dollars: list[float] = field(default_factory=list)
     priced: bool = False
     observed: bool = True  # False: the unobserved line, whose use, waste and energy are unknown
+    hours: set[int] = field(default_factory=set)
+    units: set[tuple[str, str]] = field(default_factory=set)  # (node, uuid) of each GPU or MIG instance
 
     def add(self, row: UsageRow) -> None:
+        self.hours.add(row.hour)
+        self.units.add((row.node, row.uuid))
         self.dollars.append(row.dollars)
         self.charged_s.append(row.charged_s)
         self.busy_s.append(row.busy_s)
@@ -245,6 +262,9 @@ class _Sums:
             energy_dollars=math.fsum(self.energy_dollars) if self.priced else None,
             waste_dollars=math.fsum(self.waste_dollars) if self.observed else None,
             observed=self.observed,
+            first_hour=float(min(self.hours)) if self.hours else None,
+            last_hour=float(max(self.hours)) if self.hours else None,
+            gpus=len(self.units),
         )
 
 
@@ -256,14 +276,22 @@ def report_from_ledger(
 
 
 def report_from_ledgers(
-    paths: Sequence[str | Path], *, by: Sequence[str], since: float | None = None, until: float | None = None
+    paths: Sequence[str | Path],
+    *,
+    by: Sequence[str],
+    since: float | None = None,
+    until: float | None = None,
+    runs: bool = False,
 ) -> Report:
-    """Read the hours overlapping [since, until) from every ledger and build one report.
+    """Read the hours overlapping [since, until) from every ledger and build one report; with
+    `runs`, each line says in which hours it ran and on how many GPUs (grouped by hpc_job or pod).
 
     LedgerError if a file is unreadable; ValueError for bad arguments and for two files that
     record the same node over overlapping periods (`check_overlaps`).
     """
     keys = check_by(by)
+    if runs and not set(RUN_KEYS) & set(keys):
+        raise ValueError("--runs: a run is a Slurm job or a pod: group --by hpc_job or --by pod")
     if since is not None and until is not None and since >= until:
         raise ValueError(f"--since ({iso_time(since)}) must be before --until ({iso_time(until)})")
     if not paths:
@@ -273,7 +301,7 @@ def report_from_ledgers(
     covered_since = None if since is None else float(hour_start(since))
     covered_until = None if until is None else float(-hour_start(-until))  # rounded up to the hour
     report = build_report((row for c in contents for row in c.rows), keys, since=covered_since, until=covered_until)
-    return replace(report, ledgers=len(contents))
+    return replace(report, ledgers=len(contents), runs=runs)
 
 
 def check_overlaps(infos: Sequence[LedgerInfo]) -> None:
@@ -365,6 +393,13 @@ def render(report: Report, fmt: str = "table") -> str:
 # --- table: for people, finance among them ---
 
 _NUMBER_HEADERS = ("DOLLARS", "GPU-HOURS CHARGED", "GPU-HOURS USED", "EFFICIENCY", "WASTE $")
+_RUN_HEADERS = ("FIRST HOUR", "LAST HOUR", "GPUS")
+
+
+def _run(line: ReportLine) -> list[str]:
+    return [str(value) for value in _run_figures(line).values()]
+
+
 _ENERGY_HEADERS = ("ENERGY KWH", "ENERGY $")
 
 
@@ -433,8 +468,13 @@ def _render_table(report: Report) -> str:
     # none, and a node without pricing.energy_per_kwh prices none.
     energy = (report.total.joules > 0, report.total.energy_dollars is not None)
     shown_energy = [name for name, shown in zip(_ENERGY_HEADERS, energy, strict=True) if shown]
-    header = [key.upper() for key in report.by] + list(_NUMBER_HEADERS) + shown_energy
-    body = [[value or NONE_LABEL for value in line.key] + _numbers(line, energy) for line in report.lines]
+    run_headers = list(_RUN_HEADERS) if report.runs else []
+    header = [key.upper() for key in report.by] + run_headers + list(_NUMBER_HEADERS) + shown_energy
+    body = [
+        [value or NONE_LABEL for value in line.key] + (_run(line) if report.runs else []) + _numbers(line, energy)
+        for line in report.lines
+    ]
+    key_count += len(run_headers)  # the run's columns align left, like the keys
     # Nobody held the idle GPUs, so there is no used/charged to speak of.
     idle = [
         [label] + [""] * (key_count - 1) + _numbers(line, energy, efficiency=False)
@@ -472,6 +512,16 @@ _NUMBER_FIELDS = (
     "dollars", "gpu_hours_charged", "gpu_hours_used", "efficiency_ratio", "waste_dollars", "energy_kwh",
     "energy_dollars",
 )  # fmt: skip
+_RUN_FIELDS = ("first_hour", "last_hour", "gpus")
+
+
+def _run_figures(line: ReportLine) -> dict[str, str | int | None]:
+    """A run's first and last hour (their starts, UTC) and its GPUs."""
+    return {
+        "first_hour": None if line.first_hour is None else iso_time(line.first_hour),
+        "last_hour": None if line.last_hour is None else iso_time(line.last_hour),
+        "gpus": line.gpus,
+    }
 
 
 def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | None]:
@@ -490,15 +540,17 @@ def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | 
 def _render_csv(report: Report) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["kind", *report.by, *_NUMBER_FIELDS, "left_by"])
+    run_fields = list(_RUN_FIELDS) if report.runs else []
+    writer.writerow(["kind", *report.by, *run_fields, *_NUMBER_FIELDS, "left_by"])
 
     def numbers(line: ReportLine, *, efficiency: bool = True) -> list[str]:
         # repr: the shortest text that reads back as the same float; no thousands separators.
         return ["" if v is None else repr(v) for v in _figures(line, efficiency=efficiency).values()]
 
-    blank = [""] * len(report.by)
+    blank = [""] * (len(report.by) + len(run_fields))
     for line in report.lines:
-        writer.writerow(["group", *line.key, *numbers(line), ""])
+        run = [str(v) if v is not None else "" for v in _run_figures(line).values()] if report.runs else []
+        writer.writerow(["group", *line.key, *run, *numbers(line), ""])
     # One idle row per workload that left GPUs idle ({} where nobody is known), adding up to the
     # idle total; a report with no breakdown has its one idle row.
     for idle in report.idle_by or (report.idle,):
@@ -519,7 +571,10 @@ def _render_json(report: Report) -> str:
         "since": None if report.since is None else iso_time(report.since),
         "until": None if report.until is None else iso_time(report.until),
         "by": list(report.by),
-        "rows": [dict(zip(report.by, line.key, strict=True)) | _figures(line) for line in report.lines],
+        "rows": [
+            dict(zip(report.by, line.key, strict=True)) | (_run_figures(line) if report.runs else {}) | _figures(line)
+            for line in report.lines
+        ],
         "idle": _figures(report.idle, efficiency=False)
         | {
             "left_by": [

@@ -1,16 +1,20 @@
 """The ledger's SQLite schema: its tables, and the ordered steps that bring a file written by any
 earlier release to the current version.
 
-Schema (version 5; `schema_version` holds one row per applied version):
+Schema (version 7; `schema_version` holds one row per applied version):
 
-    workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team
-                    | held_s, busy_s, dollars, joules, energy_dollars, charged_s
-    gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour (latest seen in the hour),
-                    observed_s, dollars, idle_s, idle_dollars, unobserved_s, unobserved_dollars, joules,
-                    idle_joules, energy_dollars, idle_energy_dollars
+    workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
+                    account | held_s, busy_s, dollars, joules, energy_dollars, charged_s,
+                    dollars_per_hour, purchase, price_source (the GPU's price, latest seen in the hour)
+    gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour, purchase, price_source (latest
+                    seen in the hour), observed_s, dollars, idle_s, idle_dollars, unobserved_s,
+                    unobserved_dollars, joules, idle_joules, energy_dollars, idle_energy_dollars
     idle_hours      hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team
                     (the workload that left the GPU idle) | gpu, idle_s, idle_dollars, idle_joules,
                     idle_energy_dollars
+    sizing_hours    hour, node, namespace, pod, container, hpc_job, unit, user, model, team, gpu_model,
+                    mig_profile | memory_total_bytes, busy_source, held_s, busy_s, measured_s, memory_s,
+                    peak_memory_bytes, max_units, busy_sketch, memory_sketch
     ledger_meta     one row: ledger_id, node, created_at, created_by, first_at, last_at
 
 Opening a file applies, in one transaction, every migration step after its version (the steps
@@ -22,8 +26,14 @@ can merge the ledgers of many nodes and refuse to count one node's time twice. V
 `charged_s`, a workload's share of the unit's time (held seconds count a shared GPU once per
 holder, so only charged seconds add up to the GPU's hours); older rows get it from their dollars.
 Version 5 added `idle_hours`: a GPU-hour's idle time broken down by who left the GPU idle.
+Version 6 added the Slurm `account` to the workload key, and to every row the price it was
+charged at: dollars per hour, the purchase option (on_demand, spot, ...) and where the price came
+from (config, instance, catalogue); older rows keep '' for the account and NULL for what was not
+recorded then (a GPU row's dollars_per_hour was).
+Version 7 added `sizing_hours`: per workload and hour, what right-sizing reads (memory and busy
+percentiles as fixed-bucket sketches, peaks, GPUs held at once).
 
-`hour` is the unix time of the start of the UTC hour. Both tables are WITHOUT ROWID with a primary
+`hour` is the unix time of the start of the UTC hour. The hour tables are WITHOUT ROWID with a primary
 key that starts with `hour`: the table itself is the index that reports scan by time range and
 that retention deletes by, so no second index has to be kept in step.
 """
@@ -41,12 +51,14 @@ from agent.model import WORKLOAD_LABELS
 log = logging.getLogger("gpuledger.ledger")
 
 
-_WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS)
+_WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "account")
 WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules", "energy_dollars", "charged_s")
+# The price a row was charged at, as its GPU's row has it (the latest in the hour).
+PRICE_ATTRIBUTES = ("dollars_per_hour", "purchase", "price_source")
 _GPU_KEYS = ("hour", "node", "uuid")
 _IDLE_KEYS = ("hour", "node", "uuid", *WORKLOAD_LABELS)
 IDLE_MEASURES = ("idle_s", "idle_dollars", "idle_joules", "idle_energy_dollars")
-_GPU_ATTRIBUTES = ("gpu", "model", "dollars_per_hour")
+_GPU_ATTRIBUTES = ("gpu", "model", *PRICE_ATTRIBUTES)
 GPU_MEASURES = (
     "observed_s", "dollars", "idle_s", "idle_dollars", "unobserved_s", "unobserved_dollars", "joules", "idle_joules",
     "energy_dollars", "idle_energy_dollars",
@@ -204,6 +216,56 @@ _SCHEMA_V5 = (
 )
 
 
+# Version 6: the Slurm account a job is billed to joins the workload key (`report --by account`;
+# it is no metric label), and each row records the price it was charged at. The key changes, so
+# the table is rebuilt; older rows get '' for the account (one row each: nothing meets) and
+# NULL for the price they were not recorded with.
+_SCHEMA_V6 = (
+    """CREATE TABLE workload_hours_v6 (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL, account TEXT NOT NULL,
+        held_s REAL NOT NULL, busy_s REAL NOT NULL, dollars REAL NOT NULL, joules REAL NOT NULL,
+        energy_dollars REAL, charged_s REAL NOT NULL DEFAULT 0.0,
+        dollars_per_hour REAL, purchase TEXT, price_source TEXT,
+        PRIMARY KEY (hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, account)
+    ) WITHOUT ROWID""",
+    """INSERT INTO workload_hours_v6 (
+        hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, account,
+        held_s, busy_s, dollars, joules, energy_dollars, charged_s, dollars_per_hour, purchase, price_source
+    )
+    SELECT hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, '',
+        held_s, busy_s, dollars, joules, energy_dollars, charged_s, NULL, NULL, NULL
+    FROM workload_hours""",
+    "DROP TABLE workload_hours",
+    "ALTER TABLE workload_hours_v6 RENAME TO workload_hours",
+    "ALTER TABLE gpu_hours ADD COLUMN purchase TEXT",
+    "ALTER TABLE gpu_hours ADD COLUMN price_source TEXT",
+)
+
+
+# Version 7: what right-sizing needs, per hour, node, workload and kind of unit held (GPU model
+# and MIG profile; '' for a whole GPU). Seconds are unit-seconds: a workload holding two GPUs for
+# an hour adds 7200 to held_s. busy_s and measured_s: busy unit-seconds and the unit-seconds a busy
+# figure was read for (their ratio is the mean busy); memory_s: unit-seconds a memory reading
+# covers. Peaks are the largest reading of one unit; max_units the most units held at once.
+# busy_sketch and memory_sketch: fixed-bucket histograms of unit-seconds (agent/accounting/
+# sketch.py), JSON, merged by adding. Older hours have no sizing rows: nothing recorded them.
+_SCHEMA_V7 = (
+    """CREATE TABLE sizing_hours (
+        hour INTEGER NOT NULL, node TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL,
+        gpu_model TEXT NOT NULL, mig_profile TEXT NOT NULL,
+        memory_total_bytes REAL, busy_source TEXT NOT NULL,
+        held_s REAL NOT NULL, busy_s REAL NOT NULL, measured_s REAL NOT NULL, memory_s REAL NOT NULL,
+        peak_memory_bytes REAL, max_units INTEGER NOT NULL,
+        busy_sketch TEXT NOT NULL, memory_sketch TEXT NOT NULL,
+        PRIMARY KEY (hour, node, namespace, pod, container, hpc_job, unit, user, model, team, gpu_model, mig_profile)
+    ) WITHOUT ROWID""",
+)
+
+
 # Step n (from 1) brings a file at version n - 1 (0: empty) to version n.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V1),
@@ -211,6 +273,8 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V3),
     _run(_SCHEMA_V4),
     _run(_SCHEMA_V5),
+    _run(_SCHEMA_V6),
+    _run(_SCHEMA_V7),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -230,6 +294,26 @@ def _upsert(table: str, keys: Sequence[str], replaced: Sequence[str], summed: Se
     )
 
 
-UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, (), WORKLOAD_MEASURES)
+UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, PRICE_ATTRIBUTES, WORKLOAD_MEASURES)
 UPSERT_GPU = _upsert("gpu_hours", _GPU_KEYS, _GPU_ATTRIBUTES, GPU_MEASURES)
 UPSERT_IDLE = _upsert("idle_hours", _IDLE_KEYS, ("gpu",), IDLE_MEASURES)
+
+SIZING_KEYS = ("hour", "node", *WORKLOAD_LABELS, "gpu_model", "mig_profile")
+SIZING_MEASURES = ("held_s", "busy_s", "measured_s", "memory_s")
+# Peaks keep the larger side (SQLite's two-argument max is NULL where either is: hence coalesce);
+# sketches add bucket by bucket (the writer registers gpuledger_merge_sketch).
+UPSERT_SIZING = (
+    f"INSERT INTO sizing_hours ({', '.join((*SIZING_KEYS, 'memory_total_bytes', 'busy_source', *SIZING_MEASURES))},"
+    " peak_memory_bytes, max_units, busy_sketch, memory_sketch)"
+    f" VALUES ({', '.join(f':{c}' for c in (*SIZING_KEYS, 'memory_total_bytes', 'busy_source', *SIZING_MEASURES))},"
+    " :peak_memory_bytes, :max_units, :busy_sketch, :memory_sketch)"
+    f" ON CONFLICT ({', '.join(SIZING_KEYS)}) DO UPDATE SET"
+    " memory_total_bytes = coalesce(excluded.memory_total_bytes, memory_total_bytes),"
+    " busy_source = CASE WHEN excluded.busy_source != '' THEN excluded.busy_source ELSE busy_source END,"
+    f" {', '.join(f'{c} = {c} + excluded.{c}' for c in SIZING_MEASURES)},"
+    " peak_memory_bytes = max(coalesce(peak_memory_bytes, excluded.peak_memory_bytes),"
+    " coalesce(excluded.peak_memory_bytes, peak_memory_bytes)),"
+    " max_units = max(max_units, excluded.max_units),"
+    " busy_sketch = gpuledger_merge_sketch(busy_sketch, excluded.busy_sketch),"
+    " memory_sketch = gpuledger_merge_sketch(memory_sketch, excluded.memory_sketch)"
+)

@@ -34,6 +34,7 @@ from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
 
+from agent.accounting.sketch import merge_encoded
 from agent.ledger.files import CorruptLedger, LedgerError, file_id, is_corruption, move_aside, open_file
 from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS, Batch, PendingCharges, Sums, hour_start
 from agent.ledger.schema import (
@@ -41,6 +42,7 @@ from agent.ledger.schema import (
     PRICED_MEASURES,
     UPSERT_GPU,
     UPSERT_IDLE,
+    UPSERT_SIZING,
     UPSERT_WORKLOAD,
     WORKLOAD_MEASURES,
 )
@@ -213,7 +215,7 @@ class Ledger:
         now = self._clock()
         cutoff = self._retention_cutoff(now)
         batch = self._pending.take()
-        if self._healthy and not batch.rows and cutoff == self._retained_below:
+        if self._healthy and not batch.rows and not batch.sizing_rows and cutoff == self._retained_below:
             self._last_flush_at = now
             return True
         committed = False
@@ -274,10 +276,11 @@ class Ledger:
     def _write(self, conn: sqlite3.Connection, batch: Batch, cutoff: int | None) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
+            prices = batch.workload_prices()
             conn.executemany(
                 UPSERT_WORKLOAD,
                 [
-                    key.columns() | _measure_columns(sums, WORKLOAD_MEASURES)
+                    key.columns() | prices[key] | _measure_columns(sums, WORKLOAD_MEASURES)
                     for key, sums in batch.workload_rows.items()
                 ],
             )
@@ -289,6 +292,8 @@ class Ledger:
                 ],
             )
             conn.executemany(UPSERT_IDLE, batch.idle_columns())
+            conn.create_function("gpuledger_merge_sketch", 2, merge_encoded, deterministic=True)
+            conn.executemany(UPSERT_SIZING, batch.sizing_columns())
             if batch.first_at is not None and batch.last_at is not None:
                 conn.execute(_RECORD_PERIOD, {"first": batch.first_at, "last": batch.last_at})
             nodes = batch.nodes()
@@ -298,6 +303,7 @@ class Ledger:
                 conn.execute("DELETE FROM workload_hours WHERE hour < ?", (cutoff,))
                 conn.execute("DELETE FROM gpu_hours WHERE hour < ?", (cutoff,))
                 conn.execute("DELETE FROM idle_hours WHERE hour < ?", (cutoff,))
+                conn.execute("DELETE FROM sizing_hours WHERE hour < ?", (cutoff,))
                 conn.execute(_RETAIN_PERIOD, {"cutoff": cutoff})
             conn.execute("COMMIT")
         except BaseException:

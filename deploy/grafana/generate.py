@@ -277,15 +277,23 @@ def label_variable(
     return variable
 
 
-def cluster_variable() -> dashboard.QueryVariable:
-    return label_variable("cluster", "Cluster", "gpuledger_gpu_info")
+# The fleet view lists clusters and nodes from a per-node recording rule (one series a node),
+# the others from the agents' own inventory series (one a GPU).
+INVENTORY = "gpuledger_gpu_info"
+FLEET_INVENTORY = "instance:gpuledger_gpus_up:sum"
 
 
-def instance_variable(*, multi: bool = True) -> dashboard.QueryVariable:
-    return label_variable("instance", "Node", "gpuledger_gpu_info", 'cluster=~"$cluster"', multi=multi)
+def cluster_variable(inventory: str = INVENTORY) -> dashboard.QueryVariable:
+    return label_variable("cluster", "Cluster", inventory)
 
 
-def base_dashboard(uid: str, title: str, description: str, time_from: str) -> dashboard.Dashboard:
+def instance_variable(*, multi: bool = True, inventory: str = INVENTORY) -> dashboard.QueryVariable:
+    return label_variable("instance", "Node", inventory, 'cluster=~"$cluster"', multi=multi)
+
+
+def base_dashboard(
+    uid: str, title: str, description: str, time_from: str, inventory: str = INVENTORY
+) -> dashboard.Dashboard:
     return (
         dashboard.Dashboard(title)
         .uid(uid)
@@ -304,7 +312,7 @@ def base_dashboard(uid: str, title: str, description: str, time_from: str) -> da
             .keep_time(True)
         )
         .with_variable(datasource_variable())
-        .with_variable(cluster_variable())
+        .with_variable(cluster_variable(inventory))
     )
 
 
@@ -312,34 +320,70 @@ def base_dashboard(uid: str, title: str, description: str, time_from: str) -> da
 
 
 def fleet() -> dashboard.Dashboard:
+    """The whole fleet, from recording rules only (deploy/prometheus/gpuledger-fleet.rules.yml and
+    its siblings): a query here reads a few series per node or per workload, never the agents'
+    per-GPU series, so it costs the same on 500 nodes as on 5."""
     cost_rules = (
         ("instance:gpuledger_gpu_cost_dollars_per_hour:rate5m", "all GPUs"),
         ("instance:gpuledger_gpu_idle_cost_dollars_per_hour:rate5m", "idle (no workload)"),
-        ("instance:gpuledger_workload_waste_cost_dollars_per_hour:rate5m", "waste (held, unused)"),
+        ("instance:gpuledger_workload_waste_cost_dollars_per_hour:rate5m", "waste (charged, unused)"),
     )
+    up, lost, idle = (f"instance:gpuledger_gpus_{what}:sum{{{NODE}}}" for what in ("up", "lost", "idle"))
+    flagged = f"instance_rule:gpuledger_gpus_flagged:sum{{{NODE}}}"
+    whole = 'cluster=~"$cluster"'  # per-workload levels have no node: the node filter does not apply
+
+    def owners(label: str, rule: str, title: str, description: str, unit: str = USD, w: int = 8) -> ts.Panel:
+        return graph_panel(
+            title,
+            description + " Whole clusters: the node filter does not apply (recording rule).",
+            [query(named(f"{label}:{rule}{{{whole}}}", label), f"{{{{cluster}}}} {{{{{label}}}}}")],
+            unit=unit,
+            min_val=0,
+            stacked=True,
+            w=w,
+        )
+
+    def per_unit(name: str, title: str, description: str, level: str = "model") -> ts.Panel:
+        rule = f"{level}:gpuledger_{name}:ratio_rate5m"
+        if level == "model":
+            legend = "{{cluster}} {{model}}"
+            description += " Per model: the dollars of every pod exporting the counter over all their work."
+        else:
+            legend = "{{cluster}} {{namespace}}/{{pod}} {{model}}"
+        return graph_panel(
+            title,
+            description + " Recording rules of gpuledger-work.rules.yml, 5m rates.",
+            [query(f"{rule}{{{whole}}}", legend)],
+            unit=USD,
+            min_val=0,
+            w=12,
+        )
+
+    # Over the dashboard's range: a sum of the recorded 5m rates at Grafana's step, x the step
+    # in hours. Sampled, so approximate for workloads shorter than the step; `gpuledger report`
+    # has exact figures.
+    def over_range(rule: str) -> str:
+        return f"sum_over_time({rule}{{{whole}}}[$__range:$__interval]) * $__interval_ms / 3600000"
+
+    top = f"topk(10, {over_range('owner:gpuledger_workload_cost_dollars_per_hour:rate5m')})"
+
     return (
         base_dashboard(
             "gpuledger-fleet",
             "gpuledger / Fleet overview",
             "Every GPU node gpuledger watches: how busy the GPUs are, how many sit idle, what they "
-            "cost per hour and who spends it.",
+            "cost per hour, who spends it and what a unit of work costs. Recording rules only.",
             "now-6h",
+            inventory=FLEET_INVENTORY,
         )
-        .with_variable(instance_variable())
+        .with_variable(instance_variable(inventory=FLEET_INVENTORY))
         .with_row(dashboard.Row("Fleet now"))
-        .with_panel(
-            stat_panel(
-                "GPUs up",
-                "GPUs the agents can read now (gpuledger_gpu_up).",
-                [query(f"sum(gpuledger_gpu_up{{{NODE}}})")],
-                decimals=0,
-            )
-        )
+        .with_panel(stat_panel("GPUs up", "GPUs the agents can read now.", [query(f"sum({up})")], decimals=0))
         .with_panel(
             stat_panel(
                 "GPUs lost",
                 "GPUs an agent knows but cannot read (lost, fallen off the bus, failing). Zero is good.",
-                [query(f"sum(gpuledger_gpu_up{{{NODE}}} == bool 0)")],
+                [query(f"sum({lost})")],
                 thresholds=_thresholds((None, "green"), (1, "red")),
                 decimals=0,
             )
@@ -347,8 +391,13 @@ def fleet() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "Mean utilization",
-                "Mean GPU utilization over the GPUs that report one.",
-                [query(f"avg(gpuledger_gpu_utilization_ratio{{{NODE}}})")],
+                "Mean GPU utilization over the GPUs that report one (each GPU weighs the same).",
+                [
+                    query(
+                        f"sum(instance:gpuledger_gpu_utilization:sum{{{NODE}}})"
+                        f" / sum(instance:gpuledger_gpu_utilization:count{{{NODE}}})"
+                    )
+                ],
                 unit=RATIO,
                 thresholds=_thresholds((None, "red"), (0.4, "orange"), (0.7, "green")),
             )
@@ -358,7 +407,7 @@ def fleet() -> dashboard.Dashboard:
                 "GPUs idle",
                 "Fraction of the readable GPUs the agents flag idle: no workload holds them and they "
                 "have done no work for rules.idle.for (30m by default).",
-                [query(f'sum(gpuledger_gpu_flag{{{NODE}, rule="idle"}}) / (sum(gpuledger_gpu_up{{{NODE}}}) > 0)')],
+                [query(f"sum({idle}) / (sum({up}) > 0)")],
                 unit=RATIO,
                 thresholds=_thresholds((None, "green"), (0.1, "orange"), (0.3, "red")),
             )
@@ -383,8 +432,8 @@ def fleet() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "Waste ($/h)",
-                "What workloads pay per hour for GPU time they hold but do not use: cost x (1 - busy/held) "
-                "(recording rule, 5m rate).",
+                "What workloads pay per hour for GPU time they are charged and do not use: cost x "
+                "(1 - busy/charged) (recording rule, 5m rate).",
                 [query(f"sum(instance:gpuledger_workload_waste_cost_dollars_per_hour:rate5m{{{NODE}}})")],
                 unit=USD,
                 thresholds=_thresholds((None, "green"), (1, "orange")),
@@ -394,7 +443,7 @@ def fleet() -> dashboard.Dashboard:
             stat_panel(
                 "Flags raised",
                 "GPUs each rule flags now (idle, allocated_idle, underused, stranded_memory).",
-                [query(f"sum by (rule) (gpuledger_gpu_flag{{{NODE}}})", "{{rule}}")],
+                [query(f"sum by (rule) ({flagged})", "{{rule}}")],
                 thresholds=_thresholds((None, "green"), (1, "orange")),
                 decimals=0,
             )
@@ -414,13 +463,7 @@ def fleet() -> dashboard.Dashboard:
             graph_panel(
                 "Idle GPUs by cluster",
                 "Fraction of each cluster's readable GPUs flagged idle.",
-                [
-                    query(
-                        f'sum by (cluster) (gpuledger_gpu_flag{{{NODE}, rule="idle"}})'
-                        f" / (sum by (cluster) (gpuledger_gpu_up{{{NODE}}}) > 0)",
-                        "{{cluster}}",
-                    )
-                ],
+                [query(f"sum by (cluster) ({idle}) / (sum by (cluster) ({up}) > 0)", "{{cluster}}")],
                 unit=RATIO,
                 min_val=0,
                 max_val=1,
@@ -429,8 +472,8 @@ def fleet() -> dashboard.Dashboard:
         .with_panel(
             graph_panel(
                 "Cost, idle cost and waste ($/h)",
-                "Per cluster: all GPU cost, the part no workload held, and the part workloads held "
-                "without using (recording rules, 5m rates).",
+                "Per cluster: all GPU cost, the part no workload held, and the part workloads were "
+                "charged without using (recording rules, 5m rates).",
                 [query(f"sum by (cluster) ({rule}{{{NODE}}})", f"{{{{cluster}}}} {what}") for rule, what in cost_rules],
                 unit=USD,
                 min_val=0,
@@ -441,8 +484,8 @@ def fleet() -> dashboard.Dashboard:
                 "GPUs up and lost",
                 "Readable GPUs, and GPUs an agent knows but cannot read.",
                 [
-                    query(f"sum by (cluster) (gpuledger_gpu_up{{{NODE}}})", "{{cluster}} up"),
-                    query(f"sum by (cluster) (gpuledger_gpu_up{{{NODE}}} == bool 0)", "{{cluster}} lost"),
+                    query(f"sum by (cluster) ({up})", "{{cluster}} up"),
+                    query(f"sum by (cluster) ({lost})", "{{cluster}} lost"),
                 ],
                 min_val=0,
             )
@@ -451,28 +494,110 @@ def fleet() -> dashboard.Dashboard:
             graph_panel(
                 "Flags raised by rule",
                 "GPUs each rule flags.",
-                [query(f"sum by (rule) (gpuledger_gpu_flag{{{NODE}}})", "{{rule}}")],
+                [query(f"sum by (rule) ({flagged})", "{{rule}}")],
                 min_val=0,
                 stacked=True,
                 w=24,
             )
         )
-        .with_row(dashboard.Row("Who spends (over the time range)"))
+        .with_row(dashboard.Row("Who spends ($/h)"))
+        .with_panel(
+            owners(
+                "team",
+                "gpuledger_workload_cost_dollars_per_hour:rate5m",
+                "Cost by team ($/h)",
+                "What each team's workloads pay per hour.",
+            )
+        )
+        .with_panel(
+            owners(
+                "team",
+                "gpuledger_workload_waste_cost_dollars_per_hour:rate5m",
+                "Waste by team ($/h)",
+                "What each team pays per hour for GPU time it is charged and does not use.",
+            )
+        )
+        .with_panel(
+            owners(
+                "team",
+                "gpuledger_gpu_idle_cost_left_by_dollars_per_hour:rate5m",
+                "Idle left behind, by team ($/h)",
+                "Cost per hour of idle GPUs, by the team whose workload held them last.",
+            )
+        )
+        .with_panel(
+            graph_panel(
+                "GPUs charged and used, by team",
+                "GPU-hours per hour: what each team is charged (its share of the GPUs it holds) and "
+                "what it keeps busy. Whole clusters: the node filter does not apply (recording rules).",
+                [
+                    query(
+                        named(f"team:gpuledger_workload_gpu_charged_seconds:rate5m{{{whole}}}", "team"),
+                        "{{cluster}} {{team}} charged",
+                    ),
+                    query(
+                        named(f"team:gpuledger_workload_gpu_busy_seconds:rate5m{{{whole}}}", "team"),
+                        "{{cluster}} {{team}} used",
+                    ),
+                ],
+                min_val=0,
+                w=8,
+            )
+        )
+        .with_panel(
+            owners(
+                "model",
+                "gpuledger_workload_cost_dollars_per_hour:rate5m",
+                "Cost by model ($/h)",
+                "What workloads pay per hour, by the model they serve or train.",
+            )
+        )
+        .with_panel(
+            graph_panel(
+                "Top jobs by cost ($/h)",
+                "The 10 Slurm jobs that cost most per hour now. Whole clusters (recording rule).",
+                [
+                    query(
+                        f"topk(10, hpc_job:gpuledger_workload_cost_dollars_per_hour:rate5m{{{whole}}})",
+                        "job {{hpc_job}}",
+                    )
+                ],
+                unit=USD,
+                min_val=0,
+                w=8,
+            )
+        )
+        .with_row(dashboard.Row("Over the time range"))
         .with_panel(
             table_panel(
                 "Top workloads by dollars",
-                "The 10 workloads that cost most over the dashboard's time range. A Slurm job is the "
-                "`hpc_job` label (shown as job), a systemd service `unit`.",
+                "The 10 workloads that cost most over the dashboard's time range, with the GPU-hours "
+                "they were charged and used and the dollars they wasted: the recorded rates summed at "
+                "Grafana's step (approximate for workloads shorter than a step; `gpuledger report` "
+                "has exact figures). A Slurm job is `hpc_job` (shown as job), a systemd service `unit`.",
                 [
-                    query(
-                        f"topk(10, sum by ({OWNER}) "
-                        f"(increase(gpuledger_workload_cost_dollars_total{{{NODE}}}[$__range])))",
-                        instant=True,
-                        as_table=True,
-                    )
+                    query(top, instant=True, as_table=True),
+                    *(
+                        query(
+                            f"{over_range(f'owner:{rule}')} and on (cluster, {OWNER}) {top}",
+                            instant=True,
+                            as_table=True,
+                        )
+                        for rule in (
+                            "gpuledger_workload_gpu_charged_seconds:rate5m",
+                            "gpuledger_workload_gpu_busy_seconds:rate5m",
+                            "gpuledger_workload_waste_cost_dollars_per_hour:rate5m",
+                        )
+                    ),
                 ],
-                rename={**SHOWN, "Value": "dollars"},
-                units={"dollars": USD},
+                rename={
+                    **SHOWN,
+                    "Value #A": "dollars",
+                    "Value #B": "GPU-hours charged",
+                    "Value #C": "GPU-hours used",
+                    "Value #D": "waste dollars",
+                },
+                units={"dollars": USD, "waste dollars": USD, "GPU-hours charged": "h", "GPU-hours used": "h"},
                 sort_by="dollars",
                 w=16,
                 h=9,
@@ -481,18 +606,50 @@ def fleet() -> dashboard.Dashboard:
         .with_panel(
             bar_panel(
                 "Top models by dollars",
-                "The 10 models that cost most over the dashboard's time range; (unknown) is GPU time "
-                "the agent could tie to no model.",
+                "The 10 models that cost most over the dashboard's time range (recorded rates summed at "
+                "Grafana's step); (unknown) is GPU time the agent could tie to no model.",
                 query(
                     "topk(10, "
                     + named(
-                        f"sum by (model) (increase(gpuledger_workload_cost_dollars_total{{{NODE}}}[$__range]))", "model"
+                        f"sum by (model) ({over_range('model:gpuledger_workload_cost_dollars_per_hour:rate5m')})",
+                        "model",
                     )
                     + ")",
                     "{{model}}",
                     instant=True,
                 ),
                 h=9,
+            )
+        )
+        .with_row(dashboard.Row("Cost per unit of work"))
+        .with_panel(
+            per_unit(
+                "generated_tokens_cost_dollars_per_million",
+                "Dollars per million generated tokens, by model",
+                "GPU dollars over the tokens vLLM, TGI and SGLang generated.",
+            )
+        )
+        .with_panel(
+            per_unit(
+                "prompt_tokens_cost_dollars_per_million",
+                "Dollars per million prompt tokens, by model",
+                "GPU dollars over the prompt tokens the engines processed (the same dollars as the "
+                "generated tokens': each figure carries all of the cost).",
+            )
+        )
+        .with_panel(
+            per_unit(
+                "inferences_cost_dollars_per_thousand",
+                "Dollars per thousand inferences, by model",
+                "GPU dollars over Triton's inferences (a batch of n counts n).",
+            )
+        )
+        .with_panel(
+            per_unit(
+                "training_steps_cost_dollars_each",
+                "Dollars per training step, by pod",
+                "GPU dollars of each training pod over the steps its step counter counts.",
+                level="namespace_pod",
             )
         )
     )

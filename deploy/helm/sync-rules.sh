@@ -7,7 +7,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 src="$here/../prometheus"
 dst="$here/gpuledger/files"
 mkdir -p "$dst"
-for name in gpuledger-recording.rules.yml gpuledger-alerts.rules.yml; do
+for name in gpuledger-recording.rules.yml gpuledger-alerts.rules.yml gpuledger-fleet.rules.yml gpuledger-work.rules.yml; do
     cp "$src/$name" "$dst/$name"
     echo "synced $dst/$name"
 done

@@ -42,6 +42,11 @@ ERROR_CODES: dict[str, int] = {
 }
 
 
+# Driver events a scenario fault can raise besides an Xid (`event:`), as NVML's event API names
+# them: nvmlEventTypeSingleBitEccError, nvmlEventTypeDoubleBitEccError, nvmlEventTypeClock.
+DRIVER_EVENTS = ("single_bit_ecc", "double_bit_ecc", "clock_change")
+
+
 @dataclass(frozen=True)
 class GpuModelFacts:
     """What a GPU model looks like to NVML: SMs, and how MIG carves them up."""

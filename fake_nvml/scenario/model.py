@@ -39,6 +39,33 @@ class MigInstance:
 
 
 @dataclass(frozen=True)
+class ActivityRow:
+    """GPM activity (percent) of a GPU or a MIG instance, from its row's time to the next row's."""
+
+    graphics_active: float | None = None
+    sm_active: float | None = None
+    sm_occupancy: float | None = None
+    tensor_active: float | None = None
+    dram_active: float | None = None
+
+
+@dataclass(frozen=True)
+class ReadingRow:
+    """What a GPU read from `at_s` until the next row (a recorded trace's time series): each
+    reading given here stands in for the one the fake would work out from its processes."""
+
+    at_s: float
+    utilization: float | None = None  # percent
+    memory_used_bytes: int | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    energy_mj: int | None = None  # the driver's own unit, so a replayed counter reads exactly
+    nvlink_down: tuple[int, ...] | None = None
+    activity: ActivityRow | None = None  # over the interval from this row to the next
+    migs: tuple[ActivityRow | None, ...] = ()  # per MIG instance, in the GPU's `mig:` order
+
+
+@dataclass(frozen=True)
 class Gpu:
     index: int
     model: str
@@ -53,6 +80,7 @@ class Gpu:
     nvlink_links: int
     sm_count: int
     mig: tuple[MigInstance, ...]
+    readings: tuple[ReadingRow, ...] = ()  # a recorded time series, in time order
 
     @property
     def name(self) -> str:
@@ -62,7 +90,16 @@ class Gpu:
 @dataclass(frozen=True)
 class UtilSegment:
     at_s: float
-    sm_util: float
+    sm_util: float  # percent of time a kernel of the process ran: what NVML's utilization counts
+    # Percent of the GPU's SMs its kernels kept busy, averaged over time (GPM's SM activity): at
+    # most sm_util, less for kernels that fill few SMs. None: sm_util (kernels fill every SM).
+    sm_active: float | None = None
+    tensor: float = 0.0  # percent of its SM activity that ran on the tensor cores
+    memory_mib: float | None = None  # memory it holds from this segment on (None: the process's)
+
+    @property
+    def active(self) -> float:
+        return self.sm_util if self.sm_active is None else self.sm_active
 
 
 @dataclass(frozen=True)
@@ -93,6 +130,26 @@ class Process:
     def running_at(self, t: float) -> bool:
         return self.start_s <= t and (self.end_s is None or t < self.end_s)
 
+    def segment_at(self, t: float) -> UtilSegment | None:
+        """The segment in force `t` seconds after the process started (None before the first)."""
+        found = None
+        for segment in self.segments:
+            if segment.at_s <= t:
+                found = segment
+            else:
+                break
+        return found
+
+    def memory_bytes_at(self, t: float) -> int:
+        """The memory it holds `t` seconds after it started, in bytes (whole bytes, as NVML counts)."""
+        mib: float = self.memory_mib
+        for segment in self.segments:
+            if segment.at_s > t:
+                break
+            if segment.memory_mib is not None:
+                mib = segment.memory_mib
+        return round(mib * 2**20)
+
     def sm_util_at(self, t: float) -> float:
         util = 0.0
         for segment in self.segments:
@@ -111,6 +168,7 @@ class Allocation:
     pod: PodRef | None
     slurm_job: str | None
     user: str | None
+    account: str | None = None  # the Slurm job's account, written to its map files after the user
 
 
 @dataclass(frozen=True)
@@ -123,6 +181,8 @@ class Fault:
     nvlink_down: tuple[int, ...]
     xid: int | None
     latency_ms: float
+    # A driver event other than an Xid that the GPU reports at `at_s` (`DRIVER_EVENTS`).
+    event: str | None = None
 
     def active(self, t: float) -> bool:
         return self.at_s <= t and (self.until_s is None or t < self.until_s)

@@ -14,8 +14,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.units import parse_duration
-from fake_nvml.scenario.facts import DEFAULT_FACTS, ERROR_CODES, MIG_PROFILE, MODEL_FACTS, GpuModelFacts
+from fake_nvml.scenario.facts import DEFAULT_FACTS, DRIVER_EVENTS, ERROR_CODES, MIG_PROFILE, MODEL_FACTS, GpuModelFacts
 from fake_nvml.scenario.model import (
+    ActivityRow,
     Allocation,
     Fault,
     Gpu,
@@ -24,6 +25,7 @@ from fake_nvml.scenario.model import (
     NodeFacts,
     PodRef,
     Process,
+    ReadingRow,
     Scenario,
     ScenarioError,
     UtilSegment,
@@ -127,6 +129,7 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
             [
                 "model", "count", "memory_total_mib", "power_limit_w", "idle_power_w",
                 "idle_temp_c", "max_temp_c", "nvlink_links", "mig", "sm_count",
+                "uuid", "pci_bus_id", "readings",
             ]
         )  # fmt: skip
         model = r.str_("model", "A100-SXM4-80GB") or "A100-SXM4-80GB"
@@ -142,16 +145,19 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
         nvlink_links = r.int_("nvlink_links", 0) or 0
         sm_count = r.int_("sm_count", facts.sm_count, minimum=1) or facts.sm_count
         profiles = r.list_("mig")
+        if count > 1 and {"uuid", "pci_bus_id", "readings"} & set(r.data):
+            raise r.fail("count", "uuid, pci_bus_id and readings belong to one GPU: give each its own entry")
+        readings = _parse_readings(r, nvlink_links, len(profiles))
         for _ in range(count):
             index = len(gpus)
-            uuid = "GPU-" + _uuid(hostname, "gpu", index)
+            uuid = r.str_("uuid") or "GPU-" + _uuid(hostname, "gpu", index)
             mig = _parse_mig(r, profiles, facts, memory_total_mib, hostname, index)
             gpus.append(
                 Gpu(
                     index=index,
                     model=model,
                     uuid=uuid,
-                    pci_bus_id=f"00000000:{0x10 + index * 0x10:02X}:00.0",
+                    pci_bus_id=r.str_("pci_bus_id") or f"00000000:{0x10 + index * 0x10:02X}:00.0",
                     pci_device_id=facts.pci_device_id,
                     memory_total_mib=memory_total_mib,
                     power_limit_w=power_limit_w,
@@ -161,9 +167,67 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
                     nvlink_links=nvlink_links,
                     sm_count=sm_count,
                     mig=mig,
+                    readings=readings,
                 )
             )
     return tuple(gpus)
+
+
+_ACTIVITY_KEYS = ("graphics_active", "sm_active", "sm_occupancy", "tensor_active", "dram_active")
+
+
+def _activity_row(r: _Reader) -> ActivityRow | None:
+    values = {key: r.num(key, None, maximum=100) for key in _ACTIVITY_KEYS}
+    return ActivityRow(**values) if any(v is not None for v in values.values()) else None
+
+
+def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ...]:
+    """A GPU's `readings:` time series (what `gpuledger record` writes): rows in time order, each
+    holding from its `at` until the next; percent for utilization and activity."""
+    rows: list[ReadingRow] = []
+    for k, item in enumerate(gpu.list_("readings")):
+        r = gpu.child(f"readings[{k}]", item)
+        r.check_keys(
+            [
+                "at", "utilization", "memory_used_mib", "temperature_c", "power_w", "energy_j", "nvlink_down",
+                *_ACTIVITY_KEYS, "migs",
+            ]
+        )  # fmt: skip
+        at = r.duration("at")
+        if at is None:
+            raise r.fail("at", "required: when the row starts to hold")
+        if rows and at <= rows[-1].at_s:
+            raise r.fail("at", "rows must be in time order")
+        down = None
+        if "nvlink_down" in r.data:
+            down = []
+            for link in r.list_("nvlink_down"):
+                if isinstance(link, bool) or not isinstance(link, int) or not 0 <= link < links:
+                    raise r.fail("nvlink_down", f"expected links of this GPU (0..{links - 1}), got {link!r}")
+                down.append(link)
+        mig_rows: list[ActivityRow | None] = []
+        for j, entry in enumerate(r.list_("migs")):
+            if j >= migs:
+                raise r.fail("migs", f"the GPU has {migs} MIG instance(s)")
+            m = r.child(f"migs[{j}]", entry)
+            m.check_keys(list(_ACTIVITY_KEYS))
+            mig_rows.append(_activity_row(m))
+        memory = r.num("memory_used_mib")
+        energy = r.num("energy_j")
+        rows.append(
+            ReadingRow(
+                at_s=at,
+                utilization=r.num("utilization", None, maximum=100),
+                memory_used_bytes=None if memory is None else round(memory * 2**20),
+                temperature_c=r.num("temperature_c", None, maximum=200),
+                power_w=r.num("power_w"),
+                energy_mj=None if energy is None else round(energy * 1000),
+                nvlink_down=None if down is None else tuple(down),
+                activity=_activity_row(r),
+                migs=tuple(mig_rows),
+            )
+        )
+    return tuple(rows)
 
 
 def _parse_mig(
@@ -244,21 +308,33 @@ def _parse_pod(r: _Reader, key: str) -> PodRef | None:
     return PodRef(namespace=namespace, name=name, container=p.str_("container", "") or "", uid=uid)
 
 
+def _activity(r: _Reader, util: float, tensor_default: float) -> tuple[float | None, float]:
+    """A segment's (or a process's) `sm_active` and `tensor`, checked against its sm_util."""
+    active = r.num("sm_active", None, maximum=100)
+    if active is not None and active > util:
+        raise r.fail("sm_active", f"{active:g} is above sm_util {util:g}: SMs cannot be busy longer than kernels run")
+    tensor = r.num("tensor", tensor_default, maximum=100)
+    return active, tensor or 0.0
+
+
 def _parse_segments(r: _Reader) -> tuple[UtilSegment, ...]:
     value = r.data.get("sm_util", 0)
+    tensor_default = r.num("tensor", 0.0, maximum=100) or 0.0
     if isinstance(value, list):
+        if "sm_active" in r.data:
+            raise r.fail("sm_active", "with sm_util segments, give sm_active in each segment")
         segments: list[UtilSegment] = []
         for k, item in enumerate(value):
             s = r.child(f"sm_util[{k}]", item)
-            s.check_keys(["at", "sm_util"])
+            s.check_keys(["at", "sm_util", "sm_active", "tensor", "memory_mib"])
             at = s.duration("at", 0.0) or 0.0
-            util = s.num("sm_util", 0.0, maximum=100)
+            util = s.num("sm_util", 0.0, maximum=100) or 0.0
             if segments and at < segments[-1].at_s:
                 raise s.fail("at", "segments must be in time order")
-            segments.append(UtilSegment(at, util or 0.0))
+            segments.append(UtilSegment(at, util, *_activity(s, util, tensor_default), s.num("memory_mib")))
         return tuple(segments)
-    util = r.num("sm_util", 0.0, maximum=100)
-    return (UtilSegment(0.0, util or 0.0),)
+    util = r.num("sm_util", 0.0, maximum=100) or 0.0
+    return (UtilSegment(0.0, util, *_activity(r, util, tensor_default)),)
 
 
 def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]:
@@ -268,7 +344,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
         r = top.child(f"processes[{i}]", entry)
         r.check_keys(
             [
-                "pid", "gpus", "start", "end", "sm_util", "memory_mib", "uid", "user",
+                "pid", "gpus", "start", "end", "sm_util", "sm_active", "tensor", "memory_mib", "uid", "user",
                 "cmdline", "environ", "cgroup", "pod", "slurm_job", "container_id",
             ]
         )  # fmt: skip
@@ -313,7 +389,7 @@ def _parse_allocations(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Allocation,
     allocations: list[Allocation] = []
     for i, entry in enumerate(top.list_("allocations")):
         r = top.child(f"allocations[{i}]", entry)
-        r.check_keys(["gpus", "pod", "slurm_job", "user", "start", "end"])
+        r.check_keys(["gpus", "pod", "slurm_job", "user", "account", "start", "end"])
         start = r.duration("start", 0.0) or 0.0
         end = r.duration("end")
         if end is not None and end <= start:
@@ -322,6 +398,9 @@ def _parse_allocations(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Allocation,
         slurm_job = r.str_("slurm_job")
         if pod is None and slurm_job is None:
             raise r.fail("pod", "an allocation needs a pod: or a slurm_job:")
+        account = r.str_("account")
+        if account is not None and (slurm_job is None or r.str_("user") is None):
+            raise r.fail("account", "a Slurm job's account: needs slurm_job: and user:")
         allocations.append(
             Allocation(
                 gpus=_parse_gpu_refs(r, "gpus", gpus),
@@ -330,6 +409,7 @@ def _parse_allocations(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Allocation,
                 pod=pod,
                 slurm_job=slurm_job,
                 user=r.str_("user"),
+                account=account,
             )
         )
     return tuple(allocations)
@@ -339,7 +419,7 @@ def _parse_faults(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Fault, ...]:
     faults: list[Fault] = []
     for i, entry in enumerate(top.list_("faults")):
         r = top.child(f"faults[{i}]", entry)
-        r.check_keys(["at", "until", "gpu", "call", "error", "nvlink_down", "xid", "latency_ms"])
+        r.check_keys(["at", "until", "gpu", "call", "error", "nvlink_down", "xid", "event", "latency_ms"])
         at = r.duration("at", 0.0) or 0.0
         until = r.duration("until")
         if until is not None and until <= at:
@@ -369,10 +449,15 @@ def _parse_faults(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Fault, ...]:
         xid = r.int_("xid")
         if xid is not None and gpu is None:
             raise r.fail("gpu", "xid needs the GPU it happens on")
+        event = r.str_("event")
+        if event is not None and event not in DRIVER_EVENTS:
+            raise r.fail("event", f"unknown driver event {event!r} (use one of: {', '.join(DRIVER_EVENTS)})")
+        if event is not None and gpu is None:
+            raise r.fail("gpu", "event needs the GPU it happens on")
         latency_ms = r.num("latency_ms", 0.0) or 0.0
-        if error is None and not links and xid is None and latency_ms == 0:
-            raise r.fail("error", "a fault needs one of error, nvlink_down, xid or latency_ms")
-        faults.append(Fault(at, until, gpu, call, error, tuple(links), xid, latency_ms))
+        if error is None and not links and xid is None and event is None and latency_ms == 0:
+            raise r.fail("error", "a fault needs one of error, nvlink_down, xid, event or latency_ms")
+        faults.append(Fault(at, until, gpu, call, error, tuple(links), xid, latency_ms, event))
     return tuple(faults)
 
 

@@ -156,6 +156,11 @@ class Passwd:
         self._refresh()
         return self._names.get(uid)
 
+    def names(self, uids: Iterable[int]) -> dict[int, str]:
+        """uid -> name for each of `uids` the file names, from one look at the file."""
+        self._refresh()
+        return {uid: name for uid in uids if (name := self._names.get(uid)) is not None}
+
     def _refresh(self) -> None:
         try:
             mtime = os.stat(self.path).st_mtime
@@ -200,7 +205,7 @@ class ProcessSource(AttributionSource):
         for gone in set(self._cache) - pids:
             del self._cache[gone]
         uids = {f.uid for f in processes.values() if f is not None and f.uid is not None}
-        user_names = {uid: name for uid in uids if (name := self.passwd.name(uid)) is not None}
+        user_names = self.passwd.names(uids)
         return replace(found, processes={**found.processes, **processes}, user_names={**found.user_names, **user_names})
 
     def forget(self) -> None:

@@ -1,6 +1,6 @@
 """Slurm's GPU mapping directory, as a prolog writes it and an epilog removes it: one file per
-GPU index (or MIG `gpu.gi`) holding `JOBID [USER]`, its modification time the job's start there.
-A missing directory is a node without Slurm."""
+GPU index (or MIG `gpu.gi`) holding `JOBID [USER [ACCOUNT]]`, its modification time the job's
+start there. A missing directory is a node without Slurm."""
 
 from __future__ import annotations
 
@@ -18,28 +18,33 @@ from agent.model import Snapshot
 log = logging.getLogger(__name__)
 
 _MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
+# Slurm account names: letters, digits and a few separators (sacctmgr refuses the rest).
+_ACCOUNT = re.compile(r"[A-Za-z0-9_.@+-]{1,128}")
+_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a job id, or an array task's (`1234_7`)
 
 
 def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
     """One file per GPU index (`3`) or MIG instance (`0.2`), as a prolog writes them and an
-    epilog removes them; the first line holds the job id and, optionally, the user."""
+    epilog removes them; the first line holds the job id and, optionally, the user and the
+    job's account ($SLURM_JOB_ACCOUNT in the prolog)."""
     try:
         names = sorted(os.listdir(directory))
     except OSError:
         return []
     found: list[SlurmAllocation] = []
+    encoding = locale.getpreferredencoding(False)  # asked once per read, not once per file
     for name in names:
         match = _MAP_NAME.match(name)
         if not match:
             continue
         path = os.path.join(directory, name)
         try:
-            text, written_at = _read_text(path)
+            text, written_at = _read_text(path, encoding)
         except OSError:
             continue  # removed by the epilog while we listed: the job is gone
         first = text.strip().splitlines()
         fields = first[0].split() if first else []
-        if not fields or not re.fullmatch(r"[0-9]+(?:_[0-9]+)?", fields[0]):
+        if not fields or not _JOB_ID.fullmatch(fields[0]):
             log.debug("ignoring %s: no job id on its first line", path)
             continue
         found.append(
@@ -49,6 +54,7 @@ def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
                 job=fields[0],
                 user=fields[1] if len(fields) > 1 else None,
                 started_at=written_at,
+                account=fields[2] if len(fields) > 2 and _ACCOUNT.fullmatch(fields[2]) else None,
             )
         )
     return found
@@ -71,7 +77,7 @@ class SlurmMapSource(AttributionSource):
         return replace(found, slurm_allocations=(*found.slurm_allocations, *read_slurm_map(self.directory)))
 
 
-def _read_text(path: str) -> tuple[str, float]:
+def _read_text(path: str, encoding: str) -> tuple[str, float]:
     """The file's text, as Path.read_text(errors="replace") gives it, and its modification time,
     through os.open, os.read and os.fstat: the map is read every poll, and a buffered text file
     costs more than the read. The time is when the prolog wrote the file: the job's start on
@@ -84,4 +90,4 @@ def _read_text(path: str) -> tuple[str, float]:
             chunks.append(chunk)
     finally:
         os.close(fd)
-    return b"".join(chunks).decode(locale.getpreferredencoding(False), errors="replace"), written_at
+    return b"".join(chunks).decode(encoding, errors="replace"), written_at

@@ -1,0 +1,95 @@
+"""Fixed-bucket histograms for right-sizing's percentiles: cheap, bounded and mergeable. Pure.
+
+A sketch maps a bucket index to the unit-seconds spent in that bucket. Buckets are fixed, so
+two sketches (two hours, two nodes) merge by adding counts, and a workload-hour holds at most
+`BUSY_BUCKETS` + `MEMORY_BUCKETS` numbers however often it was polled.
+
+Precision: a percentile is reported as the upper edge of the bucket it falls in, so it is never
+below the true value and at most one bucket above it:
+
+- busy (0-1): 21 buckets, 0 exactly, then (0, 5%], (5%, 10%], ... (95%, 100%]: at most 5
+  percentage points high.
+- memory: bucket 0 is up to 256 MiB, then eight buckets per doubling up to 1 TiB (each edge
+  2^(1/8) = 1.0905 times the one before): at most 9.05% high; capped by the exact peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+Sketch = dict[int, float]
+
+BUSY_STEP = 0.05
+BUSY_BUCKETS = 21
+MEMORY_BASE_BYTES = 256 * 2**20
+MEMORY_PER_DOUBLING = 8
+MEMORY_BUCKETS = 12 * MEMORY_PER_DOUBLING + 1  # up to 256 MiB x 2^12 = 1 TiB
+
+
+def busy_bucket(busy: float) -> int:
+    """The bucket of a busy fraction: 0 for exactly 0, else ceil(busy / 5%), at most 20."""
+    # Rounded first so that 0.15 (0.15 / 0.05 = 2.9999999999999996) falls in (10%, 15%].
+    return min(max(math.ceil(round(busy / BUSY_STEP, 9)), 0), BUSY_BUCKETS - 1)
+
+
+def busy_edge(bucket: int) -> float:
+    """The upper edge of a busy bucket."""
+    return bucket * BUSY_STEP
+
+
+def memory_bucket(memory_bytes: float) -> int:
+    if memory_bytes <= MEMORY_BASE_BYTES:
+        return 0
+    index = math.ceil(round(MEMORY_PER_DOUBLING * math.log2(memory_bytes / MEMORY_BASE_BYTES), 9))
+    return min(index, MEMORY_BUCKETS - 1)
+
+
+def memory_edge(bucket: int) -> float:
+    """The upper edge of a memory bucket, in bytes."""
+    return float(MEMORY_BASE_BYTES * 2.0 ** (bucket / MEMORY_PER_DOUBLING))
+
+
+def add(sketch: Sketch, bucket: int, seconds: float) -> None:
+    sketch[bucket] = sketch.get(bucket, 0.0) + seconds
+
+
+def merge(into: Sketch, other: Mapping[int, float]) -> None:
+    for bucket, seconds in other.items():
+        add(into, bucket, seconds)
+
+
+def quantile_bucket(sketch: Mapping[int, float], q: float) -> int | None:
+    """The bucket holding the q-quantile (0-1) of the time; None for an empty sketch."""
+    total = math.fsum(sketch.values())
+    if total <= 0:
+        return None
+    wanted = q * total
+    seen = 0.0
+    for bucket in sorted(sketch):
+        seen += sketch[bucket]
+        if seen >= wanted - 1e-9 * total:
+            return bucket
+    return max(sketch)
+
+
+def encode(sketch: Mapping[int, float]) -> str:
+    """As stored in the ledger: a JSON object, bucket -> unit-seconds, buckets in order."""
+    return json.dumps({str(k): sketch[k] for k in sorted(sketch) if sketch[k]}, separators=(",", ":"))
+
+
+def decode(text: str | None) -> Sketch:
+    if not text:
+        return {}
+    raw = json.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError(f"not a sketch: {text[:40]!r}")
+    return {int(k): float(v) for k, v in raw.items()}
+
+
+def merge_encoded(a: str | None, b: str | None) -> str:
+    """Two stored sketches added (SQLite calls this to merge a flush into a stored row)."""
+    merged = decode(a)
+    merge(merged, decode(b))
+    return encode(merged)

@@ -1,0 +1,616 @@
+"""`gpuledger record`: poll the driver for a while and write what it saw as a scenario.
+
+    gpuledger record --for 10m [--step 5s] [--out trace.yaml] [--keep-cmdlines] [--fake [SCENARIO]]
+
+The trace is a scenario that `--fake trace.yaml` (run, snapshot, simulate) replays: a user can
+send the trace of a node that misbehaves, and the replayed node gives the metrics it gave.
+What goes in, and how it comes back:
+
+- each GPU as discovery saw it (model, uuid, PCI bus, memory, power limit, SMs, NVLinks, MIG
+  layout) and its readings as a time series (`readings:`, one row per poll: utilization, memory,
+  temperature, power, the energy counter, NVLinks down, and GPM activity over the interval that
+  starts at the row), which the fake serves in place of its physics;
+- each GPU process with its GPUs, its lifetime, its memory over time and its per-process
+  utilization as segments that reproduce the driver's samples, its uid and user name, its
+  cgroup, and its pod or Slurm job where the scheduler allocated it the GPU; its command line
+  is anonymised (the executable's name, and `--model` with the model the agent recognised)
+  unless `--keep-cmdlines`; no environment variable is ever read into a trace;
+- scheduler allocations without a process (`allocations:`), each driver call that failed (as a
+  fault over the poll it failed in, so the replayed agent meets the same errors), and every Xid
+  and driver event at the poll that received it.
+
+Poll times are written on the --step grid (the k-th poll at k x step), so `simulate trace.yaml
+--step STEP` polls when the recording did. Known limits: owners named only by a process's own
+environment (self-reported Slurm jobs) replay without that job; a MIG instance's memory is its
+processes' sum; a real driver's per-process sample times are replayed at whole seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import shlex
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm import tqdm
+
+from agent.attribution.cgroup import parse_cgroup
+from agent.attribution.sources.procfs import Passwd, ProcFS
+from agent.cli.args import EXIT_OK, duration_arg
+from agent.cli.wiring import Agent, build_agent
+from agent.config import Settings, load_config
+from agent.devices.backend import DeviceBackend
+from agent.devices.instance import detect_instance_type
+from agent.devices.tap import Failure, TappedBackend
+from agent.errors import BadInputError, GpuledgerError
+from agent.model import Activity, AgentState, DeviceReading, Holding, ProcessIdentity, Snapshot, Workload
+from agent.units import format_duration
+
+log = logging.getLogger("gpuledger")
+
+MIB = 2**20
+# The most scenario time `record --fake` covers, and the most real time a recording may last.
+MAX_RECORD_S = 7 * 86400.0
+
+
+@dataclass
+class _Process:
+    pid: int
+    first_s: float
+    refs: list[str] = field(default_factory=list)  # "0", or "0:1" for MIG instance 1 of GPU 0
+    gpu_uuid: str = ""  # the first GPU it was seen on, whose samples it takes
+    last_s: float = 0.0  # the last poll that listed it
+    gone_s: float | None = None
+    memory: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB), at each change
+    uid: int | None = None
+    user: str | None = None
+    argv: tuple[str, ...] = ()
+    cgroup: str = ""
+    holding: Holding | None = None
+
+
+@dataclass
+class _Window:
+    """A span of polls at which something held (an allocation) or failed (a fault)."""
+
+    start_s: float
+    last_s: float
+    end_s: float | None = None
+
+
+class TraceRecorder:
+    """Turns each poll's state (and what the tapped backend kept) into a scenario mapping."""
+
+    def __init__(
+        self,
+        tap: TappedBackend,
+        step_s: float,
+        *,
+        proc_root: str | Path,
+        passwd_file: str | Path,
+        keep_cmdlines: bool = False,
+        instance_type: str | None = None,
+    ) -> None:
+        self._tap = tap
+        self.step_s = step_s
+        self._procfs = ProcFS(proc_root)
+        self._passwd = Passwd(passwd_file)
+        self._keep_cmdlines = keep_cmdlines
+        self._instance_type = instance_type
+        self.polls = 0
+        self._start: float | None = None
+        self._node: dict[str, Any] = {}
+        self._gpus: dict[int, dict[str, Any]] = {}  # index -> its scenario entry
+        self._rows: dict[int, list[dict[str, Any]]] = {}
+        self._last_row: dict[int, tuple[int, dict[str, Any]]] = {}  # index -> (poll, row)
+        self._index_of: dict[str, int] = {}  # GPU or MIG uuid -> GPU index
+        self._refs: dict[str, str] = {}  # GPU or MIG uuid -> "0" or "0:1", as scenarios name them
+        # Lost GPUs and a driver gone: the fault key of each outage still open (no poll has seen
+        # the GPU, or the driver, answer since its last failure).
+        self._open_outages: dict[int | None, tuple[int | None, str | None, str]] = {}
+        self._processes: dict[tuple[int, int | None], _Process] = {}
+        self._allocations: dict[tuple[Workload, str], list[_Window]] = {}
+        self._faults: dict[tuple[int | None, str | None, str], list[_Window]] = {}
+        self._events: list[dict[str, Any]] = []
+        self._failures_seen = 0
+        self._events_seen_until = float("-inf")
+
+    # -- each poll ----------------------------------------------------------------------------
+
+    def observe(self, state: AgentState, events: Iterable[tuple[float, int, str, int]] = ()) -> None:
+        """Take one poll: its snapshot and attribution, the tap's new failures, and the driver
+        events received since the last poll ((received at, GPU index, kind, Xid or 0))."""
+        snapshot = state.snapshot
+        if snapshot is None:
+            return
+        if self._start is None:
+            self._start = snapshot.taken_at
+            self._node = {"hostname": snapshot.node.hostname, "driver_version": snapshot.node.driver_version}
+            if snapshot.node.cuda_driver_version is not None:
+                self._node["cuda_driver_version"] = snapshot.node.cuda_driver_version
+            if self._instance_type:
+                self._node["instance_type"] = self._instance_type
+        k = self.polls
+        t = k * self.step_s  # on the --step grid: replayed polls fall where these did
+        self.polls += 1
+        for device in snapshot.devices:
+            self._index_of[device.uuid] = device.index
+            self._refs[device.uuid] = device.label
+        self._failures(t)
+        for gpu in snapshot.gpus:
+            self._gpu(snapshot, gpu, k, t)
+        self._down(snapshot, t)
+        self._processes_of(snapshot, state, t)
+        self._allocations_of(state, t)
+        for received, index, kind, value in events:
+            if received > self._events_seen_until:
+                fault: dict[str, Any] = {"at": t, "gpu": index}
+                fault.update({"xid": value} if kind == "xid" else {"event": kind})
+                self._events.append(fault)
+        self._events_seen_until = snapshot.taken_at
+
+    def _gpu(self, snapshot: Snapshot, gpu: DeviceReading, k: int, t: float) -> None:
+        migs = snapshot.mig_devices(gpu.uuid)
+        if gpu.up and gpu.index not in self._gpus:
+            entry: dict[str, Any] = {"model": gpu.model, "uuid": gpu.uuid}
+            if gpu.pci_bus_id:
+                entry["pci_bus_id"] = gpu.pci_bus_id
+            if gpu.memory_total_bytes is not None:
+                entry["memory_total_mib"] = max(1, round(gpu.memory_total_bytes / MIB))
+            if gpu.power_limit_w is not None:
+                entry["power_limit_w"] = gpu.power_limit_w
+            if gpu.sm_count is not None:
+                entry["sm_count"] = gpu.sm_count
+            entry["nvlink_links"] = len(gpu.nvlinks)
+            if migs:
+                entry["mig"] = [m.mig_profile for m in sorted(migs, key=lambda m: m.mig_index or 0)]
+            self._gpus[gpu.index] = entry
+        if not gpu.up:
+            return
+        readings = {
+            "utilization": None if gpu.utilization is None else round(gpu.utilization * 100, 6),
+            # A MIG GPU's memory is its instances' sum, which the replayed processes give.
+            "memory_used_mib": None if gpu.memory_used_bytes is None or migs else gpu.memory_used_bytes / MIB,
+            "temperature_c": gpu.temperature_c,
+            "power_w": gpu.power_w,
+            "energy_j": gpu.energy_j,
+        }
+        row: dict[str, Any] = {"at": t} | {key: value for key, value in readings.items() if value is not None}
+        if gpu.nvlinks:
+            row["nvlink_down"] = [link.link for link in gpu.nvlinks if not link.up]
+        # Activity read at this poll covers the interval since the previous one: it belongs to the
+        # previous poll's row, which holds over that interval.
+        previous = self._last_row.get(gpu.index)
+        if previous is not None and previous[0] == k - 1:
+            previous_row = previous[1]
+            previous_row.update(_activity(gpu.activity))
+            by_slot = sorted(migs, key=lambda m: m.mig_index or 0)
+            if any(m.activity is not None for m in by_slot):
+                previous_row["migs"] = [_activity(m.activity) for m in by_slot]
+        self._rows.setdefault(gpu.index, []).append(row)
+        self._last_row[gpu.index] = (k, row)
+
+    def _processes_of(self, snapshot: Snapshot, state: AgentState, t: float) -> None:
+        holding_of: dict[tuple[str, int], Holding] = {}
+        for holding in state.attribution.holdings:
+            for pid in holding.pids:
+                holding_of.setdefault((holding.device_uuid, pid), holding)
+        seen: set[tuple[int, int | None]] = set()
+        listed: set[str] = set()  # devices whose process list was read: the others say nothing
+        for device in snapshot.devices:
+            if not device.up or not device.processes_known:
+                continue
+            listed.add(device.parent_uuid or device.uuid)
+            ref = device.label
+            for process in device.processes:
+                key = self._identity(process.pid)
+                seen.add(key)
+                track = self._processes.get(key)
+                if track is None:
+                    track = self._processes[key] = self._new_process(process.pid, key[1], t)
+                track.gone_s = None
+                track.last_s = t
+                if ref not in track.refs:
+                    track.refs.append(ref)
+                if not track.gpu_uuid:
+                    track.gpu_uuid = device.parent_uuid or device.uuid
+                if ref == track.refs[0] and process.used_memory_bytes is not None:
+                    mib = process.used_memory_bytes / MIB
+                    if not track.memory or track.memory[-1][1] != mib:
+                        track.memory.append((t, mib))
+                held = holding_of.get((device.uuid, process.pid))
+                if held is not None and track.holding is None:
+                    track.holding = held
+        for key, track in self._processes.items():
+            if key not in seen and track.gone_s is None and track.gpu_uuid in listed:
+                # It ended after the last poll that listed it: when, the polls between (the GPU
+                # unreadable) cannot tell, and the replay ends it at the earliest.
+                track.gone_s = track.last_s + self.step_s
+
+    def _identity(self, pid: int) -> tuple[int, int | None]:
+        try:
+            return (pid, self._procfs.identity(pid).start_ticks)
+        except GpuledgerError:
+            return (pid, None)
+
+    def _new_process(self, pid: int, start_ticks: int | None, t: float) -> _Process:
+        track = _Process(pid, t)
+        if start_ticks is not None:
+            try:
+                facts = self._procfs.facts(ProcessIdentity(pid, start_ticks))
+            except GpuledgerError:
+                return track
+            track.uid, track.argv, track.cgroup = facts.uid, facts.cmdline, facts.cgroup
+            track.user = self._passwd.name(facts.uid) if facts.uid is not None else None
+        return track
+
+    def _allocations_of(self, state: AgentState, t: float) -> None:
+        for holding in state.attribution.holdings:
+            if holding.allocated and not holding.pids:
+                self._extend(self._allocations, (holding.workload, holding.device_uuid), t)
+
+    def _extend(self, windows: dict[Any, list[_Window]], key: Any, t: float) -> None:
+        spans = windows.setdefault(key, [])
+        if spans and spans[-1].last_s == t - self.step_s and spans[-1].end_s is None:
+            spans[-1].last_s = t
+        else:
+            spans.append(_Window(t, t))
+
+    def _failures(self, t: float) -> None:
+        """Calls that failed in this poll: each a fault over this poll alone, but for a GPU lost
+        and the driver gone. Those are one fault from the first failure to the last before the
+        GPU (or driver) answered again, every call failing: the replayed sampler, retrying with
+        backoff, and the event reader, re-registering on its own schedule, must fail whenever
+        they asked and fail no longer once the recorded ones succeeded."""
+        new: list[Failure] = self._tap.failures[self._failures_seen :]
+        self._failures_seen = len(self._tap.failures)
+        for failure in new:
+            gpu = self._index_of.get(failure.uuid) if failure.uuid else None
+            if failure.driver or (failure.lost and gpu is not None):
+                scope = None if failure.driver else gpu
+                key: tuple[int | None, str | None, str] = (scope, None, failure.error)
+                spans = self._faults.get(key)
+                if self._open_outages.get(scope) == key and spans:
+                    spans[-1].last_s = t
+                else:
+                    self._faults.setdefault(key, []).append(_Window(t, t))
+                    self._open_outages[scope] = key
+            elif not failure.lost:
+                key = (gpu, failure.call, failure.error)
+                spans = self._faults.get(key)
+                if not spans or spans[-1].last_s != t:
+                    self._extend(self._faults, key, t)
+
+    def _down(self, snapshot: Snapshot, t: float) -> None:
+        """Close the outages of whatever this poll found answering."""
+        if snapshot.driver_up:
+            self._open_outages.pop(None, None)
+        for gpu in snapshot.gpus:
+            if gpu.up:
+                self._open_outages.pop(gpu.index, None)
+
+    # -- the trace ----------------------------------------------------------------------------
+
+    def scenario(self) -> dict[str, Any]:
+        """The recording as a scenario mapping (YAML-ready)."""
+        if self._start is None:
+            raise GpuledgerError("nothing was recorded: no poll read the GPUs")
+        end_s = (self.polls - 1) * self.step_s  # the last poll
+        gpus = []
+        for index in range(max(self._gpus, default=-1) + 1):
+            entry = dict(self._gpus.get(index, {"model": "unknown"}))
+            if self._rows.get(index):
+                entry["readings"] = self._rows[index]
+            gpus.append(entry)
+        scenario: dict[str, Any] = {
+            "start": datetime.fromtimestamp(self._start, UTC).isoformat().replace("+00:00", "Z"),
+            "node": self._node,
+            "gpus": gpus,
+            "processes": [self._process_entry(p, end_s) for p in self._ordered_processes()],
+        }
+        allocations = [a for a in self._allocation_entries(end_s) if a]
+        if allocations:
+            scenario["allocations"] = allocations
+        faults = self._fault_entries() + self._events
+        if faults:
+            scenario["faults"] = faults
+        return scenario
+
+    def _ordered_processes(self) -> list[_Process]:
+        return sorted(self._processes.values(), key=lambda p: (p.first_s, p.pid))
+
+    def _process_entry(self, track: _Process, end_s: float) -> dict[str, Any]:
+        stamps = self._samples(track)
+        start_s = min([track.first_s, *stamps])
+        entry: dict[str, Any] = {"pid": track.pid, "gpus": list(track.refs), "start": start_s}
+        if track.gone_s is not None and track.gone_s <= end_s:
+            entry["end"] = track.gone_s
+        # The process's own figure is whole MiB in a scenario; its segments carry the exact ones.
+        entry["memory_mib"] = round(track.memory[0][1]) if track.memory else 0
+        entry["sm_util"] = _segments(stamps, track.memory, start_s, track.gone_s or end_s)
+        if track.uid is not None:
+            entry["uid"] = track.uid
+        if track.user:
+            entry["user"] = track.user
+        entry["cmdline"] = self._cmdline(track)
+        if track.cgroup.strip():
+            entry["cgroup"] = track.cgroup.strip()
+        holding = track.holding
+        if holding is not None and holding.allocated and not holding.self_reported:
+            w = holding.workload
+            if w.pod:
+                owner = parse_cgroup(track.cgroup) if track.cgroup else None
+                pod: dict[str, str] = {"namespace": w.namespace, "name": w.pod, "container": w.container}
+                if owner is not None and owner.pod_uid:
+                    pod["uid"] = owner.pod_uid
+                entry["pod"] = pod
+            elif w.hpc_job:
+                entry["slurm_job"] = w.hpc_job
+        return entry
+
+    def _samples(self, track: _Process) -> dict[float, int]:
+        """The driver's samples of the process on its first GPU: scenario time -> percent."""
+        start = self._start or 0.0
+        found: dict[float, int] = {}
+        for pid, stamp_us, util in self._tap.samples.get(track.gpu_uuid, ()):
+            if pid == track.pid:
+                at = stamp_us / 1_000_000 - start
+                if at >= 0 and (track.gone_s is None or at < track.gone_s):
+                    found[round(at, 6)] = util
+        return found
+
+    def _cmdline(self, track: _Process) -> str:
+        if self._keep_cmdlines:
+            return shlex.join(track.argv) if track.argv else "python"
+        # The executable's name, and the model the agent recognised (already in every series'
+        # model label): enough to replay the labels, nothing of the arguments.
+        argv = track.argv[0].split() if len(track.argv) == 1 else list(track.argv)
+        words = [Path(argv[0]).name if argv else "python"]
+        model = track.holding.workload.model if track.holding is not None else ""
+        if model:
+            words += ["--model", model]
+        return shlex.join(words)
+
+    def _allocation_entries(self, end_s: float) -> list[dict[str, Any]]:
+        entries = []
+        for (workload, uuid), spans in self._allocations.items():
+            ref = self._refs.get(uuid)
+            if ref is None:
+                continue
+            for span in spans:
+                entry: dict[str, Any] = {"gpus": [ref], "start": span.start_s}
+                end = span.last_s + self.step_s
+                if end <= end_s:
+                    entry["end"] = end
+                if workload.pod:
+                    pod = {"namespace": workload.namespace, "name": workload.pod, "container": workload.container}
+                    entry["pod"] = pod
+                elif workload.hpc_job:
+                    entry["slurm_job"] = workload.hpc_job
+                    if workload.user:
+                        entry["user"] = workload.user
+                else:
+                    continue  # only the kubelet and the Slurm prolog allocate
+                entries.append(entry)
+        return entries
+
+    def _fault_entries(self) -> list[dict[str, Any]]:
+        entries = []
+        for (gpu, call, error), spans in self._faults.items():
+            for span in spans:
+                fault: dict[str, Any] = {"at": span.start_s, "until": span.last_s + self.step_s}
+                if gpu is not None:
+                    fault["gpu"] = gpu
+                if call is not None:
+                    fault["call"] = call
+                fault["error"] = error
+                entries.append(fault)
+        return sorted(entries, key=lambda f: f["at"])
+
+
+class _Flow(dict[str, Any]):
+    """A mapping written on one line: a reading row, a segment, a fault."""
+
+
+class _FlowList(list[Any]):
+    """A short list written on one line: a process's GPUs."""
+
+
+class _TraceDumper(yaml.SafeDumper):
+    pass
+
+
+def _number(dumper: yaml.SafeDumper, value: float) -> yaml.Node:
+    # Whole numbers as integers (most readings are): a shorter trace, the same value.
+    if value.is_integer() and abs(value) < 2**53:
+        return dumper.represent_int(int(value))
+    return dumper.represent_float(value)
+
+
+_TraceDumper.add_representer(_Flow, lambda d, v: d.represent_mapping("tag:yaml.org,2002:map", v, flow_style=True))
+_TraceDumper.add_representer(_FlowList, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
+_TraceDumper.add_representer(float, _number)
+
+
+def _styled(scenario: Mapping[str, Any]) -> dict[str, Any]:
+    """The trace with its many small entries (rows, segments, faults) each on one line."""
+    styled = dict(scenario)
+    styled["gpus"] = [
+        {**gpu, "readings": [_Flow(row) for row in gpu["readings"]]} if "readings" in gpu else gpu
+        for gpu in scenario["gpus"]
+    ]
+    styled["processes"] = [
+        {**p, "gpus": _FlowList(p["gpus"]), "sm_util": [_Flow(s) for s in p["sm_util"]]} for p in scenario["processes"]
+    ]
+    if "allocations" in scenario:
+        styled["allocations"] = [_Flow(a) for a in scenario["allocations"]]
+    if "faults" in scenario:
+        styled["faults"] = [_Flow(f) for f in scenario["faults"]]
+    return styled
+
+
+def _activity(activity: Activity | None) -> dict[str, float]:
+    """GPM figures as a row holds them: percent."""
+    if activity is None:
+        return {}
+    found = {}
+    for key in ("graphics_active", "sm_active", "sm_occupancy", "tensor_active", "dram_active"):
+        value = getattr(activity, key)
+        if value is not None:
+            found[key] = value * 100
+    return found
+
+
+def _segments(
+    samples: Mapping[float, int], memory: list[tuple[float, float]], start_s: float, end_s: float
+) -> list[dict[str, Any]]:
+    """Segments (relative to the process's start) that make the fake hand out these very samples:
+    each sample's value from its time on, 0 where the driver left a period without one (it only
+    keeps samples of processes that did some work), and the memory the process held from each
+    poll that saw it change."""
+    times = sorted(samples)
+    gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
+    period = min(gaps) if gaps else 1.0
+    changes: list[tuple[float, str, float]] = []
+    for i, at in enumerate(times):
+        changes.append((at, "util", samples[at]))
+        following = times[i + 1] if i + 1 < len(times) else end_s
+        if following - at > period * 1.5:
+            changes.append((at + period, "util", 0))
+    changes += [(at, "memory", mib) for at, mib in memory]
+    util, mib = 0.0, memory[0][1] if memory else 0.0
+    segments: list[dict[str, Any]] = [{"at": 0, "sm_util": 0, "memory_mib": mib}]
+    for at, kind, value in sorted(changes, key=lambda c: (c[0], c[1] == "memory")):
+        if kind == "util":
+            util = float(value)
+        else:
+            mib = value
+        rel = round(max(0.0, at - start_s), 6)
+        segment = {"at": rel, "sm_util": util, "memory_mib": mib}
+        if segments[-1]["at"] == rel:
+            segments[-1] = segment
+        elif (segments[-1]["sm_util"], segments[-1]["memory_mib"]) != (util, mib):
+            segments.append(segment)
+    return segments
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def record(
+    agent: Agent,
+    tap: TappedBackend,
+    duration_s: float,
+    step_s: float,
+    *,
+    keep_cmdlines: bool = False,
+    wait: Callable[[float], object] | None = None,
+    on_poll: Callable[[AgentState], object] | None = None,
+) -> dict[str, Any]:
+    """Poll `agent` every `step_s` for `duration_s` (a fake node's clock is moved; a real one is
+    waited for with `wait`, by default sleeping) and return the trace as a scenario mapping."""
+    node = agent.node
+    settings = agent.settings
+    recorder = TraceRecorder(
+        tap,
+        step_s,
+        proc_root=node.proc_root if node is not None else settings.proc_root,
+        passwd_file=node.passwd_file if node is not None else settings.attribution.passwd_file,
+        keep_cmdlines=keep_cmdlines,
+        instance_type=node.scenario.node.instance_type if node is not None else detect_instance_type(),
+    )
+    pipeline = agent.pipeline
+    started = time.monotonic()
+    polls = int(duration_s // step_s) + 1
+    for k in range(polls):
+        if k:
+            if node is not None:
+                node.clock.advance(step_s)
+            else:
+                (wait or time.sleep)(max(0.0, started + k * step_s - time.monotonic()))
+        pipeline.refresh_allocations()
+        state = pipeline.poll_once()
+        recorder.observe(state, _received(agent))
+        if on_poll is not None:
+            on_poll(state)
+    return recorder.scenario()
+
+
+def _received(agent: Agent) -> list[tuple[float, int, str, int]]:
+    if agent.events is None:
+        return []
+    return [(at, gpu, event.kind.value, event.data) for at, gpu, event in agent.events.recent]
+
+
+def build_recording_agent(
+    settings: Settings,
+    fake: str | Path | Mapping[str, Any] | None,
+    step_s: float,
+    monotonic: Callable[[], float] = time.monotonic,
+) -> tuple[Agent, TappedBackend]:
+    """The agent `record` polls: as `run` builds it (so a replay with the same config gives the
+    same figures), its backend tapped, and no ledger (a recording charges nobody)."""
+    taps: list[TappedBackend] = []
+
+    def tap(backend: DeviceBackend) -> DeviceBackend:
+        taps.append(TappedBackend(backend))
+        return taps[-1]
+
+    agent = build_agent(settings, fake=fake, poll_interval_s=step_s, monotonic=monotonic, wrap_backend=tap)
+    return agent, taps[0]
+
+
+def write_trace(scenario: Mapping[str, Any], out: str, header: str) -> None:
+    text = header + yaml.dump(
+        _styled(scenario), Dumper=_TraceDumper, sort_keys=False, default_flow_style=False, width=120
+    )
+    if out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(out).write_text(text, encoding="utf-8")
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    settings = load_config(args.config)
+    duration = duration_arg(args.duration, "--for")
+    step = duration_arg(args.step, "--step") if args.step else settings.poll_interval
+    if duration <= 0 or step <= 0:
+        raise BadInputError("gpuledger: --for and --step: must be above 0")
+    if step > duration:
+        raise BadInputError(f"gpuledger: --step: {format_duration(step)} is longer than --for {args.duration}")
+    if duration > MAX_RECORD_S:
+        raise BadInputError(f"gpuledger: --for: at most {format_duration(MAX_RECORD_S)}, got {args.duration}")
+    if args.out != "-" and not Path(args.out).parent.is_dir():
+        raise BadInputError(f"gpuledger: --out: no such directory {Path(args.out).parent}")
+    agent, tap = build_recording_agent(settings, args.fake, step)
+    polls = int(duration // step) + 1
+    try:
+        with tqdm(total=polls, unit="poll", desc="recording", disable=None, leave=False, file=sys.stderr) as bar:
+            scenario = record(
+                agent, tap, duration, step, keep_cmdlines=args.keep_cmdlines, on_poll=lambda _: bar.update()
+            )
+    finally:
+        agent.close()
+    where = f"fake node {args.fake!r}" if args.fake else "NVML"
+    header = (
+        f"# Recorded by gpuledger record from {where}: {polls} polls, one every {format_duration(step)}.\n"
+        f"# Replay: gpuledger simulate TRACE --for {format_duration(duration)} --step {format_duration(step)}\n"
+        f"# (or run / snapshot --fake TRACE). Command lines {'kept' if args.keep_cmdlines else 'anonymised'}; "
+        "no environment variables.\n"
+    )
+    write_trace(scenario, args.out, header)
+    if args.out != "-":
+        print(
+            f"recorded {polls} polls of {len(scenario['gpus'])} GPU(s), {len(scenario['processes'])} process(es) "
+            f"to {args.out}",
+            file=sys.stderr,
+        )
+    return EXIT_OK

@@ -1,0 +1,152 @@
+"""A device backend that forwards to another and keeps what `gpuledger record` needs besides the
+snapshots: the per-process utilization samples the driver handed out (a snapshot keeps only
+their mean), and every call that failed, when, on which device and how.
+
+It changes nothing it forwards: the sampler, the event reader and the activity meters see the
+wrapped backend's answers and errors exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from agent.devices.backend import (
+    DeviceBackend,
+    DeviceError,
+    DeviceLost,
+    DriverUnavailable,
+    Handle,
+    ProcessInfo,
+    ProcessSample,
+    ReadingKey,
+    ReadResult,
+)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A call that failed: at (backend clock), on `uuid` ("" for the driver itself), the call and
+    the library's error name; `lost` for a device gone, `driver` for the driver gone."""
+
+    at: float
+    uuid: str
+    call: str
+    error: str
+    lost: bool = False
+    driver: bool = False
+
+
+class TappedBackend:
+    """`inner`, with its per-process samples and its failures kept (see the module docstring).
+    Capabilities beyond `DeviceBackend` (events, activity) are forwarded as they are."""
+
+    def __init__(self, inner: DeviceBackend) -> None:
+        self._inner = inner
+        self.clock = inner.clock
+        self._uuids: dict[int, str] = {}  # id(handle) -> the uuid it answered
+        self.samples: dict[str, list[ProcessSample]] = {}  # GPU uuid -> every sample, in order
+        self.failures: list[Failure] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _failed(self, handle: Handle | None, exc: DeviceError) -> None:
+        uuid = "" if handle is None else self._uuids.get(id(handle), "")
+        self.failures.append(
+            Failure(
+                self.clock(), uuid, exc.call, exc.error, isinstance(exc, DeviceLost), isinstance(exc, DriverUnavailable)
+            )
+        )
+
+    def _tapped(self, handle: Handle | None, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except DeviceError as exc:
+            self._failed(handle, exc)
+            raise
+
+    # -- the library and discovery: forwarded, errors kept ------------------------------------
+
+    def init(self) -> None:
+        self._tapped(None, self._inner.init)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def driver_version(self) -> str:
+        return self._tapped(None, self._inner.driver_version)
+
+    def cuda_driver_version(self) -> int:
+        return self._tapped(None, self._inner.cuda_driver_version)
+
+    def device_count(self) -> int:
+        return self._tapped(None, self._inner.device_count)
+
+    def handle_by_index(self, index: int) -> Handle:
+        return self._tapped(None, lambda: self._inner.handle_by_index(index))
+
+    def name(self, handle: Handle) -> str:
+        return self._inner.name(handle)
+
+    def uuid(self, handle: Handle) -> str:
+        uuid = self._inner.uuid(handle)
+        self._uuids[id(handle)] = uuid
+        return uuid
+
+    def pci_bus_id(self, handle: Handle) -> str:
+        return self._inner.pci_bus_id(handle)
+
+    def power_limit_w(self, handle: Handle) -> float:
+        return self._inner.power_limit_w(handle)
+
+    def sm_count(self, handle: Handle) -> int:
+        return self._inner.sm_count(handle)
+
+    def nvlink_count(self, handle: Handle) -> int:
+        return self._inner.nvlink_count(handle)
+
+    def mig_enabled(self, handle: Handle) -> bool:
+        return self._inner.mig_enabled(handle)
+
+    def mig_handles(self, handle: Handle) -> list[tuple[int, Handle]]:
+        return self._inner.mig_handles(handle)
+
+    def mig_profile(self, handle: Handle) -> str:
+        return self._inner.mig_profile(handle)
+
+    def gpu_instance_id(self, handle: Handle) -> int:
+        return self._inner.gpu_instance_id(handle)
+
+    def compute_instance_id(self, handle: Handle) -> int:
+        return self._inner.compute_instance_id(handle)
+
+    # -- every poll ---------------------------------------------------------------------------
+
+    def read(self, handle: Handle, keys: Sequence[ReadingKey]) -> ReadResult:
+        result = self._tapped(handle, lambda: self._inner.read(handle, keys))
+        seen: set[int] = set()
+        for failure in result.errors.values():
+            if id(failure) not in seen:  # one failed call answering several keys is one failure
+                seen.add(id(failure))
+                self._failed(handle, failure)
+        return result
+
+    def running_processes(self, handle: Handle) -> list[ProcessInfo]:
+        return self._tapped(handle, lambda: self._inner.running_processes(handle))
+
+    def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:
+        samples = self._tapped(handle, lambda: self._inner.process_utilization(handle, since_us))
+        self.samples.setdefault(self._uuids.get(id(handle), ""), []).extend(samples)
+        return samples
+
+    def register_events(self, event_set: Any, handle: Handle, kinds: Any, token: int) -> None:
+        inner = self._inner.register_events  # type: ignore[attr-defined]
+        self._tapped(handle, lambda: inner(event_set, handle, kinds, token))
+
+    def take_activity_sample(self, handle: Handle, sample: Any, gpu_instance_id: int | None) -> None:
+        inner = self._inner.take_activity_sample  # type: ignore[attr-defined]
+        self._tapped(handle, lambda: inner(handle, sample, gpu_instance_id))

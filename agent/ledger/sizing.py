@@ -1,0 +1,165 @@
+"""Reading what right-sizing needs from ledgers (`sizing_hours`, schema version 6), and the
+price each workload was charged at (`workload_hours`). Read-only, like read.py."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Sequence
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.accounting import sketch
+from agent.accounting.rightsize import WorkloadSizing
+from agent.ledger.files import LedgerError, stored_version
+from agent.ledger.read import _bounds, _migrated_copy, open_read_only
+from agent.ledger.schema import SCHEMA_VERSION
+from agent.model import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class SizingRow:
+    """One stored hour of one workload on one kind of unit (schema.py, version 6)."""
+
+    hour: int
+    node: str
+    workload: Workload
+    gpu_model: str
+    mig_profile: str
+    memory_total_bytes: float | None
+    busy_source: str
+    held_s: float
+    busy_s: float
+    measured_s: float
+    memory_s: float
+    peak_memory_bytes: float | None
+    max_units: int
+    busy_sketch: sketch.Sketch
+    memory_sketch: sketch.Sketch
+
+
+@dataclass(frozen=True, slots=True)
+class ChargedRate:
+    """What a workload paid for one kind of unit over the window: dollars and charged seconds."""
+
+    dollars: float
+    charged_s: float
+
+
+def read_sizing(
+    path: str | Path, *, since: float | None = None, until: float | None = None
+) -> tuple[list[SizingRow], dict[tuple[Workload, str], ChargedRate]]:
+    """The sizing rows of the hours overlapping [since, until), and per (workload, GPU model)
+    what it was charged for whole GPUs (dollars, charged seconds), for the price it pays."""
+    path = Path(path)
+    if not path.is_file():
+        raise LedgerError(f"ledger {path}: no such file")
+    where, params = _bounds(since, until)
+    try:
+        with closing(open_read_only(path)) as conn:
+            version = stored_version(conn, path)
+            if version == 0:
+                raise LedgerError(f"ledger {path}: empty, not a gpuledger ledger")
+            if version < SCHEMA_VERSION:
+                with closing(_migrated_copy(conn, path)) as copy:
+                    return _read(copy, where, params)
+            return _read(conn, where, params)
+    except sqlite3.Error as exc:
+        raise LedgerError(f"ledger {path}: cannot read: {exc}") from exc
+
+
+def _read(
+    conn: sqlite3.Connection, where: str, params: Sequence[int | float]
+) -> tuple[list[SizingRow], dict[tuple[Workload, str], ChargedRate]]:
+    conn.row_factory = sqlite3.Row
+    conn.execute("BEGIN")
+    rows = conn.execute(f"SELECT * FROM sizing_hours{where} ORDER BY hour", params).fetchall()
+    # What a workload paid for whole GPUs: its rows whose uuid is a GPU's (a MIG instance's row
+    # names the instance, whose profile the row does not record: MIG units are priced from the
+    # catalogue instead).
+    qualified = where.replace("hour", "w.hour")
+    charged = conn.execute(
+        "SELECT w.*, g.model AS gpu_model FROM workload_hours AS w JOIN gpu_hours AS g"
+        f" ON g.hour = w.hour AND g.node = w.node AND g.uuid = w.uuid{qualified}",
+        params,
+    ).fetchall()
+    conn.execute("COMMIT")
+    sizing = [
+        SizingRow(
+            hour=r["hour"],
+            node=r["node"],
+            workload=Workload.from_labels(r),
+            gpu_model=r["gpu_model"],
+            mig_profile=r["mig_profile"],
+            memory_total_bytes=r["memory_total_bytes"],
+            busy_source=r["busy_source"],
+            held_s=r["held_s"],
+            busy_s=r["busy_s"],
+            measured_s=r["measured_s"],
+            memory_s=r["memory_s"],
+            peak_memory_bytes=r["peak_memory_bytes"],
+            max_units=r["max_units"],
+            busy_sketch=sketch.decode(r["busy_sketch"]),
+            memory_sketch=sketch.decode(r["memory_sketch"]),
+        )
+        for r in rows
+    ]
+    dollars: dict[tuple[Workload, str], list[float]] = {}
+    seconds: dict[tuple[Workload, str], list[float]] = {}
+    for r in charged:
+        key = (Workload.from_labels(r), r["gpu_model"])
+        dollars.setdefault(key, []).append(r["dollars"])
+        seconds.setdefault(key, []).append(r["charged_s"])
+    rates = {key: ChargedRate(math.fsum(dollars[key]), math.fsum(seconds[key])) for key in dollars}
+    return sizing, rates
+
+
+def workload_sizing(
+    rows: Sequence[SizingRow], rates: dict[tuple[Workload, str], ChargedRate], *, until: float | None = None
+) -> list[WorkloadSizing]:
+    """The rows summed per workload and kind of unit over the window (every node alike: a job on
+    two nodes holds the sum of its units there; its peaks are the larger)."""
+    groups: dict[tuple[Workload, str, str], list[SizingRow]] = {}
+    for row in rows:
+        groups.setdefault((row.workload, row.gpu_model, row.mig_profile), []).append(row)
+    out = []
+    for (workload, gpu_model, mig_profile), group in groups.items():
+        busy_sketch: sketch.Sketch = {}
+        memory_sketch: sketch.Sketch = {}
+        for row in group:
+            sketch.merge(busy_sketch, row.busy_sketch)
+            sketch.merge(memory_sketch, row.memory_sketch)
+        # Units held at once: the most in one hour on one node, summed over nodes in that hour.
+        per_hour: dict[int, int] = {}
+        for row in group:
+            per_hour[row.hour] = per_hour.get(row.hour, 0) + row.max_units
+        # Hours in which it did measurable work (busy over 1% of what it held).
+        used_hours = [row.hour for row in group if row.measured_s > 0 and row.busy_s > 0.01 * row.measured_s]
+        peaks = [row.peak_memory_bytes for row in group if row.peak_memory_bytes is not None]
+        totals = [row.memory_total_bytes for row in group if row.memory_total_bytes is not None]
+        rate = rates.get((workload, gpu_model)) if not mig_profile else None
+        out.append(
+            WorkloadSizing(
+                workload=workload,
+                nodes=tuple(sorted({row.node for row in group})),
+                gpu_model=gpu_model,
+                mig_profile=mig_profile,
+                units=max(per_hour.values()),
+                held_s=math.fsum(row.held_s for row in group),
+                busy_s=math.fsum(row.busy_s for row in group),
+                measured_s=math.fsum(row.measured_s for row in group),
+                memory_s=math.fsum(row.memory_s for row in group),
+                peak_memory_bytes=max(peaks) if peaks else None,
+                memory_total_bytes=max(totals) if totals else None,
+                busy_sketch=busy_sketch,
+                memory_sketch=memory_sketch,
+                first_hour=min(per_hour),
+                last_hour=max(per_hour),
+                last_used_hour=max(used_hours) if used_hours else None,
+                busy_source=next((row.busy_source for row in reversed(group) if row.busy_source), ""),
+                charged_dollars=rate.dollars if rate is not None else None,
+                charged_s=rate.charged_s if rate is not None else None,
+            )
+        )
+    return out

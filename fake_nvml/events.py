@@ -1,0 +1,236 @@
+"""The fake driver's event API: event sets that deliver a scenario's Xids and driver events.
+
+The C functions pynvml wraps, with its signatures:
+
+    nvmlEventSetCreate(nvmlEventSet_t *set)
+    nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
+    nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes, nvmlEventSet_t set)
+    nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+    nvmlEventSetFree(nvmlEventSet_t set)
+
+A set delivers the events of the devices registered on it that happen after it was created
+(scenario `xid:` faults and `event:` faults), one per wait, in scenario-time order. A wait
+blocks in real time for up to its timeout, looking at the scenario clock as it goes, so a
+clock that a test advances by hand, or one running at a speed, delivers events when scenario
+time reaches them. As the real driver does, a wait on a set holding a GPU that has fallen off
+the bus answers GPU_IS_LOST once that GPU's pending events are out, and a set made before the
+driver went away (a node-wide DRIVER_NOT_LOADED-like fault that has since ended) answers
+UNINITIALIZED: it belongs to a driver instance that is gone, and must be made again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import itertools
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from fake_nvml.lib import INVALID_ARGUMENT, NOT_SUPPORTED, SUCCESS, Dev, FakeNvmlLibrary, _c, _int, _obj
+from fake_nvml.scenario import ERROR_CODES
+
+# nvmlEventType* (nvml.h)
+SINGLE_BIT_ECC = 0x1
+DOUBLE_BIT_ECC = 0x2
+PSTATE = 0x4
+XID_CRITICAL_ERROR = 0x8
+CLOCK = 0x10
+# What a data-centre GPU offers; a MIG device handle offers Xids only (nvml.h: "On MIG-enabled
+# GPUs, only XID events are supported for MIG device handles").
+GPU_EVENTS = SINGLE_BIT_ECC | DOUBLE_BIT_ECC | PSTATE | XID_CRITICAL_ERROR | CLOCK
+MIG_EVENTS = XID_CRITICAL_ERROR
+EVENT_TYPES = {"single_bit_ecc": SINGLE_BIT_ECC, "double_bit_ecc": DOUBLE_BIT_ECC, "clock_change": CLOCK}
+
+TIMEOUT = ERROR_CODES["TIMEOUT"]
+GPU_IS_LOST = ERROR_CODES["GPU_IS_LOST"]
+UNINITIALIZED = ERROR_CODES["UNINITIALIZED"]
+_NO_INSTANCE = 0xFFFFFFFF
+# The errors of a driver that went away: a set made before one of them struck is stale after.
+_DRIVER_GONE = frozenset({"DRIVER_NOT_LOADED", "UNINITIALIZED", "LIB_RM_VERSION_MISMATCH"})
+_SET_TAG = 0x65760000  # "ev" in the high bytes: an event set this library made
+# How often a waiting call looks at the scenario clock again (real seconds): an event arrives
+# within a tick of scenario time reaching it, and a waiting thread (a Python loop here, where the
+# real driver blocks in C) takes too little of the interpreter to slow a poll beside it.
+WAIT_TICK_S = 0.01
+
+
+@dataclass(order=True)
+class _Pending:
+    at_s: float
+    order: int
+    gpu: int = field(compare=False)
+    event_type: int = field(compare=False)
+    data: int = field(compare=False)
+    mig: int | None = field(compare=False, default=None)
+
+
+@dataclass
+class _EventSet:
+    created_s: float
+    pending: list[_Pending] = field(default_factory=list)  # a heap, soonest first
+    registered: dict[int, int] = field(default_factory=dict)  # GPU index -> event types
+
+
+class _Sets:
+    """One library's event sets, by the id their handle carries."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sets: dict[int, _EventSet] = {}
+        self.ids = itertools.count(1)
+        self.waiters = 0  # calls blocked in a wait right now (tests look)
+
+
+_STATE: weakref.WeakKeyDictionary[FakeNvmlLibrary, _Sets] = weakref.WeakKeyDictionary()
+_STATE_LOCK = threading.Lock()
+
+
+def _sets(lib: FakeNvmlLibrary) -> _Sets:
+    with _STATE_LOCK:
+        state = _STATE.get(lib)
+        if state is None:
+            state = _STATE[lib] = _Sets()
+        return state
+
+
+def waiting(lib: FakeNvmlLibrary) -> int:
+    """How many calls are blocked in nvmlEventSetWait_v2 on this library right now."""
+    return _sets(lib).waiters
+
+
+def _pointer_value(arg: Any) -> int | None:
+    obj = _obj(arg)
+    if isinstance(obj, ctypes._Pointer):
+        return int.from_bytes(bytes(obj), "little") or None
+    value: int | None = ctypes.cast(obj, ctypes.c_void_p).value if obj is not None else None
+    return value
+
+
+def _event_set(lib: FakeNvmlLibrary, arg: Any) -> tuple[int, _EventSet] | None:
+    value = _pointer_value(arg)
+    if value is None or value & 0xFFFF0000 != _SET_TAG:
+        return None
+    set_id = value & 0xFFFF
+    found = _sets(lib).sets.get(set_id)
+    return None if found is None else (set_id, found)
+
+
+def _supported(dev: Dev) -> int:
+    return MIG_EVENTS if dev.mig is not None else GPU_EVENTS
+
+
+@_c("nvmlEventSetCreate", device=False)
+def _create(lib: FakeNvmlLibrary, t: float, out: Any) -> int:
+    state = _sets(lib)
+    with state.lock:
+        set_id = next(state.ids)
+        state.sets[set_id] = _EventSet(created_s=t)
+    ctypes.c_void_p.from_buffer(_obj(out)).value = _SET_TAG | set_id
+    return SUCCESS
+
+
+@_c("nvmlEventSetFree", device=False)
+def _free(lib: FakeNvmlLibrary, t: float, event_set: Any) -> int:
+    found = _event_set(lib, event_set)
+    if found is None:
+        return INVALID_ARGUMENT
+    state = _sets(lib)
+    with state.lock:
+        state.sets.pop(found[0], None)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetSupportedEventTypes")
+def _supported_types(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = _supported(dev)
+    return SUCCESS
+
+
+@_c("nvmlDeviceRegisterEvents")
+def _register(lib: FakeNvmlLibrary, t: float, dev: Dev, types: Any, event_set: Any) -> int:
+    found = _event_set(lib, event_set)
+    if found is None:
+        return INVALID_ARGUMENT
+    wanted = _int(types)
+    if wanted & ~_supported(dev):
+        return NOT_SUPPORTED  # as the driver answers a request for a type the device lacks
+    _, events = found
+    gpu = dev.gpu
+    with _sets(lib).lock:
+        already = events.registered.get(gpu, 0)
+        new = wanted & ~already
+        events.registered[gpu] = already | wanted
+        # Only what happens from now on: a device registered later misses what came before.
+        for order, fault in enumerate(lib._node.scenario.faults):
+            if fault.gpu != gpu or fault.at_s <= t:
+                continue
+            if fault.xid is not None and new & XID_CRITICAL_ERROR:
+                pending = _Pending(fault.at_s, order, gpu, XID_CRITICAL_ERROR, fault.xid, dev.mig)
+            elif fault.event is not None and new & EVENT_TYPES[fault.event]:
+                pending = _Pending(fault.at_s, order, gpu, EVENT_TYPES[fault.event], 0, dev.mig)
+            else:
+                continue
+            heapq.heappush(events.pending, pending)
+    return SUCCESS
+
+
+def _stale(lib: FakeNvmlLibrary, events: _EventSet, now: float) -> bool:
+    """Whether the driver went away (and came back) since the set was made."""
+    return any(
+        f.gpu is None
+        and f.error in _DRIVER_GONE
+        and f.call in (None, "*", "nvmlEventSetWait_v2", "nvmlEventSetWait")
+        and events.created_s < f.at_s <= now
+        for f in lib._node.scenario.faults
+    )
+
+
+def _lost(lib: FakeNvmlLibrary, events: _EventSet, now: float) -> bool:
+    node = lib._node
+    return any(
+        node.fault_error("nvmlEventSetWait_v2", "nvmlEventSetWait", gpu, now) in ("GPU_IS_LOST", "GPU_NOT_FOUND")
+        for gpu in events.registered
+    )
+
+
+def _fill(lib: FakeNvmlLibrary, data: Any, pending: _Pending) -> None:
+    # The handle of the device the event happened on, as the library hands handles out.
+    lib._store_handle(ctypes.c_void_p.from_buffer(data, type(data).device.offset), pending.gpu, pending.mig)
+    data.eventType = pending.event_type
+    data.eventData = pending.data
+    data.gpuInstanceId = _NO_INSTANCE
+    data.computeInstanceId = _NO_INSTANCE
+
+
+@_c("nvmlEventSetWait_v2", device=False)
+def _wait(lib: FakeNvmlLibrary, t: float, event_set: Any, data: Any, timeout_ms: Any) -> int:
+    found = _event_set(lib, event_set)
+    if found is None:
+        return INVALID_ARGUMENT
+    _, events = found
+    state = _sets(lib)
+    node = lib._node
+    deadline = time.monotonic() + _int(timeout_ms) / 1000
+    with state.lock:
+        state.waiters += 1
+    try:
+        while True:
+            now = node.now()
+            if _stale(lib, events, now):
+                return UNINITIALIZED
+            with state.lock:
+                if events.pending and events.pending[0].at_s <= now:
+                    _fill(lib, _obj(data), heapq.heappop(events.pending))
+                    return SUCCESS
+            if _lost(lib, events, now):
+                return GPU_IS_LOST
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return TIMEOUT
+            time.sleep(min(WAIT_TICK_S, left))
+    finally:
+        with state.lock:
+            state.waiters -= 1

@@ -1,0 +1,172 @@
+"""The actions' policy on its own (agent/actions/policy.py, pure): episodes, cooldowns, a full
+queue, restarts, and the lists, decided on hand-built states."""
+
+from __future__ import annotations
+
+from agent.actions.policy import (
+    COOLDOWN,
+    DEFERRED,
+    DENIED,
+    DRY_RUN,
+    RUN,
+    PolicyState,
+    Selector,
+    Trigger,
+    decide,
+    dump_state,
+    load_state,
+    targets,
+)
+from agent.model import AgentState, Attribution, DeviceReading, Flag, Holding, NodeInfo, Snapshot, Workload
+
+JOB = Workload(hpc_job="77", user="dee")
+POD = Workload(namespace="research-cv", pod="nb-1", container="jupyter", user="eve")
+
+
+def state(
+    now: float, raised: dict[int, float], holders: dict[int, Workload] | None = None, gpus: int = 2
+) -> AgentState:
+    """A node of `gpus` GPUs at `now`; `raised` maps a GPU index to how long its flag has held
+    (the allocated_idle rule), `holders` who holds each GPU."""
+    devices = tuple(DeviceReading(i, f"GPU-{i}", "NVIDIA A100-SXM4-80GB", True, utilization=0.0) for i in range(gpus))
+    holdings = tuple(Holding(f"GPU-{i}", w, allocated=True) for i, w in (holders or {}).items())
+    flags = tuple(
+        Flag(i, f"GPU-{i}", "allocated_idle", i in raised, raised.get(i, 0.0), (), 2.0 * raised.get(i, 0.0) / 3600)
+        for i in range(gpus)
+    )
+    return AgentState(snapshot=Snapshot(now, NodeInfo("n1"), devices), attribution=Attribution(holdings), flags=flags)
+
+
+def trigger(**kw: object) -> Trigger:
+    base: dict[str, object] = {
+        "name": "t",
+        "flag": "allocated_idle",
+        "scope": "workload",
+        "after_s": 3600.0,
+        "cooldown_s": 0.0,
+        "dry_run": False,
+    }
+    base.update(kw)
+    return Trigger(**base)  # type: ignore[arg-type]
+
+
+def results(decisions: list[object]) -> list[str]:
+    return [d.result for d in decisions]  # type: ignore[attr-defined]
+
+
+def test_a_workload_is_a_target_only_when_every_gpu_it_holds_is_flagged() -> None:
+    both = {0: JOB, 1: JOB}
+    assert targets(state(0, {0: 100.0}, both), "allocated_idle", "workload") == []
+    (target,) = targets(state(0, {0: 100.0, 1: 50.0}, both), "allocated_idle", "workload")
+    assert target.workloads == (JOB,)
+    assert target.gpus == ((0, "GPU-0"), (1, "GPU-1"))
+    assert target.held_s == 50.0  # the shortest: all of them have held this long
+    # $2/GPU-hour: 100 s + 50 s of it = 150 s x $2 / 3600 s.
+    assert target.dollars == 150 * 2.0 / 3600
+
+
+def test_a_node_is_a_target_only_when_every_gpu_is_flagged() -> None:
+    assert targets(state(0, {0: 10.0}), "allocated_idle", "node") == []
+    (target,) = targets(state(0, {0: 10.0, 1: 20.0}), "allocated_idle", "node")
+    assert target.key == "node:n1"
+    assert target.held_s == 10.0
+
+
+def test_an_episode_is_decided_once_and_a_new_one_again() -> None:
+    t = trigger()
+    s = PolicyState()
+    s, d = decide(s, state(0, {0: 1800.0}, {0: JOB}), [t], capacity=4)
+    assert d == []  # held 30m of the 1h
+    s, d = decide(s, state(1800, {0: 3600.0}, {0: JOB}), [t], capacity=4)
+    assert results(d) == [RUN]
+    assert d[0].episode_since == -1800.0  # when the flag began holding: 1800 s before t=0
+    s, d = decide(s, state(3600, {0: 5400.0}, {0: JOB}), [t], capacity=4)
+    assert d == []
+    s, d = decide(s, state(3660, {}, {0: JOB}), [t], capacity=4)  # cleared: the episode ends
+    assert s.episodes == {}
+    s, d = decide(s, state(7260, {0: 3600.0}, {0: JOB}), [t], capacity=4)
+    assert results(d) == [RUN]
+
+
+def test_a_cooldown_holds_a_new_episode_back_until_it_ends() -> None:
+    t = trigger(cooldown_s=3 * 3600.0)
+    s, d = decide(PolicyState(), state(3600, {0: 3600.0}, {0: JOB}), [t], capacity=4)
+    assert results(d) == [RUN]
+    s, d = decide(s, state(3660, {}, {0: JOB}), [t], capacity=4)
+    s, d = decide(s, state(7260, {0: 3600.0}, {0: JOB}), [t], capacity=4)
+    assert results(d) == [COOLDOWN]
+    assert d[0].reason == "7140s left"  # ran at 3600, cooling down 3h: until 14400, 14400 - 7260 = 7140
+    s, d = decide(s, state(7320, {0: 3660.0}, {0: JOB}), [t], capacity=4)
+    assert d == []  # noted once per episode
+    s, d = decide(s, state(14400, {0: 10740.0}, {0: JOB}), [t], capacity=4)
+    assert results(d) == [RUN]  # the cooldown (until 3600 + 10800 = 14400) is over
+
+
+def test_a_full_queue_defers_the_run_to_a_later_poll() -> None:
+    t = trigger()
+    s, d = decide(PolicyState(), state(3600, {0: 3600.0}, {0: JOB}), [t], capacity=0)
+    assert results(d) == [DEFERRED]
+    s, d = decide(s, state(3660, {0: 3660.0}, {0: JOB}), [t], capacity=0)
+    assert d == []
+    s, d = decide(s, state(3720, {0: 3720.0}, {0: JOB}), [t], capacity=1)
+    assert results(d) == [RUN]
+
+
+def test_runs_beyond_the_capacity_wait() -> None:
+    t = trigger(scope="gpu")
+    _, d = decide(PolicyState(), state(3600, {0: 3600.0, 1: 3600.0}, {0: JOB, 1: POD}), [t], capacity=1)
+    assert results(d) == [RUN, DEFERRED]
+
+
+def test_lists_deny_and_allow_by_any_name() -> None:
+    on_jobs = trigger(deny=(Selector(hpc_jobs=("7*",)),))
+    _, d = decide(PolicyState(), state(3600, {0: 3600.0}, {0: JOB}), [on_jobs], capacity=4)
+    assert results(d) == [DENIED]
+    assert d[0].reason == "denylist hpc_jobs=7*"
+    only_research = trigger(allow=(Selector(), Selector(namespaces=("research-*",))))
+    _, d = decide(PolicyState(), state(3600, {0: 3600.0, 1: 3600.0}, {0: JOB, 1: POD}), [only_research], 4)
+    assert sorted(results(d)) == [DENIED, RUN]
+    (ran,) = [x for x in d if x.result == RUN]
+    assert ran.target.workloads == (POD,)
+
+
+def test_dry_run_is_decided_once_like_a_run() -> None:
+    t = trigger(dry_run=True)
+    s, d = decide(PolicyState(), state(3600, {0: 3600.0}, {0: JOB}), [t], capacity=0)
+    assert results(d) == [DRY_RUN]  # a dry run needs no room in the queue
+    _, d = decide(s, state(3660, {0: 3660.0}, {0: JOB}), [t], capacity=0)
+    assert d == []
+
+
+def test_an_episode_survives_a_restart_within_its_window_only() -> None:
+    t = trigger(resume_s=2100.0)
+    s, d = decide(PolicyState(), state(3600, {0: 3600.0}, {0: JOB}), [t], capacity=4)
+    assert results(d) == [RUN]
+    saved = dump_state(s)
+    # Restarted at 10000: the flag raises again 30m later, within the 35m window: no rerun.
+    again = load_state(saved, [t])
+    again, d = decide(again, state(10000, {}, {0: JOB}), [t], capacity=4)
+    again, d = decide(again, state(11800, {0: 0.0}, {0: JOB}), [t], capacity=4)
+    again, d = decide(again, state(15400, {0: 3600.0}, {0: JOB}), [t], capacity=4)
+    assert d == []
+    # Restarted again, and the flag stays down past the window: that episode is over.
+    late = load_state(saved, [t])
+    late, _ = decide(late, state(10000, {}, {0: JOB}), [t], capacity=4)
+    late, _ = decide(late, state(12200, {}, {0: JOB}), [t], capacity=4)
+    assert late.episodes == {}
+    late, d = decide(late, state(15800, {0: 3600.0}, {0: JOB}), [t], capacity=4)
+    assert results(d) == [RUN]
+
+
+def test_a_dry_run_record_does_not_hold_back_a_trigger_turned_live() -> None:
+    dry = trigger(dry_run=True, cooldown_s=86400.0)
+    s, _ = decide(PolicyState(), state(3600, {0: 3600.0}, {0: JOB}), [dry], capacity=4)
+    saved = dump_state(s)
+    assert load_state(saved, [dry]).cooldowns  # still dry: the record stands
+    live = trigger(dry_run=False, cooldown_s=86400.0)
+    resumed = load_state(saved, [live])
+    assert resumed.episodes == {}
+    assert resumed.cooldowns == {}
+    _, d = decide(resumed, state(3700, {0: 3700.0}, {0: JOB}), [live], capacity=4)
+    assert results(d) == [RUN]
+    assert load_state(saved, []) == PolicyState()  # a trigger no longer configured: forgotten
