@@ -1,8 +1,9 @@
 """The fleet end to end, real components only: 40 `gpuledger run --fake` nodes (five scenarios,
 each node with its own name, at 1440x), and a fake vLLM or Triton /metrics for each serving pod,
-scraped every second by a real Prometheus in agent mode that remote-writes to a real
-VictoriaMetrics. Then `report --prometheus` against VictoriaMetrics is held to the sum of the
-nodes' own ledgers.
+scraped every 2 seconds by a real Prometheus in agent mode that remote-writes to a real
+VictoriaMetrics, where vmalert evaluates every shipped recording rule. Then `report --prometheus`
+against VictoriaMetrics is held to the sum of the nodes' own ledgers, and every recording rule
+must have data.
 
 What can differ, and by how much: each node's agent goes on polling after Prometheus's last
 scrape of it until it is stopped, so its ledger holds a little more than the store: exactly its
@@ -11,8 +12,9 @@ price x its GPUs x the scenario time between the last poll the store saw
 checks that figure to the cent's fraction; per team, model and job, that the store is never
 above the ledgers and below them by at most that tail, for the GPUs the group held.
 
-Rules other branches ship (recording rules, cost per unit of work) are checked here by adding
-their queries to FLEET_QUERIES: each must return data from VictoriaMetrics once the run is over.
+Recording rules are found in deploy/prometheus (RECORDING_RULE_FILES; the few that cannot have
+data here are in NO_DATA, each with why); other queries go in FLEET_QUERIES: each must return
+data from VictoriaMetrics at a moment every node was up.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,11 +47,13 @@ from tests import promstore
 from tests.fake_engines import Engine, Engines
 from tests.test_prometheus_e2e import ROOT, free_port, start, wait_http
 
+VMALERT = shutil.which("vmalert")  # victoria-metrics' rule evaluator: the shipped recording rules, run
+
 pytestmark = [
     pytest.mark.skipif(
-        promstore.PROMETHEUS is None or promstore.VICTORIA_METRICS is None,
-        reason="the fleet test needs Debian's prometheus and victoria-metrics: apt-get install prometheus "
-        "victoria-metrics (scripts/check installs both)",
+        promstore.PROMETHEUS is None or promstore.VICTORIA_METRICS is None or VMALERT is None,
+        reason="the fleet test needs Debian's prometheus and victoria-metrics (with vmalert): apt-get install "
+        "prometheus victoria-metrics (scripts/check installs both)",
     ),
     # One worker starts its stores, whatever the others run (pyproject's --dist loadgroup).
     pytest.mark.xdist_group("fleet-e2e"),
@@ -81,9 +86,9 @@ AGENT_CONFIG = {
 }
 GROUPINGS = (("team",), ("model",), ("hpc_job",), ("namespace", "pod"))
 
-# Queries that must return data from VictoriaMetrics at the end of the run: (what, PromQL).
-# Recording rules and cost-per-unit-of-work rules add theirs here (raw-series expressions, or
-# their `expr`s): the fleet's data is in the store, so each shows whether it joins as meant.
+# Queries that must return data from VictoriaMetrics at the end of the run: (what, PromQL), for
+# queries that are not recording rules (every shipped recording rule is checked on its own:
+# RECORDING_RULE_FILES, evaluated by vmalert during the run).
 FLEET_QUERIES: list[tuple[str, str]] = [
     ("every node's cost", "count(sum by (instance) (rate(gpuledger_gpu_cost_dollars_total[30s]))) == 40"),
     (
@@ -97,6 +102,49 @@ FLEET_QUERIES: list[tuple[str, str]] = [
         " / on (namespace, pod) sum by (namespace, pod) (rate(nv_inference_count[30s]))",
     ),
 ]
+
+
+# Every rules file of deploy/prometheus that holds recording rules only (alerting rules need an
+# Alertmanager, and promtool tests cover them): vmalert evaluates them during the run and writes
+# the results into VictoriaMetrics, as a Prometheus server would into its own store.
+RECORDING_RULE_FILES = sorted(
+    path
+    for path in (ROOT / "deploy" / "prometheus").glob("*.rules.yml")
+    if all(
+        "record" in rule
+        for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
+        for rule in group["rules"]
+    )
+)
+# Recording rules that have no data in this fleet, and why.
+NO_DATA = {
+    "cluster:gpuledger_gpu_idle_cost_dollars:sum_weekend_to_date": "only has data on a Saturday or Sunday",
+    **dict.fromkeys(
+        (
+            "namespace_pod:gpuledger_work_training_steps:rate5m",
+            "namespace_pod:gpuledger_training_steps_cost_dollars_each:ratio_rate5m",
+            "model:gpuledger_work_training_steps:rate5m",
+            "model:gpuledger_training_steps_cost_dollars_each:ratio_rate5m",
+        ),
+        "no pod of the fleet exports a training step counter (its training runs are Slurm jobs)",
+    ),
+}
+
+
+def recorded_names() -> list[str]:
+    return sorted(
+        rule["record"]
+        for path in RECORDING_RULE_FILES
+        for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
+        for rule in group["rules"]
+    )
+
+
+def rules_without_data(api: PrometheusAPI, at: float) -> list[str]:
+    """The recording rules expected to have data that have none at `at` (the last 5 minutes)."""
+    weekend = time.gmtime(at).tm_wday >= 5
+    expected = [name for name in recorded_names() if name not in NO_DATA or (weekend and "weekend" in name)]
+    return [name for name in expected if not api.instant(f"last_over_time({name}[5m])", at)]
 
 
 def node_scenario(index: int) -> tuple[str, dict[str, Any], list[Engine]]:
@@ -252,6 +300,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         nodes.append(Node(name, scenario_name, work / f"{name}.db", work / f"{name}.log"))
     with contextlib.ExitStack() as stack:
         vm = stack.enter_context(promstore.victoria_metrics(work))
+        assert VMALERT is not None
+        vmalert = start(
+            "vmalert",
+            [VMALERT, *(f"-rule={path}" for path in RECORDING_RULE_FILES), f"-datasource.url={vm.url}",
+             f"-remoteWrite.url={vm.url}", "-evaluationInterval=1s", "-remoteWrite.flushInterval=1s",
+             f"-httpListenAddr=127.0.0.1:{free_port()}", "-loggerLevel=ERROR"],
+            work / "vmalert.log",
+        )  # fmt: skip
+        stack.callback(vmalert.stop)
         served = Engines(engines)
         served.start()
         stack.callback(served.close)
@@ -279,6 +336,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         api = stack.enter_context(PrometheusAPI(vm.url))
         wait(lambda: nodes_scraped(api) >= NODES, 60, "every node's scrapes in the store")
         log("every node scraped twice")
+        # Rules that read other rules' results have them a few evaluations later.
+        with contextlib.suppress(AssertionError):
+            wait(lambda: not rules_without_data(api, time.time()), 45, "the recording rules' results")
+        log("the recording rules have data")
         time.sleep(RUN_S)
         running_at = time.time() - 1.5  # a scrape ago: the store holds it, from every node
         codes = stop_nodes(nodes, launcher)
@@ -430,6 +491,12 @@ def gpus_held(fleet: Fleet, by: Sequence[str]) -> dict[tuple[str, ...], dict[str
             )
             held.setdefault(key, {}).setdefault(node.name, set()).add(row.uuid)
     return {key: {n: len(uuids) for n, uuids in nodes.items()} for key, nodes in held.items()}
+
+
+def test_every_recording_rule_has_data(fleet: Fleet) -> None:
+    assert RECORDING_RULE_FILES, "no recording rules in deploy/prometheus"
+    missing = rules_without_data(fleet.api, fleet.running_at)
+    assert not missing, f"recording rules without data in VictoriaMetrics (vmalert.log beside the store): {missing}"
 
 
 def test_fleet_queries_return_data(fleet: Fleet) -> None:
