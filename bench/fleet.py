@@ -341,8 +341,20 @@ def node_series(day: Day, days: int, node: int, restarts: int, rng: random.Rando
         yield key, times[present], totals[present]
 
 
-def bench_report(work: Path, nodes: int, days: int, step_s: float, restarts: int) -> dict[str, float]:
-    print(f"\n== report --prometheus over {nodes} nodes x {days} days, a sample per {step_s:g} s ({load()}) ==")
+class CountingAPI(PrometheusAPI):
+    """The query API client, counting the queries it sends."""
+
+    queries = 0
+
+    def _post(self, endpoint: str, form: dict[str, str]) -> Any:
+        CountingAPI.queries += 1
+        return super()._post(endpoint, form)
+
+
+def build_store(work: Path, nodes: int, days: int, step_s: float, restarts: int) -> dict[str, float]:
+    """Import `nodes` x `days` of the counters the report reads into VictoriaMetrics at
+    work/vm-data; the month's window and the figures go to work/store.json."""
+    print(f"\n== a store of {nodes} nodes x {days} days, a sample per {step_s:g} s ({load()}) ==")
     t0 = time.monotonic()
     day_of = {name: simulate_day(name, step_s) for name in SCENARIOS}
     print(f"  simulated a day of each scenario in {time.monotonic() - t0:.1f}s")
@@ -378,37 +390,57 @@ def bench_report(work: Path, nodes: int, days: int, step_s: float, restarts: int
             if batch:
                 client.post(f"{url}/api/v1/import", content=b"".join(batch)).raise_for_status()
             client.get(f"{url}/internal/force_flush").raise_for_status()
-        imported_s = time.monotonic() - t1
-        print(f"  imported {series:,} series, {samples:,} samples in {imported_s:.0f}s")
-        time.sleep(5)  # let VictoriaMetrics merge what it was given, as a store a month old has
-        timings = []
-        report = None
-        for _ in range(3):
-            with PrometheusAPI(url) as api:
-                t2 = time.monotonic()
-                report = report_from_prometheus(api, StoreQuery(start, end + 60), by=("namespace", "hpc_job"))
-                timings.append(time.monotonic() - t2)
-        assert report is not None
-        vm_metrics = metrics_of(url)
+        print(f"  imported {series:,} series, {samples:,} samples in {time.monotonic() - t1:.0f}s")
     finally:
         vm.stop()  # a stopped VictoriaMetrics has written all it holds to disk
     disk = sum(f.stat().st_size for f in (work / "vm-data").rglob("*") if f.is_file())
     figures = {
+        "start": start,
+        "end": end,
+        "nodes": float(nodes),
+        "restarts_per_node": float(restarts),
         "series": float(series),
         "samples": float(samples),
-        "report_seconds_best": min(timings),
-        "report_seconds_median": statistics.median(timings),
         "store_bytes_on_disk": float(disk),
         "store_bytes_per_sample": disk / samples,
+    }
+    (work / "store.json").write_text(json.dumps(figures), encoding="utf-8")
+    print(f"  VictoriaMetrics on disk: {disk / 1e6:,.1f} MB, {disk / samples:.2f} bytes per sample")
+    return figures
+
+
+def bench_report(work: Path) -> dict[str, float]:
+    """`report --prometheus` over the month of work/vm-data, best of 3, and the queries it sent."""
+    store = json.loads((work / "store.json").read_text(encoding="utf-8"))
+    print(f"\n== report --prometheus over that month ({load()}) ==")
+    vm, url = victoria(work)
+    try:
+        time.sleep(5)  # VictoriaMetrics opens its parts
+        timings = []
+        report = None
+        for _ in range(3):
+            CountingAPI.queries = 0
+            with CountingAPI(url) as api:
+                t0 = time.monotonic()
+                report = report_from_prometheus(
+                    api, StoreQuery(store["start"], store["end"] + 60), by=("namespace", "hpc_job")
+                )
+                timings.append(time.monotonic() - t0)
+        assert report is not None
+    finally:
+        vm.stop()
+    figures = {
+        "report_seconds_best": min(timings),
+        "report_seconds_median": statistics.median(timings),
+        "queries": float(CountingAPI.queries),
         "report_total_dollars": report.total.dollars,
         "report_gpu_hours": report.total.gpu_hours_charged,
-        "vm_rows": vm_metrics.get("vm_rows", math.nan),
     }
     print(
-        f"  report --prometheus: best {min(timings):.2f}s, median {statistics.median(timings):.2f}s of 3 "
-        f"({len(report.lines)} groups, {report.total.gpu_hours_charged:,.0f} GPU-hours, ${report.total.dollars:,.2f})"
+        f"  report --prometheus: best {min(timings):.2f}s, median {statistics.median(timings):.2f}s of 3, "
+        f"{CountingAPI.queries} queries ({len(report.lines)} groups, {report.total.gpu_hours_charged:,.0f} GPU-hours, "
+        f"${report.total.dollars:,.2f})"
     )
-    print(f"  VictoriaMetrics on disk: {disk / 1e6:,.1f} MB, {disk / samples:.2f} bytes per sample")
     return figures
 
 
@@ -423,6 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--restarts", type=int, default=1, help="agent restarts per node in the month")
     parser.add_argument("--ingest-seconds", type=float, default=90.0)
     parser.add_argument("--work", help="keep the stores here (default: a temporary directory)")
+    parser.add_argument(
+        "--reuse", action="store_true", help="report: time the store a previous run left in --work, import nothing"
+    )
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)  # the agents' flag lines are not the figures
     print(f"bench/fleet.py on {os.cpu_count()} CPUs, {load()}")
@@ -437,8 +472,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["ingest"] = bench_ingest(work / "ingest", args.nodes, args.ingest_seconds)
         if "report" in args.sections:
             (work / "report").mkdir(exist_ok=True)
-            step = parse_duration(args.scrape_interval)
-            results["report"] = bench_report(work / "report", args.nodes, args.days, step, args.restarts)
+            if not (args.reuse and (work / "report" / "store.json").exists()):
+                step = parse_duration(args.scrape_interval)
+                results["store"] = build_store(work / "report", args.nodes, args.days, step, args.restarts)
+            results["report"] = bench_report(work / "report")
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

@@ -35,7 +35,9 @@ from agent.fleet.counters import Stretch, increase
 from agent.fleet.promapi import LabelSet, PrometheusAPI, Series, selector
 
 DEFAULT_LOOKBACK_S = 3600.0
-RAW_WINDOW_S = 2 * 3600.0  # a part at most this long is read as raw samples (240 at a 30 s scrape)
+# A part at most this long is read as raw samples: 720 a series at a 30 s scrape, so that a month
+# is one level of parts (a sixth of a day each) and each restart one raw read of its part.
+RAW_WINDOW_S = 6 * 3600.0
 MAX_PARTS = 200  # a part with a reset is cut into at most this many (a range query's points)
 NODES_PER_QUERY = 40  # series to narrow down are selected by node, this many nodes per query
 
@@ -143,7 +145,9 @@ class _Narrowing:
                 else:
                     again.setdefault((part_start, part_end), set()).add(labels)
         for (part_start, part_end), fell in sorted(again.items()):
-            self._narrow(matchers, fell, part_start, part_end, found)
+            # Only the nodes whose series fell in this part: a restart is one node's.
+            for narrower in self._groups(fell):
+                self._narrow(narrower, fell, part_start, part_end, found)
 
     def _summaries(
         self, matchers: str, step: float, first_end: float, last_end: float
