@@ -32,6 +32,7 @@ from agent.actions.config import cross_problems as action_problems
 from agent.actions.config import host_problems as action_host_problems
 from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
+from agent.devices.telemetry import GROUPS, ReadingOptions
 from agent.errors import ConfigError
 from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS
 from agent.model import WORKLOAD_LABELS
@@ -315,6 +316,30 @@ class WorkCounterConfig(_Section):
         return tuple((label, label) for label in self.join)
 
 
+class ReadingsConfig(_Section):
+    """Which groups of health readings each poll asks the driver for (agent/devices/telemetry.py).
+    Each group is one switch; PCIe throughput is off unless asked for: NVML samples the bus for
+    20 ms inside each of its calls."""
+
+    clocks: bool = True  # SM and memory clocks, their maxima, performance state
+    fan: bool = True
+    throttle: bool = True  # clock-event reasons, violation time per cause
+    memory_errors: bool = True  # ECC errors, retired pages, remapped rows
+    pcie: bool = True  # link generation and width (current, max), replay counter
+    pcie_throughput: bool = False
+    nvlink_errors: bool = True  # CRC, replay, recovery errors per link
+    nvlink_throughput: bool = True  # bytes per link
+    codecs: bool = True  # video encoder and decoder utilization
+    memory_utilization: bool = True  # the memory controller's
+    # How often readings that change slowly or only count are read (between, a poll carries the
+    # last value): dcgm-exporter's collection interval.
+    slow_interval: Duration = Field(default=30.0, gt=0)
+
+    def options(self) -> ReadingOptions:
+        groups = frozenset(name for name in GROUPS if getattr(self, name))
+        return ReadingOptions(groups, self.slow_interval)
+
+
 def parse_listen(value: object) -> tuple[str, int]:
     """(host, port) from "HOST:PORT" ("[::1]:9835" for IPv6; an empty host means every
     address). The config key and the --listen flag both go through here."""
@@ -354,6 +379,7 @@ class Settings(BaseSettings):
     attribution: AttributionConfig = AttributionConfig()
     rules: RulesConfig = RulesConfig()
     exporters: ExportersConfig = ExportersConfig()
+    readings: ReadingsConfig = ReadingsConfig()
     actions: ActionsConfig = ActionsConfig()
     # Work counters for `gpuledger rules`, beside the built-in engines' (WorkCounterConfig).
     work: list[WorkCounterConfig] = []

@@ -27,6 +27,96 @@ class NvLinkReading:
     up: bool
 
 
+# NVML's clocks-event reason bits (nvmlClocksEventReason*, and the two only the older throttle
+# call reports), by the name each is exported under.
+CLOCK_EVENT_REASONS: tuple[tuple[int, str], ...] = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+    (0x200, "board_limit"),
+    (0x400, "reliability"),
+)
+# The causes the driver keeps violation time for (nvmlPerfPolicyType_t), as exported.
+VIOLATION_CAUSES: tuple[str, ...] = (
+    "power",
+    "thermal",
+    "sync_boost",
+    "board_limit",
+    "low_utilization",
+    "reliability",
+    "app_clocks",
+    "base_clocks",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NvLinkCounters:
+    """One NVLink link's counters since the driver loaded; None where the driver has none."""
+
+    link: int
+    crc_errors: int | None = None
+    replay_errors: int | None = None
+    recovery_errors: int | None = None
+    tx_bytes: int | None = None
+    rx_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """A GPU's clocks, throttling, memory errors and links, read in the same poll as the rest.
+
+    Readings that change slowly or only count (performance state, fan, violation time, memory
+    errors, PCIe link and replays, NVLink errors, encoder and decoder) are read every
+    `readings.slow_interval` and carried into the polls between, so they are at most that old.
+    None (or empty) where the GPU has no such reading, it failed this poll, or its group of
+    readings is switched off.
+    """
+
+    sm_clock_hz: float | None = None
+    memory_clock_hz: float | None = None
+    sm_clock_max_hz: float | None = None
+    memory_clock_max_hz: float | None = None
+    fan_speed_ratio: float | None = None
+    performance_state: int | None = None  # 0 (P0, the most performance) to 15
+    clock_event_reasons: int | None = None  # bitmask; CLOCK_EVENT_REASONS names its bits
+    violation_s: tuple[tuple[str, float], ...] = ()  # (cause, seconds held down since the driver loaded)
+    ecc_corrected_volatile: int | None = None  # since the driver loaded
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_aggregate: int | None = None  # over the board's life
+    ecc_uncorrected_aggregate: int | None = None
+    retired_pages_single_bit: int | None = None
+    retired_pages_double_bit: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    row_remap_pending: bool | None = None
+    row_remap_failure: bool | None = None
+    pcie_link_generation: int | None = None
+    pcie_link_generation_max: int | None = None
+    pcie_link_width: int | None = None
+    pcie_link_width_max: int | None = None
+    pcie_replays: int | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    nvlinks: tuple[NvLinkCounters, ...] = ()
+    # Both directions of every link, over the interval since the previous poll.
+    nvlink_bytes_per_s: float | None = None
+    encoder_utilization: float | None = None
+    decoder_utilization: float | None = None
+    memory_utilization: float | None = None  # the memory controller's busy fraction
+
+    def reasons(self) -> tuple[str, ...]:
+        """The names of the clock-event reasons active now."""
+        mask = self.clock_event_reasons or 0
+        return tuple(name for bit, name in CLOCK_EVENT_REASONS if mask & bit)
+
+
 @dataclass(frozen=True, slots=True)
 class Activity:
     """What a GPU's (or MIG instance's) SMs did between the previous poll and this one, as GPU
@@ -99,6 +189,9 @@ class DeviceReading:
         if self.busy_source == BUSY_NVML:
             return self.utilization
         return None
+
+    # Clocks, throttling, memory errors, links (a whole GPU's; None on a MIG instance or down GPU).
+    telemetry: Telemetry | None = None
 
     @property
     def model(self) -> str:

@@ -48,7 +48,7 @@ import fake_nvml
 from agent.attribution.sources.procfs import ProcessSource
 from agent.cli.wiring import Agent, build_agent
 from agent.config import Settings
-from agent.model import Snapshot
+from agent.model import VIOLATION_CAUSES, Snapshot, Telemetry
 from fake_nvml.scenario import SCENARIO_DIR
 
 GPUS = 8
@@ -62,6 +62,7 @@ PID_BASE = 5_000_000
 TARGET_TIME_VS_NVITOP = 0.5
 TARGET_TIME_VS_FLOOR = 1.3
 TARGET_CALLS_VS_FLOOR = 1.0
+TARGET_CALLS_PER_GPU = 10.0  # every default reading of `readings:` on
 TARGET_SCALE_CALLS_PER_GPU = 10.0
 TARGET_MIG_SAMPLER_AND_ATTRIBUTION_MS = 50.0
 
@@ -76,9 +77,20 @@ NOTES = (
     "Attribution: the whole pipeline poll (sampler + attribution) against the sampler alone. Steady: the"
     " same 64 processes every poll, so each costs one read of /proc/<pid>/stat; cold: the process cache"
     " emptied before every poll, so all 64 are read in full (stat, status, cmdline, cgroup, environ).",
+    "Health readings (all three readers): clocks and their maxima, fan, performance state, clock-event"
+    " reasons, violation time, ECC, retired pages, remapped rows, PCIe link and replays, NVLink errors and"
+    " traffic, encoder, decoder, memory controller. gpuledger batches every counter NVML has a field id for into"
+    " its one nvmlDeviceGetFieldValues call, reads the maxima once and the SM clock every poll, and the rest"
+    " (memory clock, performance state, clock-event reasons, fan, PCIe link, encoder, decoder, and the counters)"
+    " every readings.slow_interval (30s): with the clock moving 5s a poll, one poll in six (the fractional"
+    " counts). nvitop reads those nvitop has no"
+    " method for through Device.__getattr__'s pynvml pass-through, one call each (36 for the NVLink errors of a"
+    " 12-link GPU).",
     "Scale: medians over --scale-polls polls; attribution steady (process cache warm), each device allocated to"
     " one Slurm job. Calls are per physical GPU (a MIG GPU's instances count toward their GPU); us/process is"
-    " the sampler's time over the node's processes: flat from 512 to 2048 processes means linear growth.",
+    " the sampler's time over the node's processes: flat from 512 to 2048 processes means linear growth. A MIG"
+    " GPU reads each instance's memory (7 calls when fully split) and so takes all its health readings on the"
+    " slow rhythm: on top of its 10 calls, 6 every slow interval (11 on average at 5s polls).",
 )
 
 
@@ -152,8 +164,22 @@ def _ref(device: str) -> int | str:
 # timing) that all three really read the same values.
 
 # Per GPU: util %, memory used B, memory total B, temperature C, power mW, energy mJ, NVLink
-# up per link, and (pid, GPU memory B, SM util %) per process.
-Reading = tuple[int, int, int, int, int, int, tuple[bool, ...], tuple[tuple[int, int, int], ...]]
+# up per link, (pid, GPU memory B, SM util %) per process, and the health readings (HEALTH).
+Reading = tuple[int, int, int, int, int, int, tuple[bool, ...], tuple[tuple[int, int, int], ...], tuple[object, ...]]
+
+# The health readings every reader takes each poll, in the order of their tuple in a Reading:
+# what gpuledger reads with every default group of `readings:` on. A reading the GPU does not
+# have is None. NVLink traffic is MiB/s summed over links and directions since the last poll.
+HEALTH = (
+    "sm clock MHz", "memory clock MHz", "max sm clock MHz", "max memory clock MHz", "fan %",
+    "performance state", "clock event reasons", "violation ns (8 policies)", "ECC errors (4 counters)",
+    "retired pages (sbe, dbe, pending)", "remapped rows (corr, unc, pending, failure)", "PCIe gen", "PCIe width",
+    "PCIe max gen", "PCIe max width", "PCIe replays", "NVLink errors (crc, replay, recovery per link)",
+    "NVLink MiB/s", "encoder %", "decoder %", "memory controller %",
+)  # fmt: skip
+POLICIES = (0, 1, 2, 3, 4, 5, 10, 11)  # nvmlPerfPolicyType_t, in gpuledger's VIOLATION_CAUSES order
+ECC_COUNTERS = ((0, 0), (1, 0), (0, 1), (1, 1))  # (error type, counter type) in Telemetry's order
+NVLINK_COUNTERS = (2, 0, 1)  # DL_CRC_FLIT, DL_REPLAY, DL_RECOVERY: crc, replay, recovery
 
 
 @dataclass
@@ -180,11 +206,48 @@ def gpuledger_reader(agent: Agent) -> Reader:
                 round((d.energy_j or 0) * 1000),
                 tuple(link.up for link in d.nvlinks),
                 tuple(sorted((p.pid, p.used_memory_bytes or 0, round((p.sm_util or 0) * 100)) for p in d.processes)),
+                _gpuledger_health(d.telemetry),
             )
             for d in snapshot.devices
         ]
 
     return Reader("gpuledger", sampler.poll, readings)
+
+
+def _mhz(hz: float | None) -> int | None:
+    return None if hz is None else round(hz / 1e6)
+
+
+def _pct(ratio: float | None) -> int | None:
+    return None if ratio is None else round(ratio * 100)
+
+
+def _gpuledger_health(t: Telemetry | None) -> tuple[object, ...]:
+    assert t is not None
+    violations = dict(t.violation_s)
+    return (
+        _mhz(t.sm_clock_hz),
+        _mhz(t.memory_clock_hz),
+        _mhz(t.sm_clock_max_hz),
+        _mhz(t.memory_clock_max_hz),
+        _pct(t.fan_speed_ratio),
+        t.performance_state,
+        t.clock_event_reasons,
+        tuple(round(violations[cause] * 1e9) if cause in violations else None for cause in VIOLATION_CAUSES),
+        (t.ecc_corrected_volatile, t.ecc_uncorrected_volatile, t.ecc_corrected_aggregate, t.ecc_uncorrected_aggregate),
+        (t.retired_pages_single_bit, t.retired_pages_double_bit, t.retired_pages_pending),
+        (t.remapped_rows_correctable, t.remapped_rows_uncorrectable, t.row_remap_pending, t.row_remap_failure),
+        t.pcie_link_generation,
+        t.pcie_link_width,
+        t.pcie_link_generation_max,
+        t.pcie_link_width_max,
+        t.pcie_replays,
+        tuple((link.crc_errors, link.replay_errors, link.recovery_errors) for link in t.nvlinks),
+        None if t.nvlink_bytes_per_s is None else round(t.nvlink_bytes_per_s / 2**20),
+        _pct(t.encoder_utilization),
+        _pct(t.decoder_utilization),
+        _pct(t.memory_utilization),
+    )
 
 
 class _ScenarioTime:
@@ -218,6 +281,41 @@ def nvitop_reader(node: fake_nvml.InstalledNode) -> Reader:
     # Device memoizes two static facts (memory total, NVLink link count), as gpuledger does at
     # discovery. So every poll below really reads NVML: no real time needs to pass between polls.
     devices = Device.all()
+    for d in devices:
+        d.nvlink_throughput()  # its first call waits 20 ms for a second reading: not in a timed poll
+
+    def health(d: Any) -> tuple[object, ...]:
+        # nvitop 1.7 reads clocks, fan, performance state, utilizations and NVLink traffic with
+        # methods of its own; everything else through Device.__getattr__'s pynvml pass-through
+        # (d.remapped_rows() is pynvml.nvmlDeviceGetRemappedRows), one call per reading, NA
+        # where NVML answers NotSupported.
+        links = d.nvlink_link_count()
+        traffic = d.nvlink_throughput()
+        return (
+            d.sm_clock(),
+            d.memory_clock(),
+            d.max_sm_clock(),
+            d.max_memory_clock(),
+            d.fan_speed(),
+            int(str(d.performance_state()).removeprefix("P")),  # nvitop says "P0"
+            d.current_clocks_event_reasons(),
+            tuple(_na(d.violation_status(policy)) for policy in POLICIES),
+            tuple(d.total_ecc_errors(kind, counter) for kind, counter in ECC_COUNTERS),
+            (_na(d.retired_pages(0)), _na(d.retired_pages(1)), _na(d.retired_pages_pending_status())),
+            _na(d.remapped_rows()),
+            d.curr_pcie_link_generation(),
+            d.curr_pcie_link_width(),
+            d.max_pcie_link_generation(),
+            d.max_pcie_link_width(),
+            d.pcie_replay_counter(),
+            tuple(
+                tuple(d.nv_link_error_counter(link, counter) for counter in NVLINK_COUNTERS) for link in range(links)
+            ),
+            round(sum(t.tx + t.rx for t in traffic) / 1024),  # nvitop rounds each link's KiB/s
+            d.encoder_utilization(),
+            d.decoder_utilization(),
+            d.memory_utilization(),
+        )
 
     def poll() -> list[tuple[Any, ...]]:
         rows = []
@@ -236,16 +334,17 @@ def nvitop_reader(node: fake_nvml.InstalledNode) -> Reader:
                         d.total_energy_consumption(),
                         [d.nv_link_state(link) for link in range(d.nvlink_link_count())],
                         {pid: (p.gpu_memory(), p.gpu_sm_utilization()) for pid, p in d.processes().items()},
+                        health(d),
                     )
                 )
         return rows
 
     def readings(rows: list[tuple[Any, ...]]) -> list[Reading]:
         result = []
-        for util, used, total, temp, power, energy, links, procs in rows:
+        for util, used, total, temp, power, energy, links, procs, healths in rows:
             links_up = tuple(bool(s) for s in links)
             per_process = tuple(sorted((pid, memory, sm_util) for pid, (memory, sm_util) in procs.items()))
-            result.append((util, used, total, temp, power, energy, links_up, per_process))
+            result.append((util, used, total, temp, power, energy, links_up, per_process, _normalised(healths)))
         return result
 
     return Reader(f"nvitop {nvitop.__version__}", poll, readings)
@@ -255,6 +354,7 @@ def floor_reader(node: fake_nvml.InstalledNode) -> Reader:
     pynvml.nvmlInit()
     handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
     links = [_count_links(h) for h in handles]
+    traffic: dict[int, tuple[float, int]] = {}  # per GPU: (field timestamp, KiB) of the last poll
     # Per-process samples since the previous poll, as gpuledger asks for them (passing 0 instead
     # would re-read each process's whole sample buffer every poll and slow the floor down).
     last_seen = [0] * len(handles)
@@ -288,12 +388,15 @@ def floor_reader(node: fake_nvml.InstalledNode) -> Reader:
                 device = []
             if device:
                 device_seen[i] = max(stamp for stamp, _ in device)
-            rows.append((util, memory.used, memory.total, temperature, power, energy, nvlinks, processes, samples))
+            health = _floor_health(h, links[i], traffic, i)
+            rows.append(
+                (util, memory.used, memory.total, temperature, power, energy, nvlinks, processes, samples, health)
+            )
         return rows
 
     def readings(rows: list[tuple[Any, ...]]) -> list[Reading]:
         result = []
-        for util, used, total, temperature, power, energy, nvlinks, processes, samples in rows:
+        for util, used, total, temperature, power, energy, nvlinks, processes, samples, health in rows:
             per_pid: dict[int, list[int]] = {}
             for pid, _, sm_util in samples:
                 per_pid.setdefault(pid, []).append(sm_util)
@@ -301,10 +404,91 @@ def floor_reader(node: fake_nvml.InstalledNode) -> Reader:
                 sorted((pid, memory, round(statistics.fmean(per_pid.get(pid, [0])))) for pid, memory in processes)
             )
             links_up = tuple(bool(s) for s in nvlinks)
-            result.append((util, used, total, temperature, power, energy, links_up, procs))
+            result.append((util, used, total, temperature, power, energy, links_up, procs, _normalised(health)))
         return result
 
     return Reader("floor (bare pynvml)", poll, readings)
+
+
+def _maybe(call: Callable[..., Any], *args: Any) -> Any:
+    """A pynvml call's answer, or None where the GPU does not have the reading."""
+    try:
+        return call(*args)
+    except pynvml.NVMLError_NotSupported:
+        return None
+
+
+def _floor_health(h: Any, links: int, traffic: dict[int, tuple[float, int]], gpu: int) -> tuple[object, ...]:
+    """The health readings by bare pynvml calls, one per reading; NVLink traffic from the data
+    counters (in one field-values call: there is no other) against the previous poll's."""
+    fields = [(pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, n) for n in range(links)]
+    fields += [(pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, n) for n in range(links)]
+    values = pynvml.nvmlDeviceGetFieldValues(h, fields) if links else []
+    kib = sum(v.value.ullVal for v in values)
+    stamp = max((v.timestamp for v in values), default=0)
+    previous, traffic[gpu] = traffic.get(gpu), (stamp, kib)
+    rate = (
+        None
+        if previous is None or stamp <= previous[0]
+        else round((kib - previous[1]) * 1e6 / (stamp - previous[0]) / 1024)
+    )
+    retired = (_maybe(pynvml.nvmlDeviceGetRetiredPages, h, 0), _maybe(pynvml.nvmlDeviceGetRetiredPages, h, 1))
+    return (
+        pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+        pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+        pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+        pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM),
+        _maybe(pynvml.nvmlDeviceGetFanSpeed, h),
+        pynvml.nvmlDeviceGetPerformanceState(h),
+        pynvml.nvmlDeviceGetCurrentClocksEventReasons(h),
+        tuple(pynvml.nvmlDeviceGetViolationStatus(h, policy).violationTime for policy in POLICIES),
+        tuple(pynvml.nvmlDeviceGetTotalEccErrors(h, kind, counter) for kind, counter in ECC_COUNTERS),
+        (*(None if r is None else len(r) for r in retired), _maybe(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, h)),
+        _maybe(pynvml.nvmlDeviceGetRemappedRows, h),
+        pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h),
+        pynvml.nvmlDeviceGetCurrPcieLinkWidth(h),
+        pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h),
+        pynvml.nvmlDeviceGetMaxPcieLinkWidth(h),
+        pynvml.nvmlDeviceGetPcieReplayCounter(h),
+        tuple(
+            tuple(pynvml.nvmlDeviceGetNvLinkErrorCounter(h, link, counter) for counter in NVLINK_COUNTERS)
+            for link in range(links)
+        ),
+        rate,
+        pynvml.nvmlDeviceGetEncoderUtilization(h)[0],
+        pynvml.nvmlDeviceGetDecoderUtilization(h)[0],
+        pynvml.nvmlDeviceGetUtilizationRates(h).memory,
+    )
+
+
+def _na(value: Any) -> Any:
+    """nvitop's NA as None; a violation-time struct as its nanoseconds."""
+    from nvitop import NA
+
+    if value is NA:
+        return None
+    if hasattr(value, "violationTime"):
+        return value.violationTime
+    if isinstance(value, list):  # nvmlDeviceGetRetiredPages: the pages retired
+        return len(value)
+    return value
+
+
+def _normalised(health: tuple[object, ...]) -> tuple[object, ...]:
+    """Booleans as 0/1 and nested sequences as tuples, so readers compare equal."""
+
+    def norm(value: object) -> object:
+        from nvitop import NA
+
+        if value is NA:
+            return None
+        if isinstance(value, bool):
+            return int(value)
+        if isinstance(value, (list, tuple)):
+            return tuple(norm(v) for v in value)
+        return value
+
+    return tuple(norm(value) for value in health)
 
 
 def _count_links(handle: Any) -> int:
@@ -351,7 +535,12 @@ def disagreements(readers: list[Reader]) -> list[str]:
         for gpu, (ours, theirs) in enumerate(zip(reference, readings, strict=True)):
             problems.extend(
                 f"GPU {gpu} {what}: {readers[0].name} {a!r}, {reader.name} {b!r}"
-                for what, a, b in zip(names, ours, theirs, strict=True)
+                for what, a, b in zip(names, ours[:-1], theirs[:-1], strict=True)
+                if a != b
+            )
+            problems.extend(
+                f"GPU {gpu} {what}: {readers[0].name} {a!r}, {reader.name} {b!r}"
+                for what, a, b in zip(HEALTH, ours[-1], theirs[-1], strict=True)
                 if a != b
             )
     return problems
@@ -393,6 +582,16 @@ def poll_cost_section(readers: list[Reader], polls: int) -> list[str]:
         figures = ms if what == "time" else per_gpu
         ratio = figures[gl.name] / figures[other.name]
         ratio_rows.append((what, f"gpuledger / {other.name}", f"{ratio:.3f}x", *verdict(ratio, target)))
+    calls = per_gpu[gl.name]
+    ratio_rows.append(
+        (
+            "calls/GPU",
+            "gpuledger, every default reading",
+            f"{calls:.2f}",
+            f"<= {TARGET_CALLS_PER_GPU:g}",
+            "PASS" if calls <= TARGET_CALLS_PER_GPU else "MISS",
+        )
+    )
     lines += ["", *table(ratio_rows, "<<>>>")]
 
     functions = sorted(set().union(*(r.calls for r in readers)))
@@ -472,6 +671,7 @@ def measure_scale(case: ScaleCase, polls: int, warmup: int) -> tuple[float, floa
                 calls += sum(node.calls.values()) - before
             node.clock.advance(STEP_S)
             node.sync_host(node.now())
+            before = sum(node.calls.values())
             gc.disable()
             started = time.perf_counter()
             attribution = attributor.attribute(sampler.poll())
@@ -479,13 +679,15 @@ def measure_scale(case: ScaleCase, polls: int, warmup: int) -> tuple[float, floa
             gc.enable()
             if i >= warmup:
                 both_s.append(elapsed)
+                # Both polls' calls count: the readings read every slow interval fall on either.
+                calls += sum(node.calls.values()) - before
         held = {h.device_uuid for h in attribution.holdings if h.allocated and h.workload.hpc_job}
         devices = [d for d in sampler.poll().devices if d.processes]
         if len(held) != len(devices):
             raise SystemExit(f"{case.name}: attribution found {len(held)} Slurm jobs for {len(devices)} devices")
     finally:
         agent.close()
-    return statistics.median(sampler_s) * 1000, statistics.median(both_s) * 1000, calls / polls / GPUS
+    return statistics.median(sampler_s) * 1000, statistics.median(both_s) * 1000, calls / (2 * polls) / GPUS
 
 
 def scale_section(polls: int, warmup: int) -> list[str]:

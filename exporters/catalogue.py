@@ -484,4 +484,146 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     ),
 )
 
+# Clocks, throttling, memory errors and links (exporters/health.py renders them). Counters count
+# since the driver loaded unless their help says otherwise.
+HEALTH: tuple[MetricSpec, ...] = (
+    MetricSpec("gpuledger_gpu_sm_clock_hertz", Kind.GAUGE, "SM clock of the GPU now.", DEVICE, "hertz"),
+    MetricSpec("gpuledger_gpu_memory_clock_hertz", Kind.GAUGE, "Memory clock of the GPU now.", DEVICE, "hertz"),
+    MetricSpec("gpuledger_gpu_sm_clock_max_hertz", Kind.GAUGE, "The GPU's highest SM clock.", DEVICE, "hertz"),
+    MetricSpec("gpuledger_gpu_memory_clock_max_hertz", Kind.GAUGE, "The GPU's highest memory clock.", DEVICE, "hertz"),
+    MetricSpec(
+        "gpuledger_gpu_fan_speed_ratio",
+        Kind.GAUGE,
+        "Fan speed as a fraction of its maximum (absent on passively cooled boards).",
+        DEVICE,
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_performance_state", Kind.GAUGE, "Performance state: 0 (P0, the most performance) to 15.", DEVICE
+    ),
+    MetricSpec(
+        "gpuledger_gpu_clock_event_reason",
+        Kind.GAUGE,
+        "1 while the reason holds the GPU's clocks where they are (NVML clocks-event reasons: gpu_idle, "
+        "sw_power_cap, sw_thermal_slowdown, hw_slowdown, ...), 0 otherwise.",
+        (*DEVICE, "reason"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_clock_violation_seconds_total",
+        Kind.COUNTER,
+        "Time the driver held the clocks below what was asked, by cause (power, thermal, sync_boost, "
+        "board_limit, low_utilization, reliability, app_clocks, base_clocks).",
+        (*DEVICE, "cause"),
+        "seconds",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_ecc_errors_total",
+        Kind.COUNTER,
+        "ECC memory errors since the driver loaded, by type: corrected (single-bit) or uncorrected (double-bit).",
+        (*DEVICE, "type"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_ecc_aggregate_errors_total",
+        Kind.COUNTER,
+        "ECC memory errors over the board's life (kept in its InfoROM), by type: corrected or uncorrected.",
+        (*DEVICE, "type"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_retired_pages_total",
+        Kind.COUNTER,
+        "Memory pages retired, by cause: single_bit (repeated corrected errors) or double_bit (before Ampere).",
+        (*DEVICE, "cause"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_retired_pages_pending",
+        Kind.GAUGE,
+        "1 while a retired page waits for the driver to reload (before Ampere).",
+        DEVICE,
+    ),
+    MetricSpec(
+        "gpuledger_gpu_remapped_rows_total",
+        Kind.COUNTER,
+        "Memory rows remapped to spares, by cause: correctable or uncorrectable errors (Ampere and later).",
+        (*DEVICE, "cause"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_row_remap_pending", Kind.GAUGE, "1 while a row remap waits for the GPU's next reset.", DEVICE
+    ),
+    MetricSpec(
+        "gpuledger_gpu_row_remap_failure",
+        Kind.GAUGE,
+        "1 when a row could not be remapped (no spare left): the GPU needs service.",
+        DEVICE,
+    ),
+    MetricSpec("gpuledger_gpu_pcie_link_generation", Kind.GAUGE, "PCIe generation the link runs at now.", DEVICE),
+    MetricSpec(
+        "gpuledger_gpu_pcie_link_generation_max",
+        Kind.GAUGE,
+        "Highest PCIe generation the GPU and its slot support together.",
+        DEVICE,
+    ),
+    MetricSpec("gpuledger_gpu_pcie_link_width", Kind.GAUGE, "PCIe lanes the link runs with now.", DEVICE),
+    MetricSpec("gpuledger_gpu_pcie_link_width_max", Kind.GAUGE, "Most PCIe lanes the link can run with.", DEVICE),
+    MetricSpec(
+        "gpuledger_gpu_pcie_replays_total", Kind.COUNTER, "PCIe packets the link had to send again (replays).", DEVICE
+    ),
+    MetricSpec(
+        "gpuledger_gpu_pcie_transmit_bytes_per_second",
+        Kind.GAUGE,
+        "PCIe traffic from the GPU, sampled by the driver (readings.pcie_throughput, off by default).",
+        DEVICE,
+        "bytes_per_second",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_pcie_receive_bytes_per_second",
+        Kind.GAUGE,
+        "PCIe traffic to the GPU, sampled by the driver (readings.pcie_throughput, off by default).",
+        DEVICE,
+        "bytes_per_second",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_nvlink_errors_total",
+        Kind.COUNTER,
+        "NVLink link errors, by type: crc (flits that failed their CRC), replay (retransmissions), recovery "
+        "(link retraining).",
+        (*DEVICE, "link", "type"),
+    ),
+    MetricSpec(
+        "gpuledger_gpu_nvlink_transmit_bytes_total",
+        Kind.COUNTER,
+        "Data the GPU sent over the NVLink link.",
+        (*DEVICE, "link"),
+        "bytes",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_nvlink_receive_bytes_total",
+        Kind.COUNTER,
+        "Data the GPU received over the NVLink link.",
+        (*DEVICE, "link"),
+        "bytes",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_encoder_utilization_ratio",
+        Kind.GAUGE,
+        "Fraction of time the video encoder was busy.",
+        DEVICE,
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_decoder_utilization_ratio",
+        Kind.GAUGE,
+        "Fraction of time the video decoder was busy.",
+        DEVICE,
+        "ratio",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_memory_controller_utilization_ratio",
+        Kind.GAUGE,
+        "Fraction of time device memory was being read or written (NVML memory utilization).",
+        DEVICE,
+        "ratio",
+    ),
+)
+CATALOGUE += HEALTH
+
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}

@@ -44,7 +44,8 @@ Decisions where gpuledger and dcgm-exporter differ:
   two it leaves commented out in its words) come from NVML's GPM where the GPU has it (Hopper and
   later): ratios 0-1 over the last poll interval, as DCGM gives them over its own sampling
   period. Per GPU, and per MIG instance with its `GPU_I_PROFILE` and `GPU_I_ID`.
-- Not emitted: `DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL` (gpuledger does not read it).
+- Clocks, throttling, memory errors and links (exporters/dcgm_health.py): the GPU's own fields,
+  one series per GPU, in DCGM's units.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from prometheus_client.registry import Collector
 
 from agent.model import AgentState, DeviceReading, Holding
 from exporters.catalogue import Kind, MetricSpec
+from exporters.dcgm_health import DCGM_HEALTH_CATALOGUE, health_samples
 
 StateSource = Callable[[], AgentState]
 
@@ -103,6 +105,8 @@ DCGM_CATALOGUE: tuple[MetricSpec, ...] = (
         "millijoules",
         WORKLOAD_ATTRIBUTES,
     ),
+    # Clocks, throttling, memory errors, links: one series per GPU (a MIG-partitioned one's too).
+    *(MetricSpec(s.name, s.kind, s.help, IDENTITY, s.unit, WORKLOAD_ATTRIBUTES) for s in DCGM_HEALTH_CATALOGUE),
 )
 
 # The profiling fields, with the Activity attribute each renders.
@@ -154,6 +158,9 @@ class DcgmCollector(Collector):
                 seen = events.get(gpu.uuid)
                 if seen is not None and (seen.watched or seen.last_xid is not None):
                     _add(families, "DCGM_FI_DEV_XID_ERRORS", board, seen.last_xid or 0)
+                if gpu.telemetry is not None:
+                    for name, value in health_samples(gpu.telemetry):
+                        _add(families, name, board, value)
                 instances = snapshot.mig_devices(gpu.uuid)
                 if not instances:
                     _framebuffer(families, board, gpu)

@@ -15,6 +15,7 @@ from agent import __version__
 from agent.model import UNOBSERVED_NO_POLL, Activity, AgentState, DeviceReading
 from exporters.catalogue import BY_NAME, Kind
 from exporters.dcgm import DcgmCollector
+from exporters.health import health_series
 
 StateSource = Callable[[], AgentState]
 
@@ -121,6 +122,8 @@ def _gpu_series(out: _Families, d: DeviceReading, driver_version: str, processes
         out.add("gpuledger_gpu_busy_source_info", (*ids, d.busy_source), 1.0)
     if processes is not None:
         out.add("gpuledger_gpu_processes", ids, float(processes))
+    if d.telemetry is not None:
+        health_series(out, ids, d.telemetry)
 
 
 def _mig_series(out: _Families, d: DeviceReading) -> None:

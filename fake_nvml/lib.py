@@ -72,9 +72,17 @@ FUNCTION_SINCE_DRIVER: dict[str, int] = {
     "nvmlGpmSampleGet": 520,
     "nvmlGpmMetricsGet": 520,
     "nvmlGpmMigSampleGet": 525,
+    # R535 renamed "clocks throttle reasons" to "clocks event reasons" (the old names remain).
+    "nvmlDeviceGetCurrentClocksEventReasons": 535,
+    "nvmlDeviceGetSupportedClocksEventReasons": 535,
 }
-# Fields newer than the field-values call itself (instant power arrived with the R530 fields).
-FIELD_SINCE_DRIVER = {FI_POWER_INSTANT: 530}
+# Fields newer than the field-values call itself (instant power arrived with the R530 fields,
+# row remapping with R460, the per-link NVLink error fields scoped by link with R520).
+FIELD_SINCE_DRIVER = {
+    FI_POWER_INSTANT: 530,
+    **dict.fromkeys(range(142, 146), 460),
+    **dict.fromkeys(range(161, 164), 520),
+}
 
 _VERSION_SUFFIX = re.compile(r"(_v\d+|V)$")
 
@@ -85,6 +93,112 @@ def family(name: str) -> str:
 
 
 _FIELD_FAMILIES = {call: family(call) for call in _FIELD_CALLS.values()}
+
+
+def _links_of(node: FakeNode, gpu: int, scope: int) -> range | int:
+    """The links a link-scoped field names: one, or all of them (scope UINT_MAX); an NVML
+    return code where there is no such link."""
+    links = node.gpu(gpu).nvlink_links
+    if links == 0:
+        return NOT_SUPPORTED
+    if scope == 0xFFFFFFFF:
+        return range(links)
+    return range(scope, scope + 1) if scope < links else INVALID_ARGUMENT
+
+
+def _nvlink_error_field(kind: str, link: int | None) -> Callable[[FakeNode, int, int, float], Any]:
+    """A field of one link's error count: `link` fixed by the field id (the R4xx per-link ids),
+    or None for the field's scope (the R520 ids)."""
+
+    def read(node: FakeNode, gpu: int, scope: int, t: float) -> Any:
+        links = _links_of(node, gpu, scope if link is None else link)
+        if isinstance(links, int):
+            return links
+        return _VALUE_TYPE_ULONGLONG, sum(node.health.nvlink_errors(gpu, n, kind, t) for n in links)
+
+    return read
+
+
+def _nvlink_traffic_field(overhead: float) -> Callable[[FakeNode, int, int, float], Any]:
+    def read(node: FakeNode, gpu: int, scope: int, t: float) -> Any:
+        links = _links_of(node, gpu, scope)
+        if isinstance(links, int):
+            return links
+        return _VALUE_TYPE_ULONGLONG, round(sum(node.health.nvlink_kib(gpu, n, t) for n in links) * overhead)
+
+    return read
+
+
+def _ecc_field(uncorrected: bool) -> Callable[[FakeNode, int, int, float], Any]:
+    return lambda node, gpu, scope, t: (_VALUE_TYPE_ULONGLONG, node.health.ecc_errors(gpu, uncorrected, t))
+
+
+def _retired_field(which: int) -> Callable[[FakeNode, int, int, float], Any]:
+    def read(node: FakeNode, gpu: int, scope: int, t: float) -> Any:
+        retired = node.health.retired_pages(gpu, t)
+        return NOT_SUPPORTED if retired is None else (_VALUE_TYPE_ULONGLONG, int(retired[which]))
+
+    return read
+
+
+def _remap_field(which: int) -> Callable[[FakeNode, int, int, float], Any]:
+    def read(node: FakeNode, gpu: int, scope: int, t: float) -> Any:
+        rows = node.health.remapped_rows(gpu, t)
+        return NOT_SUPPORTED if rows is None else (_VALUE_TYPE_UINT, int(rows[which]))
+
+    return read
+
+
+def _violation_field(policy: int) -> Callable[[FakeNode, int, int, float], Any]:
+    def read(node: FakeNode, gpu: int, scope: int, t: float) -> Any:
+        ns = node.health.violation_ns(gpu, policy, t)
+        return NOT_SUPPORTED if ns is None else (_VALUE_TYPE_ULONGLONG, ns)
+
+    return read
+
+
+# The health fields (nvml.h NVML_FI_DEV_*): field id -> (the call whose faults it shares, reader).
+# A reader answers (value type, value) or an NVML return code.
+_HEALTH_FIELDS: dict[int, tuple[str, Callable[[FakeNode, int, int, float], Any]]] = {
+    3: ("nvmlDeviceGetTotalEccErrors", _ecc_field(False)),  # ECC_SBE_VOL_TOTAL
+    4: ("nvmlDeviceGetTotalEccErrors", _ecc_field(True)),  # ECC_DBE_VOL_TOTAL
+    5: ("nvmlDeviceGetTotalEccErrors", _ecc_field(False)),  # ECC_SBE_AGG_TOTAL
+    6: ("nvmlDeviceGetTotalEccErrors", _ecc_field(True)),  # ECC_DBE_AGG_TOTAL
+    29: ("nvmlDeviceGetRetiredPages", _retired_field(0)),  # RETIRED_SBE
+    30: ("nvmlDeviceGetRetiredPages", _retired_field(1)),  # RETIRED_DBE
+    31: ("nvmlDeviceGetRetiredPages", _retired_field(2)),  # RETIRED_PENDING
+    **{
+        base + n: ("nvmlDeviceGetNvLinkErrorCounter", _nvlink_error_field(kind, first + n))
+        for kind, ranges in (
+            ("crc", ((32, 0), (96, 6))),
+            ("replay", ((46, 0), (108, 6))),
+            ("recovery", ((53, 0), (114, 6))),
+        )
+        for base, first in ranges
+        for n in range(6)
+    },
+    **{
+        74 + i: ("nvmlDeviceGetViolationStatus", _violation_field(policy))  # PERF_POLICY_*
+        for i, policy in enumerate((0, 1, 2, 3, 4, 5, 10, 11))
+    },
+    94: (
+        "nvmlDeviceGetPcieReplayCounter",
+        lambda node, gpu, scope, t: (_VALUE_TYPE_UINT, node.health.pcie_replays(gpu, t)),
+    ),
+    # NVLINK_THROUGHPUT_DATA_TX/RX and RAW_TX/RX (data plus protocol overhead), KiB, per link.
+    138: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.0)),
+    139: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.0)),
+    140: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.1)),
+    141: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.1)),
+    142: ("nvmlDeviceGetRemappedRows", _remap_field(0)),  # REMAPPED_COR
+    143: ("nvmlDeviceGetRemappedRows", _remap_field(1)),  # REMAPPED_UNC
+    144: ("nvmlDeviceGetRemappedRows", _remap_field(2)),  # REMAPPED_PENDING
+    145: ("nvmlDeviceGetRemappedRows", _remap_field(3)),  # REMAPPED_FAILURE
+    161: ("nvmlDeviceGetNvLinkErrorCounter", _nvlink_error_field("replay", None)),  # NVLINK_ERROR_DL_REPLAY
+    162: ("nvmlDeviceGetNvLinkErrorCounter", _nvlink_error_field("recovery", None)),  # .._DL_RECOVERY
+    163: ("nvmlDeviceGetNvLinkErrorCounter", _nvlink_error_field("crc", None)),  # .._DL_CRC
+}
+_HEALTH_FAMILIES = {call: family(call) for call, _read in _HEALTH_FIELDS.values()}
 
 
 def _obj(arg: Any) -> Any:
@@ -571,14 +685,23 @@ def _utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     return SUCCESS
 
 
-@_c("nvmlDeviceGetEncoderUtilization")
-@_c("nvmlDeviceGetDecoderUtilization")
-def _codec_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, util: Any, period: Any) -> int:
-    if dev.mig is not None:
+def _codec_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, util: Any, period: Any, encoder: bool) -> int:
+    # A MIG-enabled GPU reports no engine utilization, as for the GPU's own.
+    if dev.mig is not None or lib._node.gpu(dev.gpu).mig:
         return NOT_SUPPORTED
-    _obj(util).value = 0
+    _obj(util).value = lib._node.health.codec_percent(dev.gpu, t, encoder)
     _obj(period).value = 167000
     return SUCCESS
+
+
+@_c("nvmlDeviceGetEncoderUtilization")
+def _encoder_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, util: Any, period: Any) -> int:
+    return _codec_utilization(lib, t, dev, util, period, encoder=True)
+
+
+@_c("nvmlDeviceGetDecoderUtilization")
+def _decoder_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, util: Any, period: Any) -> int:
+    return _codec_utilization(lib, t, dev, util, period, encoder=False)
 
 
 def _memory_bytes(lib: FakeNvmlLibrary, dev: Dev, t: float) -> tuple[int, int]:
@@ -649,12 +772,19 @@ def _temperature_threshold(lib: FakeNvmlLibrary, t: float, dev: Dev, which: Any,
 @_c("nvmlDeviceGetFanSpeed")
 @_c("nvmlDeviceGetFanSpeed_v2")
 def _fan(lib: FakeNvmlLibrary, t: float, dev: Dev, *args: Any) -> int:
-    return NOT_SUPPORTED  # data-centre boards are passively cooled: the driver has no fan to read
+    # Data-centre boards are passively cooled: the driver has no fan to read.
+    percent = lib._node.health.fan_percent(dev.gpu, t) if dev.mig is None else None
+    if percent is None:
+        return NOT_SUPPORTED
+    if len(args) == 2 and _int(args[0]) >= lib._node.health.board(dev.gpu).fans:  # _v2(fan, out)
+        return INVALID_ARGUMENT
+    _obj(args[-1]).value = percent
+    return SUCCESS
 
 
 @_c("nvmlDeviceGetNumFans")
 def _num_fans(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
-    _obj(out).value = 0
+    _obj(out).value = lib._node.health.board(dev.gpu).fans
     return SUCCESS
 
 
@@ -703,15 +833,40 @@ def _energy(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     return SUCCESS
 
 
+_CLOCK_GRAPHICS, _CLOCK_SM, _CLOCK_MEM, _CLOCK_VIDEO = 0, 1, 2, 3
+
+
 @_c("nvmlDeviceGetClockInfo")
-@_c("nvmlDeviceGetMaxClockInfo")
 def _clock(lib: FakeNvmlLibrary, t: float, dev: Dev, which: Any, out: Any) -> int:
     if dev.mig is not None:
         return NOT_SUPPORTED
-    table = {0: 1410, 1: 1410, 2: 1593, 3: 1275}  # graphics, SM, memory, video (MHz)
-    if _int(which) not in table:
+    health, kind = lib._node.health, _int(which)
+    if kind in (_CLOCK_GRAPHICS, _CLOCK_SM):
+        mhz = health.sm_clock_mhz(dev.gpu, t)
+    elif kind == _CLOCK_MEM:
+        mhz = health.memory_clock_mhz(dev.gpu, t)
+    elif kind == _CLOCK_VIDEO:
+        mhz = round(health.sm_clock_mhz(dev.gpu, t) * 0.9)
+    else:
         return INVALID_ARGUMENT
-    _obj(out).value = table[_int(which)]
+    _obj(out).value = mhz
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetMaxClockInfo")
+def _max_clock(lib: FakeNvmlLibrary, t: float, dev: Dev, which: Any, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    board, kind = lib._node.health.board(dev.gpu), _int(which)
+    table = {
+        _CLOCK_GRAPHICS: board.sm_clock_max_mhz,
+        _CLOCK_SM: board.sm_clock_max_mhz,
+        _CLOCK_MEM: board.memory_clock_max_mhz,
+        _CLOCK_VIDEO: round(board.sm_clock_max_mhz * 0.9),
+    }
+    if kind not in table:
+        return INVALID_ARGUMENT
+    _obj(out).value = table[kind]
     return SUCCESS
 
 
@@ -745,6 +900,27 @@ def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: 
         fid = field.fieldId
         field.timestamp = stamp_us
         field.latencyUsec = 0
+        health = _HEALTH_FIELDS.get(fid)
+        if health is not None and fid not in hidden:
+            health_call, read = health
+            if health_call in errors:
+                fault = errors[health_call]
+            else:
+                fault = errors[health_call] = node.fault_error(health_call, _HEALTH_FAMILIES[health_call], index, t)
+            if fault is not None:
+                field.nvmlReturn = ERROR_CODES[fault]
+                continue
+            answer = NOT_SUPPORTED if is_mig else read(node, index, field.scopeId, t)
+            if isinstance(answer, int):
+                field.nvmlReturn = answer
+                continue
+            field.valueType, number = answer
+            if field.valueType == _VALUE_TYPE_ULONGLONG:
+                field.value.ullVal = number
+            else:
+                field.value.uiVal = number
+            field.nvmlReturn = SUCCESS
+            continue
         call = _FIELD_CALLS.get(fid)
         if call is None or fid in hidden:
             field.nvmlReturn = NOT_SUPPORTED
@@ -896,4 +1072,167 @@ def _samples_layout(count: int) -> struct.Struct:
 @_c("nvmlDeviceGetAccountingMode")
 def _accounting_mode(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     _obj(out).value = 0
+    return SUCCESS
+
+
+# ---------------------------------------------------------------------------------------------
+# Health: throttling, memory errors, PCIe and NVLink links (the node's side: fake_nvml/health.py)
+# ---------------------------------------------------------------------------------------------
+
+# Every reason bit the fake can report (nvmlClocksEventReason*, GPU idle to HW power brake).
+_SUPPORTED_REASONS = 0x1FF
+
+
+@_c("nvmlDeviceGetCurrentClocksEventReasons")
+@_c("nvmlDeviceGetCurrentClocksThrottleReasons")
+def _clock_event_reasons(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    _obj(out).value = lib._node.health.clock_event_reasons(dev.gpu, t)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetSupportedClocksEventReasons")
+@_c("nvmlDeviceGetSupportedClocksThrottleReasons")
+def _supported_reasons(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    _obj(out).value = _SUPPORTED_REASONS
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetViolationStatus")
+def _violation_status(lib: FakeNvmlLibrary, t: float, dev: Dev, policy: Any, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    ns = lib._node.health.violation_ns(dev.gpu, _int(policy), t)
+    if ns is None:
+        return INVALID_ARGUMENT
+    violation = _obj(out)
+    violation.referenceTime = int(lib._node.clock.start_epoch * 1_000_000 + t * 1_000_000)
+    violation.violationTime = ns
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetEccMode")
+def _ecc_mode(lib: FakeNvmlLibrary, t: float, dev: Dev, current: Any, pending: Any) -> int:
+    _obj(current).value = 1
+    _obj(pending).value = 1
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetTotalEccErrors")
+def _total_ecc_errors(lib: FakeNvmlLibrary, t: float, dev: Dev, error_type: Any, counter_type: Any, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    if _int(error_type) not in (0, 1) or _int(counter_type) not in (0, 1):
+        return INVALID_ARGUMENT
+    _obj(out).value = lib._node.health.ecc_errors(dev.gpu, _int(error_type) == 1, t)
+    return SUCCESS
+
+
+def _retired_pages(
+    lib: FakeNvmlLibrary, t: float, dev: Dev, cause: Any, count: Any, addresses: Any, *times: Any
+) -> int:
+    retired = lib._node.health.retired_pages(dev.gpu, t) if dev.mig is None else None
+    if retired is None:
+        return NOT_SUPPORTED
+    which = _int(cause)
+    if which not in (0, 1):
+        return INVALID_ARGUMENT
+    pages = retired[which]
+    counter = _obj(count)
+    if addresses is None or counter.value < pages:
+        counter.value = pages
+        return INSUFFICIENT_SIZE if pages and addresses is not None else SUCCESS
+    array = _obj(addresses)
+    for i in range(pages):
+        # Page addresses as the driver gives them: page frame numbers, here made up per GPU.
+        array[i] = (dev.gpu + 1) << 32 | (which << 16) | i
+        if times and times[0] is not None:
+            _obj(times[0])[i] = int(lib._node.clock.start_epoch)
+    counter.value = pages
+    return SUCCESS
+
+
+_c("nvmlDeviceGetRetiredPages")(_retired_pages)
+_c("nvmlDeviceGetRetiredPages_v2")(_retired_pages)
+
+
+@_c("nvmlDeviceGetRetiredPagesPendingStatus")
+def _retired_pending(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    retired = lib._node.health.retired_pages(dev.gpu, t) if dev.mig is None else None
+    if retired is None:
+        return NOT_SUPPORTED
+    _obj(out).value = 1 if retired[2] else 0
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetRemappedRows")
+def _remapped_rows(lib: FakeNvmlLibrary, t: float, dev: Dev, corr: Any, unc: Any, pending: Any, failure: Any) -> int:
+    rows = lib._node.health.remapped_rows(dev.gpu, t) if dev.mig is None else None
+    if rows is None:
+        return NOT_SUPPORTED
+    for out, value in zip((corr, unc, pending, failure), rows, strict=True):
+        _obj(out).value = int(value)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetCurrPcieLinkGeneration")
+def _pcie_generation(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = lib._node.health.pcie_link(dev.gpu, t)[0]
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetCurrPcieLinkWidth")
+def _pcie_width(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = lib._node.health.pcie_link(dev.gpu, t)[1]
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetMaxPcieLinkGeneration")
+@_c("nvmlDeviceGetGpuMaxPcieLinkGeneration")
+def _pcie_max_generation(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = lib._node.health.board(dev.gpu).pcie_generation
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetMaxPcieLinkWidth")
+def _pcie_max_width(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    _obj(out).value = lib._node.health.board(dev.gpu).pcie_width
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetPcieReplayCounter")
+def _pcie_replays(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    _obj(out).value = lib._node.health.pcie_replays(dev.gpu, t)
+    return SUCCESS
+
+
+@_c("nvmlDeviceGetPcieThroughput")
+def _pcie_throughput(lib: FakeNvmlLibrary, t: float, dev: Dev, counter: Any, out: Any) -> int:
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    which = _int(counter)
+    if which not in (0, 1):  # NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES
+        return INVALID_ARGUMENT
+    _obj(out).value = lib._node.health.pcie_throughput_kib_s(dev.gpu, t)[which]
+    return SUCCESS
+
+
+# nvmlNvLinkErrorCounter_t: what each counter counts here (CRC_DATA is counted with CRC_FLIT).
+_NVLINK_COUNTERS = {0: "replay", 1: "recovery", 2: "crc", 3: "crc"}
+
+
+@_c("nvmlDeviceGetNvLinkErrorCounter")
+def _nvlink_error_counter(lib: FakeNvmlLibrary, t: float, dev: Dev, link: Any, counter: Any, out: Any) -> int:
+    gpu = lib._node.gpu(dev.gpu)
+    if dev.mig is not None or gpu.nvlink_links == 0:
+        return NOT_SUPPORTED
+    kind = _NVLINK_COUNTERS.get(_int(counter))
+    if kind is None or _int(link) >= gpu.nvlink_links:
+        return INVALID_ARGUMENT
+    _obj(out).value = lib._node.health.nvlink_errors(dev.gpu, _int(link), kind, t)
     return SUCCESS

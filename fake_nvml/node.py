@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fake_nvml.health import NodeHealth
 from fake_nvml.scenario import Fault, Gpu, Process, Scenario
 from fake_nvml.scenario.model import ReadingRow
 
@@ -118,6 +119,8 @@ class FakeNode:
             gpu: tuple(f for f in faults if f.nvlink_down) for gpu, faults in self._faults_by_gpu.items()
         }
         self._call_faults: dict[tuple[str, str, int | None], tuple[tuple[Fault, ...], tuple[Fault, ...]]] = {}
+        # Clocks, throttling, memory errors, PCIe and NVLink counters (fake_nvml/health.py).
+        self.health = NodeHealth(self, self._breakpoints)
 
     # -- time ---------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import fake_nvml
 from agent.actions import Actions, Trigger
 from agent.cli.wiring import rule_specs
-from agent.config import Settings
+from agent.config import ReadingsConfig, Settings
 from agent.ledger.sink import LedgerSink
 from agent.model import AgentState, Price
 from agent.pipeline import Costing
@@ -59,6 +59,17 @@ def simulate(
 def _uninstall() -> Iterator[None]:
     yield
     fake_nvml.uninstall()
+
+
+def health_state(scenario: object, at_s: float) -> AgentState:
+    """A poll at at_s of `scenario` (one before it too) by the agent as the settings build it,
+    with the opt-in PCIe throughput on."""
+    rig = Rig(scenario, settings=Settings(readings=ReadingsConfig(pcie_throughput=True)))
+    try:
+        rig.poll(at_s - 60)
+        return rig.poll(60)
+    finally:
+        rig.close()
 
 
 def exposition(state: AgentState) -> str:
@@ -137,6 +148,8 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
             tmp_path / "act",
             triggers=[Trigger("notify", "idle", "gpu", webhook_url="http://127.0.0.1:9/")],
         ),
+        # Hardware trouble and the boards with a fan and with retired pages, PCIe throughput on.
+        health_state("health", 3 * 3600),
     ]
     emitted = _emitted(states)
     catalogued = {spec.name for spec in CATALOGUE}

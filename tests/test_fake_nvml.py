@@ -53,6 +53,37 @@ READINGS: dict[str, Any] = {
     ],
 }
 
+# A node whose health readings are easy to work out by hand, every fault in force from t=0:
+#   GPU 0  A100, 4 NVLinks, pid 301 at 40% (193 W, 52.4 C: nothing holds its clocks down):
+#          5 corrected and 2 uncorrected ECC errors; 1 correctable and 2 uncorrectable rows
+#          remapped, pending; its PCIe link trained down to Gen2 x4 after 7 replays; link 1 with
+#          11 CRC, 3 replay and 1 recovery errors
+#   GPU 1  A100, idle: a row remap that failed, and sync-boost throttling
+#   GPU 2  V100 (before Ampere: pages retire, rows are not remapped), idle: 3 uncorrected errors
+#   GPU 3  RTX A6000 with a fan, pid 302 at 50% encoding at 45% and decoding at 30%
+HARDWARE: dict[str, Any] = {
+    "start": "2026-11-20T18:00:00Z",
+    "node": {"hostname": "hw-node", "driver_version": "570.86.10", "cuda_driver_version": 12080},
+    "gpus": [
+        {"model": "A100-SXM4-80GB", "count": 2, "nvlink_links": 4},
+        {"model": "V100-SXM2-32GB", "nvlink_links": 2},
+        {"model": "RTX A6000"},
+    ],
+    "processes": [
+        {"pid": 301, "gpus": [0], "sm_util": 40, "memory_mib": 1000},
+        {"pid": 302, "gpus": [3], "sm_util": 50, "encoder_util": 45, "decoder_util": 30, "memory_mib": 500},
+    ],
+    "faults": [
+        {"gpu": 0, "ecc": {"corrected": 5, "uncorrected": 2}},
+        {"gpu": 0, "remap": {"correctable": 1, "uncorrectable": 2}},
+        {"gpu": 0, "pcie_downgrade": {"generation": 2, "width": 4, "replays": 7}},
+        {"gpu": 0, "nvlink_errors": {"links": [1], "crc": 11, "replay": 3, "recovery": 1}},
+        {"gpu": 1, "remap": {"failure": True}},
+        {"gpu": 1, "throttle": "sync_boost"},
+        {"gpu": 2, "ecc": {"uncorrected": 3}},
+    ],
+}
+
 # The built-in `mig` node: GPU 0 is split into two 3g.40gb instances (pid 800 on 0:0 at 70%
 # with 20000 MiB, pid 801 on 0:1 idle with 8000 MiB); GPU 1 is whole (pid 802 at 40%).
 # An H100 split in two 3g.40gb instances (48 of its 132 SMs each); pid 900 on 0:0 runs kernels
@@ -65,6 +96,7 @@ SCENARIOS = {
     "readings": fake_nvml.load_scenario(READINGS),
     "mig": fake_nvml.load_scenario("mig"),
     "hopper": fake_nvml.load_scenario(HOPPER),
+    "hardware": fake_nvml.load_scenario(HARDWARE),
 }
 
 
@@ -314,8 +346,9 @@ READING_TABLE: dict[str, Reading] = {
     "no energy at t=0": Reading(
         "nvmlDeviceGetTotalEnergyConsumption", lambda d: pynvml.nvmlDeviceGetTotalEnergyConsumption(d.gpu(0)), 0
     ),
+    # GPU 1 (25% busy, 45 C, 150 W of 300): nothing holds its clocks down (GPU 0 is capped).
     "graphics clock": Reading(
-        "nvmlDeviceGetClockInfo", lambda d: pynvml.nvmlDeviceGetClockInfo(d.gpu(0), pynvml.NVML_CLOCK_GRAPHICS), 1410
+        "nvmlDeviceGetClockInfo", lambda d: pynvml.nvmlDeviceGetClockInfo(d.gpu(1), pynvml.NVML_CLOCK_GRAPHICS), 1410
     ),
     "max memory clock": Reading(
         "nvmlDeviceGetMaxClockInfo", lambda d: pynvml.nvmlDeviceGetMaxClockInfo(d.gpu(0), pynvml.NVML_CLOCK_MEM), 1593
@@ -526,6 +559,226 @@ READING_TABLE: dict[str, Reading] = {
     ),
     "GPM SM activity of a Hopper GPU and of its MIG instance": Reading(
         "nvmlGpmMetricsGet", lambda d: _sm_activity(d.gpu(0)), (1, round(30 * 48 / 132, 6), 30.0), "hopper"
+    ),
+    # -- clocks and throttling ------------------------------------------------------------------
+    # GPU 0 of `readings` runs at 100% (300 W: its limit) and 90 C (past the 89 C slowdown
+    # threshold): power-capped and slowed down by hardware to half its 1410 MHz.
+    "SM clock held down": Reading(
+        "nvmlDeviceGetClockInfo", lambda d: pynvml.nvmlDeviceGetClockInfo(d.gpu(0), pynvml.NVML_CLOCK_SM), 705
+    ),
+    "reasons of a capped, hot GPU": Reading(
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        lambda d: pynvml.nvmlDeviceGetCurrentClocksEventReasons(d.gpu(0)),
+        pynvml.nvmlClocksEventReasonSwPowerCap
+        | pynvml.nvmlClocksEventReasonHwSlowdown
+        | pynvml.nvmlClocksEventReasonHwThermalSlowdown,
+    ),
+    "idle GPU's reason, by its pre-R535 name": Reading(
+        "nvmlDeviceGetCurrentClocksThrottleReasons",
+        lambda d: pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(d.gpu(2)),
+        pynvml.nvmlClocksThrottleReasonGpuIdle,
+    ),
+    "idle L4's SM clock": Reading(
+        "nvmlDeviceGetClockInfo", lambda d: pynvml.nvmlDeviceGetClockInfo(d.gpu(2), pynvml.NVML_CLOCK_SM), 210
+    ),
+    "idle L4's GDDR memory clock drops": Reading(
+        "nvmlDeviceGetClockInfo", lambda d: pynvml.nvmlDeviceGetClockInfo(d.gpu(2), pynvml.NVML_CLOCK_MEM), 405
+    ),
+    "L4's maximum SM clock": Reading(
+        "nvmlDeviceGetMaxClockInfo", lambda d: pynvml.nvmlDeviceGetMaxClockInfo(d.gpu(2), pynvml.NVML_CLOCK_SM), 2040
+    ),
+    "supported reasons": Reading(
+        "nvmlDeviceGetSupportedClocksEventReasons",
+        lambda d: pynvml.nvmlDeviceGetSupportedClocksEventReasons(d.gpu(0)),
+        0x1FF,
+    ),
+    "supported reasons, by their pre-R535 name": Reading(
+        "nvmlDeviceGetSupportedClocksThrottleReasons",
+        lambda d: pynvml.nvmlDeviceGetSupportedClocksThrottleReasons(d.gpu(0)),
+        0x1FF,
+    ),
+    "idle, and held by sync boost": Reading(
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        lambda d: pynvml.nvmlDeviceGetCurrentClocksEventReasons(d.gpu(1)),
+        pynvml.nvmlClocksEventReasonGpuIdle | pynvml.nvmlClocksEventReasonSyncBoost,
+        "hardware",
+    ),
+    "no violation time yet at t=0": Reading(
+        "nvmlDeviceGetViolationStatus",
+        lambda d: pynvml.nvmlDeviceGetViolationStatus(d.gpu(1), pynvml.NVML_PERF_POLICY_SYNC_BOOST).violationTime,
+        0,
+        "hardware",
+    ),
+    # RTX A6000 at 50%: 32 C idle + (83 - 32) x 0.5 = 57.5 C, half way up: 30% + 60% x 0.5
+    "a fan follows temperature": Reading(
+        "nvmlDeviceGetFanSpeed", lambda d: pynvml.nvmlDeviceGetFanSpeed(d.gpu(3)), 60, "hardware"
+    ),
+    "one fan's speed": Reading(
+        "nvmlDeviceGetFanSpeed_v2", lambda d: pynvml.nvmlDeviceGetFanSpeed_v2(d.gpu(3), 0), 60, "hardware"
+    ),
+    "one fan": Reading("nvmlDeviceGetNumFans", lambda d: pynvml.nvmlDeviceGetNumFans(d.gpu(3)), 1, "hardware"),
+    "the encoder's load": Reading(
+        "nvmlDeviceGetEncoderUtilization",
+        lambda d: pynvml.nvmlDeviceGetEncoderUtilization(d.gpu(3)),
+        [45, 167000],
+        "hardware",
+    ),
+    "the decoder's load": Reading(
+        "nvmlDeviceGetDecoderUtilization",
+        lambda d: pynvml.nvmlDeviceGetDecoderUtilization(d.gpu(3)),
+        [30, 167000],
+        "hardware",
+    ),
+    # -- memory errors --------------------------------------------------------------------------
+    "ECC on": Reading("nvmlDeviceGetEccMode", lambda d: pynvml.nvmlDeviceGetEccMode(d.gpu(0)), [1, 1], "hardware"),
+    "uncorrected ECC errors": Reading(
+        "nvmlDeviceGetTotalEccErrors",
+        lambda d: pynvml.nvmlDeviceGetTotalEccErrors(
+            d.gpu(0), pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+        ),
+        2,
+        "hardware",
+    ),
+    "corrected ECC errors over the board's life": Reading(
+        "nvmlDeviceGetTotalEccErrors",
+        lambda d: pynvml.nvmlDeviceGetTotalEccErrors(
+            d.gpu(0), pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC
+        ),
+        5,
+        "hardware",
+    ),
+    "rows remapped, pending": Reading(
+        "nvmlDeviceGetRemappedRows", lambda d: pynvml.nvmlDeviceGetRemappedRows(d.gpu(0)), (1, 2, 1, 0), "hardware"
+    ),
+    "a remap that failed": Reading(
+        "nvmlDeviceGetRemappedRows", lambda d: pynvml.nvmlDeviceGetRemappedRows(d.gpu(1)), (0, 0, 0, 1), "hardware"
+    ),
+    "no row remapping before Ampere": Reading(
+        "nvmlDeviceGetRemappedRows",
+        lambda d: pynvml.nvmlDeviceGetRemappedRows(d.gpu(2)),
+        pynvml.NVMLError_NotSupported,
+        "hardware",
+    ),
+    "pages retired for double-bit errors": Reading(
+        "nvmlDeviceGetRetiredPages",
+        lambda d: len(
+            pynvml.nvmlDeviceGetRetiredPages(d.gpu(2), pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+        ),
+        3,
+        "hardware",
+    ),
+    "no page retired for single-bit errors": Reading(
+        "nvmlDeviceGetRetiredPages_v2",
+        lambda d: pynvml.nvmlDeviceGetRetiredPages_v2(
+            d.gpu(2), pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS
+        ),
+        [],
+        "hardware",
+    ),
+    "page retirement pending": Reading(
+        "nvmlDeviceGetRetiredPagesPendingStatus",
+        lambda d: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(d.gpu(2)),
+        1,
+        "hardware",
+    ),
+    "no page retirement from Ampere on": Reading(
+        "nvmlDeviceGetRetiredPagesPendingStatus",
+        lambda d: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(d.gpu(0)),
+        pynvml.NVMLError_NotSupported,
+        "hardware",
+    ),
+    # -- PCIe -----------------------------------------------------------------------------------
+    "a link trained down: generation": Reading(
+        "nvmlDeviceGetCurrPcieLinkGeneration",
+        lambda d: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(d.gpu(0)),
+        2,
+        "hardware",
+    ),
+    "a link trained down: width": Reading(
+        "nvmlDeviceGetCurrPcieLinkWidth", lambda d: pynvml.nvmlDeviceGetCurrPcieLinkWidth(d.gpu(0)), 4, "hardware"
+    ),
+    "the link's maximum generation": Reading(
+        "nvmlDeviceGetMaxPcieLinkGeneration",
+        lambda d: pynvml.nvmlDeviceGetMaxPcieLinkGeneration(d.gpu(0)),
+        4,
+        "hardware",
+    ),
+    "the GPU's maximum generation": Reading(
+        "nvmlDeviceGetGpuMaxPcieLinkGeneration",
+        lambda d: pynvml.nvmlDeviceGetGpuMaxPcieLinkGeneration(d.gpu(2)),
+        3,
+        "hardware",
+    ),
+    "the link's maximum width": Reading(
+        "nvmlDeviceGetMaxPcieLinkWidth", lambda d: pynvml.nvmlDeviceGetMaxPcieLinkWidth(d.gpu(0)), 16, "hardware"
+    ),
+    "PCIe replays": Reading(
+        "nvmlDeviceGetPcieReplayCounter", lambda d: pynvml.nvmlDeviceGetPcieReplayCounter(d.gpu(0)), 7, "hardware"
+    ),
+    # 40% of 2 GB/s to the GPU, half that back: KiB/s
+    "PCIe traffic to the GPU": Reading(
+        "nvmlDeviceGetPcieThroughput",
+        lambda d: pynvml.nvmlDeviceGetPcieThroughput(d.gpu(0), pynvml.NVML_PCIE_UTIL_RX_BYTES),
+        round(0.4 * 2e9 / 1024),
+        "hardware",
+    ),
+    # -- NVLink ---------------------------------------------------------------------------------
+    "NVLink CRC errors": Reading(
+        "nvmlDeviceGetNvLinkErrorCounter",
+        lambda d: pynvml.nvmlDeviceGetNvLinkErrorCounter(d.gpu(0), 1, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),
+        11,
+        "hardware",
+    ),
+    "NVLink replays and recoveries": Reading(
+        "nvmlDeviceGetNvLinkErrorCounter",
+        lambda d: [
+            pynvml.nvmlDeviceGetNvLinkErrorCounter(d.gpu(0), link, counter)
+            for link in (0, 1)
+            for counter in (pynvml.NVML_NVLINK_ERROR_DL_REPLAY, pynvml.NVML_NVLINK_ERROR_DL_RECOVERY)
+        ],
+        [0, 0, 3, 1],
+        "hardware",
+    ),
+    "no NVLink error counter beyond the GPU's links": Reading(
+        "nvmlDeviceGetNvLinkErrorCounter",
+        lambda d: pynvml.nvmlDeviceGetNvLinkErrorCounter(d.gpu(0), 4, pynvml.NVML_NVLINK_ERROR_DL_REPLAY),
+        pynvml.NVMLError_InvalidArgument,
+        "hardware",
+    ),
+    # The health counters as fields: ECC (3-6), PCIe replays (94), remapped rows (142-145), the
+    # NVLink errors of link 1 scoped by link (163 CRC, 161 replay, 162 recovery) and by the
+    # R4xx per-link ids (33, 47, 54), and retired pages (29), which an A100 does not have.
+    "health fields": Reading(
+        "nvmlDeviceGetFieldValues",
+        lambda d: [
+            (
+                v.fieldId,
+                v.nvmlReturn,
+                v.value.ullVal if v.valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG else v.value.uiVal,
+            )
+            for v in pynvml.nvmlDeviceGetFieldValues(
+                d.gpu(0), [3, 4, 5, 6, 94, 142, 143, 144, 145, (163, 1), (161, 1), (162, 1), 33, 47, 54, 29]
+            )
+        ],
+        [
+            (3, 0, 5),
+            (4, 0, 2),
+            (5, 0, 5),
+            (6, 0, 2),
+            (94, 0, 7),
+            (142, 0, 1),
+            (143, 0, 2),
+            (144, 0, 1),
+            (145, 0, 0),
+            (163, 0, 11),
+            (161, 0, 3),
+            (162, 0, 1),
+            (33, 0, 11),
+            (47, 0, 3),
+            (54, 0, 1),
+            (29, pynvml.NVML_ERROR_NOT_SUPPORTED, 0),
+        ],
+        "hardware",
     ),
 }
 

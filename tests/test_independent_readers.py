@@ -51,3 +51,23 @@ def test_gpustat_reads_the_same_values(demo_snapshot: Snapshot) -> None:
         assert gpu.power_draw == int(reading.power_w or 0)  # gpustat truncates mW to W
         # gpustat drops processes psutil cannot find on this host, and scenario pids are not
         # real host processes, so its process list is not compared here.
+
+
+def test_nvitop_reads_the_same_clocks_utilizations_and_links(demo_snapshot: Snapshot) -> None:
+    from nvitop import NA, Device
+
+    for device, reading in zip(Device.all(), demo_snapshot.gpus, strict=True):
+        t = reading.telemetry
+        assert t is not None
+        assert device.sm_clock() * 1e6 == t.sm_clock_hz  # nvitop reports MHz
+        assert device.memory_clock() * 1e6 == t.memory_clock_hz
+        assert device.max_sm_clock() * 1e6 == t.sm_clock_max_hz
+        assert device.performance_state() == f"P{t.performance_state}"
+        assert device.fan_speed() is NA  # passively cooled A100s
+        assert t.fan_speed_ratio is None
+        assert device.memory_utilization() == round((t.memory_utilization or 0) * 100)
+        assert device.encoder_utilization() == round((t.encoder_utilization or 0) * 100)
+        assert device.decoder_utilization() == round((t.decoder_utilization or 0) * 100)
+        # nvitop has no PCIe link methods: Device.__getattr__ passes these through to pynvml
+        assert device.curr_pcie_link_generation() == t.pcie_link_generation
+        assert device.max_pcie_link_width() == t.pcie_link_width_max

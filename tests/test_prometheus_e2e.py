@@ -598,7 +598,6 @@ DCGM_DASHBOARD_CURRENT = {
 # Fields those dashboards chart that gpuledger does not provide: their queries must run without
 # error and return nothing. A query naming one of them is expected to be empty.
 NOT_PROVIDED = {
-    "DCGM_FI_DEV_SM_CLOCK": "gpuledger reads no clocks",
     "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": "a DCGM profiling (DCP) field; NVML has no equivalent",
     "DCGM_FI_PROF_GR_ENGINE_ACTIVE": (
         "a DCGM profiling (DCP) field; NVML's coarser utilization is DCGM_FI_DEV_GPU_UTIL, which is provided"
@@ -614,6 +613,29 @@ DCGM_OTHER_QUERIES = {
     "same utilization as gpuledger_gpu_utilization_ratio": (
         f'max(abs(sum by (gpu) (DCGM_FI_DEV_GPU_UTIL{{cluster="{DCGM_CLUSTER}"}})'
         f' - 100 * sum by (gpu) (gpuledger_gpu_utilization_ratio{{cluster="{DCGM_CLUSTER}"}}))) < 1'
+    ),
+    # Clocks, throttling, memory errors and links, as alerts and dashboards written for
+    # dcgm-exporter read them.
+    "same SM clock as gpuledger_gpu_sm_clock_hertz": (
+        f'max(abs(sum by (gpu) (DCGM_FI_DEV_SM_CLOCK{{cluster="{DCGM_CLUSTER}"}}) * 1e6'
+        f' - sum by (gpu) (gpuledger_gpu_sm_clock_hertz{{cluster="{DCGM_CLUSTER}"}}))) < 1e6'
+    ),
+    "memory clock, MHz": "DCGM_FI_DEV_MEM_CLOCK",
+    "clock throttle reasons": "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+    "power and thermal violation, fraction of time": (
+        "rate(DCGM_FI_DEV_POWER_VIOLATION[1m]) / 1e9 + rate(DCGM_FI_DEV_THERMAL_VIOLATION[1m]) / 1e9"
+    ),
+    "the demo's uncorrectable ECC error": "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL > 0",
+    "the demo's pending row remap": (
+        "DCGM_FI_DEV_ROW_REMAP_PENDING == 1 and DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS > 0"
+    ),
+    "row remap failures": "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+    "PCIe replays a second": "rate(DCGM_FI_DEV_PCIE_REPLAY_COUNTER[1m])",
+    "PCIe link below its maximum": "DCGM_FI_DEV_PCIE_LINK_WIDTH < bool DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH",
+    "NVLink bandwidth": "sum by (Hostname, gpu) (DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL) > 0",
+    "NVLink CRC errors a second": "rate(DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL[1m])",
+    "memory copy, encoder, decoder utilization": (
+        "DCGM_FI_DEV_MEM_COPY_UTIL + DCGM_FI_DEV_ENC_UTIL + DCGM_FI_DEV_DEC_UTIL"
     ),
 }
 

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import fake_nvml
 from agent.cli.record import build_recording_agent, record, write_trace
 from agent.cli.wiring import build_agent
-from agent.config import PricingConfig, Settings
+from agent.config import PricingConfig, ReadingsConfig, Settings
 
 STEP_S = 5.0
 DURATION_S = 600.0
@@ -109,7 +109,23 @@ def _uninstall() -> Iterator[None]:
 
 
 def settings() -> Settings:
-    return Settings(node_name=None, pricing=PricingConfig(gpu_hourly=3.0, energy_per_kwh=0.12))
+    # Health readings off: a trace does not carry them yet (the README says so); a replay serves
+    # the fake's own physics for them, which follows its load model, not the recorded node.
+    return Settings(
+        node_name=None,
+        pricing=PricingConfig(gpu_hourly=3.0, energy_per_kwh=0.12),
+        readings=ReadingsConfig(
+            clocks=False,
+            fan=False,
+            throttle=False,
+            memory_errors=False,
+            pcie=False,
+            nvlink_errors=False,
+            nvlink_throughput=False,
+            codecs=False,
+            memory_utilization=False,
+        ),
+    )
 
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -12,6 +12,7 @@ import fake_nvml
 from agent.devices.backend import DriverLibraryMissing
 from agent.devices.nvml import NvmlBackend
 from agent.devices.sampler import REINIT_BACKOFF_FIRST_S, Sampler
+from agent.devices.telemetry import ReadingOptions
 from agent.model import Snapshot
 
 MiB = 2**20
@@ -19,9 +20,9 @@ MiB = 2**20
 
 @pytest.fixture
 def install() -> Iterator[Any]:
-    def _install(spec: Any) -> tuple[fake_nvml.InstalledNode, Sampler]:
+    def _install(spec: Any, readings: ReadingOptions | None = None) -> tuple[fake_nvml.InstalledNode, Sampler]:
         node = fake_nvml.install(spec)
-        sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname="test-node")
+        sampler = Sampler(NvmlBackend(clock=node.clock.wall_time), hostname="test-node", readings=readings)
         sampler.start()
         return node, sampler
 
@@ -349,7 +350,9 @@ def test_a_long_process_list_is_read_in_one_call_once_the_buffer_fits(install: A
         {
             "gpus": [{"count": 1}],
             "processes": [{"pid": 1000 + n, "gpus": [0], "sm_util": 1 + n % 50, "memory_mib": 10} for n in range(100)],
-        }
+        },
+        # The health readings off: the calls counted below are the basic readings' alone.
+        ReadingOptions(groups=frozenset()),
     )
     for _ in range(2):  # the first polls grow the buffers: 100 processes, then 5 s of their samples
         sampler.poll()

@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from agent.model import AgentState, Attribution, DeviceReading
+from agent.model import AgentState, Attribution, DeviceReading, Telemetry
 from agent.units import format_duration
 
 
@@ -55,13 +55,16 @@ def render_table(state: AgentState) -> str:
     flags = _raised_flags(state, with_duration=True)
     header = (
         "GPU", "MODEL", "UP", "UTIL", "MEM USED/TOTAL GiB", "BUSY", "TEMP", "POWER W", "PROCS", "NVLINK DOWN",
-        "$/H", "FLAGS", "OWNERS",
+        "SM MHZ", "$/H", "FLAGS", "HEALTH", "OWNERS",
     )  # fmt: skip
     rows: list[tuple[str, ...]] = [header]
     for d in snapshot.devices:
         price = prices.get(d.uuid)
         hourly = f"{price.dollars_per_hour:.2f}" if price is not None else ("-" if d.is_mig else "?")
-        rows.append((*_row(d), hourly, ", ".join(flags.get(d.uuid, [])) or "-", _owners(attribution, d)))
+        sm_mhz = _fmt(d.telemetry.sm_clock_hz if d.telemetry else None, ".0f", 1e-6)
+        health = ",".join(health_notes(d.telemetry)) if d.telemetry else ""
+        flagged = ", ".join(flags.get(d.uuid, [])) or "-"
+        rows.append((*_row(d), sm_mhz, hourly, flagged, health or "-", _owners(attribution, d)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(snapshot.taken_at))
@@ -75,6 +78,28 @@ def render_table(state: AgentState) -> str:
         sources.setdefault(source, []).append(str(d.index))
     notes = [f"$/H for GPU {','.join(gpus)}: {source}" for source, gpus in sources.items()]
     return "\n".join([title, *lines, "", *notes])
+
+
+def health_notes(t: Telemetry) -> list[str]:
+    """What is wrong with a GPU's hardware, in short words: "throttled:sw_thermal_slowdown",
+    "ecc-uncorrected:1", "remap-pending", "pcie:gen3x8<gen4x16", "nvlink-errors:12"."""
+    notes = [f"throttled:{reason}" for reason in t.reasons() if reason != "gpu_idle"]
+    if t.ecc_uncorrected_volatile:
+        notes.append(f"ecc-uncorrected:{t.ecc_uncorrected_volatile}")
+    if t.row_remap_failure:
+        notes.append("remap-failed")
+    if t.row_remap_pending:
+        notes.append("remap-pending")
+    if t.retired_pages_pending:
+        notes.append("page-retirement-pending")
+    gen, width = t.pcie_link_generation, t.pcie_link_width
+    gen_max, width_max = t.pcie_link_generation_max, t.pcie_link_width_max
+    if None not in (gen, width, gen_max, width_max) and (gen, width) != (gen_max, width_max):
+        notes.append(f"pcie:gen{gen}x{width}<gen{gen_max}x{width_max}")
+    errors = sum((link.crc_errors or 0) + (link.replay_errors or 0) + (link.recovery_errors or 0) for link in t.nvlinks)
+    if errors:
+        notes.append(f"nvlink-errors:{errors}")
+    return notes
 
 
 def _owners(attribution: Attribution, d: DeviceReading) -> str:

@@ -178,6 +178,7 @@ def build_agent(
             hostname=node_name(settings, node),
             pci_gpus=partial(nvidia_gpus, sys_root),
             busy_source=settings.accounting.busy_source,
+            readings=settings.readings.options(),
         )
         # The devices first (within the call budget): without a driver nothing else is built,
         # so `run` says that, and only that, in its one line.

@@ -10,6 +10,7 @@ and it maps that library's errors to the ones below with ``raise ... from``:
         ├── DriverLibraryMissing        the vendor library cannot be loaded (no driver on this host)
         ├── DriverUnavailable           the driver is not loaded / went away: re-initialise later
         ├── ReadingNotSupported         this device has no such reading: learned once, then skipped
+        │   └── ReadingNoLongerSupported    it had, and the backend has no way left to read it
         ├── PermissionDenied            the agent may not read this (e.g. MIG aggregates, unprivileged)
         └── DeviceLost                  the device fell off the bus or needs a reset
 
@@ -55,6 +56,12 @@ class ReadingNotSupported(DeviceError):
     pass
 
 
+class ReadingNoLongerSupported(ReadingNotSupported):
+    """A reading the device gave before and the backend now has no way left to read (the only
+    call that served it stopped answering for good): learned like ReadingNotSupported, although
+    it answered before, rather than counted as a failure every poll."""
+
+
 class PermissionDenied(DeviceError):
     pass
 
@@ -74,6 +81,55 @@ class Quantity(enum.StrEnum):
     POWER = "power"  # watts, instantaneous
     ENERGY = "energy"  # joules since the driver loaded
     NVLINK_UP = "nvlink"  # 1.0 when the link (ReadingKey.link) is up, 0.0 when down
+    # Clocks, cooling, performance state (agent/devices/telemetry.py groups what follows).
+    SM_CLOCK = "sm clock"  # hertz
+    MEMORY_CLOCK = "memory clock"  # hertz
+    SM_CLOCK_MAX = "sm clock max"  # hertz
+    MEMORY_CLOCK_MAX = "memory clock max"  # hertz
+    FAN_SPEED = "fan speed"  # fraction of the fan's maximum speed (a driver may report above 1)
+    PERFORMANCE_STATE = "performance state"  # 0 (P0, the most performance) to 15
+    # Throttling: the reasons the clocks are held down now (NVML's clocks-event reason bits), and
+    # for how long each cause has held them down since the driver loaded (seconds).
+    CLOCK_EVENT_REASONS = "clock event reasons"
+    VIOLATION_POWER = "violation power"
+    VIOLATION_THERMAL = "violation thermal"
+    VIOLATION_SYNC_BOOST = "violation sync boost"
+    VIOLATION_BOARD_LIMIT = "violation board limit"
+    VIOLATION_LOW_UTILIZATION = "violation low utilization"
+    VIOLATION_RELIABILITY = "violation reliability"
+    VIOLATION_APP_CLOCKS = "violation application clocks"
+    VIOLATION_BASE_CLOCKS = "violation base clocks"
+    # Memory errors: counts (volatile: since the driver loaded; aggregate: the board's lifetime),
+    # and 0/1 flags.
+    ECC_CORRECTED_VOLATILE = "ecc corrected volatile"
+    ECC_UNCORRECTED_VOLATILE = "ecc uncorrected volatile"
+    ECC_CORRECTED_AGGREGATE = "ecc corrected aggregate"
+    ECC_UNCORRECTED_AGGREGATE = "ecc uncorrected aggregate"
+    RETIRED_PAGES_SINGLE_BIT = "retired pages single bit"
+    RETIRED_PAGES_DOUBLE_BIT = "retired pages double bit"
+    RETIRED_PAGES_PENDING = "retired pages pending"
+    REMAPPED_ROWS_CORRECTABLE = "remapped rows correctable"
+    REMAPPED_ROWS_UNCORRECTABLE = "remapped rows uncorrectable"
+    ROW_REMAP_PENDING = "row remap pending"
+    ROW_REMAP_FAILURE = "row remap failure"
+    # PCIe: link generation and lanes, replays (a count), throughput (bytes per second).
+    PCIE_LINK_GENERATION = "pcie link generation"
+    PCIE_LINK_WIDTH = "pcie link width"
+    PCIE_LINK_GENERATION_MAX = "pcie link generation max"
+    PCIE_LINK_WIDTH_MAX = "pcie link width max"
+    PCIE_REPLAYS = "pcie replays"
+    PCIE_TX_RATE = "pcie tx rate"
+    PCIE_RX_RATE = "pcie rx rate"
+    # NVLink, per link (ReadingKey.link): error counts, and data bytes carried since the driver loaded.
+    NVLINK_CRC_ERRORS = "nvlink crc errors"
+    NVLINK_REPLAY_ERRORS = "nvlink replay errors"
+    NVLINK_RECOVERY_ERRORS = "nvlink recovery errors"
+    NVLINK_TX_BYTES = "nvlink tx bytes"
+    NVLINK_RX_BYTES = "nvlink rx bytes"
+    # Engines, fractions of time busy (0-1): video encoder, decoder, the memory controller.
+    ENCODER_UTILIZATION = "encoder utilization"
+    DECODER_UTILIZATION = "decoder utilization"
+    MEMORY_UTILIZATION = "memory utilization"
 
 
 class ReadingKey(NamedTuple):

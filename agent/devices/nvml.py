@@ -35,6 +35,7 @@ from agent.devices.backend import (
     ProcessSample,
     Quantity,
     ReadingKey,
+    ReadingNoLongerSupported,
     ReadingNotSupported,
     ReadResult,
     UtilizationSample,
@@ -50,17 +51,154 @@ _FI_POWER_INSTANT = getattr(pynvml, "NVML_FI_DEV_POWER_INSTANT", 186)
 _FI_NVLINK_GET_STATE = getattr(pynvml, "NVML_FI_DEV_NVLINK_GET_STATE", 165)
 _FI_NVLINK_LINK_COUNT = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
 _MAX_NVLINKS = getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)
-# The quantities the field-values call can batch, by field id.
-_FIELD_IDS = {
-    Quantity.POWER: _FI_POWER_INSTANT,
-    Quantity.ENERGY: _FI_TOTAL_ENERGY_CONSUMPTION,
-    Quantity.NVLINK_UP: _FI_NVLINK_GET_STATE,
+Q = Quantity
+# The quantities the field-values call can batch: field ids (nvml.h NVML_FI_DEV_*), the preferred
+# first. A field the driver refuses on a device is replaced by the next, and the last by the
+# quantity's single call (or, where it has none, it is not supported).
+_FIELD_IDS: dict[Quantity, tuple[int, ...]] = {
+    Q.POWER: (_FI_POWER_INSTANT,),
+    Q.ENERGY: (_FI_TOTAL_ENERGY_CONSUMPTION,),
+    # Perf-policy counters (74-81): nvmlDeviceGetViolationStatus is deprecated in their favour.
+    Q.VIOLATION_POWER: (74,),
+    Q.VIOLATION_THERMAL: (75,),
+    Q.VIOLATION_SYNC_BOOST: (76,),
+    Q.VIOLATION_BOARD_LIMIT: (77,),
+    Q.VIOLATION_LOW_UTILIZATION: (78,),
+    Q.VIOLATION_RELIABILITY: (79,),
+    Q.VIOLATION_APP_CLOCKS: (80,),
+    Q.VIOLATION_BASE_CLOCKS: (81,),
+    Q.ECC_CORRECTED_VOLATILE: (3,),
+    Q.ECC_UNCORRECTED_VOLATILE: (4,),
+    Q.ECC_CORRECTED_AGGREGATE: (5,),
+    Q.ECC_UNCORRECTED_AGGREGATE: (6,),
+    Q.RETIRED_PAGES_SINGLE_BIT: (29,),
+    Q.RETIRED_PAGES_DOUBLE_BIT: (30,),
+    Q.RETIRED_PAGES_PENDING: (31,),
+    Q.PCIE_REPLAYS: (94,),
+    Q.REMAPPED_ROWS_CORRECTABLE: (142,),
+    Q.REMAPPED_ROWS_UNCORRECTABLE: (143,),
+    Q.ROW_REMAP_PENDING: (144,),
+    Q.ROW_REMAP_FAILURE: (145,),
 }
+# Per-link quantities: the field ids scoped by link (scopeId = the link)...
+_LINK_FIELD_IDS: dict[Quantity, int] = {
+    Q.NVLINK_UP: _FI_NVLINK_GET_STATE,
+    Q.NVLINK_REPLAY_ERRORS: 161,  # NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY (R520)
+    Q.NVLINK_RECOVERY_ERRORS: 162,  # .._DL_RECOVERY
+    Q.NVLINK_CRC_ERRORS: 163,  # .._DL_CRC
+    Q.NVLINK_TX_BYTES: 138,  # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, KiB
+    Q.NVLINK_RX_BYTES: 139,  # .._DATA_RX
+}
+# ...and, before R520, one field id per link for links 0-5 and 6-11 (the L0..L11 ids).
+_PER_LINK_FIELD_IDS: dict[Quantity, tuple[int, int]] = {
+    Q.NVLINK_CRC_ERRORS: (32, 96),  # NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_L0 / _L6
+    Q.NVLINK_REPLAY_ERRORS: (46, 108),  # .._REPLAY_ERROR_COUNT_L0 / _L6
+    Q.NVLINK_RECOVERY_ERRORS: (53, 114),  # .._RECOVERY_ERROR_COUNT_L0 / _L6
+}
+# What a field's raw value is divided by to reach the seam's units (a division, as the single
+# calls convert, so that both paths give the same float).
+_FIELD_DIVISORS: dict[Quantity, float] = {
+    Q.POWER: 1000.0,  # mW
+    Q.ENERGY: 1000.0,  # mJ
+    **dict.fromkeys(
+        (
+            Q.VIOLATION_POWER,
+            Q.VIOLATION_THERMAL,
+            Q.VIOLATION_SYNC_BOOST,
+            Q.VIOLATION_BOARD_LIMIT,
+            Q.VIOLATION_LOW_UTILIZATION,
+            Q.VIOLATION_RELIABILITY,
+            Q.VIOLATION_APP_CLOCKS,
+            Q.VIOLATION_BASE_CLOCKS,
+        ),
+        1e9,  # ns
+    ),
+    Q.NVLINK_TX_BYTES: 1 / 1024,  # KiB (a power of two: the division is exact)
+    Q.NVLINK_RX_BYTES: 1 / 1024,
+}
+
+
+@functools.cache
+def _field_ids(key: ReadingKey) -> tuple[tuple[int, int], ...]:
+    """The (field id, scope id) pairs that can read `key`, the preferred first."""
+    quantity = key.quantity
+    if quantity in _FIELD_IDS:
+        return tuple((field_id, 0) for field_id in _FIELD_IDS[quantity])
+    link = key.link or 0
+    found: list[tuple[int, int]] = []
+    if quantity in _LINK_FIELD_IDS:
+        found.append((_LINK_FIELD_IDS[quantity], link))
+    if quantity in _PER_LINK_FIELD_IDS and link < 12:
+        first, seventh = _PER_LINK_FIELD_IDS[quantity]
+        found.append((first + link if link < 6 else seventh + link - 6, 0))
+    return tuple(found)
+
+
 _MEMORY = (Quantity.MEMORY_USED, Quantity.MEMORY_TOTAL)
 _NOT_AVAILABLE_U64 = 0xFFFFFFFFFFFFFFFF  # usedGpuMemory where the driver cannot tell (WDDM)
 _NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a process outside MIG
 _SENSOR_GPU = pynvml.NVML_TEMPERATURE_GPU
 _SENSOR = pynvml._nvmlTemperatureSensors_t(_SENSOR_GPU)
+_PSTATE_UNKNOWN = getattr(pynvml, "NVML_PSTATE_UNKNOWN", 32)
+
+# Quantities one single call answers together: within one `read` it is made once, for whichever
+# of them is asked first.
+_SHARED: dict[Quantity, str] = {
+    Q.MEMORY_USED: "memory",
+    Q.MEMORY_TOTAL: "memory",
+    Q.UTILIZATION: "utilization",
+    Q.MEMORY_UTILIZATION: "utilization",
+    Q.REMAPPED_ROWS_CORRECTABLE: "remapped rows",
+    Q.REMAPPED_ROWS_UNCORRECTABLE: "remapped rows",
+    Q.ROW_REMAP_PENDING: "remapped rows",
+    Q.ROW_REMAP_FAILURE: "remapped rows",
+}
+# Arguments of the single calls, as the C functions take them.
+_CLOCKS = {
+    Q.SM_CLOCK: ("nvmlDeviceGetClockInfo", ctypes.c_uint(pynvml.NVML_CLOCK_SM)),
+    Q.MEMORY_CLOCK: ("nvmlDeviceGetClockInfo", ctypes.c_uint(pynvml.NVML_CLOCK_MEM)),
+    Q.SM_CLOCK_MAX: ("nvmlDeviceGetMaxClockInfo", ctypes.c_uint(pynvml.NVML_CLOCK_SM)),
+    Q.MEMORY_CLOCK_MAX: ("nvmlDeviceGetMaxClockInfo", ctypes.c_uint(pynvml.NVML_CLOCK_MEM)),
+}
+_PCIE_LINK = {
+    Q.PCIE_LINK_GENERATION: "nvmlDeviceGetCurrPcieLinkGeneration",
+    Q.PCIE_LINK_WIDTH: "nvmlDeviceGetCurrPcieLinkWidth",
+    Q.PCIE_LINK_GENERATION_MAX: "nvmlDeviceGetMaxPcieLinkGeneration",
+    Q.PCIE_LINK_WIDTH_MAX: "nvmlDeviceGetMaxPcieLinkWidth",
+}
+_PCIE_THROUGHPUT = {
+    Q.PCIE_TX_RATE: ctypes.c_uint(pynvml.NVML_PCIE_UTIL_TX_BYTES),
+    Q.PCIE_RX_RATE: ctypes.c_uint(pynvml.NVML_PCIE_UTIL_RX_BYTES),
+}
+_CODECS = {
+    Q.ENCODER_UTILIZATION: "nvmlDeviceGetEncoderUtilization",
+    Q.DECODER_UTILIZATION: "nvmlDeviceGetDecoderUtilization",
+}
+_POLICIES = {
+    Q.VIOLATION_POWER: pynvml.NVML_PERF_POLICY_POWER,
+    Q.VIOLATION_THERMAL: pynvml.NVML_PERF_POLICY_THERMAL,
+    Q.VIOLATION_SYNC_BOOST: pynvml.NVML_PERF_POLICY_SYNC_BOOST,
+    Q.VIOLATION_BOARD_LIMIT: pynvml.NVML_PERF_POLICY_BOARD_LIMIT,
+    Q.VIOLATION_LOW_UTILIZATION: pynvml.NVML_PERF_POLICY_LOW_UTILIZATION,
+    Q.VIOLATION_RELIABILITY: pynvml.NVML_PERF_POLICY_RELIABILITY,
+    Q.VIOLATION_APP_CLOCKS: pynvml.NVML_PERF_POLICY_TOTAL_APP_CLOCKS,
+    Q.VIOLATION_BASE_CLOCKS: pynvml.NVML_PERF_POLICY_TOTAL_BASE_CLOCKS,
+}
+_ECC = {
+    Q.ECC_CORRECTED_VOLATILE: (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
+    Q.ECC_UNCORRECTED_VOLATILE: (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
+    Q.ECC_CORRECTED_AGGREGATE: (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC),
+    Q.ECC_UNCORRECTED_AGGREGATE: (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
+}
+_RETIREMENT_CAUSES = {
+    Q.RETIRED_PAGES_SINGLE_BIT: pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+    Q.RETIRED_PAGES_DOUBLE_BIT: pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+}
+_NVLINK_COUNTERS = {
+    Q.NVLINK_REPLAY_ERRORS: pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
+    Q.NVLINK_RECOVERY_ERRORS: pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
+    Q.NVLINK_CRC_ERRORS: pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+}
 
 _NAMES: dict[int, str] = {
     value: name.removeprefix("NVML_ERROR_")
@@ -90,6 +228,8 @@ class _NotFound(DeviceError):
 # INSUFFICIENT_SIZE without saying what would do.
 MAX_PROCESSES = 4096
 MAX_SAMPLES = 16384
+# Read plans kept per device: a poll asks one of a few lists (every poll, slow, first).
+_MAX_PLANS = 16
 
 
 def _from_milli(value: float) -> float:
@@ -241,22 +381,29 @@ class _FieldRequest:
 class _Plan:
     """How one list of keys is read from one device: which go in the field-values batch (with
     its request), which by single calls. Rebuilt when the backend learns something that
-    changes the split (a field the batch lacks, or no field values at all)."""
+    changes the split (a field the device refuses, or no field values at all)."""
 
-    __slots__ = ("batched", "field_values", "request", "single", "unbatched")
+    __slots__ = ("batched", "field_values", "learned", "request", "single")
 
     def __init__(self, backend: NvmlBackend, handle: _Device, keys: Sequence[ReadingKey]) -> None:
-        self.field_values = backend._field_values
-        self.unbatched = len(handle.unbatched)
+        self.field_values = backend._field_values and not handle.no_fields
+        self.learned = handle.learned
         self.batched: list[ReadingKey] = []
         self.single: list[ReadingKey] = []
+        fields: list[tuple[int, int]] = []
         for key in keys:
-            batchable = self.field_values and key.quantity in _FIELD_IDS and key.quantity not in handle.unbatched
-            (self.batched if batchable else self.single).append(key)
-        self.request = _FieldRequest([(_FIELD_IDS[k.quantity], k.link or 0) for k in self.batched])
+            ids = _field_ids(key) if self.field_values else ()
+            level = handle.field_level.get(key.quantity, 0)
+            if level < len(ids):
+                self.batched.append(key)
+                fields.append(ids[level])
+            else:
+                self.single.append(key)
+        self.request = _FieldRequest(fields)
 
     def current(self, backend: NvmlBackend, handle: _Device) -> bool:
-        return self.field_values == backend._field_values and self.unbatched == len(handle.unbatched)
+        fields = backend._field_values and not handle.no_fields
+        return self.field_values == fields and self.learned == handle.learned
 
 
 class _Device:
@@ -264,22 +411,36 @@ class _Device:
 
     __slots__ = (
         "celsius",
+        "field_level",
         "handle",
+        "learned",
         "memory",
         "memory_v2",
+        "no_fields",
+        "older",
+        "out_u64",
+        "out_uint",
+        "out_uint2",
         "plans",
         "processes",
         "samples",
         "temperature",
-        "unbatched",
         "utilization",
         "utilization_samples",
+        "worked",
     )
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
-        # Quantities the field-values call lacks on this device, but a single call may have.
-        self.unbatched: set[Quantity] = set()
+        # Per quantity, how many of its field ids this device has refused (the next one is tried;
+        # past the last, its single call), and how many refusals in all (plans follow it).
+        self.field_level: dict[Quantity, int] = {}
+        self.learned = 0
+        self.no_fields = False  # the device refused the field-values call itself
+        # Versioned calls this device refused (NOT_SUPPORTED) without ever answering: it is read
+        # through the older call instead. And the versioned calls it has answered.
+        self.older: set[str] = set()
+        self.worked: set[str] = set()
         # How each list of keys the sampler asks for is read, by that list.
         self.plans: dict[tuple[ReadingKey, ...], _Plan] = {}
         # Reused result buffers, grown when the driver says they are too small.
@@ -292,6 +453,9 @@ class _Device:
         self.utilization = _Utilization()
         self.temperature: ctypes.Structure | None = None
         self.celsius = ctypes.c_uint()
+        self.out_uint = ctypes.c_uint()
+        self.out_uint2 = ctypes.c_uint()
+        self.out_u64 = ctypes.c_ulonglong()
 
 
 class _EventData(ctypes.Structure):
@@ -433,8 +597,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self._memory_v2: bool | None = None
-        self._temperature_v: bool | None = None
+        # Versioned C functions this driver lacks (FUNCTION_NOT_FOUND): the older one is read.
+        self._missing: set[str] = set()
         self._processes_fn: str | None = None
         self._field_values = True
 
@@ -544,6 +708,10 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         wanted = tuple(keys)
         plan = handle.plans.get(wanted)
         if plan is None or not plan.current(self, handle):
+            if len(handle.plans) >= _MAX_PLANS:
+                # The lists asked for vary with the readings being retried after a failure: a
+                # bound, so that a long run of varied failures cannot grow this without end.
+                handle.plans.clear()
             plan = handle.plans[wanted] = _Plan(self, handle, wanted)
         self._read_singles(handle, plan.single, values, errors)
         if plan.batched:
@@ -557,28 +725,47 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         values: dict[ReadingKey, float],
         errors: dict[ReadingKey, DeviceError],
     ) -> None:
-        """One call per key (memory used and total share theirs), in the order given."""
-        memory: tuple[int, int] | DeviceError | None = None
+        """One call per key (keys whose quantities one call answers share it), in the order given."""
+        shared: dict[str, dict[Quantity, float] | DeviceError] = {}
         for key in keys:
             try:
-                if key.quantity in _MEMORY:
-                    if memory is None:
-                        try:
-                            memory = self._memory(handle)
-                        except (DeviceLost, DriverUnavailable):
-                            raise
-                        except DeviceError as exc:
-                            memory = exc
-                    if isinstance(memory, DeviceError):
-                        errors[key] = memory
-                        continue
-                    values[key] = float(memory[0] if key.quantity is Quantity.MEMORY_USED else memory[1])
-                else:
+                group = _SHARED.get(key.quantity)
+                if group is None:
                     values[key] = self._single(handle, key)
+                    continue
+                answer = shared.get(group)
+                if answer is None:
+                    try:
+                        answer = shared[group] = self._read_shared(handle, group)
+                    except (DeviceLost, DriverUnavailable):
+                        raise
+                    except DeviceError as exc:
+                        answer = shared[group] = exc
+                if isinstance(answer, DeviceError):
+                    errors[key] = answer
+                else:
+                    values[key] = answer[key.quantity]
             except (DeviceLost, DriverUnavailable):
                 raise
             except DeviceError as exc:
                 errors[key] = exc
+
+    def _read_shared(self, handle: _Device, group: str) -> dict[Quantity, float]:
+        if group == "memory":
+            used, total = self._memory(handle)
+            return {Q.MEMORY_USED: float(used), Q.MEMORY_TOTAL: float(total)}
+        if group == "utilization":
+            rates = handle.utilization
+            self._struct_call("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetUtilizationRates", handle, rates)
+            return {Q.UTILIZATION: float(rates.gpu) / 100, Q.MEMORY_UTILIZATION: float(rates.memory) / 100}
+        call = "nvmlDeviceGetRemappedRows"
+        correctable, uncorrectable, pending, failure = _call(call, pynvml.nvmlDeviceGetRemappedRows, handle.handle)
+        return {
+            Q.REMAPPED_ROWS_CORRECTABLE: float(correctable),
+            Q.REMAPPED_ROWS_UNCORRECTABLE: float(uncorrectable),
+            Q.ROW_REMAP_PENDING: float(bool(pending)),
+            Q.ROW_REMAP_FAILURE: float(bool(failure)),
+        }
 
     def _read_batched(
         self,
@@ -588,56 +775,163 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         errors: dict[ReadingKey, DeviceError],
     ) -> list[ReadingKey]:
         """Reads the plan's batched keys in one field-values call into `values`/`errors`;
-        returns the keys left for single calls."""
+        returns the keys left for single calls.
+
+        A field the device refuses (NOT_SUPPORTED, or INVALID_ARGUMENT from a driver that does
+        not know the id) is learned: the quantity's next field id is asked at once, in one more
+        call (only while learning), and past its last one the quantity goes to its single call."""
         call = "nvmlDeviceGetFieldValues"
-        keys = plan.batched
-        request = plan.request
-        try:
-            self._send(handle, request)
-        except ReadingNotSupported as exc:
-            log.info("field values are not available (%s): reading one call per value", exc.error)
-            self._field_values = False
-            return keys
-        except (DeviceLost, DriverUnavailable):
-            raise
-        except DeviceError as exc:
-            errors.update(dict.fromkeys(keys, exc))
-            return []
+        keys, request = plan.batched, plan.request
         left: list[ReadingKey] = []
-        for key, item, value in zip(keys, request.items, request.values, strict=True):
-            code = item.nvmlReturn
-            if code == pynvml.NVML_SUCCESS:
-                # `_field_value`, inline: a dozen fields per GPU every poll.
-                raw = float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
-                values[key] = float(bool(raw)) if key.quantity is Quantity.NVLINK_UP else _from_milli(raw)
-                continue
-            failure = _error(call, code)
-            if isinstance(failure, (DeviceLost, DriverUnavailable)):
-                raise failure
-            if failure.error in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
-                # The batch lacks it; the single call may still have it (older drivers).
-                handle.unbatched.add(key.quantity)
-                left.append(key)
-            else:
-                errors[key] = failure
+        while keys:
+            try:
+                self._send(handle, request)
+            except _FunctionMissing as exc:
+                log.info("field values are not available (%s): reading one call per value", exc.error)
+                self._field_values = False  # the driver lacks the call: every device
+                return left + keys
+            except ReadingNotSupported as exc:
+                log.info("field values are not available on this GPU (%s): reading one call per value", exc.error)
+                handle.no_fields = True
+                return left + keys
+            except (DeviceLost, DriverUnavailable):
+                raise
+            except DeviceError as exc:
+                errors.update(dict.fromkeys(keys, exc))
+                return left
+            retry: list[ReadingKey] = []
+            refused: set[Quantity] = set()
+            for key, item, value in zip(keys, request.items, request.values, strict=True):
+                code = item.nvmlReturn
+                quantity = key.quantity
+                if code == pynvml.NVML_SUCCESS:
+                    # `_field_value`, inline: dozens of fields per GPU every poll.
+                    raw = float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
+                    if quantity is Q.NVLINK_UP:
+                        values[key] = float(bool(raw))
+                    else:
+                        divisor = _FIELD_DIVISORS.get(quantity)
+                        values[key] = raw / divisor if divisor else raw
+                    continue
+                failure = _error(call, code)
+                if isinstance(failure, (DeviceLost, DriverUnavailable)):
+                    raise failure
+                if failure.error not in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
+                    errors[key] = failure
+                    continue
+                if quantity not in refused:  # one refusal per quantity, whatever its links
+                    refused.add(quantity)
+                    handle.field_level[quantity] = handle.field_level.get(quantity, 0) + 1
+                    handle.learned += 1
+                # The batch lacks it; the next field id, or the single call, may still have it.
+                (retry if handle.field_level[quantity] < len(_field_ids(key)) else left).append(key)
+            keys = retry
+            if keys:
+                request = _FieldRequest([_field_ids(k)[handle.field_level[k.quantity]] for k in keys])
         return left
 
     def _single(self, handle: _Device, key: ReadingKey) -> float:
         quantity = key.quantity
-        if quantity is Quantity.UTILIZATION:
-            rates = handle.utilization
-            self._struct_call("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetUtilizationRates", handle, rates)
-            return float(rates.gpu) / 100
-        if quantity is Quantity.TEMPERATURE:
+        if quantity is Q.TEMPERATURE:
             return self._temperature_c(handle)
-        if quantity is Quantity.POWER:
+        if quantity is Q.POWER:
             return _from_milli(_call("nvmlDeviceGetPowerUsage", pynvml.nvmlDeviceGetPowerUsage, handle.handle))
-        if quantity is Quantity.ENERGY:
+        if quantity is Q.ENERGY:
             call = "nvmlDeviceGetTotalEnergyConsumption"
             return _from_milli(_call(call, pynvml.nvmlDeviceGetTotalEnergyConsumption, handle.handle))
-        if quantity is Quantity.NVLINK_UP:
+        if quantity is Q.NVLINK_UP:
             return float(self._nvlink_up(handle, key.link or 0))
-        raise ValueError(f"NVML has no single call for {key}")
+        if quantity in _CLOCKS:
+            call, clock_type = _CLOCKS[quantity]
+            return self._uint(call, call, handle, clock_type) * 1e6
+        if quantity is Q.CLOCK_EVENT_REASONS:
+            return float(self._clock_event_reasons(handle))
+        if quantity is Q.PERFORMANCE_STATE:
+            call = "nvmlDeviceGetPerformanceState"
+            pstate = self._uint(call, call, handle)
+            if pstate == _PSTATE_UNKNOWN:
+                raise DeviceError(call, "UNKNOWN", "the driver does not know the performance state now")
+            return float(pstate)
+        if quantity is Q.FAN_SPEED:
+            return self._uint("nvmlDeviceGetFanSpeed", "nvmlDeviceGetFanSpeed", handle) / 100
+        if quantity in _CODECS:
+            call = _CODECS[quantity]
+            util, period = handle.out_uint, handle.out_uint2
+            _check(call, _function(call, call)(handle.handle, ctypes.byref(util), ctypes.byref(period)))
+            return float(util.value) / 100
+        if quantity in _PCIE_LINK:
+            call = _PCIE_LINK[quantity]
+            return float(self._uint(call, call, handle))
+        if quantity is Q.PCIE_REPLAYS:
+            call = "nvmlDeviceGetPcieReplayCounter"
+            return float(self._uint(call, call, handle))
+        if quantity in _PCIE_THROUGHPUT:
+            call = "nvmlDeviceGetPcieThroughput"
+            return self._uint(call, call, handle, _PCIE_THROUGHPUT[quantity]) * 1024.0  # KiB/s
+        if quantity in _POLICIES:
+            call = "nvmlDeviceGetViolationStatus"
+            status = _call(call, pynvml.nvmlDeviceGetViolationStatus, handle.handle, _POLICIES[quantity])
+            return int(status.violationTime) / 1e9
+        if quantity in _ECC:
+            call = "nvmlDeviceGetTotalEccErrors"
+            return float(_call(call, pynvml.nvmlDeviceGetTotalEccErrors, handle.handle, *_ECC[quantity]))
+        if quantity in _RETIREMENT_CAUSES:
+            call = "nvmlDeviceGetRetiredPages"
+            pages = _call(call, pynvml.nvmlDeviceGetRetiredPages, handle.handle, _RETIREMENT_CAUSES[quantity])
+            return float(len(pages))
+        if quantity is Q.RETIRED_PAGES_PENDING:
+            call = "nvmlDeviceGetRetiredPagesPendingStatus"
+            return float(bool(_call(call, pynvml.nvmlDeviceGetRetiredPagesPendingStatus, handle.handle)))
+        if quantity in _NVLINK_COUNTERS:
+            call = "nvmlDeviceGetNvLinkErrorCounter"
+            fn = pynvml.nvmlDeviceGetNvLinkErrorCounter
+            return float(_call(call, fn, handle.handle, key.link or 0, _NVLINK_COUNTERS[quantity]))
+        # NVLink traffic has no single call left (nvmlDeviceGetNvLinkUtilizationCounter is gone
+        # from current drivers): without its field, the device does not have it, whether or not
+        # the field answered before the field-values call stopped serving the device.
+        raise ReadingNoLongerSupported("nvmlDeviceGetFieldValues", "NOT_SUPPORTED", f"no field or call reads {key}")
+
+    def _uint(self, call: str, name: str, handle: _Device, *args: Any) -> int:
+        """The C function `name` writing one unsigned int, as pynvml's wrapper calls it, into the
+        device's reused output (no pynvml objects made for a value read every poll)."""
+        out = handle.out_uint
+        _check(call, _function(call, name)(handle.handle, *args, ctypes.byref(out)))
+        return int(out.value)
+
+    def _versioned(self, handle: _Device, newer: str, read_newer: Callable[[], T], read_older: Callable[[], T]) -> T:
+        """A reading through the versioned call `newer` where it serves, else the older call.
+
+        A driver without `newer` is remembered for every device. A device that answers
+        NOT_SUPPORTED to it, having never answered it, is read through the older call from then
+        on (seen with nvmlDeviceGetTemperatureV on some R565 boards): only when that refuses
+        too is the reading unsupported. NOT_SUPPORTED from a call that answered before is a
+        transient failure, passed on as it is."""
+        if newer not in self._missing and newer not in handle.older:
+            try:
+                result = read_newer()
+            except _FunctionMissing:
+                self._missing.add(newer)
+            except ReadingNotSupported:
+                if newer in handle.worked:
+                    raise
+                handle.older.add(newer)
+                log.info("%s refuses this device: reading it through the older call", newer)
+            else:
+                handle.worked.add(newer)
+                return result
+        return read_older()
+
+    def _clock_event_reasons(self, handle: _Device) -> int:
+        call = "nvmlDeviceGetCurrentClocksEventReasons"  # nvmlDeviceGetCurrentClocksThrottleReasons before R535
+
+        def read(name: str) -> int:
+            out = handle.out_u64
+            _check(call, _function(call, name)(handle.handle, ctypes.byref(out)))
+            return int(out.value)
+
+        return self._versioned(
+            handle, call, lambda: read(call), lambda: read("nvmlDeviceGetCurrentClocksThrottleReasons")
+        )
 
     @staticmethod
     def _struct_call(call: str, name: str, handle: _Device, out: ctypes.Structure) -> None:
@@ -649,36 +943,40 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
     def _memory(self, handle: _Device) -> tuple[int, int]:
         """(used, total) bytes. The v2 call counts driver-reserved memory apart, as `used` should."""
         call = "nvmlDeviceGetMemoryInfo"
-        if self._memory_v2 is not False:
+
+        def v2() -> tuple[int, int]:
             info_v2 = handle.memory_v2
             info_v2.version = pynvml.nvmlMemory_v2
-            try:
-                self._struct_call(call, "nvmlDeviceGetMemoryInfo_v2", handle, info_v2)
-                self._memory_v2 = True
-                return int(info_v2.used), int(info_v2.total)
-            except _FunctionMissing:
-                self._memory_v2 = False
-        info = handle.memory
-        self._struct_call(call, "nvmlDeviceGetMemoryInfo", handle, info)
-        return int(info.used), int(info.total)
+            self._struct_call(call, "nvmlDeviceGetMemoryInfo_v2", handle, info_v2)
+            return int(info_v2.used), int(info_v2.total)
+
+        def v1() -> tuple[int, int]:
+            info = handle.memory
+            self._struct_call(call, "nvmlDeviceGetMemoryInfo", handle, info)
+            return int(info.used), int(info.total)
+
+        return self._versioned(handle, "nvmlDeviceGetMemoryInfo_v2", v2, v1)
 
     def _temperature_c(self, handle: _Device) -> float:
         call = "nvmlDeviceGetTemperature"
-        if self._temperature_v is not False and _TemperatureV1 is not None:
+
+        def versioned() -> float:
             reading = handle.temperature
             if reading is None:
-                reading = handle.temperature = _TemperatureV1()
+                reading = handle.temperature = _TemperatureV1()  # type: ignore[misc]
             reading.version, reading.sensorType = pynvml.nvmlTemperature_v1, _SENSOR_GPU
-            try:
-                self._struct_call(call, "nvmlDeviceGetTemperatureV", handle, reading)
-                self._temperature_v = True
-                return float(reading.temperature)
-            except _FunctionMissing:
-                self._temperature_v = False
-        # As pynvml's nvmlDeviceGetTemperature calls it, into the device's reused output.
-        celsius = handle.celsius
-        _check(call, _function(call, call)(handle.handle, _SENSOR, ctypes.byref(celsius)))
-        return float(celsius.value)
+            self._struct_call(call, "nvmlDeviceGetTemperatureV", handle, reading)
+            return float(reading.temperature)
+
+        def unversioned() -> float:
+            # As pynvml's nvmlDeviceGetTemperature calls it, into the device's reused output.
+            celsius = handle.celsius
+            _check(call, _function(call, call)(handle.handle, _SENSOR, ctypes.byref(celsius)))
+            return float(celsius.value)
+
+        if _TemperatureV1 is None:
+            return unversioned()
+        return self._versioned(handle, "nvmlDeviceGetTemperatureV", versioned, unversioned)
 
     def _nvlink_up(self, handle: _Device, link: int) -> bool:
         state = _call("nvmlDeviceGetNvLinkState", pynvml.nvmlDeviceGetNvLinkState, handle.handle, link)

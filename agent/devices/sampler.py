@@ -28,8 +28,10 @@ from agent.devices.backend import (
     ProcessInfo,
     Quantity,
     ReadingKey,
+    ReadingNoLongerSupported,
     ReadingNotSupported,
 )
+from agent.devices.telemetry import ReadingOptions, TelemetryReader
 from agent.model import (
     BUSY_GPM,
     BUSY_NVML,
@@ -39,6 +41,7 @@ from agent.model import (
     NvLinkReading,
     ProcessReading,
     Snapshot,
+    Telemetry,
     provisional_uuid,
 )
 
@@ -130,6 +133,8 @@ class _Gpu:
     utilization_seen_us: int = 0
     utilization_period_us: int | None = None
     unsupported: Unsupported = field(default_factory=Unsupported)
+    # Clocks, throttling, memory errors, links: what to ask each poll (None: no group is on).
+    telemetry: TelemetryReader | None = None
     lost_reason: str | None = None
     retry_at: float = 0.0
     retry_backoff_s: float = REINIT_BACKOFF_FIRST_S
@@ -166,6 +171,9 @@ class Sampler:
       down snapshot still names the GPUs the node has: those an earlier discovery found, else
       NVML's device count, else the NVIDIA GPUs on the PCI bus (`pci_gpus`), else those the
       ledger remembers (`remember`), so their time is booked, as unobserved, from the start.
+    - Health readings (clocks, throttling, memory errors, PCIe, NVLink; the groups the config
+      switches on) go into the same `read` as the rest: every poll, every slow interval or once,
+      as agent/devices/telemetry.py decides, into `DeviceReading.telemetry`.
     - A MIG-enabled GPU is read as itself (temperature, power, energy, NVLink) plus one memory
       reading per MIG device; its processes come from one read of the GPU's process list,
       split over the MIG devices by instance ids, so a fully split GPU costs about as many
@@ -181,6 +189,7 @@ class Sampler:
         hostname: str | None = None,
         pci_gpus: Callable[[], Sequence[str]] | None = None,
         busy_source: str = "auto",
+        readings: ReadingOptions | None = None,
     ) -> None:
         if busy_source not in BUSY_POLICIES:
             raise ValueError(f"busy_source must be one of {', '.join(BUSY_POLICIES)}, got {busy_source!r}")
@@ -188,6 +197,9 @@ class Sampler:
         self.busy_policy = busy_source
         self._activity_backend = backend if isinstance(backend, ActivityBackend) else None
         self.hostname = hostname or socket.gethostname()
+        # Which health readings each poll asks for (agent/devices/telemetry.py): the defaults
+        # unless the config (`readings:`) says otherwise.
+        self.readings = readings or ReadingOptions()
         self.errors: Counter[tuple[str, str]] = Counter()
         self._gpus: list[_Gpu] = []
         # What discovery (or the ledger, through `remember`) has learned of each GPU index, kept
@@ -593,7 +605,9 @@ class Sampler:
         counted: set[int] = set()
         unsupported.worked.update(result.values)
         for key, failure in result.errors.items():
-            if isinstance(failure, ReadingNotSupported) and key not in unsupported.worked:
+            if isinstance(failure, ReadingNotSupported) and (
+                key not in unsupported.worked or isinstance(failure, ReadingNoLongerSupported)
+            ):
                 unsupported.add(key)
                 log.info("%s: %s is not supported (%s); not asking again", where, key, failure.error)
             elif id(failure) not in counted:  # one failed call answering several keys counts once
@@ -626,12 +640,24 @@ class Sampler:
         unsupported.worked.add(what)
         return result
 
+    def _telemetry_reader(self, gpu: _Gpu) -> TelemetryReader | None:
+        """The GPU's health reader, made anew when its NVLink count is (re)learned. A
+        MIG-enabled GPU spends its poll on its instances (a memory reading each: 10 calls for a
+        fully split A100), so its health readings all take the slow rhythm."""
+        reader = gpu.telemetry
+        if reader is None or reader.links != len(gpu.links):
+            reader = gpu.telemetry = TelemetryReader(self.readings, len(gpu.links), all_slow=gpu.mig_enabled)
+        return reader if reader.enabled else None
+
     def _read_healthy(self, gpu: _Gpu) -> list[DeviceReading]:
         where = f"GPU {gpu.index} ({gpu.uuid})"
-        values = self._read(where, gpu.unsupported, gpu.handle, gpu.keys)
+        reader, now = self._telemetry_reader(gpu), gpu.poll_at or 0.0
+        health = reader.keys(now) if reader is not None else ()
+        values = self._read(where, gpu.unsupported, gpu.handle, gpu.keys + health if health else gpu.keys)
         links = tuple([_nvlink(link, bool(values[key])) for key, link in gpu.links if key in values])
+        telemetry = reader.telemetry(now, health, values, gpu.unsupported) if reader is not None else None
         if gpu.migs:
-            return self._read_mig_gpu(gpu, where, values, links)
+            return self._read_mig_gpu(gpu, where, values, links, telemetry)
         memory_used = values.get(_MEMORY_USED)
         memory_total = values.get(_MEMORY_TOTAL)
         processes = self._whole_gpu_processes(gpu, where)
@@ -659,6 +685,7 @@ class Sampler:
                 interval_utilization=interval_utilization,
                 activity=activity,
                 busy_source=self._busy_source(gpu.unsupported, gpu.activity, nvml=True),
+                telemetry=telemetry,
             )
         ]
 
@@ -714,7 +741,12 @@ class Sampler:
         )
 
     def _read_mig_gpu(
-        self, gpu: _Gpu, where: str, values: Mapping[ReadingKey, float], links: tuple[NvLinkReading, ...]
+        self,
+        gpu: _Gpu,
+        where: str,
+        values: Mapping[ReadingKey, float],
+        links: tuple[NvLinkReading, ...],
+        telemetry: Telemetry | None = None,
     ) -> list[DeviceReading]:
         memory = [self._read(f"{where} MIG {m.slot}", m.unsupported, m.handle, _MEMORY) for m in gpu.migs]
         processes = self._mig_processes(gpu, where)
@@ -738,6 +770,7 @@ class Sampler:
             nvlinks=links,
             activity=self._activity(where, gpu.unsupported, gpu.activity),
             busy_source=self._busy_source(gpu.unsupported, gpu.activity, nvml=True),
+            telemetry=telemetry,
         )
         readings = [parent]
         for mig, mig_memory, mig_activity in zip(gpu.migs, memory, activity, strict=True):

@@ -59,6 +59,39 @@ RATIO = "percentunit"
 UNNAMED = {"namespace": "(no namespace)", "team": "(no team)", "model": "(unknown)", "hpc_job": "(no job)"}
 
 
+# One series per problem of each GPU with something wrong with its hardware, the problem named
+# in a `problem` label. The thresholds are the alerts' (deploy/prometheus/gpuledger-alerts.rules.yml).
+GPU_PROBLEMS = (
+    ("gpuledger_gpu_up{{{sel}}} == 0", "lost"),
+    ('gpuledger_gpu_ecc_errors_total{{{sel}, type="uncorrected"}} > 0', "uncorrectable ECC errors"),
+    ("gpuledger_gpu_row_remap_failure{{{sel}}} == 1", "row remap failed"),
+    ("gpuledger_gpu_row_remap_pending{{{sel}}} == 1", "row remap pending (reset it)"),
+    ("gpuledger_gpu_retired_pages_pending{{{sel}}} == 1", "page retirement pending (reload the driver)"),
+    (
+        "sum by (cluster, instance, gpu, uuid) (rate(gpuledger_gpu_clock_violation_seconds_total"
+        '{{{sel}, cause=~"thermal|board_limit"}}[10m])) > 0.25',
+        "clocks held down by heat or power brake",
+    ),
+    (
+        "sum by (cluster, instance, gpu, uuid)"
+        ' (rate(gpuledger_gpu_nvlink_errors_total{{{sel}, type=~"crc|replay"}}[10m])) > 1',
+        "NVLink errors",
+    ),
+    (
+        "max by (cluster, instance, gpu, uuid)"
+        " (gpuledger_gpu_pcie_link_width{{{sel}}} < gpuledger_gpu_pcie_link_width_max{{{sel}}})",
+        "PCIe link narrower than it can be",
+    ),
+)
+
+
+def unhealthy(selector: str) -> str:
+    """Every problem of every GPU the selector picks, as one vector (see GPU_PROBLEMS)."""
+    return "\n or ".join(
+        f'label_replace({expr.format(sel=selector)}, "problem", "{problem}", "", "")' for expr, problem in GPU_PROBLEMS
+    )
+
+
 def named(expr: str, label: str) -> str:
     """`expr` with an empty `label` shown as UNNAMED[label] rather than as a blank."""
     return f'label_replace({expr}, "{label}", "{UNNAMED[label]}", "{label}", "")'
@@ -448,6 +481,16 @@ def fleet() -> dashboard.Dashboard:
                 decimals=0,
             )
         )
+        .with_panel(
+            stat_panel(
+                "GPUs unhealthy",
+                "GPUs with a hardware problem now: lost, uncorrectable memory errors, a row remap pending or "
+                "failed, held down by heat, NVLink errors, a narrow PCIe link (the Unhealthy GPUs table says which).",
+                [query(f"count(count by (cluster, instance, gpu) ({unhealthy(NODE)})) or vector(0)")],
+                thresholds=_thresholds((None, "green"), (1, "red")),
+                decimals=0,
+            )
+        )
         .with_row(dashboard.Row("Over time"))
         .with_panel(
             graph_panel(
@@ -498,6 +541,23 @@ def fleet() -> dashboard.Dashboard:
                 min_val=0,
                 stacked=True,
                 w=24,
+            )
+        )
+        .with_row(dashboard.Row("Hardware health"))
+        .with_panel(
+            table_panel(
+                "Unhealthy GPUs",
+                "Every GPU with a hardware problem now, one row per problem: lost; uncorrectable ECC errors "
+                "since its driver loaded (value: how many); a row remap failed (replace it) or pending (reset "
+                "it); a page retirement pending (reload the driver); clocks held down by heat or the power "
+                "brake over a quarter of the last 10m (value: the fraction); over 1 NVLink CRC or replay "
+                "error a second; a PCIe link narrower than it can be. The alerts of deploy/prometheus fire on "
+                "the same conditions.",
+                [query(unhealthy(NODE), instant=True, as_table=True)],
+                rename={"problem": "problem", "Value": "value"},
+                sort_by="instance",
+                w=24,
+                h=8,
             )
         )
         .with_row(dashboard.Row("Who spends ($/h)"))
@@ -856,6 +916,216 @@ def node() -> dashboard.Dashboard:
                 w=12,
             )
         )
+        .with_row(dashboard.Row("Clocks and throttling"))
+        .with_panel(
+            graph_panel(
+                "SM clock",
+                "SM clock of each GPU, and the highest it can run at (dashed).",
+                [
+                    query(f"gpuledger_gpu_sm_clock_hertz{{{GPU}}}", per_gpu),
+                    query(f"max(gpuledger_gpu_sm_clock_max_hertz{{{GPU}}})", "max"),
+                ],
+                unit="hertz",
+                min_val=0,
+                legend_right=True,
+            ).override_by_name(
+                "max", [models.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})]
+            )
+        )
+        .with_panel(
+            graph_panel(
+                "Memory clock",
+                "Memory clock of each GPU (HBM boards keep theirs; GDDR boards lower it when idle).",
+                [query(f"gpuledger_gpu_memory_clock_hertz{{{GPU}}}", per_gpu)],
+                unit="hertz",
+                min_val=0,
+                legend_right=True,
+            )
+        )
+        .with_panel(
+            graph_panel(
+                "Clocks held down, by cause",
+                "Fraction of the time the driver held each GPU's clocks below what was asked, by cause "
+                "(power cap, thermal, sync boost, board limit or power brake, reliability); idle time is left out.",
+                [
+                    query(
+                        "sum by (gpu, cause) (rate(gpuledger_gpu_clock_violation_seconds_total"
+                        f'{{{GPU}, cause=~"power|thermal|sync_boost|board_limit|reliability"}}[$__rate_interval]))',
+                        "GPU {{gpu}} {{cause}}",
+                    )
+                ],
+                unit=RATIO,
+                min_val=0,
+                legend_right=True,
+            )
+        )
+        .with_panel(
+            graph_panel(
+                "Throttle reasons active",
+                "How many clock-event reasons hold each GPU's clocks down now (power cap, thermal or hardware "
+                "slowdown, sync boost, power brake; idle is not counted).",
+                [
+                    query(
+                        f"sum by (gpu) (gpuledger_gpu_clock_event_reason{{{GPU},"
+                        ' reason!~"gpu_idle|applications_clocks_setting|display_clock_setting"})',
+                        per_gpu,
+                    )
+                ],
+                min_val=0,
+                legend_right=True,
+            )
+        )
+        .with_panel(
+            graph_panel(
+                "Performance state",
+                "Each GPU's performance state: 0 (P0) is full performance, higher is lower power.",
+                [query(f"gpuledger_gpu_performance_state{{{GPU}}}", per_gpu)],
+                min_val=0,
+                legend_right=True,
+            )
+        )
+        .with_panel(
+            graph_panel(
+                "Engines: memory controller, encoder, decoder",
+                "Fraction of time each GPU's memory controller, video encoder and video decoder were busy.",
+                [
+                    query(f"gpuledger_gpu_memory_controller_utilization_ratio{{{GPU}}}", "GPU {{gpu}} memory"),
+                    query(f"gpuledger_gpu_encoder_utilization_ratio{{{GPU}}}", "GPU {{gpu}} encoder"),
+                    query(f"gpuledger_gpu_decoder_utilization_ratio{{{GPU}}}", "GPU {{gpu}} decoder"),
+                ],
+                unit=RATIO,
+                min_val=0,
+                max_val=1,
+                legend_right=True,
+            )
+        )
+        .with_row(dashboard.Row("Hardware health"))
+        .with_panel(
+            table_panel(
+                "Memory errors per GPU",
+                "ECC errors since the driver loaded (corrected, uncorrected) and over the board's life, rows "
+                "remapped to spares, and whether a remap waits for a reset or has failed (the GPU needs service).",
+                [
+                    query(
+                        f'max by (gpu, uuid) (gpuledger_gpu_ecc_errors_total{{{GPU}, type="corrected"}})',
+                        instant=True,
+                        as_table=True,
+                    ),
+                    query(
+                        f'max by (gpu, uuid) (gpuledger_gpu_ecc_errors_total{{{GPU}, type="uncorrected"}})',
+                        instant=True,
+                        as_table=True,
+                    ),
+                    query(
+                        f'max by (gpu, uuid) (gpuledger_gpu_ecc_aggregate_errors_total{{{GPU}, type="uncorrected"}})',
+                        instant=True,
+                        as_table=True,
+                    ),
+                    query(
+                        f"sum by (gpu, uuid) (gpuledger_gpu_remapped_rows_total{{{GPU}}})", instant=True, as_table=True
+                    ),
+                    query(
+                        f"max by (gpu, uuid) (gpuledger_gpu_row_remap_pending{{{GPU}}})", instant=True, as_table=True
+                    ),
+                    query(
+                        f"max by (gpu, uuid) (gpuledger_gpu_row_remap_failure{{{GPU}}})", instant=True, as_table=True
+                    ),
+                ],
+                rename={
+                    "Value #A": "ECC corrected",
+                    "Value #B": "ECC uncorrected",
+                    "Value #C": "uncorrected, board's life",
+                    "Value #D": "rows remapped",
+                    "Value #E": "remap pending",
+                    "Value #F": "remap failed",
+                },
+                mappings={
+                    "remap pending": _mapping({"0": ("no", "green"), "1": ("reset needed", "orange")}),
+                    "remap failed": _mapping({"0": ("no", "green"), "1": ("replace", "red")}),
+                },
+                sort_by="ECC uncorrected",
+                w=12,
+            )
+        )
+        .with_panel(
+            table_panel(
+                "PCIe links",
+                "Each GPU's PCIe link now against the most it can run at, and the replays it has needed.",
+                [
+                    query(
+                        f"max by (gpu, uuid) (gpuledger_gpu_pcie_link_generation{{{GPU}}})", instant=True, as_table=True
+                    ),
+                    query(
+                        f"max by (gpu, uuid) (gpuledger_gpu_pcie_link_generation_max{{{GPU}}})",
+                        instant=True,
+                        as_table=True,
+                    ),
+                    query(f"max by (gpu, uuid) (gpuledger_gpu_pcie_link_width{{{GPU}}})", instant=True, as_table=True),
+                    query(
+                        f"max by (gpu, uuid) (gpuledger_gpu_pcie_link_width_max{{{GPU}}})", instant=True, as_table=True
+                    ),
+                    query(
+                        f"max by (gpu, uuid) (gpuledger_gpu_pcie_replays_total{{{GPU}}})", instant=True, as_table=True
+                    ),
+                ],
+                rename={
+                    "Value #A": "generation",
+                    "Value #B": "max generation",
+                    "Value #C": "lanes",
+                    "Value #D": "max lanes",
+                    "Value #E": "replays",
+                },
+                w=12,
+            )
+        )
+        .with_panel(
+            graph_panel(
+                "ECC errors",
+                "Memory errors counted per GPU over time, by type (corrected, uncorrected).",
+                [
+                    query(
+                        f"sum by (gpu, type) (increase(gpuledger_gpu_ecc_errors_total{{{GPU}}}[$__rate_interval]))",
+                        "GPU {{gpu}} {{type}}",
+                    )
+                ],
+                min_val=0,
+                legend_right=True,
+            )
+        )
+        .with_panel(
+            graph_panel(
+                "NVLink errors per second",
+                "NVLink CRC, replay and recovery errors per second, summed over each GPU's links.",
+                [
+                    query(
+                        f"sum by (gpu, type) (rate(gpuledger_gpu_nvlink_errors_total{{{GPU}}}[$__rate_interval]))",
+                        "GPU {{gpu}} {{type}}",
+                    )
+                ],
+                min_val=0,
+                legend_right=True,
+            )
+        )
+        .with_panel(
+            graph_panel(
+                "NVLink traffic",
+                "Bytes per second each GPU sends and receives over all its NVLink links.",
+                [
+                    query(
+                        f"sum by (gpu) (rate(gpuledger_gpu_nvlink_transmit_bytes_total{{{GPU}}}[$__rate_interval]))",
+                        "GPU {{gpu}} sent",
+                    ),
+                    query(
+                        f"sum by (gpu) (rate(gpuledger_gpu_nvlink_receive_bytes_total{{{GPU}}}[$__rate_interval]))",
+                        "GPU {{gpu}} received",
+                    ),
+                ],
+                unit="Bps",
+                min_val=0,
+                legend_right=True,
+                w=24,
+            )
+        )
         .with_row(dashboard.Row("Flags"))
         .with_panel(
             timeline_panel(
@@ -1029,8 +1299,14 @@ def _increase(metric: str, selector: str) -> str:
 
 def cost() -> dashboard.Dashboard:
     cost_w = _increase("gpuledger_workload_cost_dollars_total", WORKLOAD)
-    held_w = _increase("gpuledger_workload_gpu_seconds_total", WORKLOAD)
+    # Charged GPU-seconds (held x the workload's share), not held ones: two workloads sharing a
+    # GPU each hold all of it, so held time counts a shared GPU once per holder.
+    charged_w = _increase("gpuledger_workload_gpu_charged_seconds_total", WORKLOAD)
     busy_w = _increase("gpuledger_workload_gpu_busy_seconds_total", WORKLOAD)
+    # A workload's unused charged time: clamped per workload, as a workload busier than its
+    # share wastes nothing rather than making up for another's waste.
+    wasted_w = f"clamp_min({charged_w} - {busy_w}, 0)"
+    waste_cost_w = f"{cost_w} * clamp_min(1 - {busy_w} / ({charged_w} > 0), 0)"
     rule_sel = 'cluster=~"$cluster", {label}=~"${label}"'
 
     def by(label: str, title: str) -> bargauge.Panel:
@@ -1059,7 +1335,7 @@ def cost() -> dashboard.Dashboard:
             "gpuledger-cost",
             "gpuledger / Cost",
             "Where the GPU dollars went over the chosen time range: by namespace, team, model and job, "
-            "what was wasted (held but not used), what sat idle, and what each GPU costs.",
+            "what was wasted (charged but not used), what sat idle, and what each GPU costs.",
             "now-24h",
         )
         .with_variable(instance_variable())
@@ -1098,9 +1374,9 @@ def cost() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "Waste cost",
-                "What the selected workloads paid for GPU time they held but did not use: "
-                "cost x (1 - busy/held), per workload and GPU.",
-                [query(f"sum({cost_w} * clamp_min(1 - {busy_w} / ({held_w} > 0), 0))")],
+                "What the selected workloads paid for GPU time they were charged for but did not use: "
+                "cost x (1 - busy/charged), per workload and GPU.",
+                [query(f"sum({waste_cost_w})")],
                 unit=USD,
                 thresholds=_thresholds((None, "green"), (1, "orange")),
                 w=4,
@@ -1108,11 +1384,12 @@ def cost() -> dashboard.Dashboard:
         )
         .with_panel(
             stat_panel(
-                "GPU-hours held / wasted",
-                "GPU-hours the selected workloads held, and the part they did not use (held - busy).",
+                "GPU-hours charged / wasted",
+                "GPU-hours charged to the selected workloads (each its share of a GPU it held: a shared "
+                "GPU counts once), and the part they did not use (charged - busy).",
                 [
-                    query(f"sum({held_w}) / 3600", "held"),
-                    query(f"(sum({held_w}) - sum({busy_w})) / 3600", "wasted"),
+                    query(f"sum({charged_w}) / 3600", "charged"),
+                    query(f"sum({wasted_w}) / 3600", "wasted"),
                 ],
                 unit="h",
                 w=4,
@@ -1121,8 +1398,8 @@ def cost() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "Efficiency",
-                "Busy GPU-hours over held GPU-hours of the selected workloads.",
-                [query(f"sum({busy_w}) / (sum({held_w}) > 0)")],
+                "Busy GPU-hours over charged GPU-hours of the selected workloads.",
+                [query(f"sum({busy_w}) / (sum({charged_w}) > 0)")],
                 unit=RATIO,
                 thresholds=_thresholds((None, "red"), (0.4, "orange"), (0.7, "green")),
                 w=4,
@@ -1135,23 +1412,20 @@ def cost() -> dashboard.Dashboard:
         .with_panel(by("hpc_job", "job"))
         .with_panel(
             table_panel(
-                "Workloads: dollars, GPU-hours held, busy and wasted",
-                "Each workload over the time range. Wasted = held - busy; its dollars are the waste cost.",
+                "Workloads: dollars, GPU-hours charged, busy and wasted",
+                "Each workload over the time range. Charged = its share of the GPU time it held; "
+                "wasted = charged - busy; its dollars are the waste cost.",
                 [
                     query(f"sum by ({OWNER}) ({cost_w})", instant=True, as_table=True),
-                    query(f"sum by ({OWNER}) ({held_w}) / 3600", instant=True, as_table=True),
+                    query(f"sum by ({OWNER}) ({charged_w}) / 3600", instant=True, as_table=True),
                     query(f"sum by ({OWNER}) ({busy_w}) / 3600", instant=True, as_table=True),
-                    query(f"sum by ({OWNER}) ({held_w} - {busy_w}) / 3600", instant=True, as_table=True),
-                    query(
-                        f"sum by ({OWNER}) ({cost_w} * clamp_min(1 - {busy_w} / ({held_w} > 0), 0))",
-                        instant=True,
-                        as_table=True,
-                    ),
+                    query(f"sum by ({OWNER}) ({wasted_w}) / 3600", instant=True, as_table=True),
+                    query(f"sum by ({OWNER}) ({waste_cost_w})", instant=True, as_table=True),
                 ],
                 rename={
                     **SHOWN,
                     "Value #A": "dollars",
-                    "Value #B": "GPU-hours held",
+                    "Value #B": "GPU-hours charged",
                     "Value #C": "GPU-hours busy",
                     "Value #D": "GPU-hours wasted",
                     "Value #E": "waste dollars",
@@ -1159,7 +1433,7 @@ def cost() -> dashboard.Dashboard:
                 units={
                     "dollars": USD,
                     "waste dollars": USD,
-                    "GPU-hours held": "h",
+                    "GPU-hours charged": "h",
                     "GPU-hours busy": "h",
                     "GPU-hours wasted": "h",
                 },
@@ -1174,7 +1448,7 @@ def cost() -> dashboard.Dashboard:
         .with_panel(
             graph_panel(
                 "Waste by namespace ($/h)",
-                "What each namespace pays per hour for GPU time it holds without using (recording rule).",
+                "What each namespace pays per hour for GPU time it is charged for without using (recording rule).",
                 [
                     query(
                         named(
@@ -1193,9 +1467,9 @@ def cost() -> dashboard.Dashboard:
         )
         .with_panel(
             graph_panel(
-                "GPUs held idle by team",
-                "Held minus busy GPU-seconds per second: how many GPUs' worth each team holds without "
-                "using (recording rule).",
+                "GPUs paid for and idle, by team",
+                "Charged minus busy GPU-seconds per second: how many GPUs' worth each team pays for "
+                "without using (recording rule; a shared GPU counts once).",
                 [
                     query(
                         named(

@@ -76,9 +76,98 @@ MODEL_FACTS: dict[str, GpuModelFacts] = {
     "L4": GpuModelFacts(58, 0, 0, 23034, 72, 16, 0x27B810DE),
     "A10G": GpuModelFacts(80, 0, 0, 23028, 300, 25, 0x223710DE),
     "T4": GpuModelFacts(40, 0, 0, 15360, 70, 10, 0x1EB810DE),
+    "V100-SXM2-32GB": GpuModelFacts(80, 0, 0, 32768, 300, 40, 0x1DB510DE),
+    "RTX A6000": GpuModelFacts(84, 0, 0, 49140, 300, 20, 0x223010DE),
 }
 # A model the table does not know still gets a plausible GPU: an A100-SXM4-80GB's figures.
 DEFAULT_FACTS = GpuModelFacts(108, 7, 14, 81920, 400, 55, 0x20B210DE)
 
 # MIG profile names as the MIG user guide writes them: compute slices, then memory, e.g. 3g.40gb.
 MIG_PROFILE = re.compile(r"^(\d)g\.(\d+)gb$")
+
+
+@dataclass(frozen=True)
+class BoardFacts:
+    """What a board shows besides its size: architecture, clocks, PCIe link, cooling.
+
+    `architecture` decides what the driver offers (row remapping replaced page retirement with
+    Ampere). Clocks are MHz as NVML reports them: HBM boards keep their memory clock at idle,
+    GDDR boards drop theirs. Data-centre boards are passively cooled (no fan for NVML to read).
+    """
+
+    architecture: str  # "volta", "turing", "ampere", "ada", "hopper", "blackwell"
+    sm_clock_max_mhz: int
+    sm_clock_idle_mhz: int
+    memory_clock_max_mhz: int
+    memory_clock_idle_mhz: int
+    pcie_generation: int
+    pcie_width: int
+    fans: int = 0
+
+    @property
+    def remaps_rows(self) -> bool:
+        return self.architecture not in ("volta", "turing")
+
+
+# Public spec-sheet clocks and links (NVIDIA data sheets; NVML's memory clock for GDDR6 is the
+# data rate over two).
+BOARD_FACTS: dict[str, BoardFacts] = {
+    "A100-SXM4-80GB": BoardFacts("ampere", 1410, 210, 1593, 1593, 4, 16),
+    "A100-SXM4-40GB": BoardFacts("ampere", 1410, 210, 1215, 1215, 4, 16),
+    "A100-PCIE-40GB": BoardFacts("ampere", 1410, 210, 1215, 1215, 4, 16),
+    "A100 80GB PCIe": BoardFacts("ampere", 1410, 210, 1512, 1512, 4, 16),
+    "H100 80GB HBM3": BoardFacts("hopper", 1980, 345, 2619, 2619, 5, 16),
+    "H100-SXM5-80GB": BoardFacts("hopper", 1980, 345, 2619, 2619, 5, 16),
+    "H100 PCIe": BoardFacts("hopper", 1755, 345, 1593, 1593, 5, 16),
+    "H200": BoardFacts("hopper", 1980, 345, 3201, 3201, 5, 16),
+    "B200": BoardFacts("blackwell", 1965, 120, 3996, 3996, 6, 16),
+    "A30": BoardFacts("ampere", 1440, 210, 1215, 1215, 4, 16),
+    "L40S": BoardFacts("ada", 2520, 210, 9001, 405, 4, 16),
+    "L4": BoardFacts("ada", 2040, 210, 6251, 405, 4, 16),
+    "A10G": BoardFacts("ampere", 1710, 210, 6251, 405, 4, 16),
+    "T4": BoardFacts("turing", 1590, 300, 5001, 405, 3, 16),
+    "V100-SXM2-32GB": BoardFacts("volta", 1530, 135, 877, 877, 3, 16),
+    "RTX A6000": BoardFacts("ampere", 1800, 210, 8001, 405, 4, 16, fans=1),
+}
+DEFAULT_BOARD = BOARD_FACTS["A100-SXM4-80GB"]
+
+
+# NVML's clocks-event reason bits (nvml.h, nvmlClocksEventReason*), the ones the fake raises.
+REASON_GPU_IDLE = 0x1
+REASON_SW_POWER_CAP = 0x4
+REASON_HW_SLOWDOWN = 0x8
+REASON_SYNC_BOOST = 0x10
+REASON_SW_THERMAL_SLOWDOWN = 0x20
+REASON_HW_THERMAL_SLOWDOWN = 0x40
+REASON_HW_POWER_BRAKE_SLOWDOWN = 0x80
+
+# NVML's performance policies (nvmlPerfPolicyType_t), whose violation counters say how long the
+# clocks were held down for each cause.
+POLICY_POWER = 0
+POLICY_THERMAL = 1
+POLICY_SYNC_BOOST = 2
+POLICY_BOARD_LIMIT = 3
+POLICY_LOW_UTILIZATION = 4
+POLICY_RELIABILITY = 5
+POLICY_TOTAL_APP_CLOCKS = 10
+POLICY_TOTAL_BASE_CLOCKS = 11
+
+
+@dataclass(frozen=True)
+class ThrottleKind:
+    """A cause a `throttle:` fault can name: the reason bits the driver then reports, the
+    violation counter that runs, and what is left of the SM clock."""
+
+    reasons: int
+    policy: int
+    clock_factor: float
+
+
+THROTTLE_KINDS: dict[str, ThrottleKind] = {
+    "power": ThrottleKind(REASON_SW_POWER_CAP, POLICY_POWER, 0.85),
+    "thermal": ThrottleKind(REASON_SW_THERMAL_SLOWDOWN, POLICY_THERMAL, 0.75),
+    "hw_thermal": ThrottleKind(REASON_HW_THERMAL_SLOWDOWN | REASON_HW_SLOWDOWN, POLICY_THERMAL, 0.5),
+    "hw_power_brake": ThrottleKind(REASON_HW_POWER_BRAKE_SLOWDOWN | REASON_HW_SLOWDOWN, POLICY_BOARD_LIMIT, 0.5),
+    "sync_boost": ThrottleKind(REASON_SYNC_BOOST, POLICY_SYNC_BOOST, 0.9),
+    "reliability": ThrottleKind(0, POLICY_RELIABILITY, 0.9),
+}

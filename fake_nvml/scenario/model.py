@@ -126,6 +126,9 @@ class Process:
     pod: PodRef | None
     slurm_job: str | None
     container_id: str | None
+    # Percent of the GPU's video encoder / decoder the process keeps busy.
+    encoder_util: float = 0.0
+    decoder_util: float = 0.0
 
     def running_at(self, t: float) -> bool:
         return self.start_s <= t and (self.end_s is None or t < self.end_s)
@@ -172,6 +175,35 @@ class Allocation:
 
 
 @dataclass(frozen=True)
+class EccErrors:
+    corrected: int = 0  # single-bit errors, corrected by ECC
+    uncorrected: int = 0  # double-bit errors
+
+
+@dataclass(frozen=True)
+class RowRemap:
+    correctable: int = 0
+    uncorrectable: int = 0
+    pending: bool = False  # a remap waits for the GPU's next reset (cleared at the fault's `until`)
+    failure: bool = False  # a bank ran out of spare rows
+
+
+@dataclass(frozen=True)
+class PcieDowngrade:
+    generation: int | None = None  # the link trains down to this (None: unchanged)
+    width: int | None = None
+    replays: int = 0  # link-level retries while it is down
+
+
+@dataclass(frozen=True)
+class NvLinkErrors:
+    links: tuple[int, ...] | None = None  # None: every link of the GPU
+    crc: int = 0
+    replay: int = 0
+    recovery: int = 0
+
+
+@dataclass(frozen=True)
 class Fault:
     at_s: float
     until_s: float | None
@@ -183,9 +215,24 @@ class Fault:
     latency_ms: float
     # A driver event other than an Xid that the GPU reports at `at_s` (`DRIVER_EVENTS`).
     event: str | None = None
+    # Hardware health faults (fake_nvml/health.py moves the counters and states they name).
+    ecc: EccErrors | None = None
+    remap: RowRemap | None = None
+    throttle: str | None = None  # a name of THROTTLE_KINDS (scenario/facts.py)
+    pcie_downgrade: PcieDowngrade | None = None
+    nvlink_errors: NvLinkErrors | None = None
 
     def active(self, t: float) -> bool:
         return self.at_s <= t and (self.until_s is None or t < self.until_s)
+
+    def accrued(self, total: int, t: float) -> float:
+        """How many of `total` events have happened by t: all of them at `at`, or with `until`
+        spread evenly from `at` to `until`."""
+        if t < self.at_s:
+            return 0.0
+        if self.until_s is None or t >= self.until_s:
+            return float(total)
+        return total * (t - self.at_s) / (self.until_s - self.at_s)
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,32 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.units import parse_duration
-from fake_nvml.scenario.facts import DEFAULT_FACTS, DRIVER_EVENTS, ERROR_CODES, MIG_PROFILE, MODEL_FACTS, GpuModelFacts
+from fake_nvml.scenario.facts import (
+    BOARD_FACTS,
+    DEFAULT_BOARD,
+    DEFAULT_FACTS,
+    DRIVER_EVENTS,
+    ERROR_CODES,
+    MIG_PROFILE,
+    MODEL_FACTS,
+    THROTTLE_KINDS,
+    GpuModelFacts,
+)
 from fake_nvml.scenario.model import (
     ActivityRow,
     Allocation,
+    EccErrors,
     Fault,
     Gpu,
     GpuRef,
     MigInstance,
     NodeFacts,
+    NvLinkErrors,
+    PcieDowngrade,
     PodRef,
     Process,
     ReadingRow,
+    RowRemap,
     Scenario,
     ScenarioError,
     UtilSegment,
@@ -345,7 +359,8 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
         r.check_keys(
             [
                 "pid", "gpus", "start", "end", "sm_util", "sm_active", "tensor", "memory_mib", "uid", "user",
-                "cmdline", "environ", "cgroup", "pod", "slurm_job", "container_id",
+                "cmdline", "environ", "cgroup", "pod", "slurm_job", "container_id", "encoder_util",
+                "decoder_util",
             ]
         )  # fmt: skip
         pid = r.int_("pid", minimum=1)
@@ -379,6 +394,8 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
             pod=_parse_pod(r, "pod"),
             slurm_job=r.str_("slurm_job"),
             container_id=r.str_("container_id"),
+            encoder_util=r.num("encoder_util", 0.0, maximum=100) or 0.0,
+            decoder_util=r.num("decoder_util", 0.0, maximum=100) or 0.0,
         )
         seen[pid] = process
         processes.append(process)
@@ -419,7 +436,12 @@ def _parse_faults(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Fault, ...]:
     faults: list[Fault] = []
     for i, entry in enumerate(top.list_("faults")):
         r = top.child(f"faults[{i}]", entry)
-        r.check_keys(["at", "until", "gpu", "call", "error", "nvlink_down", "xid", "event", "latency_ms"])
+        r.check_keys(
+            [
+                "at", "until", "gpu", "call", "error", "nvlink_down", "xid", "event", "latency_ms", "ecc", "remap",
+                "throttle", "pcie_downgrade", "nvlink_errors",
+            ]
+        )  # fmt: skip
         at = r.duration("at", 0.0) or 0.0
         until = r.duration("until")
         if until is not None and until <= at:
@@ -455,10 +477,86 @@ def _parse_faults(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Fault, ...]:
         if event is not None and gpu is None:
             raise r.fail("gpu", "event needs the GPU it happens on")
         latency_ms = r.num("latency_ms", 0.0) or 0.0
-        if error is None and not links and xid is None and event is None and latency_ms == 0:
-            raise r.fail("error", "a fault needs one of error, nvlink_down, xid, event or latency_ms")
-        faults.append(Fault(at, until, gpu, call, error, tuple(links), xid, latency_ms, event))
+        health = _parse_health_fault(r, gpus, gpu)
+        if (
+            error is None
+            and not links
+            and xid is None
+            and event is None
+            and latency_ms == 0
+            and not any(health.values())
+        ):
+            raise r.fail(
+                "error",
+                "a fault needs one of error, nvlink_down, xid, event, latency_ms, ecc, remap, throttle, "
+                "pcie_downgrade or nvlink_errors",
+            )
+        faults.append(Fault(at, until, gpu, call, error, tuple(links), xid, latency_ms, event, **health))
     return tuple(faults)
+
+
+def _counts(r: _Reader, key: str, names: Sequence[str]) -> dict[str, int]:
+    """A mapping of event counts under `key`, e.g. ecc: {corrected: 120, uncorrected: 1}."""
+    c = r.child(key, r.data[key])
+    c.check_keys(list(names))
+    return {name: c.int_(name, 0) or 0 for name in names}
+
+
+def _parse_health_fault(r: _Reader, gpus: tuple[Gpu, ...], gpu: int | None) -> dict[str, Any]:
+    """The hardware-health kinds of one fault (ecc, remap, throttle, pcie_downgrade,
+    nvlink_errors), as Fault's keyword arguments; each needs the GPU it happens on."""
+    found: dict[str, Any] = {}
+    kinds = ("ecc", "remap", "throttle", "pcie_downgrade", "nvlink_errors")
+    named = [kind for kind in kinds if r.data.get(kind) is not None]
+    if named and gpu is None:
+        raise r.fail("gpu", f"{named[0]} needs the GPU it happens on")
+    if gpu is None:
+        return found
+    board = BOARD_FACTS.get(gpus[gpu].model, DEFAULT_BOARD)
+    if r.data.get("ecc") is not None:
+        found["ecc"] = EccErrors(**_counts(r, "ecc", ("corrected", "uncorrected")))
+    if r.data.get("remap") is not None:
+        if not board.remaps_rows:
+            raise r.fail("remap", f"a {gpus[gpu].model} retires pages instead (row remapping came with Ampere)")
+        m = r.child("remap", r.data["remap"])
+        m.check_keys(["correctable", "uncorrectable", "pending", "failure"])
+        uncorrectable = m.int_("uncorrectable", 0) or 0
+        flags = {}
+        for flag, default in (("pending", uncorrectable > 0), ("failure", False)):
+            value = m.data.get(flag, default)
+            if not isinstance(value, bool):
+                raise m.fail(flag, f"expected true or false, got {value!r}")
+            flags[flag] = value
+        found["remap"] = RowRemap(m.int_("correctable", 0) or 0, uncorrectable, **flags)
+    throttle = r.str_("throttle")
+    if throttle is not None:
+        if throttle not in THROTTLE_KINDS:
+            raise r.fail("throttle", f"unknown cause {throttle!r} (use one of: {', '.join(THROTTLE_KINDS)})")
+        found["throttle"] = throttle
+    if r.data.get("pcie_downgrade") is not None:
+        p = r.child("pcie_downgrade", r.data["pcie_downgrade"])
+        p.check_keys(["generation", "width", "replays"])
+        generation = p.int_("generation", minimum=1)
+        width = p.int_("width", minimum=1)
+        if generation is not None and generation > board.pcie_generation:
+            raise p.fail("generation", f"the {gpus[gpu].model}'s link is Gen{board.pcie_generation} at most")
+        if width is not None and width > board.pcie_width:
+            raise p.fail("width", f"the {gpus[gpu].model}'s link is x{board.pcie_width} at most")
+        found["pcie_downgrade"] = PcieDowngrade(generation, width, p.int_("replays", 0) or 0)
+    if r.data.get("nvlink_errors") is not None:
+        n = r.child("nvlink_errors", r.data["nvlink_errors"])
+        n.check_keys(["links", "crc", "replay", "recovery"])
+        if gpus[gpu].nvlink_links == 0:
+            raise r.fail("nvlink_errors", f"GPU {gpu} has no NVLink links")
+        links: tuple[int, ...] | None = None
+        if n.data.get("links") is not None:
+            links = tuple(n.list_("links"))
+            for link in links:
+                if isinstance(link, bool) or not isinstance(link, int) or not 0 <= link < gpus[gpu].nvlink_links:
+                    raise n.fail("links", f"GPU {gpu} has no NVLink link {link!r}")
+        counts = {name: n.int_(name, 0) or 0 for name in ("crc", "replay", "recovery")}
+        found["nvlink_errors"] = NvLinkErrors(links, **counts)
+    return found
 
 
 def _parse_start(top: _Reader) -> datetime:

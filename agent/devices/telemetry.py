@@ -1,0 +1,275 @@
+"""Which health readings a poll asks for, and how they become a `Telemetry`.
+
+The readings come in groups, each switched on or off in the config (`readings:`). A group's
+readings are read on one of three rhythms:
+
+- every poll: what changes from second to second and is cheap to read (the SM clock; NVLink
+  traffic and the memory controller's utilization, which ride on calls the poll makes anyway);
+- every `slow_interval` (30 s by default, dcgm-exporter's collection interval): the rest
+  (memory clock, performance state, fan, clock-event reasons, violation time, memory errors,
+  PCIe link and replays, NVLink errors, encoder and decoder, PCIe throughput). In between, a
+  poll carries the last value read. NVML has a field only for the counters; the others are a
+  call each, and a poll has about ten calls per GPU to spend. Counters are cheap where the
+  driver batches them as fields, but a driver without those fields answers each with a call
+  of its own (36 for the NVLink errors of a 12-link GPU), and this keeps such a driver's polls
+  short too;
+- once: what is fixed (the clocks' and the PCIe link's maxima), at the GPU's first good poll.
+
+A reading that failed is asked again at the next poll, whatever its rhythm, and is absent
+until it answers; one the GPU does not have is learned by the sampler and never asked again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+from dataclasses import dataclass, field
+
+from agent.devices.backend import Quantity, ReadingKey
+from agent.model import VIOLATION_CAUSES, NvLinkCounters, Telemetry
+
+Q = Quantity
+
+
+@dataclass(frozen=True)
+class Group:
+    """A group of readings the config switches as one."""
+
+    every_poll: tuple[Quantity, ...] = ()
+    slow: tuple[Quantity, ...] = ()
+    once: tuple[Quantity, ...] = ()
+    per_link_every_poll: tuple[Quantity, ...] = ()  # one reading per NVLink link
+    per_link_slow: tuple[Quantity, ...] = ()
+
+
+_VIOLATIONS = (
+    Q.VIOLATION_POWER,
+    Q.VIOLATION_THERMAL,
+    Q.VIOLATION_SYNC_BOOST,
+    Q.VIOLATION_BOARD_LIMIT,
+    Q.VIOLATION_LOW_UTILIZATION,
+    Q.VIOLATION_RELIABILITY,
+    Q.VIOLATION_APP_CLOCKS,
+    Q.VIOLATION_BASE_CLOCKS,
+)
+assert len(_VIOLATIONS) == len(VIOLATION_CAUSES)
+
+GROUPS: dict[str, Group] = {
+    # The memory clock changes only with the performance state (HBM boards never change it).
+    "clocks": Group(
+        every_poll=(Q.SM_CLOCK,),
+        slow=(Q.MEMORY_CLOCK, Q.PERFORMANCE_STATE),
+        once=(Q.SM_CLOCK_MAX, Q.MEMORY_CLOCK_MAX),
+    ),
+    "fan": Group(slow=(Q.FAN_SPEED,)),
+    # The reasons as dcgm-exporter reads them, every 30 s by default; the violation time, also
+    # read then, says how long each cause held the clocks down in between.
+    "throttle": Group(slow=(Q.CLOCK_EVENT_REASONS, *_VIOLATIONS)),
+    "memory_errors": Group(
+        slow=(
+            Q.ECC_CORRECTED_VOLATILE,
+            Q.ECC_UNCORRECTED_VOLATILE,
+            Q.ECC_CORRECTED_AGGREGATE,
+            Q.ECC_UNCORRECTED_AGGREGATE,
+            Q.RETIRED_PAGES_SINGLE_BIT,
+            Q.RETIRED_PAGES_DOUBLE_BIT,
+            Q.RETIRED_PAGES_PENDING,
+            Q.REMAPPED_ROWS_CORRECTABLE,
+            Q.REMAPPED_ROWS_UNCORRECTABLE,
+            Q.ROW_REMAP_PENDING,
+            Q.ROW_REMAP_FAILURE,
+        )
+    ),
+    "pcie": Group(
+        slow=(Q.PCIE_LINK_GENERATION, Q.PCIE_LINK_WIDTH, Q.PCIE_REPLAYS),
+        once=(Q.PCIE_LINK_GENERATION_MAX, Q.PCIE_LINK_WIDTH_MAX),
+    ),
+    # Opt-in: NVML samples PCIe traffic for 20 ms inside each of these calls.
+    "pcie_throughput": Group(slow=(Q.PCIE_TX_RATE, Q.PCIE_RX_RATE)),
+    "nvlink_errors": Group(per_link_slow=(Q.NVLINK_CRC_ERRORS, Q.NVLINK_REPLAY_ERRORS, Q.NVLINK_RECOVERY_ERRORS)),
+    "nvlink_throughput": Group(per_link_every_poll=(Q.NVLINK_TX_BYTES, Q.NVLINK_RX_BYTES)),
+    "codecs": Group(slow=(Q.ENCODER_UTILIZATION, Q.DECODER_UTILIZATION)),
+    "memory_utilization": Group(every_poll=(Q.MEMORY_UTILIZATION,)),
+}
+OPT_IN = frozenset({"pcie_throughput"})
+DEFAULT_GROUPS = frozenset(GROUPS) - OPT_IN
+DEFAULT_SLOW_INTERVAL_S = 30.0
+
+
+@dataclass(frozen=True)
+class ReadingOptions:
+    """Which groups of `GROUPS` a poll reads, and how often the slow ones."""
+
+    groups: frozenset[str] = DEFAULT_GROUPS
+    slow_interval_s: float = DEFAULT_SLOW_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        unknown = self.groups - set(GROUPS)
+        if unknown:
+            raise ValueError(f"unknown reading groups: {', '.join(sorted(unknown))}")
+
+
+@dataclass
+class TelemetryReader:
+    """One GPU's health readings across polls: what to ask this poll, and what was read last
+    of the readings not asked every poll. The sampler keeps one per GPU."""
+
+    options: ReadingOptions
+    links: int
+    all_slow: bool = False  # every reading on the slow rhythm (a MIG-enabled GPU's)
+    _every_poll: tuple[ReadingKey, ...] = ()
+    _slow: tuple[ReadingKey, ...] = ()
+    _once: tuple[ReadingKey, ...] = ()
+    _every_poll_set: frozenset[ReadingKey] = frozenset()
+    _link_keys: tuple[tuple[ReadingKey, ...], ...] = ()  # per link, a key per _LINK_QUANTITIES
+    _per_link: bool = False  # some per-link reading is on
+    _traffic: bool = False  # NVLink traffic is read
+    _slow_due_at: float | None = None  # backend clock; None: at the first poll
+    _retry: set[ReadingKey] = field(default_factory=set)  # slow or once readings that failed
+    _kept: dict[ReadingKey, float] = field(default_factory=dict)  # the last slow and once values
+    _nvlink_total: tuple[float, float] | None = None  # (time, bytes) of the previous poll
+
+    def __post_init__(self) -> None:
+        groups = [GROUPS[name] for name in sorted(self.options.groups)]
+        links = range(self.links)
+        self._every_poll = tuple(
+            [ReadingKey(q) for g in groups for q in g.every_poll]
+            + [ReadingKey(q, link) for g in groups for link in links for q in g.per_link_every_poll]
+        )
+        self._slow = tuple(
+            [ReadingKey(q) for g in groups for q in g.slow]
+            + [ReadingKey(q, link) for g in groups for link in links for q in g.per_link_slow]
+        )
+        self._once = tuple(ReadingKey(q) for g in groups for q in g.once)
+        if self.all_slow:
+            self._every_poll, self._slow = (), self._every_poll + self._slow
+        self._every_poll_set = frozenset(self._every_poll)
+        self._link_keys = tuple(tuple(ReadingKey(q, link) for q in _LINK_QUANTITIES) for link in links)
+        self._per_link = self.links > 0 and any(g.per_link_every_poll or g.per_link_slow for g in groups)
+        self._traffic = self.links > 0 and any(Q.NVLINK_TX_BYTES in g.per_link_every_poll for g in groups)
+        self._retry.update(self._once)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._every_poll or self._slow or self._once)
+
+    def keys(self, now: float) -> tuple[ReadingKey, ...]:
+        """The readings to ask for at a poll at `now` (backend clock)."""
+        if self._slow_due_at is None or now >= self._slow_due_at:
+            return self._every_poll + self._slow + tuple(k for k in self._once if k in self._retry)
+        if self._retry:
+            return self._every_poll + tuple(k for k in self._slow + self._once if k in self._retry)
+        return self._every_poll
+
+    def telemetry(
+        self,
+        now: float,
+        asked: tuple[ReadingKey, ...],
+        values: Mapping[ReadingKey, float],
+        unsupported: Container[object] = (),
+    ) -> Telemetry:
+        """What this poll shows, from the values read for `asked` (those `keys(now)` named);
+        `unsupported` holds the readings the GPU has shown it does not have."""
+        if self._slow_due_at is None or now >= self._slow_due_at:
+            self._slow_due_at = now + self.options.slow_interval_s
+        every = self._every_poll_set
+        for key in asked:
+            if key in every:
+                continue
+            if key in values:
+                self._kept[key] = values[key]
+                self._retry.discard(key)
+                continue
+            self._kept.pop(key, None)  # absent until it answers again
+            if key in unsupported:
+                self._retry.discard(key)
+            else:
+                self._retry.add(key)  # failed this poll: asked again at the next
+        merged = {**self._kept, **values}
+        links = self._link_keys if self._per_link else ()
+        return _build(merged, links, self._nvlink_rate(now, merged) if self._traffic else None)
+
+    def _nvlink_rate(self, now: float, values: Mapping[ReadingKey, float]) -> float | None:
+        """Bytes per second over every link, both ways, since the previous poll."""
+        # The last two of each link's keys are its transmit and receive bytes.
+        counts = [values.get(key) for keys in self._link_keys for key in keys[3:]]
+        if not counts or None in counts:
+            self._nvlink_total = None
+            return None
+        total = sum(c for c in counts if c is not None)
+        previous, self._nvlink_total = self._nvlink_total, (now, total)
+        if previous is None or now <= previous[0] or total < previous[1]:
+            return None  # the first poll, or the driver reloaded and its counters restarted
+        return (total - previous[1]) / (now - previous[0])
+
+
+# One key per quantity, made once: a poll looks up dozens per GPU.
+_KEYS: dict[Quantity, ReadingKey] = {q: ReadingKey(q) for q in Quantity}
+_LINK_QUANTITIES = (
+    Q.NVLINK_CRC_ERRORS,
+    Q.NVLINK_REPLAY_ERRORS,
+    Q.NVLINK_RECOVERY_ERRORS,
+    Q.NVLINK_TX_BYTES,
+    Q.NVLINK_RX_BYTES,
+)
+
+
+def _build(
+    values: Mapping[ReadingKey, float], links: tuple[tuple[ReadingKey, ...], ...], nvlink_rate: float | None
+) -> Telemetry:
+    found: dict[Quantity, float] = {key.quantity: value for key, value in values.items() if key.link is None}
+
+    def get(quantity: Quantity) -> float | None:
+        return found.get(quantity)
+
+    def count(quantity: Quantity) -> int | None:
+        value = found.get(quantity)
+        return None if value is None else int(value)
+
+    def flag(quantity: Quantity) -> bool | None:
+        value = found.get(quantity)
+        return None if value is None else bool(value)
+
+    nvlinks: list[NvLinkCounters] = []
+    for link, keys in enumerate(links):
+        counts = [values.get(key) for key in keys]
+        if any(c is not None for c in counts):
+            crc, replay, recovery, tx, rx = (None if c is None else int(c) for c in counts)
+            nvlinks.append(NvLinkCounters(link, crc, replay, recovery, tx, rx))
+    violations = tuple(
+        (cause, seconds)
+        for cause, quantity in zip(VIOLATION_CAUSES, _VIOLATIONS, strict=True)
+        if (seconds := found.get(quantity)) is not None
+    )
+    return Telemetry(
+        sm_clock_hz=get(Q.SM_CLOCK),
+        memory_clock_hz=get(Q.MEMORY_CLOCK),
+        sm_clock_max_hz=get(Q.SM_CLOCK_MAX),
+        memory_clock_max_hz=get(Q.MEMORY_CLOCK_MAX),
+        fan_speed_ratio=get(Q.FAN_SPEED),
+        performance_state=count(Q.PERFORMANCE_STATE),
+        clock_event_reasons=count(Q.CLOCK_EVENT_REASONS),
+        violation_s=violations,
+        ecc_corrected_volatile=count(Q.ECC_CORRECTED_VOLATILE),
+        ecc_uncorrected_volatile=count(Q.ECC_UNCORRECTED_VOLATILE),
+        ecc_corrected_aggregate=count(Q.ECC_CORRECTED_AGGREGATE),
+        ecc_uncorrected_aggregate=count(Q.ECC_UNCORRECTED_AGGREGATE),
+        retired_pages_single_bit=count(Q.RETIRED_PAGES_SINGLE_BIT),
+        retired_pages_double_bit=count(Q.RETIRED_PAGES_DOUBLE_BIT),
+        retired_pages_pending=flag(Q.RETIRED_PAGES_PENDING),
+        remapped_rows_correctable=count(Q.REMAPPED_ROWS_CORRECTABLE),
+        remapped_rows_uncorrectable=count(Q.REMAPPED_ROWS_UNCORRECTABLE),
+        row_remap_pending=flag(Q.ROW_REMAP_PENDING),
+        row_remap_failure=flag(Q.ROW_REMAP_FAILURE),
+        pcie_link_generation=count(Q.PCIE_LINK_GENERATION),
+        pcie_link_generation_max=count(Q.PCIE_LINK_GENERATION_MAX),
+        pcie_link_width=count(Q.PCIE_LINK_WIDTH),
+        pcie_link_width_max=count(Q.PCIE_LINK_WIDTH_MAX),
+        pcie_replays=count(Q.PCIE_REPLAYS),
+        pcie_tx_bytes_per_s=get(Q.PCIE_TX_RATE),
+        pcie_rx_bytes_per_s=get(Q.PCIE_RX_RATE),
+        nvlinks=tuple(nvlinks),
+        nvlink_bytes_per_s=nvlink_rate,
+        encoder_utilization=get(Q.ENCODER_UTILIZATION),
+        decoder_utilization=get(Q.DECODER_UTILIZATION),
+        memory_utilization=get(Q.MEMORY_UTILIZATION),
+    )

@@ -1,0 +1,295 @@
+"""The fake node's hardware health: clocks, throttling, memory errors, PCIe and NVLink links.
+
+Every reading is a function of (GPU, scenario time), like the node's power and temperature:
+
+- Clocks follow load and temperature. An idle GPU sits at its idle clocks with the GPU-idle
+  reason; a busy one runs at its maximum unless something holds it down: power within 3% of
+  the limit (software power cap), temperature at the GPU's maximum operating temperature
+  (software thermal slowdown) or at its slowdown threshold (hardware slowdown), or a
+  `throttle:` fault. The violation counters integrate how long each cause held the clocks.
+- ECC errors, remapped rows, PCIe replays and NVLink errors move only with `ecc:`, `remap:`,
+  `pcie_downgrade:` and `nvlink_errors:` faults (see Fault.accrued for how counts accrue).
+- NVLink and PCIe traffic follow utilization; a link that is down carries none.
+
+Counters that integrate over time (violation time, NVLink bytes) are exact: everything they
+depend on is constant between the GPU's breakpoints (process starts, ends and load segments,
+and the faults' edges), so each is a sum of rectangles, kept incrementally as time moves on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from fake_nvml.scenario.facts import (
+    BOARD_FACTS,
+    DEFAULT_BOARD,
+    POLICY_BOARD_LIMIT,
+    POLICY_LOW_UTILIZATION,
+    POLICY_POWER,
+    POLICY_RELIABILITY,
+    POLICY_SYNC_BOOST,
+    POLICY_THERMAL,
+    POLICY_TOTAL_APP_CLOCKS,
+    POLICY_TOTAL_BASE_CLOCKS,
+    REASON_GPU_IDLE,
+    REASON_HW_SLOWDOWN,
+    REASON_HW_THERMAL_SLOWDOWN,
+    REASON_SW_POWER_CAP,
+    REASON_SW_THERMAL_SLOWDOWN,
+    THROTTLE_KINDS,
+    BoardFacts,
+)
+from fake_nvml.scenario.model import Fault
+
+if TYPE_CHECKING:
+    from fake_nvml.node import FakeNode
+
+# The temperature thresholds the fake driver reports (nvmlDeviceGetTemperatureThreshold): the
+# GPU's maximum operating temperature, and the hardware slowdown threshold above it.
+GPU_MAX_OPERATING_C = 87
+SLOWDOWN_C = 89
+POWER_CAP_FRACTION = 0.97  # power within 3% of the limit: the driver caps the clocks
+POWER_CAP_CLOCK_FACTOR = 0.9
+SW_THERMAL_CLOCK_FACTOR = 0.75
+HW_SLOWDOWN_CLOCK_FACTOR = 0.5
+# Traffic at 100% utilization. NVLink: per link and direction (an A100's 12 links carry 300 GB/s
+# each way at most, 25 GB/s a link); PCIe: per direction.
+NVLINK_BYTES_PER_S = 20e9
+PCIE_BYTES_PER_S = 2e9
+# The policies the violation counters are kept for, in nvmlPerfPolicyType_t order of the fields.
+POLICIES = (
+    POLICY_POWER,
+    POLICY_THERMAL,
+    POLICY_SYNC_BOOST,
+    POLICY_BOARD_LIMIT,
+    POLICY_LOW_UTILIZATION,
+    POLICY_RELIABILITY,
+    POLICY_TOTAL_APP_CLOCKS,
+    POLICY_TOTAL_BASE_CLOCKS,
+)
+_POLICY_INDEX = {policy: i for i, policy in enumerate(POLICIES)}
+
+
+class _Integral:
+    """The integral from 0 to t of a vector rate that is constant between `points`, kept for
+    the last t asked (polls move forward; an earlier t starts again from 0)."""
+
+    def __init__(self, points: list[float], rate: Callable[[float], tuple[float, ...]]) -> None:
+        self._points = points
+        self._rate = rate
+        self._lock = threading.Lock()
+        self._t = 0.0
+        self._total: tuple[float, ...] = tuple(0.0 for _ in rate(0.0))
+
+    def at(self, t: float) -> tuple[float, ...]:
+        if t == self._t:  # a poll asks for every link at one instant
+            return self._total
+        with self._lock:
+            lo, total = self._t, list(self._total)
+            if t < lo:
+                lo, total = 0.0, [0.0] * len(total)
+            points = self._points
+            i = bisect.bisect_right(points, lo)
+            while lo < t:
+                hi = min(points[i], t) if i < len(points) else t
+                for k, r in enumerate(self._rate(lo)):
+                    if r:
+                        total[k] += r * (hi - lo)
+                lo = hi
+                i += 1
+            # The total first: a reader that sees the new time must see the new total.
+            result = self._total = tuple(total)
+            self._t = t
+            return result
+
+
+class NodeHealth:
+    """Clocks, throttling and error counters of every GPU of a fake node."""
+
+    def __init__(self, node: FakeNode, breakpoints: list[list[float]]) -> None:
+        self._node = node
+        scenario = node.scenario
+        self._boards = [BOARD_FACTS.get(gpu.model, DEFAULT_BOARD) for gpu in scenario.gpus]
+        self._faults: list[tuple[Fault, ...]] = [
+            tuple(f for f in scenario.faults if f.gpu == gpu.index) for gpu in scenario.gpus
+        ]
+        self._violations: list[_Integral] = []
+        self._nvlink: list[_Integral] = []
+        for gpu in scenario.gpus:
+            # A fault's edges change throttling, link state and link width too.
+            edges = {e for f in self._faults[gpu.index] for e in (f.at_s, f.until_s) if e is not None}
+            points = sorted(set(breakpoints[gpu.index]) | edges)
+            self._violations.append(_Integral(points, self._violation_rates(gpu.index)))
+            self._nvlink.append(_Integral(points, self._nvlink_rates(gpu.index)))
+
+    def board(self, gpu: int) -> BoardFacts:
+        return self._boards[gpu]
+
+    # -- clocks and throttling ----------------------------------------------------------------
+
+    def _throttles(self, gpu: int, t: float) -> tuple[int, float, frozenset[int]]:
+        """(reason bits, clock factor, policies holding the clocks down) at t."""
+        node, spec = self._node, self._node.scenario.gpus[gpu]
+        util = node.utilization(gpu, t)
+        reasons, factor, policies = 0, 1.0, set()
+        if util <= 0:
+            reasons |= REASON_GPU_IDLE
+            policies.add(POLICY_LOW_UTILIZATION)
+        elif node.power_w(gpu, t) >= POWER_CAP_FRACTION * spec.power_limit_w:
+            reasons |= REASON_SW_POWER_CAP
+            factor = POWER_CAP_CLOCK_FACTOR
+            policies.add(POLICY_POWER)
+        temperature = node.temperature_c(gpu, t)
+        if temperature >= SLOWDOWN_C:
+            reasons |= REASON_HW_THERMAL_SLOWDOWN | REASON_HW_SLOWDOWN
+            factor = min(factor, HW_SLOWDOWN_CLOCK_FACTOR)
+            policies.add(POLICY_THERMAL)
+        elif temperature >= GPU_MAX_OPERATING_C:
+            reasons |= REASON_SW_THERMAL_SLOWDOWN
+            factor = min(factor, SW_THERMAL_CLOCK_FACTOR)
+            policies.add(POLICY_THERMAL)
+        for fault in self._faults[gpu]:
+            if fault.throttle is not None and fault.active(t):
+                kind = THROTTLE_KINDS[fault.throttle]
+                reasons |= kind.reasons
+                factor = min(factor, kind.clock_factor)
+                policies.add(kind.policy)
+        if factor < 1.0:
+            policies.add(POLICY_TOTAL_APP_CLOCKS)
+        if factor <= HW_SLOWDOWN_CLOCK_FACTOR:
+            policies.add(POLICY_TOTAL_BASE_CLOCKS)
+        return reasons, factor, frozenset(policies)
+
+    def clock_event_reasons(self, gpu: int, t: float) -> int:
+        return self._throttles(gpu, t)[0]
+
+    def sm_clock_mhz(self, gpu: int, t: float) -> int:
+        board = self._boards[gpu]
+        if self._node.utilization(gpu, t) <= 0:
+            return board.sm_clock_idle_mhz
+        return round(board.sm_clock_max_mhz * self._throttles(gpu, t)[1])
+
+    def memory_clock_mhz(self, gpu: int, t: float) -> int:
+        board = self._boards[gpu]
+        busy = self._node.utilization(gpu, t) > 0
+        return board.memory_clock_max_mhz if busy else board.memory_clock_idle_mhz
+
+    def _violation_rates(self, gpu: int) -> Callable[[float], tuple[float, ...]]:
+        def rates(t: float) -> tuple[float, ...]:
+            policies = self._throttles(gpu, t)[2]
+            return tuple(1.0 if policy in policies else 0.0 for policy in POLICIES)
+
+        return rates
+
+    def violation_ns(self, gpu: int, policy: int, t: float) -> int | None:
+        """Nanoseconds the policy has held the clocks down since t=0; None for a policy the
+        fake does not keep."""
+        index = _POLICY_INDEX.get(policy)
+        if index is None:
+            return None
+        return round(self._violations[gpu].at(t)[index] * 1e9)
+
+    def fan_percent(self, gpu: int, t: float) -> int | None:
+        """The fan's speed, rising with temperature; None for a passively cooled board."""
+        if not self._boards[gpu].fans:
+            return None
+        spec = self._node.scenario.gpus[gpu]
+        span = max(spec.max_temp_c - spec.idle_temp_c, 1.0)
+        heat = (self._node.temperature_c(gpu, t) - spec.idle_temp_c) / span
+        return round(30 + 60 * min(max(heat, 0.0), 1.0))
+
+    # -- memory errors ------------------------------------------------------------------------
+
+    def ecc_errors(self, gpu: int, uncorrected: bool, t: float) -> int:
+        """ECC errors since t=0. Volatile and aggregate counts are the same: the scenario's
+        board has seen no errors before it, and its driver is never reloaded."""
+        total = 0.0
+        for fault in self._faults[gpu]:
+            if fault.ecc is not None:
+                total += fault.accrued(fault.ecc.uncorrected if uncorrected else fault.ecc.corrected, t)
+        return int(total)
+
+    def retired_pages(self, gpu: int, t: float) -> tuple[int, int, bool] | None:
+        """(pages retired for single-bit errors, for double-bit errors, retirement pending);
+        None on a board that remaps rows instead. Each double-bit error retires its page, which
+        stays pending until the driver reloads."""
+        if self._boards[gpu].remaps_rows:
+            return None
+        double = self.ecc_errors(gpu, True, t)
+        return 0, double, double > 0
+
+    def remapped_rows(self, gpu: int, t: float) -> tuple[int, int, bool, bool] | None:
+        """(correctable, uncorrectable, pending, failure); None on a board before Ampere."""
+        if not self._boards[gpu].remaps_rows:
+            return None
+        correctable = uncorrectable = 0
+        pending = failure = False
+        for fault in self._faults[gpu]:
+            remap = fault.remap
+            if remap is None or t < fault.at_s:
+                continue
+            correctable += remap.correctable
+            uncorrectable += remap.uncorrectable
+            # `until` is the reset that applies a pending remap; a failure stays.
+            pending = pending or (remap.pending and fault.active(t))
+            failure = failure or remap.failure
+        return correctable, uncorrectable, pending, failure
+
+    # -- PCIe ---------------------------------------------------------------------------------
+
+    def pcie_link(self, gpu: int, t: float) -> tuple[int, int]:
+        """(generation, width) the link runs at now."""
+        board = self._boards[gpu]
+        generation, width = board.pcie_generation, board.pcie_width
+        for fault in self._faults[gpu]:
+            downgrade = fault.pcie_downgrade
+            if downgrade is not None and fault.active(t):
+                generation = min(generation, downgrade.generation or generation)
+                width = min(width, downgrade.width or width)
+        return generation, width
+
+    def pcie_replays(self, gpu: int, t: float) -> int:
+        return int(
+            sum(f.accrued(f.pcie_downgrade.replays, t) for f in self._faults[gpu] if f.pcie_downgrade is not None)
+        )
+
+    def pcie_throughput_kib_s(self, gpu: int, t: float) -> tuple[int, int]:
+        """(transmit, receive) KiB/s now: the host feeds the GPU more than it reads back."""
+        busy = self._node.utilization(gpu, t) / 100
+        return round(busy * PCIE_BYTES_PER_S / 2 / 1024), round(busy * PCIE_BYTES_PER_S / 1024)
+
+    # -- NVLink -------------------------------------------------------------------------------
+
+    def nvlink_errors(self, gpu: int, link: int, kind: str, t: float) -> int:
+        """Errors of `kind` ("crc", "replay", "recovery") counted on one link since t=0."""
+        total = 0.0
+        for fault in self._faults[gpu]:
+            errors = fault.nvlink_errors
+            if errors is not None and (errors.links is None or link in errors.links):
+                total += fault.accrued(getattr(errors, kind), t)
+        return int(total)
+
+    def _nvlink_rates(self, gpu: int) -> Callable[[float], tuple[float, ...]]:
+        links = self._node.scenario.gpus[gpu].nvlink_links
+
+        def rates(t: float) -> tuple[float, ...]:
+            busy = self._node.utilization(gpu, t) / 100
+            down = self._node.nvlinks_down(gpu, t)
+            return tuple(0.0 if link in down else busy * NVLINK_BYTES_PER_S for link in range(links))
+
+        return rates
+
+    def nvlink_kib(self, gpu: int, link: int, t: float) -> int:
+        """KiB carried by one link in each direction since t=0 (traffic is symmetric here)."""
+        return int(self._nvlink[gpu].at(t)[link] / 1024)
+
+    # -- video --------------------------------------------------------------------------------
+
+    def codec_percent(self, gpu: int, t: float, encoder: bool) -> int:
+        """The video encoder's (or decoder's) load: its processes' summed, capped at 100."""
+        processes = self._node.processes_on(gpu, None, t)
+        load = sum(p.encoder_util if encoder else p.decoder_util for p in processes)
+        return round(min(load, 100.0))
