@@ -253,8 +253,10 @@ def wait_settled(api: PrometheusAPI, since: float, timeout_s: float = 30.0) -> N
     raise AssertionError("VictoriaMetrics kept changing: not every sample it was sent is searchable")
 
 
-def nodes_scraped(api: PrometheusAPI) -> int:
-    """How many nodes the store has two scrapes or more of."""
+def nodes_scraped(api: PrometheusAPI, url: str) -> int:
+    """How many nodes the store has two scrapes or more of (what it was sent made searchable
+    first: VictoriaMetrics takes seconds to index new series on its own)."""
+    httpx.get(f"{url}/internal/force_flush", timeout=10).raise_for_status()
     answer = api.instant("count(count_over_time(gpuledger_polls_total[1m]) >= 2)", time.time())
     return int(answer[0].value) if answer else 0
 
@@ -334,11 +336,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         wait_http(prometheus, f"{web}/-/ready")
         log("Prometheus scraping")
         api = stack.enter_context(PrometheusAPI(vm.url))
-        wait(lambda: nodes_scraped(api) >= NODES, 60, "every node's scrapes in the store")
+        wait(lambda: nodes_scraped(api, vm.url) >= NODES, 60, "every node's scrapes in the store")
         log("every node scraped twice")
+
         # Rules that read other rules' results have them a few evaluations later.
+        def rules_done() -> bool:
+            # What vmalert wrote is searchable at once (VictoriaMetrics would take seconds to
+            # index each new series), so rules that read other rules' results get them sooner.
+            httpx.get(f"{vm.url}/internal/force_flush", timeout=10).raise_for_status()
+            missing = rules_without_data(api, time.time())
+            log(f"{len(missing)} rules without data")
+            return not missing
+
         with contextlib.suppress(AssertionError):
-            wait(lambda: not rules_without_data(api, time.time()), 45, "the recording rules' results")
+            wait(rules_done, 45, "the recording rules' results")
         log("the recording rules have data")
         time.sleep(RUN_S)
         running_at = time.time() - 1.5  # a scrape ago: the store holds it, from every node
