@@ -349,9 +349,10 @@ def test_a_query_that_does_not_answer_in_time_is_one_line() -> None:
     one_line_exit_2(result, "no answer within 1s", "--query-timeout")
 
 
-def test_an_empty_store_is_one_line(tmp_path: Path) -> None:
-    with promstore.prometheus(tmp_path / "data", tmp_path) as server:
-        one_line_exit_2(gpuledger("report", "--prometheus", server.url), "no gpuledger series")
+def test_an_empty_store_is_one_line(fleet: Store) -> None:
+    # The store holds nothing before 2025-03-07: for that window it is an empty store.
+    result = gpuledger("report", "--prometheus", fleet.api.url, "--since", "2025-01-01", "--until", "2025-02-01")
+    one_line_exit_2(result, "no gpuledger series from 2025-01-01T00:00:00Z to 2025-02-01T00:00:00Z")
 
 
 def test_credentials_and_headers_go_with_every_query(http_server: Any, tmp_path: Path) -> None:
