@@ -281,6 +281,21 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "seconds",
     ),
     MetricSpec(
+        "gpuledger_gpu_idle_energy_joules_total",
+        Kind.COUNTER,
+        "The GPU's energy while no workload held it (its share of the energy counter), as the ledger's idle row "
+        "has it.",
+        DEVICE,
+        "joules",
+    ),
+    MetricSpec(
+        "gpuledger_gpu_idle_energy_cost_dollars_total",
+        Kind.COUNTER,
+        "The idle energy at pricing.energy_per_kwh (only when that is set).",
+        DEVICE,
+        "dollars",
+    ),
+    MetricSpec(
         "gpuledger_gpu_idle_left_by_seconds_total",
         Kind.COUNTER,
         "Idle time of the GPU by who left it idle: the workload that held it last before each idle stretch "

@@ -231,6 +231,10 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_gpu_idle_cost_dollars_total", ids, g.idle_dollars)
         out.add("gpuledger_gpu_idle_seconds_total", ids, g.idle_s)
         out.add("gpuledger_gpu_observed_seconds_total", ids, g.observed_s)
+        # Idle energy too, so that a report read from Prometheus has the ledger's idle row whole.
+        out.add("gpuledger_gpu_idle_energy_joules_total", ids, g.idle_joules)
+        if g.idle_energy_dollars is not None:
+            out.add("gpuledger_gpu_idle_energy_cost_dollars_total", ids, g.idle_energy_dollars)
         if g.busy_s is not None:
             out.add("gpuledger_gpu_busy_seconds_total", ids, g.busy_s)
         for left_by, idle in sorted(g.idle_by_left.items()):

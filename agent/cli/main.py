@@ -21,6 +21,8 @@ from tqdm import tqdm
 
 from agent import __version__
 from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen, positive_finite
+from agent.cli.export import add_export_command, cmd_export
+from agent.cli.fleet import add_store_options, cmd_report_prometheus
 from agent.cli.logs import setup_logging
 from agent.cli.record import cmd_record
 from agent.cli.render import render_table, snapshot_json
@@ -141,6 +143,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--runs", action="store_true", help="with --by hpc_job or pod: each run's first and last hour and its GPUs too"
     )
 
+    add_store_options(rep)
+
     add_rules_parser(sub)
 
     rec = sub.add_parser("record", help="poll the driver for a while and write what it saw as a scenario")
@@ -154,6 +158,8 @@ def _build_parser() -> argparse.ArgumentParser:
     rec.add_argument(
         "--fake", nargs="?", const="demo", metavar="SCENARIO", help="record a fake node (default scenario: demo)"
     )
+
+    add_export_command(sub)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file", help="YAML config file")
@@ -333,6 +339,8 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    if args.prometheus is not None:
+        return cmd_report_prometheus(args)
     settings = load_config(args.config)
     try:
         paths = ledger_files(args.ledger or [settings.ledger.path])
@@ -384,6 +392,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": cmd_simulate,
     "check-config": _cmd_check_config,
     "report": _cmd_report,
+    "export": cmd_export,
     "record": cmd_record,
     "rules": cmd_rules,
 }

@@ -126,6 +126,7 @@ class Report:
     unobserved: ReportLine = field(default_factory=_unobserved_line)
     # The idle line by who left the GPUs idle, dollars descending: they add up to `idle`.
     idle_by: tuple[ReportLine, ...] = ()
+    store: str | None = None  # where the figures come from when not ledgers ("Prometheus API at URL")
     runs: bool = False  # show each line's start, end and GPUs (report --runs)
 
 
@@ -434,6 +435,8 @@ def _numbers(line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = 
 def _span(report: Report) -> str:
     start = "..." if report.since is None else iso_time(report.since)
     end = "..." if report.until is None else iso_time(report.until)
+    if report.store is not None:
+        return f"{report.store}, {start} to {end}"
     merged = f" from {report.ledgers} ledgers" if report.ledgers > 1 else ""
     if report.since is None and report.until is None:
         return f"no ledger hours recorded{merged}"

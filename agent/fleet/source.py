@@ -1,0 +1,207 @@
+"""The exact growth of every series of a counter over [since, until], read from a Prometheus
+query API (agent/fleet/counters.py says why not `increase()`).
+
+Per counter, three instant queries answer for every series without a reset:
+
+    last_over_time(m[until - since])           at until: its last value in the window
+    last_over_time(m[lookback])                at since: its baseline (none: it started inside)
+    resets(m[until - since + lookback]) > 0    at until: the series that fell somewhere
+
+A series that never fell grew by last - baseline. The few that fell (an agent restart, a
+workload that came back after it was forgotten) are narrowed down: the window is cut into
+parts, and for each part the store gives the last value, the smallest (which, in a part
+without a reset, is its first) and the resets; a part with a reset is cut again until it is
+short enough (RAW_WINDOW_S) to read its raw samples. So the work is three queries per counter
+plus a few per restart, whatever the window's length, and no sample is read twice over HTTP.
+
+Both halves of a window's edges follow the store's own convention: Prometheus 2 counts a sample
+exactly at a range's start in the range, VictoriaMetrics and Prometheus 3 do not; either way a
+sample is never counted twice (equal consecutive values grow by 0) and never missed.
+
+Precision: a window edge falls between two samples of each series; what the counter grew by
+between the last sample before the edge and the edge is counted on the wrong side of it. So
+each series is off by at most what it grows in one scrape interval at each end of the window,
+and exact where samples fall on the edges.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from agent.fleet.counters import Stretch, increase
+from agent.fleet.promapi import LabelSet, PrometheusAPI, Series, selector
+
+DEFAULT_LOOKBACK_S = 3600.0
+# A part at most this long is read as raw samples: 720 a series at a 30 s scrape, so that a month
+# is one level of parts (a sixth of a day each) and each restart one raw read of its part.
+RAW_WINDOW_S = 6 * 3600.0
+MAX_PARTS = 200  # a part with a reset is cut into at most this many (a range query's points)
+NODES_PER_QUERY = 40  # series to narrow down are selected by node, this many nodes per query
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """[since, until] in unix seconds (kept to the millisecond, the stores' resolution), and how
+    far before `since` a series' last sample may lie and still be its baseline."""
+
+    since: float
+    until: float
+    lookback_s: float = DEFAULT_LOOKBACK_S
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "since", round(self.since, 3))
+        object.__setattr__(self, "until", round(self.until, 3))
+        if not self.until > self.since:
+            raise ValueError("the window must end after it starts")
+        if not self.lookback_s > 0:
+            raise ValueError("the lookback must be above 0")
+
+
+def has_series(api: PrometheusAPI, metric: str, window: Window) -> bool:
+    """Whether any series of `metric` has a sample in the window (one number comes back)."""
+    return bool(api.instant(f"count(last_over_time({metric}[{_ms(window.until - window.since)}ms]))", window.until))
+
+
+def counter_growth(api: PrometheusAPI, metric: str, window: Window, *, node_label: str) -> dict[LabelSet, float]:
+    """Every series of `metric` with a sample in the window -> its exact growth over it."""
+    span = _ms(window.until - window.since)
+    last = {s.labels: s.value for s in api.instant(f"last_over_time({metric}[{span}ms])", window.until)}
+    if not last:
+        return {}
+    baseline = {
+        s.labels: s.value for s in api.instant(f"last_over_time({metric}[{_ms(window.lookback_s)}ms])", window.since)
+    }
+    reach = _ms(window.until - window.since + window.lookback_s)
+    fell = {s.labels for s in api.instant(f"resets({metric}[{reach}ms]) > 0", window.until)} & last.keys()
+    growth = {labels: increase(baseline.get(labels), [Stretch(value, value)]) for labels, value in last.items()}
+    if fell:
+        parts = _Narrowing(api, metric, node_label).stretches(fell, window.since, window.until)
+        for labels in fell:
+            growth[labels] = increase(baseline.get(labels), parts.get(labels, ()))
+    return growth
+
+
+@dataclass
+class _Narrowing:
+    """Finds the stretches without a reset of some series of one counter over a window."""
+
+    api: PrometheusAPI
+    metric: str
+    node_label: str
+
+    def stretches(self, wanted: set[LabelSet], start: float, end: float) -> dict[LabelSet, list[Stretch]]:
+        """Each series of `wanted` -> its stretches within (start, end], in time order."""
+        found: dict[LabelSet, list[tuple[float, Stretch]]] = {labels: [] for labels in wanted}
+        for matchers in self._groups(wanted):
+            self._narrow(matchers, wanted, start, end, found)
+        return {labels: [stretch for _, stretch in sorted(timed)] for labels, timed in found.items()}
+
+    def _narrow(
+        self,
+        matchers: str,
+        wanted: set[LabelSet],
+        start: float,
+        end: float,
+        found: dict[LabelSet, list[tuple[float, Stretch]]],
+    ) -> None:
+        """Add the stretches of `wanted` within (start, end] to `found`, each keyed by a time
+        inside it (stretches of different parts never share one)."""
+        if end - start <= RAW_WINDOW_S:
+            for series in self.api.instant(f"{self.metric}{matchers}[{_ms(end - start)}ms]", end):
+                if series.labels in wanted:
+                    # A sample at `start` belongs to the part before (Prometheus 2 counts a range's
+                    # start in the range, VictoriaMetrics does not: this keeps the two alike).
+                    found[series.labels].extend((t, Stretch(v, v)) for t, v in series.samples if t > start)
+            return
+        # Parts of whole seconds whose edges are multiples of their length: query frontends
+        # (VictoriaMetrics, Thanos, Mimir) may align a range query's steps that way anyway. The
+        # parts at either end are shorter and asked for on their own.
+        step = float(max(RAW_WINDOW_S, math.ceil((end - start) / MAX_PARTS)))
+        first = (math.floor(start / step) + 1) * step
+        edges = [first + k * step for k in range(math.ceil((end - first) / step)) if first + k * step < end]
+        summaries: dict[LabelSet, dict[int, tuple[float, float, int]]] = {}
+        bounds = list(zip([start, *edges], [*edges, end], strict=True))
+        for labels, by_time in self._summaries_at(matchers, bounds[0]).items():
+            summaries.setdefault(labels, {}).update(by_time)
+        if len(edges) >= 2:
+            for labels, by_time in self._summaries(matchers, step, edges[1], edges[-1]).items():
+                summaries.setdefault(labels, {}).update(by_time)
+        if len(bounds) >= 2:
+            for labels, by_time in self._summaries_at(matchers, bounds[-1]).items():
+                summaries.setdefault(labels, {}).update(by_time)
+        again: dict[tuple[float, float], set[LabelSet]] = {}
+        for labels in wanted:
+            by_edge = summaries.get(labels, {})
+            for part_start, part_end in bounds:
+                figures = by_edge.get(_key(part_end))
+                if figures is None:
+                    continue  # no sample in this part
+                last, low, resets = figures
+                if resets == 0:
+                    found[labels].append((part_end, Stretch(low, last)))
+                else:
+                    again.setdefault((part_start, part_end), set()).add(labels)
+        for (part_start, part_end), fell in sorted(again.items()):
+            # Only the nodes whose series fell in this part: a restart is one node's.
+            for narrower in self._groups(fell):
+                self._narrow(narrower, fell, part_start, part_end, found)
+
+    def _summaries(
+        self, matchers: str, step: float, first_end: float, last_end: float
+    ) -> dict[LabelSet, dict[int, tuple[float, float, int]]]:
+        """Series -> part end (ms) -> (last, smallest, resets) for the parts of length `step`
+        ending at first_end, first_end + step, ... last_end: one range query per figure."""
+        sel = f"{self.metric}{matchers}[{_ms(step)}ms]"
+        return _combine([self.api.range(f"{f}({sel})", first_end, last_end, step) for f in _FIGURES])
+
+    def _summaries_at(
+        self, matchers: str, part: tuple[float, float]
+    ) -> dict[LabelSet, dict[int, tuple[float, float, int]]]:
+        """Series -> {part end (ms): (last, smallest, resets)} for the one part (start, end]."""
+        start, end = part
+        sel = f"{self.metric}{matchers}[{_ms(end - start)}ms]"
+        answers = _combine([self.api.instant(f"{f}({sel})", end) for f in _FIGURES])
+        # An instant query's answer is stamped with its evaluation time: the part's end.
+        return {labels: {_key(end): figures for figures in by_time.values()} for labels, by_time in answers.items()}
+
+    def _groups(self, wanted: Iterable[LabelSet]) -> list[str]:
+        """Label matchers that select every series of `wanted` (and few others): by node, a
+        regex of at most NODES_PER_QUERY node names per query."""
+        nodes = sorted({dict(labels).get(self.node_label, "") for labels in wanted})
+        groups = []
+        for i in range(0, len(nodes), NODES_PER_QUERY):
+            pattern = "|".join(re.escape(node) for node in nodes[i : i + NODES_PER_QUERY])
+            groups.append(selector("", [(self.node_label, "=~", pattern)]))
+        return groups
+
+
+# What the store is asked of each part: its last value, its smallest (in a part with no reset,
+# its first) and how many times it fell.
+_FIGURES = ("last_over_time", "min_over_time", "resets")
+
+
+def _combine(figures: Sequence[Sequence[Series]]) -> dict[LabelSet, dict[int, tuple[float, float, int]]]:
+    """The answers for _FIGURES, zipped: series -> evaluation time (ms) -> (last, smallest, resets)."""
+    last, low, resets = ({s.labels: {_key(t): v for t, v in s.samples} for s in answer} for answer in figures)
+    out: dict[LabelSet, dict[int, tuple[float, float, int]]] = {}
+    for labels, values in last.items():
+        for t, value in values.items():
+            if math.isnan(value):
+                continue
+            lowest = low.get(labels, {}).get(t, value)
+            count = resets.get(labels, {}).get(t, 0.0)
+            out.setdefault(labels, {})[t] = (value, lowest, int(count))
+    return out
+
+
+def _key(t: float) -> int:
+    """A time as whole milliseconds: the stores' answers are stamped to the millisecond."""
+    return round(t * 1000)
+
+
+def _ms(seconds: float) -> int:
+    """A PromQL range in whole milliseconds (both Prometheus and VictoriaMetrics take `ms`)."""
+    return max(1, round(seconds * 1000))

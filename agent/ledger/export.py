@@ -1,0 +1,200 @@
+"""`gpuledger export`: the ledger's hourly rows as CSV or Parquet, for a warehouse.
+
+The schema is stable (README lists it): columns are only ever added at the end, never renamed,
+reordered or given another meaning. Every row names its node and nothing names the file it came
+from, so the exports of many nodes concatenate into one table without clashes; a row is unique
+by (hour, node, uuid, kind, the workload labels, the left_by labels).
+
+    hour                 start of the UTC hour (CSV: 2026-11-20T18:00:00Z; Parquet: timestamp[ms, UTC])
+    node                 the node the ledger records
+    gpu                  GPU index (a MIG instance: its GPU's)
+    uuid                 the GPU's UUID, or the MIG instance's
+    kind                 workload | idle (held by nobody) | unobserved (seen by nobody)
+    namespace pod container hpc_job unit user model team
+                         the workload's labels; empty on idle and unobserved rows
+    left_by_namespace ... left_by_team
+                         on an idle row, the labels of the workload that held the GPU last
+                         (empty where nobody is known to); empty (Parquet: null) on the others
+    dollars              cost in the hour
+    gpu_hours_charged    the row's share of the GPU's time (rows of a GPU-hour add up to 1 per GPU)
+    gpu_hours_held       time held (a shared GPU counts once per holder)
+    gpu_hours_used       held time x measured utilization; empty (null) where unobserved
+    energy_kwh           the row's share of the GPU's energy counter; empty (null) where unobserved
+    energy_dollars       energy_kwh at pricing.energy_per_kwh; empty (null) where none was set
+
+Like `report`, export opens ledgers read-only and refuses two files that record one node over
+overlapping periods (they would count that time twice).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import io
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from agent.errors import BadInputError
+from agent.ledger.pending import HOUR_S, iso_time
+from agent.ledger.read import UsageRow, read_ledger
+from agent.ledger.report import check_overlaps
+from agent.model import WORKLOAD_LABELS, Workload
+from agent.units import joules_to_kwh
+
+FORMATS = ("csv", "parquet")
+LEFT_BY_COLUMNS = tuple(f"left_by_{name}" for name in WORKLOAD_LABELS)
+NUMBER_COLUMNS = (
+    "dollars", "gpu_hours_charged", "gpu_hours_held", "gpu_hours_used", "energy_kwh", "energy_dollars",
+)  # fmt: skip
+COLUMNS = ("hour", "node", "gpu", "uuid", "kind", *WORKLOAD_LABELS, *LEFT_BY_COLUMNS, *NUMBER_COLUMNS)
+
+Record = dict[str, Any]
+_LABELS = (*WORKLOAD_LABELS, *LEFT_BY_COLUMNS)
+
+
+def records(rows: Iterable[UsageRow]) -> list[Record]:
+    """One record per ledger row, with the columns of COLUMNS (None: unknown), sorted by hour,
+    node, GPU, kind and labels (a warehouse loads by time range; a diff of two exports reads)."""
+    out = [_record(row) for row in rows]
+    out.sort(key=lambda r: (r["hour"], r["node"], r["gpu"], r["uuid"], r["kind"], *(r[c] or "" for c in _LABELS)))
+    return out
+
+
+def _record(row: UsageRow) -> Record:
+    kind = "unobserved" if row.unobserved else "idle" if row.idle else "workload"
+    # Empty labels on an idle row: nobody is known to have held the GPU (or the ledger is older
+    # than left_by); no labels (null) on the other kinds, which nobody left.
+    left: Workload | None = row.left_by if row.idle else None
+    return {
+        "hour": row.hour,
+        "node": row.node,
+        "gpu": row.gpu,
+        "uuid": row.uuid,
+        "kind": kind,
+        **row.workload.label_dict(),
+        **dict(zip(LEFT_BY_COLUMNS, _left_by_values(left), strict=True)),
+        "dollars": row.dollars,
+        "gpu_hours_charged": row.charged_s / HOUR_S,
+        "gpu_hours_held": row.held_s / HOUR_S,
+        "gpu_hours_used": None if row.unobserved else row.busy_s / HOUR_S,
+        "energy_kwh": None if row.unobserved else joules_to_kwh(row.joules),
+        "energy_dollars": row.energy_dollars,
+    }
+
+
+def _left_by_values(left: Workload | None) -> tuple[str | None, ...]:
+    return left.labels() if left is not None else (None,) * len(LEFT_BY_COLUMNS)
+
+
+def read_records(
+    paths: Sequence[str | Path], *, since: float | None = None, until: float | None = None
+) -> list[Record]:
+    """The records of every ledger's hours overlapping [since, until). LedgerError for a file
+    that cannot be read; ValueError for two files that record one node over overlapping periods."""
+    if since is not None and until is not None and since >= until:
+        raise ValueError(f"--since ({iso_time(since)}) must be before --until ({iso_time(until)})")
+    contents = [read_ledger(path, since=since, until=until) for path in paths]
+    check_overlaps([c.info for c in contents])
+    return records(row for c in contents for row in c.rows)
+
+
+def write_csv(rows: Sequence[Record], out: IO[str]) -> None:
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(COLUMNS)
+    for record in rows:
+        writer.writerow([_csv_cell(column, record[column]) for column in COLUMNS])
+
+
+def _csv_cell(column: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if column == "hour":
+        return iso_time(value)
+    if isinstance(value, float):
+        return repr(value)  # the shortest text that reads back as the same float
+    return str(value)
+
+
+def parquet_schema() -> Any:
+    """The Parquet schema (pyarrow), column for column as COLUMNS."""
+    pa = _pyarrow()
+    text = [pa.field(name, pa.string(), nullable=False) for name in ("node", "uuid", "kind", *WORKLOAD_LABELS)]
+    fields = {f.name: f for f in text}
+    return pa.schema(
+        [
+            # Parquet has no seconds unit: milliseconds (pyarrow would coerce to them anyway).
+            pa.field("hour", pa.timestamp("ms", tz="UTC"), nullable=False),
+            fields["node"],
+            pa.field("gpu", pa.int32(), nullable=False),
+            fields["uuid"],
+            fields["kind"],
+            *(fields[name] for name in WORKLOAD_LABELS),
+            *(pa.field(name, pa.string()) for name in LEFT_BY_COLUMNS),
+            pa.field("dollars", pa.float64(), nullable=False),
+            pa.field("gpu_hours_charged", pa.float64(), nullable=False),
+            pa.field("gpu_hours_held", pa.float64(), nullable=False),
+            pa.field("gpu_hours_used", pa.float64()),
+            pa.field("energy_kwh", pa.float64()),
+            pa.field("energy_dollars", pa.float64()),
+        ]
+    )
+
+
+def write_parquet(rows: Sequence[Record], out: IO[bytes]) -> None:
+    stamped = [r | {"hour": datetime.fromtimestamp(r["hour"], UTC)} for r in rows]
+    table = _pyarrow().Table.from_pylist(stamped, schema=parquet_schema())
+    _pyarrow("pyarrow.parquet").write_table(table, out)
+
+
+def _pyarrow(module: str = "pyarrow") -> Any:
+    """pyarrow, the optional extra `gpuledger[parquet]` (imported only when Parquet is asked for)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise BadInputError(
+            "gpuledger: export --format parquet needs pyarrow: pip install 'gpuledger[parquet]', or use --format csv"
+        ) from None
+
+
+def write(rows: Sequence[Record], fmt: str, path: str) -> None:
+    """Write `rows` in `fmt` to `path` ("-": standard output), a file whole or not at all: a
+    temporary file beside it, renamed over it once complete."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if path == "-":
+        if fmt == "csv":
+            write_csv(rows, sys.stdout)
+            return
+        raise BadInputError("gpuledger: export: Parquet is binary: give --out FILE")
+    target = Path(path)
+    with _replacing(target) as handle:
+        if fmt == "csv":
+            text = io.TextIOWrapper(handle, encoding="utf-8", newline="")
+            write_csv(rows, text)
+            text.flush()
+            text.detach()  # the binary file stays open for _replacing to close
+        else:
+            write_parquet(rows, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+@contextmanager
+def _replacing(target: Path) -> Iterator[IO[bytes]]:
+    """A temporary file in `target`'s directory, renamed to `target` when the block succeeds and
+    removed when it fails."""
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+        os.replace(name, target)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(name)
+        raise

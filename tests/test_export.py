@@ -1,0 +1,158 @@
+"""`gpuledger export`: the ledger's rows as CSV and Parquet in the documented schema, whose exports
+of several nodes concatenate into one table that adds up to the report of all of them."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from agent.cli.wiring import build_agent
+from agent.config import Settings
+from agent.ledger.export import COLUMNS, read_records, write
+from agent.ledger.report import report_from_ledgers
+from agent.pipeline import run_on_scenario_time
+from tests.test_cli import gpuledger
+
+pa = pytest.importorskip("pyarrow", reason="pyarrow (gpuledger[parquet]) is not installed")
+pq = pytest.importorskip("pyarrow.parquet")
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "fake_nvml" / "scenarios"
+PRICE = 2.5  # $/GPU-hour (pricing.gpu_hourly)
+HOURS = 3
+
+# The schema README documents, column for column: a change here is a change for every warehouse.
+SCHEMA = [
+    ("hour", "timestamp[ms, tz=UTC]"), ("node", "string"), ("gpu", "int32"), ("uuid", "string"),
+    ("kind", "string"), ("namespace", "string"), ("pod", "string"), ("container", "string"),
+    ("hpc_job", "string"), ("unit", "string"), ("user", "string"), ("model", "string"), ("team", "string"),
+    ("left_by_namespace", "string"), ("left_by_pod", "string"), ("left_by_container", "string"),
+    ("left_by_hpc_job", "string"), ("left_by_unit", "string"), ("left_by_user", "string"),
+    ("left_by_model", "string"), ("left_by_team", "string"), ("dollars", "double"),
+    ("gpu_hours_charged", "double"), ("gpu_hours_held", "double"), ("gpu_hours_used", "double"),
+    ("energy_kwh", "double"), ("energy_dollars", "double"),
+]  # fmt: skip
+KEY = ("hour", "node", "uuid", "kind", *(name for name, _ in SCHEMA[5:21]))
+
+
+@pytest.fixture(scope="module")
+def ledgers(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Three hours of two nodes, each in its own ledger, as each node's agent writes it."""
+    work = tmp_path_factory.mktemp("export")
+    settings = Settings.model_validate({"pricing": {"gpu_hourly": PRICE, "energy_per_kwh": 0.12}})
+    paths = []
+    for name in ("demo", "weekend-idle"):
+        scenario = yaml.safe_load((SCENARIOS / f"{name}.yaml").read_text(encoding="utf-8"))
+        path = work / f"{name}.db"
+        agent = build_agent(settings, fake=scenario, ledger_path=path, poll_interval_s=60.0)
+        assert agent.node is not None
+        try:
+            run_on_scenario_time(agent.pipeline.jobs(), agent.node.clock.advance, HOURS * 3600.0, 60.0)
+        finally:
+            agent.close()
+        paths.append(path)
+    return paths
+
+
+def export(tmp_path: Path, ledger: Path, fmt: str) -> Path:
+    """What `gpuledger export --ledger LEDGER --format FMT --out FILE` does, in this process
+    (the command's two calls, without a Python start; the command line itself is run below)."""
+    out = tmp_path / f"{ledger.stem}.{fmt}"
+    write(read_records([ledger]), fmt, str(out))
+    return out
+
+
+def test_the_csv_header_is_the_documented_schema(ledgers: list[Path]) -> None:
+    result = gpuledger("export", "--ledger", str(ledgers[0]))
+    assert result.returncode == 0, result.stderr
+    assert next(csv.reader(io.StringIO(result.stdout))) == [name for name, _ in SCHEMA] == list(COLUMNS)
+    assert len(result.stdout.splitlines()) == 1 + len(pq.read_table(export(ledgers[0].parent, ledgers[0], "parquet")))
+
+
+def test_the_parquet_schema_is_the_documented_schema(ledgers: list[Path], tmp_path: Path) -> None:
+    table = pq.read_table(export(tmp_path, ledgers[0], "parquet"))
+    assert [(field.name, str(field.type)) for field in table.schema] == SCHEMA
+
+
+def test_two_nodes_exports_concatenate_into_one_table_that_adds_up(ledgers: list[Path], tmp_path: Path) -> None:
+    table = pa.concat_tables([pq.read_table(export(tmp_path, path, "parquet")) for path in ledgers])
+    rows = table.to_pylist()
+    # No row of one node can be taken for one of the other: the key is unique across both.
+    keys = Counter(tuple(row[c] for c in KEY) for row in rows)
+    assert max(keys.values()) == 1
+    assert {row["node"] for row in rows} == {"gpu-node-01", "gpu-node-07"}
+    # Every GPU-hour is in it once: 2 nodes x 8 GPUs x 3 h = 48 GPU-hours, $120.00 at $2.50.
+    assert math.fsum(row["gpu_hours_charged"] for row in rows) == pytest.approx(2 * 8 * HOURS, rel=1e-9)
+    assert math.fsum(row["dollars"] for row in rows) == pytest.approx(2 * 8 * HOURS * PRICE, rel=1e-9)
+    # And it is the report's: the same dollars by job, idle and unobserved.
+    report = report_from_ledgers(ledgers, by=["hpc_job"])
+    by_job: dict[str, list[float]] = {}
+    for row in rows:
+        if row["kind"] == "workload":
+            by_job.setdefault(row["hpc_job"], []).append(row["dollars"])
+    assert {job: math.fsum(d) for job, d in by_job.items()} == {
+        line.key[0]: pytest.approx(line.dollars, rel=1e-12) for line in report.lines
+    }
+    idle = math.fsum(row["dollars"] for row in rows if row["kind"] == "idle")
+    assert idle == pytest.approx(report.idle.dollars, rel=1e-12)
+    used = math.fsum(row["gpu_hours_used"] or 0.0 for row in rows)
+    assert used == pytest.approx(report.total.gpu_hours_used, rel=1e-12)
+
+
+def test_csv_and_parquet_hold_the_same_rows(ledgers: list[Path], tmp_path: Path) -> None:
+    parquet = pq.read_table(export(tmp_path, ledgers[1], "parquet")).to_pylist()
+    with export(tmp_path, ledgers[1], "csv").open(encoding="utf-8", newline="") as handle:
+        text = list(csv.DictReader(handle))
+    assert len(text) == len(parquet)
+    for from_csv, from_parquet in zip(text, parquet, strict=True):
+        assert from_csv["hour"] == from_parquet["hour"].isoformat().replace("+00:00", "Z")
+        assert float(from_csv["dollars"]) == from_parquet["dollars"]  # repr: the same float
+        assert from_csv["energy_dollars"] == (
+            "" if from_parquet["energy_dollars"] is None else repr(from_parquet["energy_dollars"])
+        )
+
+
+def test_each_hour_of_a_node_costs_its_gpus_price(ledgers: list[Path], tmp_path: Path) -> None:
+    rows: list[dict[str, Any]] = pq.read_table(export(tmp_path, ledgers[0], "parquet")).to_pylist()
+    per_hour: dict[Any, list[float]] = {}
+    for row in rows:
+        per_hour.setdefault(row["hour"], []).append(row["dollars"])
+    # 8 GPUs x $2.50 = $20.00 an hour, split among workloads and idle.
+    assert {hour: math.fsum(d) for hour, d in per_hour.items()} == dict.fromkeys(per_hour, pytest.approx(20.0))
+    assert len(per_hour) == HOURS
+    kinds = Counter(row["kind"] for row in rows)
+    assert kinds["idle"] == HOURS  # GPU 6 is nobody's, each hour
+    # Nobody ever held GPU 6: its idle rows are left by nobody known (empty labels); no other
+    # kind of row was left by anyone (null).
+    assert {row["left_by_hpc_job"] for row in rows if row["kind"] == "idle"} == {""}
+    assert {row["left_by_hpc_job"] for row in rows if row["kind"] != "idle"} == {None}
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--format", "parquet"), "Parquet is binary: give --out FILE"),
+        (("--out", "/nonexistent/dir/x.csv"), "--out: no such directory"),
+        (("--ledger", "/nonexistent.db"), "no such ledger file"),
+        (("--since", "tomorrow"), "expected a time"),
+    ],
+)
+def test_bad_export_arguments_are_one_line(ledgers: list[Path], args: tuple[str, ...], words: str) -> None:
+    result = gpuledger("export", "--ledger", str(ledgers[0]), *args)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert words in result.stderr
+
+
+def test_a_failed_write_leaves_no_file_behind(ledgers: list[Path], tmp_path: Path) -> None:
+    target = tmp_path / "out.csv"
+    target.mkdir()  # os.replace cannot put a file over a directory
+    result = gpuledger("export", "--ledger", str(ledgers[0]), "--out", str(target))
+    assert result.returncode == 1
+    assert list(tmp_path.iterdir()) == [target]

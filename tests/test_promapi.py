@@ -1,0 +1,123 @@
+"""The query API client's answers to what stores send back: each failure is one of its own
+errors with one line saying what to do, never an httpx exception (httpx's MockTransport stands
+in for the store)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from agent.errors import BadInputError
+from agent.fleet.promapi import (
+    NotPrometheusAPI,
+    PrometheusAPI,
+    QueryTimeout,
+    StoreError,
+    StoreUnauthorized,
+    StoreUnreachable,
+    parse_header,
+)
+
+
+def api(handler: Callable[[httpx.Request], httpx.Response], url: str = "http://store:9090") -> PrometheusAPI:
+    return PrometheusAPI(url, transport=httpx.MockTransport(handler))
+
+
+def answer(status: int, body: object, content_type: str = "application/json") -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.Response(status, content=content, headers={"Content-Type": content_type})
+
+
+def vector(*values: tuple[dict[str, str], float]) -> dict[str, object]:
+    result = [{"metric": metric, "value": [1700000000.0, repr(value)]} for metric, value in values]
+    return {"status": "success", "data": {"resultType": "vector", "result": result}}
+
+
+def test_a_vector_comes_back_as_series_without_their_name() -> None:
+    seen: list[httpx.Request] = []
+
+    def store(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return answer(200, vector(({"__name__": "m_total", "gpu": "0"}, 2.5)))
+
+    [series] = api(store).instant("last_over_time(m_total[1h])", 1700000000.0)
+    assert (series.labels, series.value) == ((("gpu", "0"),), 2.5)
+    form = dict(httpx.QueryParams(seen[0].content.decode()))
+    assert (seen[0].method, seen[0].url.path) == ("POST", "/api/v1/query")
+    # The server ends a slow query at the client's own limit.
+    assert (form["query"], form["time"], form["timeout"]) == ("last_over_time(m_total[1h])", "1700000000.000", "120s")
+
+
+@pytest.mark.parametrize("url", ["http://store:9090/", "http://store:9090/api/v1", "http://store:9090/api/v1/"])
+def test_a_datasource_url_is_taken_as_the_base(url: str) -> None:
+    assert api(lambda _: answer(200, vector()), url).url == "http://store:9090"
+
+
+@pytest.mark.parametrize(
+    ("response", "error", "words"),
+    [
+        (answer(200, b"<html>Grafana</html>", "text/html"), NotPrometheusAPI, "text/html"),
+        (answer(404, b"404 page not found", "text/plain"), NotPrometheusAPI, "HTTP 404"),
+        (answer(200, {"status": "success", "data": "?"}), NotPrometheusAPI, "without a query result"),
+        (answer(401, b"Unauthorized", "text/plain"), StoreUnauthorized, "--bearer-token-file"),
+        (answer(503, b"Service Unavailable", "text/plain"), StoreError, "HTTP 503"),
+        (
+            answer(422, {"status": "error", "errorType": "bad_data", "error": "parse error at char 4\nmore"}),
+            StoreError,
+            "bad_data): parse error at char 4",
+        ),
+        (
+            answer(
+                503, {"status": "error", "errorType": "timeout", "error": "query timed out in expression evaluation"}
+            ),
+            QueryTimeout,
+            "longer than 120s",
+        ),
+    ],
+)
+def test_what_a_store_sends_back_becomes_one_error(
+    response: httpx.Response, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=re.escape(words)) as caught:
+        api(lambda _: response).instant("up", 0.0)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_refused_connection_is_unreachable_with_its_reason() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    with pytest.raises(StoreUnreachable, match=r"cannot connect: \[Errno 111\] Connection refused"):
+        api(refuse).instant("up", 0.0)
+
+
+def test_a_read_that_never_ends_is_a_query_timeout() -> None:
+    def hang(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    with pytest.raises(QueryTimeout, match="no answer within 120s"):
+        api(hang).instant("up", 0.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("X-Scope-OrgID: team-a", ("X-Scope-OrgID", "team-a")), ("A:b:c", ("A", "b:c")), ("  N :  v ", ("N", "v"))],
+)
+def test_headers_are_name_colon_value(text: str, expected: tuple[str, str]) -> None:
+    assert parse_header(text) == expected
+
+
+@pytest.mark.parametrize("text", ["no colon", ": value", "two words: value"])
+def test_a_header_without_a_name_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="Name: value"):
+        parse_header(text)
+
+
+@pytest.mark.parametrize("url", ["prometheus:9090", "ftp://store", "http://", ""])
+def test_only_http_urls_are_stores(url: str) -> None:
+    with pytest.raises(BadInputError, match="http:// or https://"):
+        PrometheusAPI(url)
