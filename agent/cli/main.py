@@ -17,20 +17,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from tqdm import tqdm
-
 from agent import __version__
 from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen, positive_finite
 from agent.cli.export import add_export_command, cmd_export
 from agent.cli.fleet import add_store_options, cmd_report_prometheus
 from agent.cli.logs import setup_logging
-from agent.cli.record import cmd_record
-from agent.cli.render import render_table, snapshot_json
 from agent.cli.rules import add_parser as add_rules_parser
 from agent.cli.rules import cmd_rules
-from agent.cli.simulate import cmd_simulate
 from agent.cli.systemd import notify, watchdog_interval_s
-from agent.cli.wiring import build_agent
 from agent.config import check_config, host_problems, load_config
 from agent.devices.backend import DriverLibraryMissing
 from agent.errors import BadInputError, ConfigError, GpuledgerError
@@ -192,10 +186,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _scenario_error() -> type[Exception]:
-    # Imported lazily: the fake is only loaded when a command asks for it.
-    from fake_nvml.scenario import ScenarioError
+    """The fake's ScenarioError, once a command has loaded the fake (only then can one be
+    raised); before that a class nothing raises, so that an exception passing through main()
+    (argparse's SystemExit for --help, say) does not import the fake to be compared with it."""
+    model = sys.modules.get("fake_nvml.scenario.model")
+    error: type[Exception] = getattr(model, "ScenarioError", _NoScenarioError)
+    return error
 
-    return ScenarioError
+
+class _NoScenarioError(Exception):
+    """Raised by nothing: what _scenario_error() gives while the fake is not loaded."""
 
 
 def _fail(message: str, code: int, debug: bool) -> int:
@@ -206,6 +206,7 @@ def _fail(message: str, code: int, debug: bool) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from agent.cli.wiring import build_agent
     from exporters.http import MetricsServer
     from exporters.webconfig import load_web_config
 
@@ -304,6 +305,11 @@ def _exit_now(code: int) -> None:
 
 
 def _cmd_snapshot(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from agent.cli.render import render_table, snapshot_json
+    from agent.cli.wiring import build_agent
+
     settings = load_config(args.config)
     at = duration_arg(args.at, "--at")
     if args.fake is None and args.at != "0s":
@@ -386,13 +392,27 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from agent.cli.simulate import cmd_simulate
+
+    return cmd_simulate(args)
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    from agent.cli.record import cmd_record
+
+    return cmd_record(args)
+
+
+# The commands that poll (run, snapshot, simulate, record) import the device, attribution and
+# fake-node stack when they run; report, export, rules and check-config start without it.
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": _cmd_run,
     "snapshot": _cmd_snapshot,
-    "simulate": cmd_simulate,
+    "simulate": _cmd_simulate,
     "check-config": _cmd_check_config,
     "report": _cmd_report,
     "export": cmd_export,
-    "record": cmd_record,
+    "record": _cmd_record,
     "rules": cmd_rules,
 }
