@@ -32,6 +32,8 @@ def gpuledger(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+# The weekend's simulation is a session fixture: on one xdist worker (--dist loadgroup), it runs once.
+@pytest.mark.xdist_group("weekend-idle")
 def test_the_idle_weekend_is_flagged_and_priced(weekend_idle: WeekendIdleRun) -> None:
     ledger_path = weekend_idle.ledger_path
     transitions = weekend_idle.idle_transitions

@@ -57,6 +57,7 @@ def promtool_values(values: list[float]) -> str:
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (scripts/check installs it)")
+@pytest.mark.xdist_group("weekend-idle")  # with test_weekend.py: the simulation runs once
 def test_the_weekend_idle_simulation_fires_the_weekend_alert_with_its_dollars(
     tmp_path: Path, weekend_idle: WeekendIdleRun
 ) -> None:
