@@ -13,6 +13,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,11 @@ import pytest
 
 from agent.cli.reportpage import html_from_ledgers
 from agent.config import load_config
-from agent.ledger.report import parse_by
+from agent.ledger.page import bucket_size, bucket_start, spend_over_time
+from agent.ledger.read import UsageRow
+from agent.ledger.report import build_report, parse_by
 from agent.ledger.store import Ledger
+from agent.model import Workload
 from tests.test_cli import gpuledger
 
 pytestmark = pytest.mark.xdist_group("report_html")
@@ -316,6 +320,16 @@ def test_without_matplotlib_one_line_names_the_extra(made: Ledgers, tmp_path: Pa
     assert done.stdout == ""
 
 
+def test_out_writes_any_format_to_the_file(made: Ledgers) -> None:
+    out = made.dir / "report.csv"
+    to_file = gpuledger("report", "--ledger", str(made.ledger), "--format", "csv", "--out", str(out))
+    to_stdout = gpuledger("report", "--ledger", str(made.ledger), "--format", "csv")
+    assert to_file.returncode == to_stdout.returncode == 0
+    assert to_file.stdout == ""
+    assert out.read_text() == to_stdout.stdout
+    assert to_stdout.stdout.startswith("kind,namespace,hpc_job,dollars")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -412,3 +426,45 @@ def test_the_empty_page_renders_too(made: Ledgers, browser: Any) -> None:
     assert page.locator("#empty").is_visible()
     assert problems == []
     page.close()
+
+
+# --- spend over time, pure --------------------------------------------------------------------------
+
+FRIDAY = datetime(2026, 11, 20, 18, tzinfo=UTC).timestamp()
+
+
+def hourly_rows(workload: Workload, dollars_per_hour: float, hours: int) -> list[UsageRow]:
+    return [
+        UsageRow(int(FRIDAY + h * 3600), "gpu-node-01", 0, "GPU-0", workload, 3600.0, 1800.0, dollars_per_hour, 0.0,
+                 charged_s=3600.0)
+        for h in range(hours)
+    ]  # fmt: skip
+
+
+def test_bucket_sizes_and_weeks_from_monday() -> None:
+    assert bucket_size(FRIDAY, FRIDAY + 4 * 86400) == 3600  # up to 4 days: hours
+    assert bucket_size(FRIDAY, FRIDAY + 31 * 86400) == 86400  # a month: days
+    assert bucket_size(FRIDAY, FRIDAY + 365 * 86400) == 7 * 86400  # a year: weeks
+    week = datetime.fromtimestamp(bucket_start(FRIDAY, 7 * 86400), UTC)
+    assert (week.isoformat(), week.strftime("%A")) == ("2026-11-16T00:00:00+00:00", "Monday")
+    day = bucket_start(FRIDAY, 86400)
+    assert datetime.fromtimestamp(day, UTC).isoformat() == "2026-11-20T00:00:00+00:00"
+
+
+def test_ten_days_are_daily_bars_that_add_up_to_the_report() -> None:
+    a = Workload(hpc_job="1", user="alice")
+    b = Workload(hpc_job="2", user="bob")
+    rows = hourly_rows(a, 2.5, 240) + hourly_rows(b, 0.5, 24)
+    report = build_report(rows, ("hpc_job",))
+    timeline = spend_over_time(report, rows, top=1)
+    assert timeline.bucket_s == 86400
+    # Friday 18:00 for 240 hours: Nov 20 (6 hours) to Nov 30 (18 hours), 11 days.
+    assert len(timeline.starts) == 11
+    series = dict(timeline.series)
+    assert list(series) == ["1", "other (1)", "(idle)", "(unobserved)"]
+    # Job 1 at $2.5 an hour: 6 h on the first day ($15), 24 h on each of the 9 between ($60), 18 h on the last ($45).
+    assert series["1"] == pytest.approx((15.0, *([60.0] * 9), 45.0))
+    assert math.fsum(series["1"]) == pytest.approx(240 * 2.5)  # = the report's line: $600
+    # Job 2, drawn as "other": $0.5 an hour for its first 24 hours: $3 on Nov 20, $9 on Nov 21.
+    assert series["other (1)"] == pytest.approx((3.0, 9.0, *([0.0] * 9)))
+    assert series["(idle)"] == (0.0,) * 11
