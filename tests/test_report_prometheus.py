@@ -41,6 +41,8 @@ from tests import promstore
 from tests.promstore import Scrape
 from tests.test_cli import gpuledger
 from tests.test_prometheus_e2e import free_port
+from tests.test_report_html import figures as page_figures
+from tests.test_report_html import read_page
 from tests.test_webconfig import Pki, _cryptography_pki
 
 pytestmark = [
@@ -265,6 +267,26 @@ def test_the_cli_prints_the_report_from_prometheus(fleet: Store) -> None:
         line.key[0]: pytest.approx(line.dollars, rel=1e-9) for line in ledger.lines
     }
     assert document["since"] == "2025-03-07T20:00:00Z"
+
+
+def test_the_html_page_from_prometheus_is_its_report_without_hours_or_advice(fleet: Store) -> None:
+    since, until = T0 + 2 * H, T0 + 6 * H
+    common = ("report", "--prometheus", fleet.api.url, "--since", iso(since), "--until", iso(until), "--by", "team")
+    result = gpuledger(*common, "--format", "html")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(gpuledger(*common, "--format", "json").stdout)
+    page = read_page(result.stdout)
+    # Two nodes x 8 GPUs x 4 h x $2.5 = $320: every GPU-hour of the window, the agent's downtime included.
+    assert page.tiles["total_dollars"] == document["total"]["dollars"] == pytest.approx(2 * GPUS * 4 * PRICE)
+    groups = [r for r in page.tables["rows"] if r["attrs"]["data-kind"] == "group"]
+    assert {json.loads(r["attrs"]["data-key"])["team"]: page_figures(r)["dollars"] for r in groups} == {
+        row["team"]: row["dollars"] for row in document["rows"]
+    }
+    # A store's report reads whole-window growth: no hours to chart; right-sizing reads ledgers.
+    assert "over-time-table" not in page.tables
+    assert "Spend over time comes from ledgers" in result.stdout
+    assert "Right-sizing advice comes from ledgers" in result.stdout
+    assert page.svgs == 3  # idle by left_by, waste, efficiency
 
 
 def iso(t: float) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 
 from agent.cli.args import EXIT_OK, duration_arg
+from agent.cli.reportpage import write_output
 from agent.errors import BadInputError
 from agent.fleet import DEFAULT_NODE_LABEL, DEFAULT_TIMEOUT_S
 from agent.ledger.report import parse_by, parse_time, render
@@ -64,6 +64,10 @@ def cmd_report_prometheus(args: argparse.Namespace) -> int:
         if given:
             # Both read what only a ledger keeps (each hour's sizing sketches; each run's hours).
             raise BadInputError(f"gpuledger: report: {flag} reads ledgers, not a --prometheus store")
+    if args.format == "html":
+        from agent.ledger.charts import require_matplotlib
+
+        require_matplotlib()  # before the first query: one line naming the extra
     timeout_s = duration_arg(args.query_timeout, "--query-timeout")
     if timeout_s <= 0:
         raise BadInputError("gpuledger: --query-timeout: must be above 0")
@@ -94,5 +98,10 @@ def cmd_report_prometheus(args: argparse.Namespace) -> int:
         raise BadInputError(f"gpuledger: report: {exc}") from None
     except ValueError as exc:
         raise BadInputError(f"gpuledger: report: {exc}") from None
-    sys.stdout.write(render(report, args.format))
+    if args.format == "html":
+        from agent.cli.reportpage import html_from_store
+
+        write_output(html_from_store(report), args.out)
+    else:
+        write_output(render(report, args.format), args.out)
     return EXIT_OK

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from agent import __version__
@@ -22,10 +23,11 @@ from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, 
 from agent.cli.export import add_export_command, cmd_export
 from agent.cli.fleet import add_store_options, cmd_report_prometheus
 from agent.cli.logs import setup_logging
+from agent.cli.reportpage import write_output
 from agent.cli.rules import add_parser as add_rules_parser
 from agent.cli.rules import cmd_rules
 from agent.cli.systemd import notify, watchdog_interval_s
-from agent.config import check_config, host_problems, load_config
+from agent.config import Settings, check_config, host_problems, load_config
 from agent.devices.backend import DriverLibraryMissing
 from agent.errors import BadInputError, ConfigError, GpuledgerError
 from agent.ledger.report import (
@@ -124,7 +126,13 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KEYS",
         help=f"group by any of: {', '.join(GROUP_KEYS)} (job: hpc_job)",
     )
-    rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    rep.add_argument(
+        "--format",
+        choices=("table", "csv", "json", "html"),
+        default="table",
+        help="html: one self-contained page with charts (the gpuledger[html] extra)",
+    )
+    rep.add_argument("--out", default="-", metavar="FILE", help="write the report here (default -: standard output)")
     rep.add_argument(
         "--recommend",
         action="store_true",
@@ -357,18 +365,42 @@ def _cmd_report(args: argparse.Namespace) -> int:
         by = parse_by(args.by)
         since = parse_time(args.since, now) if args.since else None
         until = parse_time(args.until, now) if args.until else None
+        if args.format == "html":
+            return _report_html(args, paths, settings, by=by, since=since, until=until)
         if args.recommend:
             from agent.cli.recommend import recommendations, render_recommendations
 
             if not 0 <= args.headroom < 10:
                 raise ValueError(f"--headroom must be from 0 to 10, got {args.headroom}")
             advice = recommendations(paths, settings, since=since, until=until, headroom=args.headroom)
-            sys.stdout.write(render_recommendations(advice, args.format))
+            write_output(render_recommendations(advice, args.format), args.out)
             return EXIT_OK
         report = report_from_ledgers(paths, by=by, since=since, until=until, runs=args.runs)
     except ValueError as exc:
         raise BadInputError(f"gpuledger: report: {exc}") from None
-    sys.stdout.write(render(report, args.format))
+    write_output(render(report, args.format), args.out)
+    return EXIT_OK
+
+
+def _report_html(
+    args: argparse.Namespace,
+    paths: Sequence[Path],
+    settings: Settings,
+    *,
+    by: tuple[str, ...],
+    since: float | None,
+    until: float | None,
+) -> int:
+    from agent.cli.reportpage import html_from_ledgers
+    from agent.ledger.charts import require_matplotlib
+
+    if args.recommend:
+        raise BadInputError("gpuledger: report: --format html holds the right-sizing advice already: drop --recommend")
+    require_matplotlib()  # before reading anything: one line naming the extra
+    if not 0 <= args.headroom < 10:
+        raise ValueError(f"--headroom must be from 0 to 10, got {args.headroom}")
+    page = html_from_ledgers(paths, settings, by=by, since=since, until=until, runs=args.runs, headroom=args.headroom)
+    write_output(page, args.out)
     return EXIT_OK
 
 

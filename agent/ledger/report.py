@@ -289,6 +289,18 @@ def report_from_ledgers(
     LedgerError if a file is unreadable; ValueError for bad arguments and for two files that
     record the same node over overlapping periods (`check_overlaps`).
     """
+    return report_and_rows(paths, by=by, since=since, until=until, runs=runs)[0]
+
+
+def report_and_rows(
+    paths: Sequence[str | Path],
+    *,
+    by: Sequence[str],
+    since: float | None = None,
+    until: float | None = None,
+    runs: bool = False,
+) -> tuple[Report, list[UsageRow]]:
+    """`report_from_ledgers`, and the rows it was built from (the HTML page charts them hour by hour)."""
     keys = check_by(by)
     if runs and not set(RUN_KEYS) & set(keys):
         raise ValueError("--runs: a run is a Slurm job or a pod: group --by hpc_job or --by pod")
@@ -300,8 +312,9 @@ def report_from_ledgers(
     check_overlaps([c.info for c in contents])
     covered_since = None if since is None else float(hour_start(since))
     covered_until = None if until is None else float(-hour_start(-until))  # rounded up to the hour
-    report = build_report((row for c in contents for row in c.rows), keys, since=covered_since, until=covered_until)
-    return replace(report, ledgers=len(contents), runs=runs)
+    rows = [row for c in contents for row in c.rows]
+    report = build_report(rows, keys, since=covered_since, until=covered_until)
+    return replace(report, ledgers=len(contents), runs=runs), rows
 
 
 def check_overlaps(infos: Sequence[LedgerInfo]) -> None:

@@ -1,0 +1,470 @@
+"""`gpuledger report --format html`: the page's figures are `--format json`'s, they add up to the
+price of the window's GPU time, every label is text (never markup), an empty window is a page
+that says so, and the page renders in a real headless browser (Debian's chromium) with no console
+error and no request, charts drawn.
+
+One simulated ledger and one browser for the module (xdist_group keeps them on one worker)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.cli.reportpage import html_from_ledgers
+from agent.config import load_config
+from agent.ledger.page import bucket_size, bucket_start, spend_over_time
+from agent.ledger.read import UsageRow
+from agent.ledger.report import build_report, parse_by
+from agent.ledger.store import Ledger
+from agent.model import Workload
+from tests.test_cli import gpuledger
+
+pytestmark = pytest.mark.xdist_group("report_html")
+
+PRICE = 2.5  # $/GPU-hour, pricing.gpu_hourly
+HOURS = 12
+BY = "namespace,pod,hpc_job"
+# A pod name that is markup: the page must show it as text. Its `$...$` would be mathtext to
+# matplotlib, which must draw it literally too.
+EVIL_POD = "<script>alert('$x$')</script>"
+
+# Four A100s for 12 hours, polled every minute:
+#   GPU 0  Slurm job 8812, 90% busy, ends at 6h; then idle, left by the job
+#   GPU 1  the pod named like a script tag, 40% busy throughout
+#   GPU 2  allocated to notebook-7, which runs nothing on it (all waste)
+#   GPU 3  idle throughout, left by nobody known
+SCENARIO = f"""
+start: 2026-11-20T18:00:00Z
+node: {{hostname: gpu-node-html}}
+gpus:
+  - {{model: A100-SXM4-80GB, count: 4}}
+processes:
+  - {{pid: 4101, gpus: [0], end: 6h, sm_util: 90, memory_mib: 60000, uid: 1001, user: alice, slurm_job: "8812",
+     cmdline: "torchrun train.py --model llama-3-8b"}}
+  - pid: 5200
+    gpus: [1]
+    sm_util: 40
+    memory_mib: 20000
+    uid: 1002
+    user: bob
+    pod: {{namespace: serving, name: "{EVIL_POD}", container: vllm, uid: 0b6c2f4e-0000-4000-8000-000000000001}}
+    cmdline: "vllm serve meta-llama/Llama-3.1-8B-Instruct"
+allocations:
+  - gpus: [2]
+    pod: {{namespace: research, name: notebook-7, container: jupyter, uid: 5f2c0000-0000-4000-8000-000000000002}}
+"""
+
+# By hand, at $2.5 a GPU-hour:
+TOTAL_DOLLARS = 4 * HOURS * PRICE  # 4 GPUs x 12 h x $2.5 = $120
+NOTEBOOK_DOLLARS = HOURS * PRICE  # allocated from the first poll to the last: 12 h x $2.5 = $30
+POD_DOLLARS = HOURS * PRICE  # 12 h x $2.5 = $30
+POD_WASTE = POD_DOLLARS * (1 - 0.40)  # 40% busy: $30 x 0.6 = $18
+# The job is last seen at the 5h59m poll and gone at 6h: charged to the midpoint, 6 h - 30 s.
+JOB_DOLLARS = (6 * 3600 - 30) / 3600 * PRICE  # 5.991667 h x $2.5 = $14.979167
+JOB_WASTE = JOB_DOLLARS * (1 - 0.90)  # 90% busy: $14.979167 x 0.1 = $1.497917
+IDLE_NOBODY = HOURS * PRICE  # GPU 3: 12 h x $2.5 = $30
+IDLE_LEFT_BY_JOB = (6 * 3600 + 30) / 3600 * PRICE  # GPU 0 after the job: 6.008333 h x $2.5 = $15.020833
+
+
+@dataclass
+class Page:
+    """What the page shows, read from its HTML: the tiles, the rows of each table by its id (each
+    row its attributes and its number cells' (data-field or column, data-value, text))."""
+
+    tiles: dict[str, float | None] = field(default_factory=dict)
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    svgs: int = 0
+    scripts: int = 0
+
+
+class _Reader(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.page = Page()
+        self.table: str | None = None
+        self.row: dict[str, Any] | None = None
+        self.cell: dict[str, str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag == "div" and "data-figure" in a:
+            self.page.tiles[a["data-figure"]] = float(a["data-value"]) if a["data-value"] else None
+        elif tag == "table":
+            self.table = a.get("id", "")
+            self.page.tables[self.table] = []
+        elif tag == "tr" and self.table is not None:
+            self.row = {"attrs": a, "cells": []}
+        elif tag == "td" and self.row is not None:
+            self.cell = {"field": a.get("data-field", ""), "value": a.get("data-value", ""), "text": ""}
+        elif tag == "svg":
+            self.page.svgs += 1
+        elif tag == "script":
+            self.page.scripts += 1
+
+    def handle_data(self, data: str) -> None:
+        if self.cell is not None:
+            self.cell["text"] += data
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td" and self.row is not None and self.cell is not None:
+            self.row["cells"].append(self.cell)
+            self.cell = None
+        elif tag == "tr" and self.row is not None and self.table is not None:
+            if self.row["cells"]:
+                self.page.tables[self.table].append(self.row)
+            self.row = None
+        elif tag == "table":
+            self.table = None
+
+
+def read_page(text: str) -> Page:
+    reader = _Reader()
+    reader.feed(text)
+    reader.close()
+    return reader.page
+
+
+def figures(row: dict[str, Any]) -> dict[str, float | None]:
+    return {c["field"]: (float(c["value"]) if c["value"] else None) for c in row["cells"] if c["field"]}
+
+
+def shown(row: dict[str, Any]) -> dict[str, str]:
+    return {c["field"]: c["text"] for c in row["cells"] if c["field"]}
+
+
+@dataclass(frozen=True)
+class Ledgers:
+    dir: Path
+    ledger: Path
+    config: Path
+    html: str
+    html_file: Path
+    json: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> Ledgers:
+    """The scenario simulated once into a ledger, and its report as JSON and as a page."""
+    where = tmp_path_factory.mktemp("report_html")
+    scenario, config, ledger = where / "four-gpus.yaml", where / "config.yaml", where / "ledger.db"
+    scenario.write_text(SCENARIO)
+    config.write_text(f"pricing: {{gpu_hourly: {PRICE}}}\n")
+    done = gpuledger(
+        "simulate", str(scenario), "--for", f"{HOURS}h", "--step", "60s", "--config", str(config),
+        "--ledger", str(ledger), timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    as_json = gpuledger("report", "--ledger", str(ledger), "--by", BY, "--format", "json")
+    assert as_json.returncode == 0, as_json.stderr
+    page = where / "report.html"
+    as_html = gpuledger("report", "--ledger", str(ledger), "--by", BY, "--format", "html", "--out", str(page))
+    assert as_html.returncode == 0, as_html.stderr
+    assert as_html.stdout == ""  # --out: the page went to the file
+    return Ledgers(where, ledger, config, page.read_text(), page, json.loads(as_json.stdout))
+
+
+def _row_key(row: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(json.loads(row["attrs"]["data-key"])[k] for k in parse_by(BY))
+
+
+def test_hand_arithmetic_holds_in_the_json_the_page_is_checked_against(made: Ledgers) -> None:
+    rows = {(r["namespace"], r["pod"], r["hpc_job"]): r for r in made.json["rows"]}
+    assert rows.keys() == {("research", "notebook-7", ""), ("serving", EVIL_POD, ""), ("", "", "8812")}
+    assert rows["research", "notebook-7", ""]["dollars"] == pytest.approx(NOTEBOOK_DOLLARS)
+    assert rows["serving", EVIL_POD, ""]["dollars"] == pytest.approx(POD_DOLLARS)
+    assert rows["serving", EVIL_POD, ""]["waste_dollars"] == pytest.approx(POD_WASTE)
+    assert rows["", "", "8812"]["dollars"] == pytest.approx(JOB_DOLLARS)
+    assert rows["", "", "8812"]["waste_dollars"] == pytest.approx(JOB_WASTE)
+    left = {x["workload"]["hpc_job"]: x["dollars"] for x in made.json["idle"]["left_by"]}
+    assert left == {"": pytest.approx(IDLE_NOBODY), "8812": pytest.approx(IDLE_LEFT_BY_JOB)}
+    assert made.json["total"]["dollars"] == pytest.approx(TOTAL_DOLLARS)
+
+
+def test_every_row_of_the_page_is_the_json_report(made: Ledgers) -> None:
+    page = read_page(made.html)
+    table = page.tables["rows"]
+    groups = [r for r in table if r["attrs"]["data-kind"] == "group"]
+    # Same rows, same order (dollars, largest first), every figure equal to the last bit.
+    assert [_row_key(r) for r in groups] == [tuple(r[k] for k in parse_by(BY)) for r in made.json["rows"]]
+    for row, expected in zip(groups, made.json["rows"], strict=True):
+        assert figures(row) == {k: v for k, v in expected.items() if k in figures(row)}
+        assert set(figures(row)) == {"dollars", "gpu_hours_charged", "gpu_hours_used", "efficiency_ratio",
+                                     "waste_dollars", "energy_kwh"}  # fmt: skip
+    job = next(r for r in groups if _row_key(r) == ("", "", "8812"))
+    assert figures(job)["dollars"] == pytest.approx(JOB_DOLLARS)
+    # What people read: the figure rounded to cents, the efficiency in percent.
+    assert shown(job)["dollars"] == f"{JOB_DOLLARS:,.2f}" == "14.98"
+    assert shown(job)["efficiency_ratio"] == "90.0%"
+    assert job["cells"][0]["text"] == "(none)"  # no namespace: as the table says it
+
+    idle = [r for r in table if r["attrs"]["data-kind"] == "idle"]
+    json_idle = made.json["idle"]["left_by"]
+    assert [json.loads(r["attrs"]["data-left-by"]) for r in idle] == [x["workload"] for x in json_idle]
+    for row, expected in zip(idle, json_idle, strict=True):
+        assert figures(row)["dollars"] == expected["dollars"]
+        assert figures(row)["gpu_hours_charged"] == expected["gpu_hours_charged"]
+        assert figures(row)["efficiency_ratio"] is None
+    by_who = {json.loads(r["attrs"]["data-left-by"])["hpc_job"]: figures(r)["dollars"] for r in idle}
+    assert by_who == {"": pytest.approx(IDLE_NOBODY), "8812": pytest.approx(IDLE_LEFT_BY_JOB)}
+    # The idle section's own table says the same.
+    section = {r["attrs"]["data-left-by"]: figures(r)["dollars"] for r in page.tables["idle-by"]}
+    assert section == {r["attrs"]["data-left-by"]: figures(r)["dollars"] for r in idle}
+
+    (unobserved,) = (r for r in table if r["attrs"]["data-kind"] == "unobserved")
+    assert figures(unobserved)["dollars"] == made.json["unobserved"]["dollars"] == 0.0
+    (total,) = (r for r in table if r["attrs"]["data-kind"] == "total")
+    assert figures(total) == {k: v for k, v in made.json["total"].items() if k in figures(total)}
+
+
+def test_the_tiles_add_up_to_the_price_of_the_windows_gpu_time(made: Ledgers) -> None:
+    tiles = read_page(made.html).tiles
+    assert tiles["total_dollars"] == made.json["total"]["dollars"]
+    assert tiles["total_dollars"] == pytest.approx(TOTAL_DOLLARS)  # 4 GPUs x 12 h x $2.5
+    # Charged + idle + unobserved = price x time.
+    workloads = NOTEBOOK_DOLLARS + POD_DOLLARS + JOB_DOLLARS  # $30 + $30 + $14.979167 = $74.979167
+    assert tiles["workload_dollars"] == pytest.approx(workloads)
+    assert tiles["idle_dollars"] == pytest.approx(IDLE_NOBODY + IDLE_LEFT_BY_JOB)  # $30 + $15.020833
+    assert tiles["unobserved_dollars"] == 0.0
+    parts = (tiles["workload_dollars"], tiles["idle_dollars"], tiles["unobserved_dollars"])
+    assert math.fsum(p or 0.0 for p in parts) == pytest.approx(4 * HOURS * PRICE, rel=1e-12)
+    assert tiles["idle_dollars"] == made.json["idle"]["dollars"]
+    assert tiles["waste_dollars"] == made.json["total"]["waste_dollars"]
+    assert tiles["efficiency_ratio"] == made.json["total"]["efficiency_ratio"]
+    assert "= $120.00, the price of 48.00 GPU-hours" in made.html
+
+
+def test_spend_over_time_adds_up_hour_by_hour(made: Ledgers) -> None:
+    hours = read_page(made.html).tables["over-time-table"]
+    assert len(hours) == HOURS  # 12 hourly bars
+    assert hours[0]["attrs"]["data-start"] == "2026-11-20T18:00:00Z"
+    for hour in hours:
+        # Every hour: 4 GPUs x $2.5 = $10, whoever it went to.
+        assert math.fsum(float(c["value"]) for c in hour["cells"] if c["value"]) == pytest.approx(10.0)
+
+
+def test_labels_are_text_never_markup(made: Ledgers) -> None:
+    page = read_page(made.html)
+    assert page.scripts == 0
+    assert "<script" not in made.html.lower()
+    assert "&lt;script&gt;alert(&#x27;$x$&#x27;)&lt;/script&gt;" in made.html
+    # Nothing but what the page carries, said to the browser too.
+    assert "default-src 'none'" in made.html
+    assert page.svgs == 5  # spend over time, idle, waste, efficiency, savings
+
+
+def test_the_page_is_the_same_page_each_time(made: Ledgers) -> None:
+    settings = load_config(str(made.config))
+    again = html_from_ledgers(
+        [made.ledger], settings, by=parse_by(BY), since=None, until=None, runs=False, headroom=0.2
+    )
+    assert again == made.html
+
+
+def test_savings_are_report_recommends(made: Ledgers) -> None:
+    advice = gpuledger("report", "--ledger", str(made.ledger), "--recommend", "--format", "json")
+    assert advice.returncode == 0, advice.stderr
+    expected = {
+        json.dumps(w["workload"], sort_keys=True): w["saving_per_month_estimate"]
+        for w in json.loads(advice.stdout)["workloads"]
+        if w["saving_per_month_estimate"] > 0
+    }
+    rows = read_page(made.html).tables["savings"]
+    assert len(rows) == len(expected) == 2  # the idle notebook and the 40%-busy pod fit a MIG slice
+    assert sorted(figures(r)["saving_per_month"] for r in rows) == sorted(expected.values())
+
+
+def test_an_empty_window_is_a_page_that_says_so(made: Ledgers) -> None:
+    out = made.dir / "empty.html"
+    done = gpuledger(
+        "report", "--ledger", str(made.ledger), "--since", "2027-01-01", "--until", "2027-02-01",
+        "--format", "html", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    assert 'id="empty"' in text
+    assert "No GPU time recorded in this window" in text
+    assert "ledger hours 2027-01-01T00:00:00Z to 2027-02-01T00:00:00Z" in text
+    assert read_page(text).svgs == 0
+
+
+def test_a_ledger_with_no_charges_is_a_page_that_says_so(made: Ledgers) -> None:
+    empty = made.dir / "new.db"
+    with Ledger(empty, retention_s=None):
+        pass
+    done = gpuledger("report", "--ledger", str(empty), "--format", "html")
+    assert done.returncode == 0, done.stderr
+    assert 'id="empty"' in done.stdout
+    assert "no ledger hours recorded" in done.stdout
+
+
+def test_without_matplotlib_one_line_names_the_extra(made: Ledgers, tmp_path: Path) -> None:
+    # A matplotlib that cannot be imported, first on the path.
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", ""), str(Path(__file__).parent.parent)])
+    done = gpuledger("report", "--ledger", str(made.ledger), "--format", "html", env={"PYTHONPATH": path})
+    assert done.returncode == 2
+    assert done.stderr == (
+        "gpuledger: report --format html needs matplotlib: pip install 'gpuledger[html]'\n"
+    )  # fmt: skip
+    assert done.stdout == ""
+
+
+def test_out_writes_any_format_to_the_file(made: Ledgers) -> None:
+    out = made.dir / "report.csv"
+    to_file = gpuledger("report", "--ledger", str(made.ledger), "--format", "csv", "--out", str(out))
+    to_stdout = gpuledger("report", "--ledger", str(made.ledger), "--format", "csv")
+    assert to_file.returncode == to_stdout.returncode == 0
+    assert to_file.stdout == ""
+    assert out.read_text() == to_stdout.stdout
+    assert to_stdout.stdout.startswith("kind,namespace,hpc_job,dollars")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--recommend",), "--format html holds the right-sizing advice already"),
+        (("--out", "/nonexistent-dir/r.html"), "--out"),
+    ],
+)
+def test_bad_html_arguments_are_one_line_exit_2(made: Ledgers, args: tuple[str, ...], message: str) -> None:
+    done = gpuledger("report", "--ledger", str(made.ledger), "--format", "html", *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert len(done.stderr.splitlines()) == 1
+
+
+# --- in a real browser ------------------------------------------------------------------------------
+
+
+def chromium() -> str:
+    """Debian's chromium (scripts/check installs it). Missing is a failure, not a skip: a skipped
+    browser test would let a broken page through unnoticed."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        pytest.fail("chromium is not installed: apt-get install chromium (scripts/check does)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=chromium())
+        yield launched
+        launched.close()
+
+
+@dataclass
+class Visit:
+    console: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    requests: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+def test_the_page_renders_in_chromium_without_errors_or_requests(made: Ledgers, browser: Any, tmp_path: Path) -> None:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    seen = Visit()
+    page.on("console", lambda m: seen.console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda e: seen.errors.append(str(e)))
+    page.on("request", lambda r: seen.requests.append(r.url))
+    page.on("requestfailed", lambda r: seen.failed.append(r.url))
+    url = made.html_file.resolve().as_uri()
+    response = page.goto(url, wait_until="load")
+    assert response is not None
+    assert response.ok
+    assert seen.console == []
+    assert seen.errors == []
+    assert seen.failed == []
+    assert seen.requests == [url]  # the page itself and nothing else: no network at view time
+
+    charts = page.locator("svg.chart")
+    assert charts.count() == 5
+    for i in range(charts.count()):
+        chart = charts.nth(i)
+        assert chart.is_visible()
+        box = chart.bounding_box()
+        assert box is not None
+        assert box["width"] > 400
+        assert box["height"] > 100
+        assert chart.get_attribute("aria-label")
+    # The script-named pod is text in the table, and no script ran.
+    cell = page.locator("#rows td", has_text="alert(").first
+    assert cell.inner_text().replace("\n", "") == EVIL_POD
+    assert page.title().startswith("GPU cost by namespace, pod, hpc_job")
+    shot = tmp_path / "report.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 20_000
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page.close()
+
+
+def test_the_empty_page_renders_too(made: Ledgers, browser: Any) -> None:
+    empty = made.dir / "empty-browser.html"
+    done = gpuledger(
+        "report", "--ledger", str(made.ledger), "--since", "2027-01-01", "--until", "2027-01-02",
+        "--format", "html", "--out", str(empty),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    page = browser.new_page()
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.goto(empty.resolve().as_uri())
+    assert page.locator("#empty").is_visible()
+    assert problems == []
+    page.close()
+
+
+# --- spend over time, pure --------------------------------------------------------------------------
+
+FRIDAY = datetime(2026, 11, 20, 18, tzinfo=UTC).timestamp()
+
+
+def hourly_rows(workload: Workload, dollars_per_hour: float, hours: int) -> list[UsageRow]:
+    return [
+        UsageRow(int(FRIDAY + h * 3600), "gpu-node-01", 0, "GPU-0", workload, 3600.0, 1800.0, dollars_per_hour, 0.0,
+                 charged_s=3600.0)
+        for h in range(hours)
+    ]  # fmt: skip
+
+
+def test_bucket_sizes_and_weeks_from_monday() -> None:
+    assert bucket_size(FRIDAY, FRIDAY + 4 * 86400) == 3600  # up to 4 days: hours
+    assert bucket_size(FRIDAY, FRIDAY + 31 * 86400) == 86400  # a month: days
+    assert bucket_size(FRIDAY, FRIDAY + 365 * 86400) == 7 * 86400  # a year: weeks
+    week = datetime.fromtimestamp(bucket_start(FRIDAY, 7 * 86400), UTC)
+    assert (week.isoformat(), week.strftime("%A")) == ("2026-11-16T00:00:00+00:00", "Monday")
+    day = bucket_start(FRIDAY, 86400)
+    assert datetime.fromtimestamp(day, UTC).isoformat() == "2026-11-20T00:00:00+00:00"
+
+
+def test_ten_days_are_daily_bars_that_add_up_to_the_report() -> None:
+    a = Workload(hpc_job="1", user="alice")
+    b = Workload(hpc_job="2", user="bob")
+    rows = hourly_rows(a, 2.5, 240) + hourly_rows(b, 0.5, 24)
+    report = build_report(rows, ("hpc_job",))
+    timeline = spend_over_time(report, rows, top=1)
+    assert timeline.bucket_s == 86400
+    # Friday 18:00 for 240 hours: Nov 20 (6 hours) to Nov 30 (18 hours), 11 days.
+    assert len(timeline.starts) == 11
+    series = dict(timeline.series)
+    assert list(series) == ["1", "other (1)", "(idle)", "(unobserved)"]
+    # Job 1 at $2.5 an hour: 6 h on the first day ($15), 24 h on each of the 9 between ($60), 18 h on the last ($45).
+    assert series["1"] == pytest.approx((15.0, *([60.0] * 9), 45.0))
+    assert math.fsum(series["1"]) == pytest.approx(240 * 2.5)  # = the report's line: $600
+    # Job 2, drawn as "other": $0.5 an hour for its first 24 hours: $3 on Nov 20, $9 on Nov 21.
+    assert series["other (1)"] == pytest.approx((3.0, 9.0, *([0.0] * 9)))
+    assert series["(idle)"] == (0.0,) * 11
