@@ -151,6 +151,17 @@ POLICY_LOW_UTILIZATION = 4
 POLICY_RELIABILITY = 5
 POLICY_TOTAL_APP_CLOCKS = 10
 POLICY_TOTAL_BASE_CLOCKS = 11
+# Each policy by the name a trace's `violation_ns:` gives it (the agent's violation causes).
+POLICY_NAMES: dict[str, int] = {
+    "power": POLICY_POWER,
+    "thermal": POLICY_THERMAL,
+    "sync_boost": POLICY_SYNC_BOOST,
+    "board_limit": POLICY_BOARD_LIMIT,
+    "low_utilization": POLICY_LOW_UTILIZATION,
+    "reliability": POLICY_RELIABILITY,
+    "app_clocks": POLICY_TOTAL_APP_CLOCKS,
+    "base_clocks": POLICY_TOTAL_BASE_CLOCKS,
+}
 
 
 @dataclass(frozen=True)
