@@ -264,6 +264,25 @@ class NodeHealth:
                 total += fault.accrued(fault.ecc.uncorrected if uncorrected else fault.ecc.corrected, t)
         return int(total)
 
+    @staticmethod
+    def ecc_error_times(fault: Fault) -> list[tuple[float, bool]]:
+        """When each memory error of an `ecc:` fault happens, and whether it is uncorrected:
+        the moments its counter (`ecc_errors`, through Fault.accrued) steps up by one. The
+        driver sends one ECC event for each (nvmlEventTypeSingleBitEccError for a corrected
+        error, ..DoubleBitEccError for an uncorrected one), so a scenario's errors and the events
+        an event set delivers are the same errors."""
+        ecc = fault.ecc
+        if ecc is None:
+            return []
+        times: list[tuple[float, bool]] = []
+        for count, uncorrected in ((ecc.corrected, False), (ecc.uncorrected, True)):
+            if fault.until_s is None:
+                times += [(fault.at_s, uncorrected)] * count
+            else:
+                span = fault.until_s - fault.at_s
+                times += [(fault.at_s + span * k / count, uncorrected) for k in range(1, count + 1)]
+        return sorted(times)
+
     def retired_pages(self, gpu: int, t: float) -> tuple[int, int, bool] | None:
         """(pages retired for single-bit errors, for double-bit errors, retirement pending);
         None on a board that remaps rows instead. Each double-bit error retires its page, which

@@ -19,6 +19,7 @@ from fake_nvml.scenario.facts import (
     DEFAULT_BOARD,
     DEFAULT_FACTS,
     DRIVER_EVENTS,
+    ECC_EVENTS,
     ERROR_CODES,
     MIG_PROFILE,
     MODEL_FACTS,
@@ -569,6 +570,13 @@ def _parse_faults(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Fault, ...]:
             raise r.fail("gpu", "event needs the GPU it happens on")
         latency_ms = r.num("latency_ms", 0.0) or 0.0
         health = _parse_health_fault(r, gpus, gpu)
+        if event in ECC_EVENTS:
+            # One model of a memory error (fake_nvml/health.py): an ECC event is an `ecc:` fault
+            # of one error, which both moves the counters and sends the event.
+            if health.get("ecc") is not None:
+                raise r.fail("event", f"{event} is an ecc fault of one error: give ecc or event, not both")
+            health["ecc"] = EccErrors(**{ECC_EVENTS[event]: 1})
+            event = None
         if (
             error is None
             and not links
