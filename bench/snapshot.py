@@ -88,9 +88,12 @@ NOTES = (
     " 12-link GPU).",
     "Scale: medians over --scale-polls polls; attribution steady (process cache warm), each device allocated to"
     " one Slurm job. Calls are per physical GPU (a MIG GPU's instances count toward their GPU); us/process is"
-    " the sampler's time over the node's processes: flat from 512 to 2048 processes means linear growth. A MIG"
-    " GPU reads each instance's memory (7 calls when fully split) and so takes all its health readings on the"
-    " slow rhythm: on top of its 10 calls, 6 every slow interval (11 on average at 5s polls).",
+    " the sampler's time over the node's processes: flat from 512 to 2048 processes means linear growth.",
+    "Calls per GPU per poll: a whole GPU makes 8 calls a poll (field values, memory, utilization, temperature,"
+    " processes, process samples, device samples, SM clock) and 7 more every slow interval; a MIG-enabled GPU"
+    " makes 3 (field values, temperature, the process list of all its instances), reads an instance's memory"
+    " where its processes' memory changed (else once a slow interval, 7 calls when fully split) and takes its"
+    " 6 health calls on the slow rhythm. Averaged over whole slow intervals (30s, 6 polls at 5s).",
 )
 
 
@@ -721,18 +724,67 @@ def scale_section(polls: int, warmup: int) -> list[str]:
     return table(rows, "<>>>>>>>")
 
 
+CALL_CASES = (
+    ("whole GPU (8 x A100, 64 processes)", scaled_demo()),
+    ("MIG GPU (8 x A100, 7 x 1g.10gb, 1000 processes)", scale_node(mig=True, processes=1000)),
+)
+
+
+def calls_per_gpu(scenario: dict[str, Any], slow_intervals: int) -> tuple[float, Counter[str]]:
+    """NVML calls per GPU per poll over whole slow intervals (the readings read every
+    `readings.slow_interval` fall once in each), after one of warm-up; and per function."""
+    agent = build_agent(Settings(), fake=scenario, costing=False, rules=())
+    node = agent.node
+    assert node is not None
+    try:
+        per_interval = round(agent.settings.readings.slow_interval / STEP_S)
+        for _ in range(per_interval):
+            node.clock.advance(STEP_S)
+            agent.sampler.poll()
+        before = Counter(node.calls)
+        polls = per_interval * slow_intervals
+        for _ in range(polls):
+            node.clock.advance(STEP_S)
+            agent.sampler.poll()
+        calls = Counter(node.calls) - before
+    finally:
+        agent.close()
+    gpus = len(node.scenario.gpus)
+    return sum(calls.values()) / polls / gpus, Counter({fn: n / polls / gpus for fn, n in calls.items()})
+
+
+def calls_section(slow_intervals: int = 4) -> list[str]:
+    """Calls per GPU per poll for whole and MIG GPUs, every default reading on, against the target."""
+    rows: list[tuple[str, ...]] = [("NVML calls per GPU per poll", "calls", "target", "result")]
+    breakdowns = []
+    for name, scenario in CALL_CASES:
+        per_gpu, by_function = calls_per_gpu(scenario, slow_intervals)
+        verdict = "PASS" if per_gpu <= TARGET_CALLS_PER_GPU else "MISS"
+        rows.append((name, f"{per_gpu:.2f}", f"<= {TARGET_CALLS_PER_GPU:g}", verdict))
+        breakdowns.append(by_function)
+    lines = table(rows, "<>>>")
+    functions = sorted(set().union(*breakdowns))
+    detail = [("per function", "whole", "MIG")]
+    detail += [(fn, *(f"{b[fn]:.3f}" for b in breakdowns)) for fn in functions]
+    return [*lines, "", *table(detail, "<>>")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--polls", type=int, default=200, help="timed polls per reader (default 200)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed polls first (default 20)")
     parser.add_argument("--scale-polls", type=int, default=30, help="timed polls per scale case (default 30)")
     parser.add_argument("--scale-only", action="store_true", help="run only the scale section")
+    parser.add_argument("--calls-only", action="store_true", help="run only the calls-per-GPU section")
     args = parser.parse_args(argv)
     if args.polls < 1 or args.warmup < 1:
         parser.error("--polls and --warmup must be at least 1")
 
     if args.scale_only:
         print("\n".join(scale_section(args.scale_polls, warmup=3)))
+        return 0
+    if args.calls_only:
+        print("\n".join(calls_section()))
         return 0
     # The agent as the CLI builds it; only its sampler and attribution are timed here.
     agent = build_agent(Settings(), fake=scaled_demo(), costing=False, rules=())
@@ -753,6 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sections = [
         poll_cost_section(readers, args.polls),
+        calls_section(),
         attribution,
         scale,
     ]

@@ -9,7 +9,8 @@ The C functions pynvml wraps, with its signatures:
     nvmlEventSetFree(nvmlEventSet_t set)
 
 A set delivers the events of the devices registered on it that happen after it was created
-(scenario `xid:` faults and `event:` faults), one per wait, in scenario-time order. A wait
+(scenario `xid:` and `event:` faults, and an ECC event for each error of an `ecc:` fault, at the
+moment its counter moves), one per wait, in scenario-time order. A wait
 blocks in real time for up to its timeout, looking at the scenario clock as it goes, so a
 clock that a test advances by hand, or one running at a speed, delivers events when scenario
 time reaches them. As the real driver does, a wait on a set holding a GPU that has fallen off
@@ -29,8 +30,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from fake_nvml.health import NodeHealth
 from fake_nvml.lib import INVALID_ARGUMENT, NOT_SUPPORTED, SUCCESS, Dev, FakeNvmlLibrary, _c, _int, _obj
-from fake_nvml.scenario import ERROR_CODES
+from fake_nvml.scenario import ERROR_CODES, Fault
 
 # nvmlEventType* (nvml.h)
 SINGLE_BIT_ECC = 0x1
@@ -42,7 +44,8 @@ CLOCK = 0x10
 # GPUs, only XID events are supported for MIG device handles").
 GPU_EVENTS = SINGLE_BIT_ECC | DOUBLE_BIT_ECC | PSTATE | XID_CRITICAL_ERROR | CLOCK
 MIG_EVENTS = XID_CRITICAL_ERROR
-EVENT_TYPES = {"single_bit_ecc": SINGLE_BIT_ECC, "double_bit_ecc": DOUBLE_BIT_ECC, "clock_change": CLOCK}
+# Events a scenario names with `event:` (the ECC ones arrive as `ecc:` faults: `_fault_events`).
+EVENT_TYPES = {"clock_change": CLOCK}
 
 TIMEOUT = ERROR_CODES["TIMEOUT"]
 GPU_IS_LOST = ERROR_CODES["GPU_IS_LOST"]
@@ -165,16 +168,25 @@ def _register(lib: FakeNvmlLibrary, t: float, dev: Dev, types: Any, event_set: A
         events.registered[gpu] = already | wanted
         # Only what happens from now on: a device registered later misses what came before.
         for order, fault in enumerate(lib._node.scenario.faults):
-            if fault.gpu != gpu or fault.at_s <= t:
+            if fault.gpu != gpu:
                 continue
-            if fault.xid is not None and new & XID_CRITICAL_ERROR:
-                pending = _Pending(fault.at_s, order, gpu, XID_CRITICAL_ERROR, fault.xid, dev.mig)
-            elif fault.event is not None and new & EVENT_TYPES[fault.event]:
-                pending = _Pending(fault.at_s, order, gpu, EVENT_TYPES[fault.event], 0, dev.mig)
-            else:
-                continue
-            heapq.heappush(events.pending, pending)
+            for at_s, event_type, data in _fault_events(fault):
+                if at_s > t and new & event_type:
+                    heapq.heappush(events.pending, _Pending(at_s, order, gpu, event_type, data, dev.mig))
     return SUCCESS
+
+
+def _fault_events(fault: Fault) -> list[tuple[float, int, int]]:
+    """The events a fault makes the driver send: (when, nvmlEventType*, event data)."""
+    found = [
+        (at_s, DOUBLE_BIT_ECC if uncorrected else SINGLE_BIT_ECC, 0)
+        for at_s, uncorrected in NodeHealth.ecc_error_times(fault)
+    ]
+    if fault.xid is not None:
+        found.append((fault.at_s, XID_CRITICAL_ERROR, fault.xid))
+    if fault.event is not None:
+        found.append((fault.at_s, EVENT_TYPES[fault.event], 0))
+    return found
 
 
 def _stale(lib: FakeNvmlLibrary, events: _EventSet, now: float) -> bool:

@@ -10,6 +10,8 @@ Every reading is a function of (GPU, scenario time), like the node's power and t
 - ECC errors, remapped rows, PCIe replays and NVLink errors move only with `ecc:`, `remap:`,
   `pcie_downgrade:` and `nvlink_errors:` faults (see Fault.accrued for how counts accrue).
 - NVLink and PCIe traffic follow utilization; a link that is down carries none.
+- A recorded trace's rows (`readings:`, with `HealthRow`s) stand in for all of this: where the
+  row in force holds a reading, that is the answer, exactly as the recorded driver gave it.
 
 Counters that integrate over time (violation time, NVLink bytes) are exact: everything they
 depend on is constant between the GPU's breakpoints (process starts, ends and load segments,
@@ -42,7 +44,7 @@ from fake_nvml.scenario.facts import (
     THROTTLE_KINDS,
     BoardFacts,
 )
-from fake_nvml.scenario.model import Fault
+from fake_nvml.scenario.model import Fault, HealthRow
 
 if TYPE_CHECKING:
     from fake_nvml.node import FakeNode
@@ -128,6 +130,35 @@ class NodeHealth:
     def board(self, gpu: int) -> BoardFacts:
         return self._boards[gpu]
 
+    def _recorded(self, gpu: int, t: float) -> HealthRow | None:
+        """The health readings of the recorded row in force at t (None: physics answers)."""
+        row = self._node.reading_row(gpu, t)
+        return None if row is None else row.health
+
+    def clock_max_mhz(self, gpu: int, t: float) -> tuple[int, int]:
+        """(SM, memory) clock maxima: the recording's, else the board's data sheet."""
+        board, row = self._boards[gpu], self._recorded(gpu, t)
+        sm = row.sm_clock_max_mhz if row is not None and row.sm_clock_max_mhz is not None else board.sm_clock_max_mhz
+        memory = board.memory_clock_max_mhz
+        if row is not None and row.memory_clock_max_mhz is not None:
+            memory = row.memory_clock_max_mhz
+        return sm, memory
+
+    def performance_state(self, gpu: int, t: float) -> int:
+        """P0 while busy, P8 idle."""
+        row = self._recorded(gpu, t)
+        if row is not None and row.performance_state is not None:
+            return row.performance_state
+        return 0 if self._node.utilization(gpu, t) > 0 else 8
+
+    def memory_utilization_percent(self, gpu: int, t: float) -> int:
+        """The memory controller's busy percent: 60% of the SMs' while anything holds memory."""
+        row = self._recorded(gpu, t)
+        if row is not None and row.memory_utilization is not None:
+            return row.memory_utilization
+        percent = self._node.utilization(gpu, t)
+        return round(percent * 0.6) if self._node.memory_used_mib(gpu, None, t) else 0
+
     # -- clocks and throttling ----------------------------------------------------------------
 
     def _throttles(self, gpu: int, t: float) -> tuple[int, float, frozenset[int]]:
@@ -164,15 +195,24 @@ class NodeHealth:
         return reasons, factor, frozenset(policies)
 
     def clock_event_reasons(self, gpu: int, t: float) -> int:
+        row = self._recorded(gpu, t)
+        if row is not None and row.clock_event_reasons is not None:
+            return row.clock_event_reasons
         return self._throttles(gpu, t)[0]
 
     def sm_clock_mhz(self, gpu: int, t: float) -> int:
+        row = self._recorded(gpu, t)
+        if row is not None and row.sm_clock_mhz is not None:
+            return row.sm_clock_mhz
         board = self._boards[gpu]
         if self._node.utilization(gpu, t) <= 0:
             return board.sm_clock_idle_mhz
         return round(board.sm_clock_max_mhz * self._throttles(gpu, t)[1])
 
     def memory_clock_mhz(self, gpu: int, t: float) -> int:
+        row = self._recorded(gpu, t)
+        if row is not None and row.memory_clock_mhz is not None:
+            return row.memory_clock_mhz
         board = self._boards[gpu]
         busy = self._node.utilization(gpu, t) > 0
         return board.memory_clock_max_mhz if busy else board.memory_clock_idle_mhz
@@ -190,10 +230,16 @@ class NodeHealth:
         index = _POLICY_INDEX.get(policy)
         if index is None:
             return None
+        row = self._recorded(gpu, t)
+        if row is not None and policy in row.violation_ns:
+            return row.violation_ns[policy]
         return round(self._violations[gpu].at(t)[index] * 1e9)
 
     def fan_percent(self, gpu: int, t: float) -> int | None:
         """The fan's speed, rising with temperature; None for a passively cooled board."""
+        row = self._recorded(gpu, t)
+        if row is not None and row.fan_percent is not None:
+            return row.fan_percent
         if not self._boards[gpu].fans:
             return None
         spec = self._node.scenario.gpus[gpu]
@@ -203,19 +249,47 @@ class NodeHealth:
 
     # -- memory errors ------------------------------------------------------------------------
 
-    def ecc_errors(self, gpu: int, uncorrected: bool, t: float) -> int:
+    def ecc_errors(self, gpu: int, uncorrected: bool, t: float, aggregate: bool = False) -> int:
         """ECC errors since t=0. Volatile and aggregate counts are the same: the scenario's
-        board has seen no errors before it, and its driver is never reloaded."""
+        board has seen no errors before it, and its driver is never reloaded (a recording
+        keeps both as the driver gave them)."""
+        row = self._recorded(gpu, t)
+        if row is not None:
+            name = ("uncorrected" if uncorrected else "corrected") + ("_aggregate" if aggregate else "")
+            if name in row.ecc:
+                return row.ecc[name]
         total = 0.0
         for fault in self._faults[gpu]:
             if fault.ecc is not None:
                 total += fault.accrued(fault.ecc.uncorrected if uncorrected else fault.ecc.corrected, t)
         return int(total)
 
+    @staticmethod
+    def ecc_error_times(fault: Fault) -> list[tuple[float, bool]]:
+        """When each memory error of an `ecc:` fault happens, and whether it is uncorrected:
+        the moments its counter (`ecc_errors`, through Fault.accrued) steps up by one. The
+        driver sends one ECC event for each (nvmlEventTypeSingleBitEccError for a corrected
+        error, ..DoubleBitEccError for an uncorrected one), so a scenario's errors and the events
+        an event set delivers are the same errors."""
+        ecc = fault.ecc
+        if ecc is None:
+            return []
+        times: list[tuple[float, bool]] = []
+        for count, uncorrected in ((ecc.corrected, False), (ecc.uncorrected, True)):
+            if fault.until_s is None:
+                times += [(fault.at_s, uncorrected)] * count
+            else:
+                span = fault.until_s - fault.at_s
+                times += [(fault.at_s + span * k / count, uncorrected) for k in range(1, count + 1)]
+        return sorted(times)
+
     def retired_pages(self, gpu: int, t: float) -> tuple[int, int, bool] | None:
         """(pages retired for single-bit errors, for double-bit errors, retirement pending);
         None on a board that remaps rows instead. Each double-bit error retires its page, which
         stays pending until the driver reloads."""
+        row = self._recorded(gpu, t)
+        if row is not None and row.retired_pages is not None:
+            return row.retired_pages
         if self._boards[gpu].remaps_rows:
             return None
         double = self.ecc_errors(gpu, True, t)
@@ -223,6 +297,9 @@ class NodeHealth:
 
     def remapped_rows(self, gpu: int, t: float) -> tuple[int, int, bool, bool] | None:
         """(correctable, uncorrectable, pending, failure); None on a board before Ampere."""
+        row = self._recorded(gpu, t)
+        if row is not None and row.remapped_rows is not None:
+            return row.remapped_rows
         if not self._boards[gpu].remaps_rows:
             return None
         correctable = uncorrectable = 0
@@ -242,8 +319,10 @@ class NodeHealth:
 
     def pcie_link(self, gpu: int, t: float) -> tuple[int, int]:
         """(generation, width) the link runs at now."""
-        board = self._boards[gpu]
+        board, row = self._boards[gpu], self._recorded(gpu, t)
         generation, width = board.pcie_generation, board.pcie_width
+        if row is not None and row.pcie_generation is not None and row.pcie_width is not None:
+            return row.pcie_generation, row.pcie_width
         for fault in self._faults[gpu]:
             downgrade = fault.pcie_downgrade
             if downgrade is not None and fault.active(t):
@@ -251,13 +330,29 @@ class NodeHealth:
                 width = min(width, downgrade.width or width)
         return generation, width
 
+    def pcie_link_max(self, gpu: int, t: float) -> tuple[int, int]:
+        """(generation, width) the link can run at: the recording's, else the data sheet's."""
+        board, row = self._boards[gpu], self._recorded(gpu, t)
+        generation, width = board.pcie_generation, board.pcie_width
+        if row is not None and row.pcie_generation_max is not None:
+            generation = row.pcie_generation_max
+        if row is not None and row.pcie_width_max is not None:
+            width = row.pcie_width_max
+        return generation, width
+
     def pcie_replays(self, gpu: int, t: float) -> int:
+        row = self._recorded(gpu, t)
+        if row is not None and row.pcie_replays is not None:
+            return row.pcie_replays
         return int(
             sum(f.accrued(f.pcie_downgrade.replays, t) for f in self._faults[gpu] if f.pcie_downgrade is not None)
         )
 
     def pcie_throughput_kib_s(self, gpu: int, t: float) -> tuple[int, int]:
         """(transmit, receive) KiB/s now: the host feeds the GPU more than it reads back."""
+        row = self._recorded(gpu, t)
+        if row is not None and row.pcie_kib_s is not None:
+            return row.pcie_kib_s
         busy = self._node.utilization(gpu, t) / 100
         return round(busy * PCIE_BYTES_PER_S / 2 / 1024), round(busy * PCIE_BYTES_PER_S / 1024)
 
@@ -265,6 +360,9 @@ class NodeHealth:
 
     def nvlink_errors(self, gpu: int, link: int, kind: str, t: float) -> int:
         """Errors of `kind` ("crc", "replay", "recovery") counted on one link since t=0."""
+        row = self._recorded(gpu, t)
+        if row is not None and link < len(row.nvlinks) and kind in row.nvlinks[link]:
+            return row.nvlinks[link][kind]
         total = 0.0
         for fault in self._faults[gpu]:
             errors = fault.nvlink_errors
@@ -282,14 +380,24 @@ class NodeHealth:
 
         return rates
 
-    def nvlink_kib(self, gpu: int, link: int, t: float) -> int:
-        """KiB carried by one link in each direction since t=0 (traffic is symmetric here)."""
+    def nvlink_kib(self, gpu: int, link: int, t: float, receive: bool = False) -> int:
+        """KiB carried by one link in one direction since t=0 (traffic is symmetric here, not
+        always in a recording)."""
+        row = self._recorded(gpu, t)
+        if row is not None and link < len(row.nvlinks):
+            recorded = row.nvlinks[link].get("rx_kib" if receive else "tx_kib")
+            if recorded is not None:
+                return recorded
         return int(self._nvlink[gpu].at(t)[link] / 1024)
 
     # -- video --------------------------------------------------------------------------------
 
     def codec_percent(self, gpu: int, t: float, encoder: bool) -> int:
         """The video encoder's (or decoder's) load: its processes' summed, capped at 100."""
+        row = self._recorded(gpu, t)
+        recorded = None if row is None else row.encoder_utilization if encoder else row.decoder_utilization
+        if recorded is not None:
+            return recorded
         processes = self._node.processes_on(gpu, None, t)
         load = sum(p.encoder_util if encoder else p.decoder_util for p in processes)
         return round(min(load, 100.0))

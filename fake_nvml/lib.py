@@ -119,18 +119,18 @@ def _nvlink_error_field(kind: str, link: int | None) -> Callable[[FakeNode, int,
     return read
 
 
-def _nvlink_traffic_field(overhead: float) -> Callable[[FakeNode, int, int, float], Any]:
+def _nvlink_traffic_field(overhead: float, receive: bool) -> Callable[[FakeNode, int, int, float], Any]:
     def read(node: FakeNode, gpu: int, scope: int, t: float) -> Any:
         links = _links_of(node, gpu, scope)
         if isinstance(links, int):
             return links
-        return _VALUE_TYPE_ULONGLONG, round(sum(node.health.nvlink_kib(gpu, n, t) for n in links) * overhead)
+        return _VALUE_TYPE_ULONGLONG, round(sum(node.health.nvlink_kib(gpu, n, t, receive) for n in links) * overhead)
 
     return read
 
 
-def _ecc_field(uncorrected: bool) -> Callable[[FakeNode, int, int, float], Any]:
-    return lambda node, gpu, scope, t: (_VALUE_TYPE_ULONGLONG, node.health.ecc_errors(gpu, uncorrected, t))
+def _ecc_field(uncorrected: bool, aggregate: bool) -> Callable[[FakeNode, int, int, float], Any]:
+    return lambda node, gpu, scope, t: (_VALUE_TYPE_ULONGLONG, node.health.ecc_errors(gpu, uncorrected, t, aggregate))
 
 
 def _retired_field(which: int) -> Callable[[FakeNode, int, int, float], Any]:
@@ -160,10 +160,10 @@ def _violation_field(policy: int) -> Callable[[FakeNode, int, int, float], Any]:
 # The health fields (nvml.h NVML_FI_DEV_*): field id -> (the call whose faults it shares, reader).
 # A reader answers (value type, value) or an NVML return code.
 _HEALTH_FIELDS: dict[int, tuple[str, Callable[[FakeNode, int, int, float], Any]]] = {
-    3: ("nvmlDeviceGetTotalEccErrors", _ecc_field(False)),  # ECC_SBE_VOL_TOTAL
-    4: ("nvmlDeviceGetTotalEccErrors", _ecc_field(True)),  # ECC_DBE_VOL_TOTAL
-    5: ("nvmlDeviceGetTotalEccErrors", _ecc_field(False)),  # ECC_SBE_AGG_TOTAL
-    6: ("nvmlDeviceGetTotalEccErrors", _ecc_field(True)),  # ECC_DBE_AGG_TOTAL
+    3: ("nvmlDeviceGetTotalEccErrors", _ecc_field(False, False)),  # ECC_SBE_VOL_TOTAL
+    4: ("nvmlDeviceGetTotalEccErrors", _ecc_field(True, False)),  # ECC_DBE_VOL_TOTAL
+    5: ("nvmlDeviceGetTotalEccErrors", _ecc_field(False, True)),  # ECC_SBE_AGG_TOTAL
+    6: ("nvmlDeviceGetTotalEccErrors", _ecc_field(True, True)),  # ECC_DBE_AGG_TOTAL
     29: ("nvmlDeviceGetRetiredPages", _retired_field(0)),  # RETIRED_SBE
     30: ("nvmlDeviceGetRetiredPages", _retired_field(1)),  # RETIRED_DBE
     31: ("nvmlDeviceGetRetiredPages", _retired_field(2)),  # RETIRED_PENDING
@@ -186,10 +186,10 @@ _HEALTH_FIELDS: dict[int, tuple[str, Callable[[FakeNode, int, int, float], Any]]
         lambda node, gpu, scope, t: (_VALUE_TYPE_UINT, node.health.pcie_replays(gpu, t)),
     ),
     # NVLINK_THROUGHPUT_DATA_TX/RX and RAW_TX/RX (data plus protocol overhead), KiB, per link.
-    138: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.0)),
-    139: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.0)),
-    140: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.1)),
-    141: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.1)),
+    138: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.0, receive=False)),
+    139: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.0, receive=True)),
+    140: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.1, receive=False)),
+    141: ("nvmlDeviceGetFieldValues", _nvlink_traffic_field(1.1, receive=True)),
     142: ("nvmlDeviceGetRemappedRows", _remap_field(0)),  # REMAPPED_COR
     143: ("nvmlDeviceGetRemappedRows", _remap_field(1)),  # REMAPPED_UNC
     144: ("nvmlDeviceGetRemappedRows", _remap_field(2)),  # REMAPPED_PENDING
@@ -680,8 +680,7 @@ def _utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     util = _obj(out)
     percent = lib._node.utilization(dev.gpu, t)
     util.gpu = round(percent)
-    used = lib._node.memory_used_mib(dev.gpu, None, t)
-    util.memory = round(percent * 0.6) if used else 0
+    util.memory = lib._node.health.memory_utilization_percent(dev.gpu, t)
     return SUCCESS
 
 
@@ -821,7 +820,7 @@ def _power_constraints(lib: FakeNvmlLibrary, t: float, dev: Dev, low: Any, high:
 def _pstate(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     if dev.mig is not None:
         return NOT_SUPPORTED
-    _obj(out).value = 0 if lib._node.utilization(dev.gpu, t) > 0 else 8
+    _obj(out).value = lib._node.health.performance_state(dev.gpu, t)
     return SUCCESS
 
 
@@ -857,13 +856,9 @@ def _clock(lib: FakeNvmlLibrary, t: float, dev: Dev, which: Any, out: Any) -> in
 def _max_clock(lib: FakeNvmlLibrary, t: float, dev: Dev, which: Any, out: Any) -> int:
     if dev.mig is not None:
         return NOT_SUPPORTED
-    board, kind = lib._node.health.board(dev.gpu), _int(which)
-    table = {
-        _CLOCK_GRAPHICS: board.sm_clock_max_mhz,
-        _CLOCK_SM: board.sm_clock_max_mhz,
-        _CLOCK_MEM: board.memory_clock_max_mhz,
-        _CLOCK_VIDEO: round(board.sm_clock_max_mhz * 0.9),
-    }
+    sm, memory = lib._node.health.clock_max_mhz(dev.gpu, t)
+    kind = _int(which)
+    table = {_CLOCK_GRAPHICS: sm, _CLOCK_SM: sm, _CLOCK_MEM: memory, _CLOCK_VIDEO: round(sm * 0.9)}
     if kind not in table:
         return INVALID_ARGUMENT
     _obj(out).value = table[kind]
@@ -1127,7 +1122,7 @@ def _total_ecc_errors(lib: FakeNvmlLibrary, t: float, dev: Dev, error_type: Any,
         return NOT_SUPPORTED
     if _int(error_type) not in (0, 1) or _int(counter_type) not in (0, 1):
         return INVALID_ARGUMENT
-    _obj(out).value = lib._node.health.ecc_errors(dev.gpu, _int(error_type) == 1, t)
+    _obj(out).value = lib._node.health.ecc_errors(dev.gpu, _int(error_type) == 1, t, _int(counter_type) == 1)
     return SUCCESS
 
 
@@ -1193,13 +1188,13 @@ def _pcie_width(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
 @_c("nvmlDeviceGetMaxPcieLinkGeneration")
 @_c("nvmlDeviceGetGpuMaxPcieLinkGeneration")
 def _pcie_max_generation(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
-    _obj(out).value = lib._node.health.board(dev.gpu).pcie_generation
+    _obj(out).value = lib._node.health.pcie_link_max(dev.gpu, t)[0]
     return SUCCESS
 
 
 @_c("nvmlDeviceGetMaxPcieLinkWidth")
 def _pcie_max_width(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
-    _obj(out).value = lib._node.health.board(dev.gpu).pcie_width
+    _obj(out).value = lib._node.health.pcie_link_max(dev.gpu, t)[1]
     return SUCCESS
 
 

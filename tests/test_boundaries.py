@@ -422,6 +422,68 @@ def test_at_most_ten_nvml_calls_per_gpu_per_poll(run: Any) -> None:
     assert per_gpu + 1 / 2 <= 10
 
 
+def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig(run: Any) -> None:
+    # Over one slow interval (30 s: six polls 5 s apart), with every default reading on, a node
+    # of one whole A100 and one fully split A100 (7 x 1g.10gb, a process on each instance whose
+    # memory does not change). The event set's waits are the node's, not a GPU's.
+    scenario = {
+        "gpus": [{"model": "A100-SXM4-80GB", "nvlink_links": 12}, {"model": "A100-SXM4-80GB", "mig": ["1g.10gb"] * 7}],
+        "processes": [{"pid": 10, "gpus": [0], "sm_util": 50, "memory_mib": 4000}]
+        + [{"pid": 20 + m, "gpus": [f"1:{m}"], "sm_util": 30, "memory_mib": 1000 + m} for m in range(7)],
+    }
+    rig, _state = run(scenario, 60, 5)
+    before = rig.node.calls.copy()
+    for _ in range(6):
+        state = rig.poll(5)
+    calls = rig.node.calls - before
+    calls.pop("nvmlEventSetWait_v2", None)
+    # Per poll, each GPU: field values (power, energy, NVLinks, and the counters when due),
+    # temperature, its process list. The whole GPU also: memory, utilization, its process
+    # samples, its device samples, the SM clock: 8. The MIG GPU: its instances' memory only
+    # where their processes' memory changed (here never), else every slow interval: 3.
+    # Once in the six, the slow readings: the whole GPU's memory clock, performance state,
+    # clock-event reasons, PCIe generation and width, encoder, decoder (7); the MIG GPU's SM and
+    # memory clocks, performance state, reasons, PCIe generation and width (6) and the seven
+    # instances' memory (7).
+    whole = 8 * 6 + 7
+    mig = 3 * 6 + 6 + 7
+    assert sum(calls.values()) == whole + mig, dict(calls)
+    assert calls["nvmlDeviceGetMemoryInfo_v2"] == 6 + 7
+    assert calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 2 * 6
+    assert whole / 6 == pytest.approx(9.167, abs=1e-3)
+    assert mig / 6 == pytest.approx(5.167, abs=1e-3)
+    # And the carried memory is the instances' own, as read.
+    assert state.snapshot is not None
+    instances = state.snapshot.mig_devices(state.snapshot.gpus[1].uuid)
+    assert [d.memory_used_bytes for d in instances] == [(1000 + m) * 2**20 for m in range(7)]
+
+
+def test_a_mig_instance_whose_processes_change_memory_is_read_at_that_poll(run: Any) -> None:
+    # Instance 0's process grows from 1000 to 3000 MiB at 17 s; a process starts on instance 1
+    # at 22 s. Each instance's memory is read at the first poll that sees its change (20 s and
+    # 25 s), not at the next slow interval (30 s).
+    scenario = {
+        "gpus": [{"model": "A100-SXM4-80GB", "mig": ["3g.40gb", "3g.40gb"]}],
+        "processes": [
+            {"pid": 1, "gpus": ["0:0"], "sm_util": [{"at": "0s", "sm_util": 10}, {"at": "17s", "sm_util": 10,
+                                                                                    "memory_mib": 3000}],
+             "memory_mib": 1000},
+            {"pid": 2, "gpus": ["0:1"], "start": "22s", "sm_util": 10, "memory_mib": 500},
+        ],
+    }  # fmt: skip
+    rig, _state = run(scenario, 15, 5)  # polls at 0, 5, 10, 15
+    memory_reads = []
+    used = []
+    for _ in range(2):  # polls at 20 and 25
+        before = rig.node.calls["nvmlDeviceGetMemoryInfo_v2"]
+        state = rig.poll(5)
+        memory_reads.append(rig.node.calls["nvmlDeviceGetMemoryInfo_v2"] - before)
+        assert state.snapshot is not None
+        used.append([d.memory_used_bytes for d in state.snapshot.mig_devices(state.snapshot.gpus[0].uuid)])
+    assert memory_reads == [1, 1]
+    assert used == [[3000 * 2**20, 0], [3000 * 2**20, 500 * 2**20]]
+
+
 # -- who left it idle ---------------------------------------------------------------------------------
 
 

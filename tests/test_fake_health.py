@@ -207,6 +207,58 @@ def test_a_mig_instance_has_no_health_readings_of_its_own(node: Any) -> None:
     assert pynvml.nvmlDeviceGetClockInfo(handle(0), pynvml.NVML_CLOCK_SM) == 210  # the GPU's own: idle
 
 
+def test_a_memory_error_moves_the_counters_and_sends_the_event_whichever_way_the_scenario_says_it(
+    node: Any,
+) -> None:
+    # One model of a memory error: an `ecc:` fault sends an ECC event for each error, when its
+    # counter steps up, and an ECC `event:` is one error that moves the counters too.
+    installed = node(
+        {
+            "gpus": [{"model": "A100-SXM4-80GB"}, {"model": "V100-SXM2-32GB"}],
+            "faults": [
+                {"at": "1h", "until": "2h", "gpu": 0, "ecc": {"corrected": 4}},  # one each 15 min
+                {"at": "90m", "gpu": 0, "ecc": {"uncorrected": 1}},
+                {"at": "3h", "gpu": 1, "event": "double_bit_ecc"},
+                {"at": "3h", "gpu": 0, "event": "single_bit_ecc"},
+            ],
+        }
+    )
+    event_set = pynvml.nvmlEventSetCreate()
+    ecc_events = pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypeDoubleBitEccError
+    for gpu in (0, 1):
+        pynvml.nvmlDeviceRegisterEvents(handle(gpu), ecc_events, event_set)
+
+    def counts(gpu: int) -> tuple[int, ...]:
+        return tuple(
+            pynvml.nvmlDeviceGetTotalEccErrors(handle(gpu), kind, counter)
+            for kind in (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)
+            for counter in (pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC)
+        )
+
+    def delivered() -> list[tuple[int, int]]:
+        got = []
+        while True:
+            try:
+                data = pynvml.nvmlEventSetWait_v2(event_set, 0)
+            except pynvml.NVMLError_Timeout:
+                return got
+            got.append((pynvml.nvmlDeviceGetIndex(data.device), data.eventType))
+
+    sbe, dbe = pynvml.nvmlEventTypeSingleBitEccError, pynvml.nvmlEventTypeDoubleBitEccError
+    installed.clock.advance(3600 + 30 * 60)  # 1h30m: two corrected errors (1h15m, 1h30m), one uncorrected
+    assert counts(0) == (2, 2, 1, 1)
+    assert delivered() == [(0, sbe), (0, sbe), (0, dbe)]  # in scenario time order
+    installed.clock.advance(30 * 60 - 1)  # just before 2h: the fourth corrected error is still to come
+    assert counts(0) == (3, 3, 1, 1)
+    assert delivered() == [(0, sbe)]
+    installed.clock.advance(3600 + 1)  # 3h: the last corrected error at 2h, then the two ECC events
+    assert counts(0) == (5, 5, 1, 1)
+    assert counts(1) == (0, 0, 1, 1)
+    # The V100's double-bit error retires its page, as any uncorrected error on a pre-Ampere GPU.
+    assert len(pynvml.nvmlDeviceGetRetiredPages(handle(1), 1)) == 1
+    assert delivered() == [(0, sbe), (1, dbe), (0, sbe)]
+
+
 @pytest.mark.parametrize(
     ("fault", "message"),
     [
@@ -220,6 +272,10 @@ def test_a_mig_instance_has_no_health_readings_of_its_own(node: Any) -> None:
         (
             {"gpu": 0, "nvlink_errors": {"links": [7], "crc": 1}},
             "faults[0].nvlink_errors.links: GPU 0 has no NVLink link 7",
+        ),
+        (
+            {"gpu": 0, "event": "double_bit_ecc", "ecc": {"uncorrected": 2}},
+            "faults[0].event: double_bit_ecc is an ecc fault of one error: give ecc or event, not both",
         ),
     ],
 )

@@ -238,10 +238,6 @@ def test_the_fleet_dashboard_reads_recording_rules_only() -> None:
         if v["type"] == "query"
     ]
     assert len(queries) > 30
-    # The hardware-health table and its count are instant queries of each GPU's health series
-    # (one sample per GPU and problem), left on the raw series for now: a recording rule per
-    # problem would make them as cheap as the rest.
-    queries = [w for w in queries if not w[0].startswith(("Unhealthy GPUs/", "GPUs unhealthy/"))]
     raw = {where: sorted(metric_names(expr) - recorded) for where, expr in queries if metric_names(expr) - recorded}
     assert not raw, f"fleet queries that read series no recording rule records: {raw}"
     assert all(metric_names(expr) for _, expr in queries), "every query names a series"

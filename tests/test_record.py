@@ -36,6 +36,7 @@ NODE: dict[str, Any] = {
         {"model": "A100-SXM4-80GB", "count": 2, "nvlink_links": 4},
         {"model": "H100-SXM5-80GB", "nvlink_links": 4},
         {"model": "H100-SXM5-80GB", "mig": ["3g.40gb", "3g.40gb"]},
+        {"model": "V100-SXM2-32GB"},  # retires pages where later GPUs remap rows
     ],
     "processes": [
         {
@@ -98,6 +99,13 @@ NODE: dict[str, Any] = {
         {"gpu": 0, "call": "nvmlDeviceGetTemperature", "error": "NOT_SUPPORTED"},
         {"at": "2m", "until": "3m", "gpu": 0, "nvlink_down": [1]},
         {"at": "8m", "until": "8m10s", "gpu": 2, "call": "nvmlDeviceGetComputeRunningProcesses", "error": "TIMEOUT"},
+        # Hardware trouble, one of each kind, for the health readings to carry.
+        {"at": "1m", "until": "4m", "gpu": 0, "ecc": {"corrected": 30, "uncorrected": 1}},
+        {"at": "2m", "until": "5m", "gpu": 1, "remap": {"correctable": 2, "uncorrectable": 1}},
+        {"at": "3m", "until": "6m", "gpu": 2, "throttle": "hw_thermal"},
+        {"at": "1m", "until": "3m", "gpu": 0, "pcie_downgrade": {"generation": 3, "width": 8, "replays": 50}},
+        {"at": "1m", "until": "4m", "gpu": 2, "nvlink_errors": {"links": [1], "crc": 90, "replay": 9, "recovery": 1}},
+        {"at": "4m", "gpu": 4, "ecc": {"uncorrected": 2}},
     ],
 }
 
@@ -109,22 +117,11 @@ def _uninstall() -> Iterator[None]:
 
 
 def settings() -> Settings:
-    # Health readings off: a trace does not carry them yet (the README says so); a replay serves
-    # the fake's own physics for them, which follows its load model, not the recorded node.
+    # Every reading a poll takes, the opt-in PCIe throughput included: a trace carries them all.
     return Settings(
         node_name=None,
         pricing=PricingConfig(gpu_hourly=3.0, energy_per_kwh=0.12),
-        readings=ReadingsConfig(
-            clocks=False,
-            fan=False,
-            throttle=False,
-            memory_errors=False,
-            pcie=False,
-            nvlink_errors=False,
-            nvlink_throughput=False,
-            codecs=False,
-            memory_utilization=False,
-        ),
+        readings=ReadingsConfig(pcie_throughput=True),
     )
 
 
@@ -215,6 +212,25 @@ def test_a_replayed_trace_gives_every_series_the_recorded_node_gave_at_every_pol
         "gpuledger_gpu_unobserved_seconds_total",
         "gpuledger_nvml_errors_total",
         "gpuledger_workload_gpu_allocated",
+        # The health readings, every group of `readings:`.
+        "gpuledger_gpu_sm_clock_hertz",
+        "gpuledger_gpu_memory_clock_max_hertz",
+        "gpuledger_gpu_performance_state",
+        "gpuledger_gpu_clock_event_reason",
+        "gpuledger_gpu_clock_violation_seconds_total",
+        "gpuledger_gpu_ecc_errors_total",
+        "gpuledger_gpu_ecc_aggregate_errors_total",
+        "gpuledger_gpu_retired_pages_total",
+        "gpuledger_gpu_remapped_rows_total",
+        "gpuledger_gpu_row_remap_pending",
+        "gpuledger_gpu_pcie_link_generation",
+        "gpuledger_gpu_pcie_link_width_max",
+        "gpuledger_gpu_pcie_replays_total",
+        "gpuledger_gpu_pcie_transmit_bytes_per_second",
+        "gpuledger_gpu_nvlink_errors_total",
+        "gpuledger_gpu_nvlink_transmit_bytes_total",
+        "gpuledger_gpu_encoder_utilization_ratio",
+        "gpuledger_gpu_memory_controller_utilization_ratio",
     ):
         assert name in names, name
 
@@ -223,7 +239,9 @@ def test_the_trace_is_a_scenario_with_readings_as_time_series(recorded: tuple[Pa
     path, _ = recorded
     trace = yaml.safe_load(path.read_text())
     loaded = fake_nvml.load_scenario(str(path))
-    assert [g.model for g in loaded.gpus] == ["A100-SXM4-80GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H100-SXM5-80GB"]
+    assert [g.model for g in loaded.gpus] == [
+        "A100-SXM4-80GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H100-SXM5-80GB", "V100-SXM2-32GB"
+    ]  # fmt: skip
     assert len(loaded.gpus[0].readings) == 121  # one row per poll
     # GPU 0's readings: its load fell at 2m13s (the poll at 2m15s reads 41%), memory likewise.
     rows = {row["at"]: row for row in trace["gpus"][0]["readings"]}
@@ -232,6 +250,23 @@ def test_the_trace_is_a_scenario_with_readings_as_time_series(recorded: tuple[Pa
     assert rows[135]["memory_used_mib"] == 42000
     assert "temperature_c" not in rows[135]  # the GPU has no temperature reading
     assert rows[120]["nvlink_down"] == [1]
+    # Health readings in the driver's units, the slow ones as the poll carried them (read at
+    # 2m, the last 30 s mark): PCIe down to Gen3 x8 since 1m with 50 replays spread to 3m,
+    # 50 x (120 - 60) / (180 - 60) = 25 by then; 30 corrected errors spread from 1m to 4m,
+    # 30 x 60 / 180 = 10 of them.
+    assert rows[135]["pcie"] == {
+        "generation": 3, "width": 8, "generation_max": 4, "width_max": 16, "replays": 25,
+        "tx_kib_s": 898438, "rx_kib_s": 1796875,
+    }  # fmt: skip
+    ecc = {"corrected": 10, "uncorrected": 0, "corrected_aggregate": 10, "uncorrected_aggregate": 0}
+    assert rows[135]["ecc"] == ecc
+    assert (rows[135]["sm_clock_mhz"], rows[135]["sm_clock_max_mhz"], rows[135]["performance_state"]) == (1410, 1410, 0)
+    assert "retired_pages" not in rows[135]  # an A100 remaps rows instead
+    remapped = {row["at"]: row for row in trace["gpus"][1]["readings"]}[135]["remapped_rows"]
+    assert remapped == {"correctable": 2, "uncorrectable": 1, "pending": True, "failure": False}
+    v100 = {row["at"]: row for row in trace["gpus"][4]["readings"]}
+    assert v100[240]["retired_pages"] == {"single_bit": 0, "double_bit": 2, "pending": True}
+    assert "remapped_rows" not in v100[240]
     # GPM activity of the interval that starts at the row, per MIG instance too.
     assert trace["gpus"][2]["readings"][0]["sm_active"] == 25
     assert trace["gpus"][3]["readings"][0]["migs"][0]["sm_active"] == 35
@@ -323,3 +358,69 @@ def test_a_readings_series_stands_in_for_the_fakes_physics_from_its_first_row() 
     assert pynvml.nvmlDeviceGetPowerUsage(handle) == 123456  # mW, exactly
     assert pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) == 5000001  # mJ, exactly
     assert pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU) == 41
+
+
+def test_a_readings_row_stands_in_for_the_fakes_health_physics() -> None:
+    import pynvml
+
+    # A busy A100 whose recorded row says what a real board said: values the fake's own physics
+    # would never give (a 1275 MHz clock on a busy GPU at P2, a Gen3 x8 link, a fan on a
+    # passively cooled board), each served exactly, through single calls and field values alike.
+    row = {
+        "at": 0,
+        "sm_clock_mhz": 1275, "memory_clock_mhz": 1215, "sm_clock_max_mhz": 1395, "memory_clock_max_mhz": 1215,
+        "fan_percent": 47, "performance_state": 2, "clock_event_reasons": 0x20,
+        "violation_ns": {"thermal": 7_000_000_123},
+        "ecc": {"corrected": 5, "uncorrected": 1, "corrected_aggregate": 900, "uncorrected_aggregate": 3},
+        "remapped_rows": {"correctable": 4, "uncorrectable": 1, "pending": True, "failure": False},
+        "pcie": {"generation": 3, "width": 8, "generation_max": 4, "width_max": 16, "replays": 77,
+                 "tx_kib_s": 1000, "rx_kib_s": 3000},
+        "nvlinks": [{"crc": 9, "replay": 2, "recovery": 1, "tx_kib": 100, "rx_kib": 250}, None],
+        "encoder_utilization": 12, "decoder_utilization": 34, "memory_utilization": 56,
+    }  # fmt: skip
+    node = fake_nvml.install(
+        {"gpus": [{"nvlink_links": 2, "readings": [row]}], "processes": [{"pid": 1, "gpus": [0], "sm_util": 90}]}
+    )
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    assert pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM) == 1275
+    assert pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM) == 1215
+    assert pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM) == 1395
+    assert pynvml.nvmlDeviceGetFanSpeed(h) == 47
+    assert pynvml.nvmlDeviceGetPerformanceState(h) == 2
+    assert pynvml.nvmlDeviceGetCurrentClocksEventReasons(h) == 0x20
+    assert pynvml.nvmlDeviceGetViolationStatus(h, pynvml.NVML_PERF_POLICY_THERMAL).violationTime == 7_000_000_123
+    errors = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    assert pynvml.nvmlDeviceGetTotalEccErrors(h, errors, pynvml.NVML_VOLATILE_ECC) == 1
+    assert pynvml.nvmlDeviceGetTotalEccErrors(h, errors, pynvml.NVML_AGGREGATE_ECC) == 3
+    assert tuple(pynvml.nvmlDeviceGetRemappedRows(h)) == (4, 1, 1, 0)
+    assert (pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h), pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)) == (3, 8)
+    assert (pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h), pynvml.nvmlDeviceGetMaxPcieLinkWidth(h)) == (4, 16)
+    assert pynvml.nvmlDeviceGetPcieReplayCounter(h) == 77
+    assert pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES) == 3000
+    assert pynvml.nvmlDeviceGetNvLinkErrorCounter(h, 0, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT) == 9
+    assert pynvml.nvmlDeviceGetEncoderUtilization(h)[0] == 12
+    assert pynvml.nvmlDeviceGetDecoderUtilization(h)[0] == 34
+    assert pynvml.nvmlDeviceGetUtilizationRates(h).memory == 56
+    fields = pynvml.nvmlDeviceGetFieldValues(
+        h, [pynvml.NVML_FI_DEV_ECC_SBE_AGG_TOTAL, (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 0), (163, 0)]
+    )
+    assert [f.value.ullVal for f in fields] == [900, 250, 9]
+    # Link 1 has no recorded counters: the fake's physics counts its traffic, 90% busy for 10 s
+    # at 20 GB/s a link: 0.9 x 20e9 x 10 / 1024 = 175781250 KiB.
+    node.clock.advance(10)
+    [link1] = pynvml.nvmlDeviceGetFieldValues(h, [(pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 1)])
+    assert link1.value.ullVal == 175781250
+
+
+def test_a_bad_health_reading_fails_at_load_naming_it() -> None:
+    for row, message in (
+        ({"at": 0, "fan_percent": 120}, r"readings\[0\]\.fan_percent: must be 0\.\.100"),
+        ({"at": 0, "ecc": {"fixed": 1}}, r"readings\[0\]\.ecc\.fixed: unknown key"),
+        ({"at": 0, "remapped_rows": {"correctable": 1}}, r"remapped_rows\.uncorrectable: required"),
+        ({"at": 0, "violation_ns": {"power": -1}}, r"violation_ns\.power: must be at least 0"),
+        ({"at": 0, "nvlinks": [{}, {}]}, r"readings\[0\]\.nvlinks: the GPU has 1 NVLink link"),
+        ({"at": 0, "pcie": {"tx_kib_s": 5}}, r"readings\[0\]\.pcie: tx_kib_s and rx_kib_s go together"),
+    ):
+        with pytest.raises(fake_nvml.ScenarioError, match=message):
+            fake_nvml.load_scenario({"gpus": [{"nvlink_links": 1, "readings": [row]}]})

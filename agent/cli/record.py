@@ -8,8 +8,9 @@ What goes in, and how it comes back:
 
 - each GPU as discovery saw it (model, uuid, PCI bus, memory, power limit, SMs, NVLinks, MIG
   layout) and its readings as a time series (`readings:`, one row per poll: utilization, memory,
-  temperature, power, the energy counter, NVLinks down, and GPM activity over the interval that
-  starts at the row), which the fake serves in place of its physics;
+  temperature, power, the energy counter, NVLinks down, GPM activity over the interval that
+  starts at the row, and every health reading the poll took, in the driver's units), which the
+  fake serves in place of its physics;
 - each GPU process with its GPUs, its lifetime, its memory over time and its per-process
   utilization as segments that reproduce the driver's samples, its uid and user name, its
   cgroup, and its pod or Slurm job where the scheduler allocated it the GPU; its command line
@@ -51,7 +52,16 @@ from agent.devices.backend import DeviceBackend
 from agent.devices.instance import detect_instance_type
 from agent.devices.tap import Failure, TappedBackend
 from agent.errors import BadInputError, GpuledgerError
-from agent.model import Activity, AgentState, DeviceReading, Holding, ProcessIdentity, Snapshot, Workload
+from agent.model import (
+    Activity,
+    AgentState,
+    DeviceReading,
+    Holding,
+    ProcessIdentity,
+    Snapshot,
+    Telemetry,
+    Workload,
+)
 from agent.units import format_duration
 
 log = logging.getLogger("gpuledger")
@@ -186,6 +196,7 @@ class TraceRecorder:
         row: dict[str, Any] = {"at": t} | {key: value for key, value in readings.items() if value is not None}
         if gpu.nvlinks:
             row["nvlink_down"] = [link.link for link in gpu.nvlinks if not link.up]
+        row.update(_health(gpu.telemetry))
         # Activity read at this poll covers the interval since the previous one: it belongs to the
         # previous poll's row, which holds over that interval.
         previous = self._last_row.get(gpu.index)
@@ -467,6 +478,79 @@ def _activity(activity: Activity | None) -> dict[str, float]:
         if value is not None:
             found[key] = value * 100
     return found
+
+
+def _percent(ratio: float | None) -> int | None:
+    # The driver's percent readings are whole numbers: the ratio the agent made of one is
+    # turned back into it exactly.
+    return None if ratio is None else round(ratio * 100)
+
+
+def _mhz(hz: float | None) -> int | None:
+    return None if hz is None else round(hz / 1e6)
+
+
+def _health(telemetry: Telemetry | None) -> dict[str, Any]:
+    """A poll's health readings as a row holds them (fake_nvml's HealthRow): the driver's own
+    units (MHz, percent, ns, KiB), so that the replayed driver answers what this one did.
+    What the poll did not have (unsupported, failed, its group switched off) is left out, and
+    a replay's physics fills it in; a reading carried between slow polls is written as carried."""
+    if telemetry is None:
+        return {}
+    t = telemetry
+    found: dict[str, Any] = {
+        "sm_clock_mhz": _mhz(t.sm_clock_hz),
+        "memory_clock_mhz": _mhz(t.memory_clock_hz),
+        "sm_clock_max_mhz": _mhz(t.sm_clock_max_hz),
+        "memory_clock_max_mhz": _mhz(t.memory_clock_max_hz),
+        "fan_percent": _percent(t.fan_speed_ratio),
+        "performance_state": t.performance_state,
+        "clock_event_reasons": t.clock_event_reasons,
+        "encoder_utilization": _percent(t.encoder_utilization),
+        "decoder_utilization": _percent(t.decoder_utilization),
+        "memory_utilization": _percent(t.memory_utilization),
+    }
+    if t.violation_s:
+        found["violation_ns"] = {cause: round(seconds * 1e9) for cause, seconds in t.violation_s}
+    ecc = {
+        "corrected": t.ecc_corrected_volatile,
+        "uncorrected": t.ecc_uncorrected_volatile,
+        "corrected_aggregate": t.ecc_corrected_aggregate,
+        "uncorrected_aggregate": t.ecc_uncorrected_aggregate,
+    }
+    found["ecc"] = {k: v for k, v in ecc.items() if v is not None} or None
+    retired = (t.retired_pages_single_bit, t.retired_pages_double_bit, t.retired_pages_pending)
+    if None not in retired:
+        found["retired_pages"] = dict(zip(("single_bit", "double_bit", "pending"), retired, strict=True))
+    remapped = (t.remapped_rows_correctable, t.remapped_rows_uncorrectable, t.row_remap_pending, t.row_remap_failure)
+    if None not in remapped:
+        names = ("correctable", "uncorrectable", "pending", "failure")
+        found["remapped_rows"] = dict(zip(names, remapped, strict=True))
+    pcie = {
+        "generation": t.pcie_link_generation,
+        "width": t.pcie_link_width,
+        "generation_max": t.pcie_link_generation_max,
+        "width_max": t.pcie_link_width_max,
+        "replays": t.pcie_replays,
+    }
+    if t.pcie_tx_bytes_per_s is not None and t.pcie_rx_bytes_per_s is not None:
+        # The driver counts KiB/s; the agent's bytes/s are that x 1024, exactly.
+        pcie["tx_kib_s"] = round(t.pcie_tx_bytes_per_s / 1024)
+        pcie["rx_kib_s"] = round(t.pcie_rx_bytes_per_s / 1024)
+    found["pcie"] = {k: v for k, v in pcie.items() if v is not None} or None
+    if t.nvlinks:
+        links: list[Any] = [None] * (max(link.link for link in t.nvlinks) + 1)
+        for link in t.nvlinks:
+            counts = {
+                "crc": link.crc_errors,
+                "replay": link.replay_errors,
+                "recovery": link.recovery_errors,
+                "tx_kib": None if link.tx_bytes is None else link.tx_bytes // 1024,
+                "rx_kib": None if link.rx_bytes is None else link.rx_bytes // 1024,
+            }
+            links[link.link] = {k: v for k, v in counts.items() if v is not None}
+        found["nvlinks"] = links
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def _segments(

@@ -96,6 +96,11 @@ class _Mig:
     sm_count: int | None
     unsupported: Unsupported = field(default_factory=Unsupported)
     activity: ActivityMeter | None = None
+    # The instance's memory as last read, the processes (pid, memory) it was read beside, and
+    # when it is read again whatever they do (backend clock): see Sampler._mig_memory.
+    memory: Mapping[ReadingKey, float] | None = None
+    memory_beside: tuple[tuple[int, int], ...] | None = None
+    memory_due_at: float = 0.0
 
 
 @dataclass
@@ -174,11 +179,12 @@ class Sampler:
     - Health readings (clocks, throttling, memory errors, PCIe, NVLink; the groups the config
       switches on) go into the same `read` as the rest: every poll, every slow interval or once,
       as agent/devices/telemetry.py decides, into `DeviceReading.telemetry`.
-    - A MIG-enabled GPU is read as itself (temperature, power, energy, NVLink) plus one memory
-      reading per MIG device; its processes come from one read of the GPU's process list,
-      split over the MIG devices by instance ids, so a fully split GPU costs about as many
-      calls as a whole one. Its memory is the sum of its MIG devices' (NVML documents the
-      GPU's own figure in MIG mode as that aggregate).
+    - A MIG-enabled GPU is read as itself (temperature, power, energy, NVLink) plus a memory
+      reading per MIG device where its processes' memory changed (else every slow interval);
+      its processes come from one read of the GPU's process list, split over the MIG devices
+      by instance ids, so a fully split GPU costs fewer calls than a whole one. Its memory is
+      the sum of its MIG devices' (NVML documents the GPU's own figure in MIG mode as that
+      aggregate).
 
     Not thread-safe: the scheduler runs one poll at a time.
     """
@@ -563,6 +569,8 @@ class Sampler:
         for meter in (gpu.activity, *(m.activity for m in gpu.migs)):
             if meter is not None:
                 meter.restart()
+        for mig in gpu.migs:
+            mig.memory = None  # read afresh when the GPU answers again
         return _down(gpu, exc.error)
 
     def _read_gpu(self, position: int, gpu: _Gpu, now: float) -> list[DeviceReading]:
@@ -642,8 +650,9 @@ class Sampler:
 
     def _telemetry_reader(self, gpu: _Gpu) -> TelemetryReader | None:
         """The GPU's health reader, made anew when its NVLink count is (re)learned. A
-        MIG-enabled GPU spends its poll on its instances (a memory reading each: 10 calls for a
-        fully split A100), so its health readings all take the slow rhythm."""
+        MIG-enabled GPU's health readings all take the slow rhythm: its instances' memory
+        (a call each, 7 for a fully split A100) is read on it too where their processes hold
+        still, so its steady polls are 3 calls and one in a slow interval carries the rest."""
         reader = gpu.telemetry
         if reader is None or reader.links != len(gpu.links):
             reader = gpu.telemetry = TelemetryReader(self.readings, len(gpu.links), all_slow=gpu.mig_enabled)
@@ -748,8 +757,8 @@ class Sampler:
         links: tuple[NvLinkReading, ...],
         telemetry: Telemetry | None = None,
     ) -> list[DeviceReading]:
-        memory = [self._read(f"{where} MIG {m.slot}", m.unsupported, m.handle, _MEMORY) for m in gpu.migs]
         processes = self._mig_processes(gpu, where)
+        memory = [self._mig_memory(f"{where} MIG {m.slot}", m, processes.get(m.slot), gpu.poll_at) for m in gpu.migs]
         activity = [self._activity(f"{where} MIG {m.slot}", m.unsupported, m.activity) for m in gpu.migs]
         used = [m.get(_MEMORY_USED) for m in memory]
         parent = DeviceReading(
@@ -798,6 +807,37 @@ class Sampler:
                 )
             )
         return readings
+
+    def _mig_memory(
+        self, where: str, mig: _Mig, processes: tuple[ProcessReading, ...] | None, now: float | None
+    ) -> Mapping[ReadingKey, float]:
+        """A MIG instance's memory (used, total), read when something can have changed it.
+
+        Memory is allocated by processes, and the GPU's process list, read every poll in one
+        call, gives each process's memory: an instance whose processes and their memory are as
+        they were at its last reading holds what it held then. So it is read again only when
+        they change, when its last reading failed, and every `readings.slow_interval` (for what
+        the driver holds beside the processes), not every poll: a fully split GPU would spend
+        seven of its ten calls a poll on these. Where the list cannot tell (not read this poll,
+        or a process's memory unknown), it is read."""
+        beside = None
+        if processes is not None and all(p.used_memory_bytes is not None for p in processes):
+            beside = tuple(sorted((p.pid, p.used_memory_bytes or 0) for p in processes))
+        if (
+            mig.memory is not None
+            and beside is not None
+            and beside == mig.memory_beside
+            and now is not None
+            and now < mig.memory_due_at
+        ):
+            return mig.memory
+        values = self._read(where, mig.unsupported, mig.handle, _MEMORY)
+        if _MEMORY_USED in values and now is not None:
+            mig.memory, mig.memory_beside = values, beside
+            mig.memory_due_at = now + self.readings.slow_interval_s
+        else:
+            mig.memory = None
+        return values
 
     def _mig_processes(self, gpu: _Gpu, where: str) -> dict[int, tuple[ProcessReading, ...] | None]:
         """Processes per MIG slot: the GPU's list split by instance ids where that works, else

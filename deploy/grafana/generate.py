@@ -59,39 +59,6 @@ RATIO = "percentunit"
 UNNAMED = {"namespace": "(no namespace)", "team": "(no team)", "model": "(unknown)", "hpc_job": "(no job)"}
 
 
-# One series per problem of each GPU with something wrong with its hardware, the problem named
-# in a `problem` label. The thresholds are the alerts' (deploy/prometheus/gpuledger-alerts.rules.yml).
-GPU_PROBLEMS = (
-    ("gpuledger_gpu_up{{{sel}}} == 0", "lost"),
-    ('gpuledger_gpu_ecc_errors_total{{{sel}, type="uncorrected"}} > 0', "uncorrectable ECC errors"),
-    ("gpuledger_gpu_row_remap_failure{{{sel}}} == 1", "row remap failed"),
-    ("gpuledger_gpu_row_remap_pending{{{sel}}} == 1", "row remap pending (reset it)"),
-    ("gpuledger_gpu_retired_pages_pending{{{sel}}} == 1", "page retirement pending (reload the driver)"),
-    (
-        "sum by (cluster, instance, gpu, uuid) (rate(gpuledger_gpu_clock_violation_seconds_total"
-        '{{{sel}, cause=~"thermal|board_limit"}}[10m])) > 0.25',
-        "clocks held down by heat or power brake",
-    ),
-    (
-        "sum by (cluster, instance, gpu, uuid)"
-        ' (rate(gpuledger_gpu_nvlink_errors_total{{{sel}, type=~"crc|replay"}}[10m])) > 1',
-        "NVLink errors",
-    ),
-    (
-        "max by (cluster, instance, gpu, uuid)"
-        " (gpuledger_gpu_pcie_link_width{{{sel}}} < gpuledger_gpu_pcie_link_width_max{{{sel}}})",
-        "PCIe link narrower than it can be",
-    ),
-)
-
-
-def unhealthy(selector: str) -> str:
-    """Every problem of every GPU the selector picks, as one vector (see GPU_PROBLEMS)."""
-    return "\n or ".join(
-        f'label_replace({expr.format(sel=selector)}, "problem", "{problem}", "", "")' for expr, problem in GPU_PROBLEMS
-    )
-
-
 def named(expr: str, label: str) -> str:
     """`expr` with an empty `label` shown as UNNAMED[label] rather than as a blank."""
     return f'label_replace({expr}, "{label}", "{UNNAMED[label]}", "{label}", "")'
@@ -486,7 +453,7 @@ def fleet() -> dashboard.Dashboard:
                 "GPUs unhealthy",
                 "GPUs with a hardware problem now: lost, uncorrectable memory errors, a row remap pending or "
                 "failed, held down by heat, NVLink errors, a narrow PCIe link (the Unhealthy GPUs table says which).",
-                [query(f"count(count by (cluster, instance, gpu) ({unhealthy(NODE)})) or vector(0)")],
+                [query(f"sum(instance:gpuledger_gpus_unhealthy:count{{{NODE}}}) or vector(0)")],
                 thresholds=_thresholds((None, "green"), (1, "red")),
                 decimals=0,
             )
@@ -552,8 +519,8 @@ def fleet() -> dashboard.Dashboard:
                 "it); a page retirement pending (reload the driver); clocks held down by heat or the power "
                 "brake over a quarter of the last 10m (value: the fraction); over 1 NVLink CRC or replay "
                 "error a second; a PCIe link narrower than it can be. The alerts of deploy/prometheus fire on "
-                "the same conditions.",
-                [query(unhealthy(NODE), instant=True, as_table=True)],
+                "the same conditions (recording rule gpu:gpuledger_gpu_problem:max).",
+                [query(f"gpu:gpuledger_gpu_problem:max{{{NODE}}}", instant=True, as_table=True)],
                 rename={"problem": "problem", "Value": "value"},
                 sort_by="instance",
                 w=24,

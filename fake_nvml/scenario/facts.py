@@ -45,6 +45,9 @@ ERROR_CODES: dict[str, int] = {
 # Driver events a scenario fault can raise besides an Xid (`event:`), as NVML's event API names
 # them: nvmlEventTypeSingleBitEccError, nvmlEventTypeDoubleBitEccError, nvmlEventTypeClock.
 DRIVER_EVENTS = ("single_bit_ecc", "double_bit_ecc", "clock_change")
+# The ECC events, each the event of one memory error of a kind (`EccErrors`' field): a scenario's
+# `event: double_bit_ecc` is read as `ecc: {uncorrected: 1}`, so counters and events agree.
+ECC_EVENTS = {"single_bit_ecc": "corrected", "double_bit_ecc": "uncorrected"}
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,17 @@ POLICY_LOW_UTILIZATION = 4
 POLICY_RELIABILITY = 5
 POLICY_TOTAL_APP_CLOCKS = 10
 POLICY_TOTAL_BASE_CLOCKS = 11
+# Each policy by the name a trace's `violation_ns:` gives it (the agent's violation causes).
+POLICY_NAMES: dict[str, int] = {
+    "power": POLICY_POWER,
+    "thermal": POLICY_THERMAL,
+    "sync_boost": POLICY_SYNC_BOOST,
+    "board_limit": POLICY_BOARD_LIMIT,
+    "low_utilization": POLICY_LOW_UTILIZATION,
+    "reliability": POLICY_RELIABILITY,
+    "app_clocks": POLICY_TOTAL_APP_CLOCKS,
+    "base_clocks": POLICY_TOTAL_BASE_CLOCKS,
+}
 
 
 @dataclass(frozen=True)

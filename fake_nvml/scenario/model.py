@@ -50,6 +50,40 @@ class ActivityRow:
 
 
 @dataclass(frozen=True)
+class HealthRow:
+    """A GPU's hardware health readings as a recorded trace holds them, in the driver's own
+    units (MHz, percent, nanoseconds, KiB), so a replayed reading is the recorded one exactly.
+    None (or absent from a mapping) where the recording has no value: the fake's physics then
+    answers. Maxima sit beside the current figures because a trace of a real board keeps the
+    board's own, whatever the fake's data sheets say of its model."""
+
+    sm_clock_mhz: int | None = None
+    memory_clock_mhz: int | None = None
+    sm_clock_max_mhz: int | None = None
+    memory_clock_max_mhz: int | None = None
+    fan_percent: int | None = None
+    performance_state: int | None = None
+    clock_event_reasons: int | None = None
+    violation_ns: Mapping[int, int] = field(default_factory=dict)  # NVML perf policy -> ns held down
+    # "corrected", "uncorrected" (since the driver loaded), "corrected_aggregate",
+    # "uncorrected_aggregate" (the board's life)
+    ecc: Mapping[str, int] = field(default_factory=dict)
+    retired_pages: tuple[int, int, bool] | None = None  # (single-bit, double-bit, pending)
+    remapped_rows: tuple[int, int, bool, bool] | None = None  # (correctable, uncorrectable, pending, failure)
+    pcie_generation: int | None = None
+    pcie_width: int | None = None
+    pcie_generation_max: int | None = None
+    pcie_width_max: int | None = None
+    pcie_replays: int | None = None
+    pcie_kib_s: tuple[int, int] | None = None  # (transmit, receive)
+    # Per NVLink link, by index: "crc", "replay", "recovery" error counts, "tx_kib", "rx_kib".
+    nvlinks: tuple[Mapping[str, int], ...] = ()
+    encoder_utilization: int | None = None  # percent
+    decoder_utilization: int | None = None
+    memory_utilization: int | None = None  # the memory controller's, percent
+
+
+@dataclass(frozen=True)
 class ReadingRow:
     """What a GPU read from `at_s` until the next row (a recorded trace's time series): each
     reading given here stands in for the one the fake would work out from its processes."""
@@ -63,6 +97,7 @@ class ReadingRow:
     nvlink_down: tuple[int, ...] | None = None
     activity: ActivityRow | None = None  # over the interval from this row to the next
     migs: tuple[ActivityRow | None, ...] = ()  # per MIG instance, in the GPU's `mig:` order
+    health: HealthRow | None = None  # clocks, throttling, memory errors, links, codecs
 
 
 @dataclass(frozen=True)

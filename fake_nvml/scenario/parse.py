@@ -19,9 +19,11 @@ from fake_nvml.scenario.facts import (
     DEFAULT_BOARD,
     DEFAULT_FACTS,
     DRIVER_EVENTS,
+    ECC_EVENTS,
     ERROR_CODES,
     MIG_PROFILE,
     MODEL_FACTS,
+    POLICY_NAMES,
     THROTTLE_KINDS,
     GpuModelFacts,
 )
@@ -32,6 +34,7 @@ from fake_nvml.scenario.model import (
     Fault,
     Gpu,
     GpuRef,
+    HealthRow,
     MigInstance,
     NodeFacts,
     NvLinkErrors,
@@ -204,7 +207,7 @@ def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ..
         r.check_keys(
             [
                 "at", "utilization", "memory_used_mib", "temperature_c", "power_w", "energy_j", "nvlink_down",
-                *_ACTIVITY_KEYS, "migs",
+                *_ACTIVITY_KEYS, "migs", *_HEALTH_KEYS,
             ]
         )  # fmt: skip
         at = r.duration("at")
@@ -239,9 +242,98 @@ def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ..
                 nvlink_down=None if down is None else tuple(down),
                 activity=_activity_row(r),
                 migs=tuple(mig_rows),
+                health=_health_row(r, links),
             )
         )
     return tuple(rows)
+
+
+# A row's hardware health readings (HealthRow): whole numbers in the driver's units.
+_HEALTH_NUMBERS = (
+    "sm_clock_mhz", "memory_clock_mhz", "sm_clock_max_mhz", "memory_clock_max_mhz", "fan_percent",
+    "performance_state", "clock_event_reasons", "encoder_utilization", "decoder_utilization",
+    "memory_utilization",
+)  # fmt: skip
+_HEALTH_KEYS = (*_HEALTH_NUMBERS, "violation_ns", "ecc", "retired_pages", "remapped_rows", "pcie", "nvlinks")
+_ECC_KEYS = ("corrected", "uncorrected", "corrected_aggregate", "uncorrected_aggregate")
+_PCIE_KEYS = ("generation", "width", "generation_max", "width_max", "replays", "tx_kib_s", "rx_kib_s")
+_NVLINK_KEYS = ("crc", "replay", "recovery", "tx_kib", "rx_kib")
+
+
+def _whole(r: _Reader, key: str, names: Sequence[str]) -> dict[str, int]:
+    """The whole numbers a mapping under `key` gives, by name (absent names left out)."""
+    m = r.child(key, r.data[key])
+    m.check_keys(list(names))
+    return {name: value for name in names if (value := m.int_(name)) is not None}
+
+
+def _flags(r: _Reader, key: str, counts: Sequence[str], flags: Sequence[str]) -> tuple[Any, ...]:
+    """A mapping of counts and true/false flags, all required, as a tuple in that order."""
+    m = r.child(key, r.data[key])
+    m.check_keys([*counts, *flags])
+    found: list[Any] = []
+    for name in counts:
+        value = m.int_(name)
+        if value is None:
+            raise m.fail(name, "required")
+        found.append(value)
+    for name in flags:
+        flag = m.data.get(name)
+        if not isinstance(flag, bool):
+            raise m.fail(name, f"expected true or false, got {flag!r}")
+        found.append(flag)
+    return tuple(found)
+
+
+def _health_row(r: _Reader, links: int) -> HealthRow | None:
+    """A row's health readings, None where it gives none."""
+    if not any(key in r.data for key in _HEALTH_KEYS):
+        return None
+    numbers = {key: r.int_(key) for key in _HEALTH_NUMBERS}
+    for key in ("fan_percent", "encoder_utilization", "decoder_utilization", "memory_utilization"):
+        value = numbers[key]
+        if value is not None and value > 100:
+            raise r.fail(key, f"must be 0..100, got {value}")
+    violations: dict[int, int] = {}
+    if r.data.get("violation_ns") is not None:
+        violations = {POLICY_NAMES[n]: v for n, v in _whole(r, "violation_ns", list(POLICY_NAMES)).items()}
+    ecc = _whole(r, "ecc", _ECC_KEYS) if r.data.get("ecc") is not None else {}
+    retired = remapped = None
+    if r.data.get("retired_pages") is not None:
+        retired = _flags(r, "retired_pages", ("single_bit", "double_bit"), ("pending",))
+    if r.data.get("remapped_rows") is not None:
+        remapped = _flags(r, "remapped_rows", ("correctable", "uncorrectable"), ("pending", "failure"))
+    pcie = _whole(r, "pcie", _PCIE_KEYS) if r.data.get("pcie") is not None else {}
+    if ("tx_kib_s" in pcie) != ("rx_kib_s" in pcie):
+        raise r.fail("pcie", "tx_kib_s and rx_kib_s go together")
+    nvlinks: list[dict[str, int]] = []
+    for link, entry in enumerate(r.list_("nvlinks")):
+        if link >= links:
+            raise r.fail("nvlinks", f"the GPU has {links} NVLink link(s)")
+        nvlinks.append(_link_row(r, link, entry))
+    return HealthRow(
+        **numbers,
+        violation_ns=violations,
+        ecc=ecc,
+        retired_pages=retired,
+        remapped_rows=remapped,
+        pcie_generation=pcie.get("generation"),
+        pcie_width=pcie.get("width"),
+        pcie_generation_max=pcie.get("generation_max"),
+        pcie_width_max=pcie.get("width_max"),
+        pcie_replays=pcie.get("replays"),
+        pcie_kib_s=(pcie["tx_kib_s"], pcie["rx_kib_s"]) if "tx_kib_s" in pcie else None,
+        nvlinks=tuple(nvlinks),
+    )
+
+
+def _link_row(r: _Reader, link: int, entry: object) -> dict[str, int]:
+    """One link's counters in a row's `nvlinks:` list (null: none recorded for that link)."""
+    if entry is None:
+        return {}
+    m = r.child(f"nvlinks[{link}]", entry)
+    m.check_keys(list(_NVLINK_KEYS))
+    return {name: value for name in _NVLINK_KEYS if (value := m.int_(name)) is not None}
 
 
 def _parse_mig(
@@ -478,6 +570,13 @@ def _parse_faults(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Fault, ...]:
             raise r.fail("gpu", "event needs the GPU it happens on")
         latency_ms = r.num("latency_ms", 0.0) or 0.0
         health = _parse_health_fault(r, gpus, gpu)
+        if event in ECC_EVENTS:
+            # One model of a memory error (fake_nvml/health.py): an ECC event is an `ecc:` fault
+            # of one error, which both moves the counters and sends the event.
+            if health.get("ecc") is not None:
+                raise r.fail("event", f"{event} is an ecc fault of one error: give ecc or event, not both")
+            health["ecc"] = EccErrors(**{ECC_EVENTS[event]: 1})
+            event = None
         if (
             error is None
             and not links
