@@ -702,8 +702,11 @@ def budget_groups(plan: BudgetPlan) -> list[dict[str, Any]]:
         "{{ if $labels.namespace }}namespace {{ $labels.namespace }}{{ end }}"
         "{{ if $labels.model }}model {{ $labels.model }}{{ end }}"
     )
+    # `index`, not $labels.namespace: a label the alert lacks is then "" in vmalert too, which
+    # (unlike Prometheus, missingkey=zero) hands printf a nil and fails the whole alert.
     amount = (
-        "{{ with printf `" + BUDGET + "{team=%q, namespace=%q, model=%q}` $labels.team $labels.namespace $labels.model"
+        "{{ with printf `" + BUDGET + "{team=%q, namespace=%q, model=%q}` "
+        '(index $labels "team") (index $labels "namespace") (index $labels "model")'
         ' | query }}${{ . | first | value | printf "%.0f" }}{{ end }}'
     )
     month = f"this month ({plan.timezone})"
