@@ -17,9 +17,10 @@ Budgets
     start and end from `month()`/`day_of_month()`/`days_in_month()` of the clock shifted by
     the zone's UTC offset. The offset in force at each month's start is taken from the tz
     database (a zone's daylight saving time changes mid-month, never at a month's start, so
-    twelve offsets describe every month boundary exactly). Spend so far this month sums the
-    recorded 5m cost rates over the steps of a [32d:5m] subquery that lie after the month's
-    start, read at the evaluation time with `@ end()`.
+    twelve offsets describe every month boundary exactly). Spend so far this month sums tiles
+    (an hour's, a quarter hour's, or the file's `resolution`) of the recorded 5m cost rates
+    over the steps of a [32d:TILE] subquery that lie after the month's start, read at the
+    evaluation time with `@ end()`; a tile is its rate samples x the step between them / 3600.
 """
 
 from __future__ import annotations
@@ -335,11 +336,13 @@ class BudgetEntry(_Strict):
 
 
 class BudgetsFile(_Strict):
-    """The budgets file: budgets, the time zone their months follow, and how far back the
-    month-end forecast looks for the burn rate."""
+    """The budgets file: budgets, the time zone their months follow, how far back the
+    month-end forecast looks for the burn rate, and how finely spend is summed (None: by the
+    hour, or the quarter hour where months start on one)."""
 
     timezone: str = "UTC"
     forecast_window: Annotated[str, Field(min_length=1)] = "24h"
+    resolution: Annotated[str, Field(min_length=1)] | None = None
     budgets: list[BudgetEntry] = Field(min_length=1)
 
     @field_validator("timezone")
@@ -356,6 +359,15 @@ class BudgetsFile(_Strict):
             raise ValueError(f"whole hours between 1h and 31d, got {value!r}")
         return value
 
+    @field_validator("resolution")
+    @classmethod
+    def _resolution(cls, value: str | None) -> str | None:
+        # Whether it divides the quarter hour, where the zone's months start on one, is the
+        # plan's to check: that needs the year's offsets.
+        if value is not None and not _divides(parse_duration(value), 3600):
+            raise ValueError(f"whole seconds that divide 1h (1h, 15m, 1m, 10s, ...), got {value!r}")
+        return value
+
     @field_validator("budgets")
     @classmethod
     def _unique(cls, value: list[BudgetEntry]) -> list[BudgetEntry]:
@@ -366,6 +378,10 @@ class BudgetsFile(_Strict):
                 raise ValueError(f"{entry.kind} {entry.value!r} has two budgets")
             seen.add(key)
         return value
+
+
+def _divides(seconds: float, span: int) -> bool:
+    return seconds >= 1 and seconds == int(seconds) and span % int(seconds) == 0
 
 
 _OFFSET = re.compile(r"^(?:UTC)?([+-])(\d{2}):?(\d{2})$")
@@ -408,6 +424,7 @@ class BudgetPlan:
     forecast_window_s: int
     budgets: tuple[BudgetEntry, ...]
     year: int
+    resolution_s: int | None = None  # the tile; None: the month starts' alignment
 
 
 def load_budgets(path: Path, year: int) -> BudgetPlan:
@@ -429,12 +446,21 @@ def load_budgets(path: Path, year: int) -> BudgetPlan:
             message = "unknown key"
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise BadInputError(f"{path}: {where}: {message}{more}") from None
+    offsets = zone_offsets(parsed.timezone, year)
+    resolution_s = None if parsed.resolution is None else int(parse_duration(parsed.resolution))
+    alignment = month_alignment(offsets)
+    if resolution_s is not None and alignment % resolution_s:
+        raise BadInputError(
+            f"{path}: resolution: {parsed.timezone}'s months start on a half or quarter hour in {year}, so "
+            f"spend is summed by a divisor of 15m (15m, 5m, 1m, 10s, ...), got {parsed.resolution!r}"
+        )
     return BudgetPlan(
         timezone=parsed.timezone,
-        offsets=zone_offsets(parsed.timezone, year),
+        offsets=offsets,
         forecast_window_s=int(parse_duration(parsed.forecast_window)),
         budgets=tuple(parsed.budgets),
         year=year,
+        resolution_s=resolution_s,
     )
 
 
@@ -539,21 +565,88 @@ def calendar_rules(plan: BudgetPlan) -> list[dict[str, Any]]:
     ]
 
 
-def tile_seconds(plan: BudgetPlan) -> int:
-    """How finely spend is summed: by the hour, or by the quarter hour in a zone whose month
-    starts fall on a half or quarter hour (India, Nepal, parts of Australia)."""
-    return 3600 if all(offset % 3600 == 0 for offset in plan.offsets) else 900
+def month_alignment(offsets: Sequence[int]) -> int:
+    """What every month start is a multiple of (unix seconds): the hour, or the quarter hour in
+    a zone whose month starts fall on a half or quarter hour (India, Nepal, parts of Australia).
+    Spend is summed in tiles of this length, which never straddle a month start."""
+    return 3600 if all(offset % 3600 == 0 for offset in offsets) else 900
 
 
-def tile_record(plan: BudgetPlan) -> str:
-    return f"budget:gpuledger_cost_dollars:increase{_duration_text(tile_seconds(plan))}"
+def resolution_seconds(plan: BudgetPlan) -> int:
+    """How finely spend is summed: the file's resolution, else the whole tile. It divides the
+    tile (load_budgets checks), so its tiles never straddle one either."""
+    return plan.resolution_s or month_alignment(plan.offsets)
+
+
+def step_seconds(plan: BudgetPlan) -> int:
+    """The step between the 5m rates a tile sums, and the group's evaluation interval: the
+    resolution's largest divisor up to 5m, so that the 5m rates read cover every moment (a
+    step longer than their window would skip some) and a tile holds whole steps."""
+    resolution = resolution_seconds(plan)
+    return max(step for step in range(1, min(resolution, 300) + 1) if resolution % step == 0)
+
+
+def tile_record(seconds: int) -> str:
+    return f"budget:gpuledger_cost_dollars:increase{_duration_text(seconds)}"
+
+
+def _tile_expr(cost: str, tile: int, step: int) -> str:
+    """The dollars of the tile ending now: its rates ($/h) x the step (step / 3600 h)."""
+    if tile == step:
+        # One rate, read as is: a subquery a second short of a step could hold none of its
+        # steps when the evaluation is not aligned to them (Prometheus offsets each group).
+        return f"sum({cost}) / {3600 // step}\n"
+    return f"sum_over_time(sum({cost})[{_just_under(tile)}:{_duration_text(step)}]) / {3600 // step}\n"
+
+
+def _spend_expr(plan: BudgetPlan, own: str) -> str:
+    """Dollars since the month's start: the tiles that end on a step of the subquery after the
+    month's start, that start read at the evaluation time (@ end()); at a resolution finer than
+    the tile, plus the finer tiles since the last tile's end. Nothing spent yet: 0.
+
+    Finer tiles are summed only back to the last whole tile so that each evaluation reads 768
+    tiles (32d of hours) and one tile's worth of finer ones, not a month of finer ones (276480
+    at 10s: more than promtool's query limit or VictoriaMetrics's default subquery limit)."""
+    tile, resolution = month_alignment(plan.offsets), resolution_seconds(plan)
+    whole = (
+        f"sum(\n"
+        f"  sum_over_time(\n"
+        f"    (\n"
+        f"      {tile_record(tile)}{own}\n"
+        f"      and on () (vector(time()) - {tile} >= on () {MONTH_START}{_zone(plan)} @ end())\n"
+        f"    )[32d:{_duration_text(tile)}]\n"
+        f"  )\n"
+        f")\n"
+        f"or vector(0)\n"
+    )
+    if resolution == tile:
+        return whole
+    # The last tile's end, the evaluation time rounded down to a tile (month starts are whole
+    # tiles in UTC too), read from a one-step subquery: `@` takes no function call.
+    last_end = f"max_over_time(vector(time())[{_just_under(tile)}:{_duration_text(tile)}] @ end())"
+    finer = (
+        f"sum(\n"
+        f"  sum_over_time(\n"
+        f"    (\n"
+        f"      {tile_record(resolution)}{own}\n"
+        f"      and on () (vector(time()) - {resolution} >= on () {last_end})\n"
+        f"    )[{_just_under(tile)}:{_duration_text(resolution)}]\n"
+        f"  )\n"
+        f")\n"
+        f"or vector(0)\n"
+    )
+    return f"(\n{_indent(whole)})\n+\n(\n{_indent(finer)})\n"
+
+
+def _indent(text: str) -> str:
+    return "".join(f"  {line}\n" for line in text.splitlines())
 
 
 def budget_groups(plan: BudgetPlan) -> list[dict[str, Any]]:
     zone = _zone(plan)
     window = plan.forecast_window_s
-    tile = tile_seconds(plan)
-    tiled, step = tile_record(plan), _duration_text(tile)
+    tile, resolution, inner = month_alignment(plan.offsets), resolution_seconds(plan), step_seconds(plan)
+    tiled, step = tile_record(tile), _duration_text(tile)
     burn = burn_record(window)
     rules = calendar_rules(plan)
     for entry in plan.budgets:
@@ -563,29 +656,24 @@ def budget_groups(plan: BudgetPlan) -> list[dict[str, Any]]:
         rules += [
             {"record": BUDGET, "expr": f"vector({entry.monthly_dollars!r})\n", "labels": labels},
             {
-                # Dollars of the last tile: its 5m rates ($/h) x 5m (1/12 h). Summing tiles, not
-                # 5m steps, keeps a month's subquery at 768 steps (3072 by quarter hours).
+                # Dollars of the last tile: its 5m rates ($/h) x 5m (1/12 h) by default. Summing
+                # tiles, not steps, keeps a month's subquery at 768 steps (3072 by quarter hours).
                 "record": tiled,
-                "expr": f"sum_over_time(sum({cost}{own})[{_just_under(tile)}:5m]) / 12\n",
+                "expr": _tile_expr(f"{cost}{own}", tile, inner),
                 "labels": labels,
             },
-            {
-                # The tiles that end on a step of the subquery after the month's start, that
-                # start read at the evaluation time (@ end()). Nothing spent yet: 0.
-                "record": SPEND,
-                "expr": (
-                    f"sum(\n"
-                    f"  sum_over_time(\n"
-                    f"    (\n"
-                    f"      {tiled}{own}\n"
-                    f"      and on () (vector(time()) - {tile} >= on () {MONTH_START}{zone} @ end())\n"
-                    f"    )[32d:{step}]\n"
-                    f"  )\n"
-                    f")\n"
-                    f"or vector(0)\n"
-                ),
-                "labels": labels,
-            },
+        ]
+        if resolution != tile:
+            # The same rates, by the resolution: the tile is the sum of its finer tiles.
+            rules.append(
+                {
+                    "record": tile_record(resolution),
+                    "expr": _tile_expr(f"{cost}{own}", resolution, inner),
+                    "labels": labels,
+                }
+            )
+        rules += [
+            {"record": SPEND, "expr": _spend_expr(plan, own), "labels": labels},
             {
                 # Dollars spent over the window, per hour: a tile with no spend counts as 0.
                 "record": burn,
@@ -593,11 +681,13 @@ def budget_groups(plan: BudgetPlan) -> list[dict[str, Any]]:
                 "labels": labels,
             },
             {
-                # Spend counts whole tiles: the forecast goes on from the last tile's end.
+                # Spend counts whole tiles of the resolution: the forecast goes on from the last
+                # one's end.
                 "record": FORECAST,
                 "expr": (
                     f"{SPEND}{own}\n"
-                    f"+ {burn}{own} * on () group_left () ({MONTH_END}{zone} - (time() - time() % {tile})) / 3600\n"
+                    f"+ {burn}{own} * on () group_left () "
+                    f"({MONTH_END}{zone} - (time() - time() % {resolution})) / 3600\n"
                     f"or {SPEND}{own}\n"
                 ),
                 "labels": labels,
@@ -612,8 +702,11 @@ def budget_groups(plan: BudgetPlan) -> list[dict[str, Any]]:
         "{{ if $labels.namespace }}namespace {{ $labels.namespace }}{{ end }}"
         "{{ if $labels.model }}model {{ $labels.model }}{{ end }}"
     )
+    # `index`, not $labels.namespace: a label the alert lacks is then "" in vmalert too, which
+    # (unlike Prometheus, missingkey=zero) hands printf a nil and fails the whole alert.
     amount = (
-        "{{ with printf `" + BUDGET + "{team=%q, namespace=%q, model=%q}` $labels.team $labels.namespace $labels.model"
+        "{{ with printf `" + BUDGET + "{team=%q, namespace=%q, model=%q}` "
+        '(index $labels "team") (index $labels "namespace") (index $labels "model")'
         ' | query }}${{ . | first | value | printf "%.0f" }}{{ end }}'
     )
     month = f"this month ({plan.timezone})"
@@ -645,8 +738,9 @@ def budget_groups(plan: BudgetPlan) -> list[dict[str, Any]]:
     ]
     # One group, the alerts last: rules of a group run in order, so the alerts compare this
     # evaluation's spend and forecast (groups run concurrently, and one reading another's output
-    # sees it an evaluation late). Every 5m: a month's spend needs no fresher reading.
-    return [{"name": "gpuledger-budgets", "interval": "5m", "rules": rules + alerts}]
+    # sees it an evaluation late). Evaluated every step (5m by default): each tile is recorded
+    # at its end, and spend is read as often as the rates a tile sums.
+    return [{"name": "gpuledger-budgets", "interval": _duration_text(inner), "rules": rules + alerts}]
 
 
 def budget_header(plan: BudgetPlan) -> str:
@@ -663,9 +757,11 @@ def budget_header(plan: BudgetPlan) -> str:
         "",
         "Reads team:, namespace: and model:gpuledger_workload_cost_dollars_per_hour:rate5m",
         "(gpuledger-recording.rules.yml). Spend so far sums those 5m rates over the month's",
-        "5m steps: accurate to about 5 minutes at each end, it counts only what the rate rules",
+        f"{_duration_text(step_seconds(plan))} steps: accurate to about 5 minutes at each end, it counts only what the "
+        "rate rules",
         "recorded (Prometheus down: that time is missing). `gpuledger report` has the exact",
         "figures. One budgets file per Prometheus: a second would record the same series.",
+        *_resolution_lines(plan),
         "",
         f"{SPEND}              dollars since the local month's start",
         f"{burn_record(plan.forecast_window_s)}  dollars per hour over the forecast window",
@@ -674,6 +770,21 @@ def budget_header(plan: BudgetPlan) -> str:
         f"{SPENT_RATIO}, {FORECAST_RATIO}",
     ]
     return _comment(lines)
+
+
+def _resolution_lines(plan: BudgetPlan) -> list[str]:
+    """What a resolution finer than the tile gives and costs, for the header."""
+    tile, resolution = month_alignment(plan.offsets), resolution_seconds(plan)
+    if resolution == tile:
+        return []
+    fine, whole = _duration_text(resolution), _duration_text(tile)
+    text = (
+        f"Summed by {fine} (resolution): spend and the forecast lag {fine} rather than {whole}, and"
+        f" the group runs every {_duration_text(step_seconds(plan))}, each run reading per budget the month's"
+        f" {whole} tiles, the {fine} tiles since the last of them and {tile // step_seconds(plan)} rates"
+        f" for the {whole} tile. The burn rate still sums whole {whole} tiles."
+    )
+    return _wrap(text, 88)
 
 
 def _offset_text(seconds: int) -> str:

@@ -15,11 +15,16 @@ above the ledgers and below them by at most that tail, for the GPUs the group he
 Recording rules are found in deploy/prometheus (RECORDING_RULE_FILES; the few that cannot have
 data here are in NO_DATA, each with why); other queries go in FLEET_QUERIES: each must return
 data from VictoriaMetrics at a moment every node was up.
+
+Budgets: `gpuledger rules --budgets` renders a budgets file summed by 2 s (render_budgets) for the same
+vmalert, with one budget the fleet passes within seconds and one it never reaches; vmalert must
+report GPUBudgetExceeded firing for the first, to its notifier too, and never for the second.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import math
 import os
@@ -28,9 +33,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +138,93 @@ NO_DATA = {
 }
 
 
+# Budgets summed by 2 s, so that the month-to-date grows within the run (the default hour tile
+# would hold nothing yet: the store holds about two real minutes), evaluated every 2 s, so that
+# the alert fires while the recording rules are still being waited for. team research holds GPUs
+# 5 and 7 of each of the 8 demo nodes the whole run (notebook pods in research-nlp and
+# research-cv): 16 GPUs x $2.50/h x 1440 (scenario hours per real hour) = $57600 a real hour,
+# or 57600 x 2 / 3600 = $32 in each 2 s tile (the weekend-idle nodes' research job adds to it
+# for its first 10 real seconds). Its $10 is passed by the first tile read at a third of that
+# rate. namespace serving (a share of one GPU on 16 of the nodes) spends less than the whole
+# fleet, 192 GPUs x $2.50 x 1440 = $691200 a real hour: its $1e12 is out of reach.
+BUDGET_RESOLUTION = "2s"
+EXCEEDED = ("team", "research", 10.0)
+NOT_EXCEEDED = ("namespace", "serving", 1e12)
+
+
+def budgets_zone(now: float) -> str:
+    """UTC, or +12:00 where UTC's month turns within 2 hours of `now`: the budgets' month must
+    not restart (and the alert resolve) during the run."""
+    for zone, offset_s in (("UTC", 0), ("+12:00", 12 * 3600)):
+        local = dt.datetime.fromtimestamp(now + offset_s, dt.UTC)
+        start = local.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        end = (start + dt.timedelta(days=32)).replace(day=1)
+        if min(local - start, end - local) > dt.timedelta(hours=2):
+            return zone
+    raise AssertionError("unreachable: UTC and +12:00 cannot both be near a month's turn")
+
+
+def render_budgets(work: Path) -> Path:
+    """The budget rules, rendered through the real command from a budgets file."""
+    budgets = work / "budgets.yaml"
+    entries = [{kind: value, "monthly_dollars": dollars} for kind, value, dollars in (EXCEEDED, NOT_EXCEEDED)]
+    budgets.write_text(
+        yaml.safe_dump({"timezone": budgets_zone(time.time()), "resolution": BUDGET_RESOLUTION, "budgets": entries}),
+        encoding="utf-8",
+    )
+    from tests.test_cli import gpuledger
+
+    out = work / "gpuledger-budgets.rules.yml"
+    result = gpuledger("rules", "--budgets", str(budgets), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+@dataclass
+class Notifier:
+    """An Alertmanager's alert API as far as vmalert uses it: POST /api/v2/alerts, a JSON list
+    of alerts, each with its labels. It keeps every alert it was sent."""
+
+    url: str = ""
+    received: list[dict[str, Any]] = field(default_factory=list)
+
+    def __enter__(self) -> Notifier:
+        received = self.received
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path.endswith("/api/v2/alerts"):
+                    received.extend(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def firing_budgets(vmalert_url: str) -> set[tuple[str, str]]:
+    """The budgets vmalert reports GPUBudgetExceeded firing for, as (kind, value)."""
+    answer = httpx.get(f"{vmalert_url}/api/v1/alerts", timeout=10).raise_for_status().json()
+    alerts: list[dict[str, Any]] = answer["data"]["alerts"] or []  # null while none is active
+    return {
+        (kind, alert["labels"][kind])
+        for alert in alerts
+        if alert["name"] == "GPUBudgetExceeded" and alert["state"] == "firing"
+        for kind in ("team", "namespace", "model")
+        if kind in alert["labels"]
+    }
+
+
 def recorded_names() -> list[str]:
     return sorted(
         rule["record"]
@@ -201,6 +295,8 @@ class Fleet:
     since: float
     until: float
     running_at: float  # a moment every node was up and scraped: what dashboards and rules see live
+    budgets_firing: set[tuple[str, str]]  # GPUBudgetExceeded firing in vmalert, once it was
+    notified: list[dict[str, Any]]  # every alert vmalert sent its notifier
 
 
 def agent_mode_flag() -> str:
@@ -300,14 +396,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         scenario_file.write_text(yaml.safe_dump(scenario), encoding="utf-8")
         name = f"fleet-{i:02d}"
         nodes.append(Node(name, scenario_name, work / f"{name}.db", work / f"{name}.log"))
+    budget_rules = render_budgets(work)
     with contextlib.ExitStack() as stack:
         vm = stack.enter_context(promstore.victoria_metrics(work))
+        notifier = stack.enter_context(Notifier())
         assert VMALERT is not None
+        vmalert_url = f"http://127.0.0.1:{free_port()}"
         vmalert = start(
             "vmalert",
-            [VMALERT, *(f"-rule={path}" for path in RECORDING_RULE_FILES), f"-datasource.url={vm.url}",
-             f"-remoteWrite.url={vm.url}", "-evaluationInterval=1s", "-remoteWrite.flushInterval=1s",
-             f"-httpListenAddr=127.0.0.1:{free_port()}", "-loggerLevel=ERROR"],
+            [VMALERT, *(f"-rule={path}" for path in (*RECORDING_RULE_FILES, budget_rules)),
+             f"-datasource.url={vm.url}", f"-remoteWrite.url={vm.url}", f"-notifier.url={notifier.url}",
+             "-evaluationInterval=1s", "-remoteWrite.flushInterval=1s", f"-httpListenAddr={vmalert_url[7:]}",
+             "-loggerLevel=ERROR"],
             work / "vmalert.log",
         )  # fmt: skip
         stack.callback(vmalert.stop)
@@ -339,17 +439,22 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         wait(lambda: nodes_scraped(api, vm.url) >= NODES, 60, "every node's scrapes in the store")
         log("every node scraped twice")
 
-        # Rules that read other rules' results have them a few evaluations later.
+        budgets_firing: set[tuple[str, str]] = set()
+
+        # Rules that read other rules' results have them a few evaluations later; the budget
+        # alert, two or three 2 s evaluations of its group after the first cost rates (vmalert writes
+        # a tile one evaluation and reads it the next).
         def rules_done() -> bool:
             # What vmalert wrote is searchable at once (VictoriaMetrics would take seconds to
             # index each new series), so rules that read other rules' results get them sooner.
             httpx.get(f"{vm.url}/internal/force_flush", timeout=10).raise_for_status()
             missing = rules_without_data(api, time.time())
-            log(f"{len(missing)} rules without data")
-            return not missing
+            budgets_firing.update(firing_budgets(vmalert_url))
+            log(f"{len(missing)} rules without data {missing[:3]}, budgets exceeded: {sorted(budgets_firing)}")
+            return not missing and EXCEEDED[:2] in budgets_firing
 
         with contextlib.suppress(AssertionError):
-            wait(rules_done, 45, "the recording rules' results")
+            wait(rules_done, 45, "the recording rules' results and the budget alert")
         log("the recording rules have data")
         time.sleep(RUN_S)
         running_at = time.time() - 1.5  # a scrape ago: the store holds it, from every node
@@ -362,7 +467,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         httpx.get(f"{vm.url}/internal/force_flush", timeout=10).raise_for_status()
         wait_settled(api, since)
         log("every sample in VictoriaMetrics")
-        yield Fleet(api, nodes, engines, since, time.time() + 1, running_at)
+        budgets_firing.update(firing_budgets(vmalert_url))
+        yield Fleet(api, nodes, engines, since, time.time() + 1, running_at, budgets_firing, notifier.received)
 
 
 def start_nodes(nodes: Sequence[Node], config: Path, work: Path) -> subprocess.Popen[str]:
@@ -536,3 +642,26 @@ def test_the_cli_reads_victoria_metrics(fleet: Fleet) -> None:
     kinds = [line.split(",")[0] for line in result.stdout.splitlines()[1:]]
     assert kinds.count("group") >= 3
     assert kinds[-3:] == ["idle", "unobserved", "total"]
+
+
+def test_a_budget_alert_fires_for_the_budget_passed_only(fleet: Fleet) -> None:
+    exceeded, other = EXCEEDED[:2], NOT_EXCEEDED[:2]
+    assert exceeded in fleet.budgets_firing, (
+        f"GPUBudgetExceeded never fired in vmalert (vmalert.log): {fleet.budgets_firing}"
+    )
+    assert other not in fleet.budgets_firing
+    # vmalert sent it on, labelled as the budget is.
+    notified = {(a["labels"]["alertname"], a["labels"].get(exceeded[0])) for a in fleet.notified}
+    assert ("GPUBudgetExceeded", exceeded[1]) in notified, fleet.notified
+    # What vmalert wrote into the store, over the whole run: the alert firing for the one budget,
+    # never for the other, whose spend the rules did read (so its silence is not for want of data).
+    window = f"{math.ceil(fleet.until - fleet.since)}s"
+    fired = fleet.api.instant(
+        f'max_over_time(ALERTS{{alertname="GPUBudgetExceeded", alertstate="firing"}}[{window}])', fleet.until
+    )
+    assert {s.label(exceeded[0]) for s in fired} == {exceeded[1]}, [s.labels for s in fired]
+    spent = fleet.api.instant(
+        f'max_over_time(budget:gpuledger_cost_dollars:month_to_date{{{other[0]}="{other[1]}"}}[{window}])', fleet.until
+    )
+    assert spent, "no month-to-date spend recorded for the budget not passed"
+    assert 0 < spent[0].value < NOT_EXCEEDED[2], spent

@@ -37,6 +37,9 @@ WORK_RULES = PROMETHEUS_DIR / "gpuledger-work.rules.yml"
 FLEET_RULES = PROMETHEUS_DIR / "gpuledger-fleet.rules.yml"
 BUDGETS_EXAMPLE = PROMETHEUS_DIR / "budgets" / "budgets.example.yaml"
 BUDGET_RULES_EXAMPLE = PROMETHEUS_DIR / "budgets" / "gpuledger-budgets.example.rules.yml"
+# The budgets file of deploy/prometheus/tests/budgets-10s.test.yml, and its rules.
+BUDGETS_10S = PROMETHEUS_DIR / "tests" / "budgets-10s.yaml"
+BUDGET_RULES_10S = PROMETHEUS_DIR / "tests" / "budgets-10s.rules.yml"
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is missing: apt-get install prometheus")
@@ -268,6 +271,62 @@ def test_the_example_budget_rules_are_what_gpuledger_rules_renders() -> None:
     )
 
 
+def test_the_10s_budget_rules_promtool_tests_are_what_gpuledger_rules_renders() -> None:
+    result = gpuledger("rules", "--budgets", str(BUDGETS_10S))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == BUDGET_RULES_10S.read_text(encoding="utf-8"), (
+        "deploy/prometheus/tests/budgets-10s.rules.yml is stale: re-render it with "
+        "gpuledger rules --budgets deploy/prometheus/tests/budgets-10s.yaml --out ..."
+    )
+
+
+# resolution -> (the group's interval, the finer tile's record or None, the hour tile's step),
+# New York (months start on the hour).
+RESOLUTIONS = {
+    None: ("5m", None, "5m"),
+    "1h": ("5m", None, "5m"),
+    "30m": ("5m", "increase30m", "5m"),
+    "450s": ("225s", "increase450s", "225s"),  # 7.5m: its largest divisor up to 5m
+    "5m": ("5m", "increase5m", "5m"),
+    "10s": ("10s", "increase10s", "10s"),
+    "1s": ("1s", "increase1s", "1s"),
+}
+
+
+@pytest.mark.parametrize("resolution", RESOLUTIONS, ids=str)
+def test_resolution_sets_the_tile_the_step_and_the_interval(tmp_path: Path, resolution: str | None) -> None:
+    """Finer tiles and the step their rates are read at, and the group runs every step; the
+    default (and the hour itself) renders the example's rules exactly."""
+    interval, finer, step = RESOLUTIONS[resolution]
+    text = BUDGETS_EXAMPLE.read_text(encoding="utf-8")
+    if resolution is not None:
+        text += f"resolution: {resolution}\n"
+    out = tmp_path / "budgets.rules.yml"
+    result = gpuledger("rules", "--budgets", str(write(tmp_path / "budgets.yaml", text)), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    group = yaml.safe_load(out.read_text(encoding="utf-8"))["groups"][0]
+    assert group["interval"] == interval
+    records = {rule.get("record"): rule["expr"] for rule in group["rules"]}
+    hour_tile = records["budget:gpuledger_cost_dollars:increase1h"]
+    assert f":{step}]) / {3600 // parse_seconds(step)}" in hour_tile
+    if finer is None:
+        assert out.read_text(encoding="utf-8") == BUDGET_RULES_EXAMPLE.read_text(encoding="utf-8")
+        assert not [
+            name
+            for name in records
+            if name
+            and name.startswith("budget:gpuledger_cost_dollars:increase")
+            and name != "budget:gpuledger_cost_dollars:increase1h"
+        ]
+    else:
+        assert f"budget:gpuledger_cost_dollars:{finer}" in records
+        assert f"budget:gpuledger_cost_dollars:{finer}" in records["budget:gpuledger_cost_dollars:month_to_date"]
+
+
+def parse_seconds(text: str) -> int:
+    return int(text[:-1]) * {"s": 1, "m": 60, "h": 3600}[text[-1]]
+
+
 def test_zone_offsets_are_each_months_start_offset() -> None:
     # Berlin: CET (+1) at the start of November to March, CEST (+2) April to October.
     assert zone_offsets("Europe/Berlin", 2026) == (3600,) * 3 + (7200,) * 7 + (3600,) * 2
@@ -368,6 +427,16 @@ BAD_BUDGETS = [
     ("budgets: [{team: a, monthly_dollars: 10}, {team: a, monthly_dollars: 20}]\n", "team 'a' has two budgets"),
     ("budgets: [{team: a, monthly_dollars: 10}\n", "budgets.yaml: line"),
     ("- team: a\n", "expected a mapping with budgets:"),
+    ("resolution: 7s\nbudgets: [{team: a, monthly_dollars: 10}]\n", "resolution: whole seconds that divide 1h"),
+    ("resolution: 2h\nbudgets: [{team: a, monthly_dollars: 10}]\n", "resolution: whole seconds that divide 1h"),
+    ("resolution: 1.5s\nbudgets: [{team: a, monthly_dollars: 10}]\n", "resolution: whole seconds that divide 1h"),
+    ("resolution: 0s\nbudgets: [{team: a, monthly_dollars: 10}]\n", "resolution: whole seconds that divide 1h"),
+    ("resolution: soon\nbudgets: [{team: a, monthly_dollars: 10}]\n", "resolution: expected a duration"),
+    # St John's months start on the half hour: 30m divides the hour, not the quarter hour.
+    (
+        "timezone: America/St_Johns\nresolution: 30m\nbudgets: [{team: a, monthly_dollars: 10}]\n",
+        "resolution: America/St_Johns's months start on a half or quarter hour",
+    ),
 ]
 
 
