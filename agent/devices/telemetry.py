@@ -89,6 +89,8 @@ GROUPS: dict[str, Group] = {
     "nvlink_throughput": Group(per_link_every_poll=(Q.NVLINK_TX_BYTES, Q.NVLINK_RX_BYTES)),
     "codecs": Group(slow=(Q.ENCODER_UTILIZATION, Q.DECODER_UTILIZATION)),
     "memory_utilization": Group(every_poll=(Q.MEMORY_UTILIZATION,)),
+    # A switch, not readings of its own: the sampler's GPM meters of MIG instances.
+    "mig_activity": Group(),
 }
 OPT_IN = frozenset({"pcie_throughput"})
 DEFAULT_GROUPS = frozenset(GROUPS) - OPT_IN
