@@ -340,7 +340,7 @@ class ReadingsConfig(_Section):
 
     def options(self) -> ReadingOptions:
         groups = frozenset(name for name in GROUPS if getattr(self, name))
-        return ReadingOptions(groups, self.slow_interval)
+        return ReadingOptions(groups, self.slow_interval, mig_activity=self.mig_activity)
 
 
 def parse_listen(value: object) -> tuple[str, int]:

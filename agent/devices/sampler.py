@@ -424,7 +424,7 @@ class Sampler:
             gpu.activity is not None
             and mig.gpu_instance_id is not None
             and self._activity_backend is not None
-            and "mig_activity" in self.readings.groups
+            and self.readings.mig_activity
         ):
             # A MIG instance's activity is sampled through its GPU, naming the GPU instance: a
             # sample and a metrics call each a poll, as NVML has no call for several instances.

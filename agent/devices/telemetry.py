@@ -89,8 +89,6 @@ GROUPS: dict[str, Group] = {
     "nvlink_throughput": Group(per_link_every_poll=(Q.NVLINK_TX_BYTES, Q.NVLINK_RX_BYTES)),
     "codecs": Group(slow=(Q.ENCODER_UTILIZATION, Q.DECODER_UTILIZATION)),
     "memory_utilization": Group(every_poll=(Q.MEMORY_UTILIZATION,)),
-    # A switch, not readings of its own: the sampler's GPM meters of MIG instances.
-    "mig_activity": Group(),
 }
 OPT_IN = frozenset({"pcie_throughput"})
 DEFAULT_GROUPS = frozenset(GROUPS) - OPT_IN
@@ -103,6 +101,8 @@ class ReadingOptions:
 
     groups: frozenset[str] = DEFAULT_GROUPS
     slow_interval_s: float = DEFAULT_SLOW_INTERVAL_S
+    # GPM activity of each MIG instance (the sampler's): two calls per instance a poll.
+    mig_activity: bool = True
 
     def __post_init__(self) -> None:
         unknown = self.groups - set(GROUPS)
