@@ -94,6 +94,10 @@ NOTES = (
     " makes 3 (field values, temperature, the process list of all its instances), reads an instance's memory"
     " where its processes' memory changed (else once a slow interval, 7 calls when fully split) and takes its"
     " 6 health calls on the slow rhythm. Averaged over whole slow intervals (30s, 6 polls at 5s).",
+    "H100 (GPM on, its default): GPM adds a sample and a metrics call per device a poll; a whole H100 skips"
+    " its device utilization samples (SM activity is its busy source), so 9 a poll and 7 slow: 10.17. A fully"
+    " split H100 pays 2 per instance (NVML samples and computes one GPU instance per call): 21.17;"
+    " H100 MIG* is the same node with readings.mig_activity false.",
 )
 
 

@@ -187,8 +187,8 @@ def uncorrectable_ecc_xid(board: BoardFacts) -> int:
     memory: Xid 94 (contained: they are stopped, the GPU keeps serving others) or 95
     (uncontained: every process on the GPU is affected, and it needs a reset). A scenario's
     `ecc:` fault does not say which, and containment is the usual outcome on these boards, so
-    the fake sends 94; a scenario that wants the uncontained case adds `xid: 95` at the same
-    time. (NVIDIA's Xid catalogue, "Xid 48", "Xid 94", "Xid 95".)"""
+    the fake sends 94; a scenario that wants the uncontained case gives the `ecc:` fault
+    `xid: 95`. (NVIDIA's Xid catalogue, "Xid 48", "Xid 94", "Xid 95".)"""
     return 94 if board.remaps_rows else 48
 
 
@@ -196,11 +196,14 @@ def _fault_events(fault: Fault, board: BoardFacts) -> list[tuple[float, int, int
     """The events a fault makes the driver send: (when, nvmlEventType*, event data). An
     uncorrectable ECC error sends its ECC event and, as a real driver does, an Xid."""
     found: list[tuple[float, int, int]] = []
+    # An `xid:` on a fault with uncorrectable errors names the Xid they log (95: uncontained; a
+    # recording's, as the driver sent it), in place of the architecture's.
+    ecc_xid = fault.xid if fault.ecc is not None and fault.ecc.uncorrected else None
     for at_s, uncorrected in NodeHealth.ecc_error_times(fault):
         found.append((at_s, DOUBLE_BIT_ECC if uncorrected else SINGLE_BIT_ECC, 0))
         if uncorrected:
-            found.append((at_s, XID_CRITICAL_ERROR, uncorrectable_ecc_xid(board)))
-    if fault.xid is not None:
+            found.append((at_s, XID_CRITICAL_ERROR, ecc_xid or uncorrectable_ecc_xid(board)))
+    if fault.xid is not None and ecc_xid is None:
         found.append((fault.at_s, XID_CRITICAL_ERROR, fault.xid))
     if fault.event is not None:
         found.append((fault.at_s, EVENT_TYPES[fault.event], 0))
