@@ -331,13 +331,16 @@ class ReadingsConfig(_Section):
     nvlink_throughput: bool = True  # bytes per link
     codecs: bool = True  # video encoder and decoder utilization
     memory_utilization: bool = True  # the memory controller's
+    # GPM activity of each MIG instance (Hopper and later): two NVML calls per instance a poll,
+    # 14 for a fully split H100; without it an instance has no busy measure (docs: README).
+    mig_activity: bool = True
     # How often readings that change slowly or only count are read (between, a poll carries the
     # last value): dcgm-exporter's collection interval.
     slow_interval: Duration = Field(default=30.0, gt=0)
 
     def options(self) -> ReadingOptions:
         groups = frozenset(name for name in GROUPS if getattr(self, name))
-        return ReadingOptions(groups, self.slow_interval)
+        return ReadingOptions(groups, self.slow_interval, mig_activity=self.mig_activity)
 
 
 def parse_listen(value: object) -> tuple[str, int]:

@@ -33,6 +33,7 @@ from typing import Any
 from fake_nvml.health import NodeHealth
 from fake_nvml.lib import INVALID_ARGUMENT, NOT_SUPPORTED, SUCCESS, Dev, FakeNvmlLibrary, _c, _int, _obj
 from fake_nvml.scenario import ERROR_CODES, Fault
+from fake_nvml.scenario.facts import BoardFacts
 
 # nvmlEventType* (nvml.h)
 SINGLE_BIT_ECC = 0x1
@@ -63,7 +64,7 @@ WAIT_TICK_S = 0.01
 @dataclass(order=True)
 class _Pending:
     at_s: float
-    order: int
+    order: tuple[int, int]
     gpu: int = field(compare=False)
     event_type: int = field(compare=False)
     data: int = field(compare=False)
@@ -170,19 +171,39 @@ def _register(lib: FakeNvmlLibrary, t: float, dev: Dev, types: Any, event_set: A
         for order, fault in enumerate(lib._node.scenario.faults):
             if fault.gpu != gpu:
                 continue
-            for at_s, event_type, data in _fault_events(fault):
+            # (fault, event): the scenario's order among events at one instant, and within a
+            # fault, its own (an ECC event before the Xid that comes with it).
+            for k, (at_s, event_type, data) in enumerate(_fault_events(fault, lib._node.health.board(gpu))):
                 if at_s > t and new & event_type:
-                    heapq.heappush(events.pending, _Pending(at_s, order, gpu, event_type, data, dev.mig))
+                    heapq.heappush(events.pending, _Pending(at_s, (order, k), gpu, event_type, data, dev.mig))
     return SUCCESS
 
 
-def _fault_events(fault: Fault) -> list[tuple[float, int, int]]:
-    """The events a fault makes the driver send: (when, nvmlEventType*, event data)."""
-    found = [
-        (at_s, DOUBLE_BIT_ECC if uncorrected else SINGLE_BIT_ECC, 0)
-        for at_s, uncorrected in NodeHealth.ecc_error_times(fault)
-    ]
-    if fault.xid is not None:
+def uncorrectable_ecc_xid(board: BoardFacts) -> int:
+    """The Xid a driver logs beside the ECC event of an uncorrectable (double-bit) error.
+
+    Before Ampere, Xid 48 (DBE, with page retirement). From Ampere on, where rows are remapped
+    instead, the driver reports whether it contained the error to the processes using the
+    memory: Xid 94 (contained: they are stopped, the GPU keeps serving others) or 95
+    (uncontained: every process on the GPU is affected, and it needs a reset). A scenario's
+    `ecc:` fault does not say which, and containment is the usual outcome on these boards, so
+    the fake sends 94; a scenario that wants the uncontained case gives the `ecc:` fault
+    `xid: 95`. (NVIDIA's Xid catalogue, "Xid 48", "Xid 94", "Xid 95".)"""
+    return 94 if board.remaps_rows else 48
+
+
+def _fault_events(fault: Fault, board: BoardFacts) -> list[tuple[float, int, int]]:
+    """The events a fault makes the driver send: (when, nvmlEventType*, event data). An
+    uncorrectable ECC error sends its ECC event and, as a real driver does, an Xid."""
+    found: list[tuple[float, int, int]] = []
+    # An `xid:` on a fault with uncorrectable errors names the Xid they log (95: uncontained; a
+    # recording's, as the driver sent it), in place of the architecture's.
+    ecc_xid = fault.xid if fault.ecc is not None and fault.ecc.uncorrected else None
+    for at_s, uncorrected in NodeHealth.ecc_error_times(fault):
+        found.append((at_s, DOUBLE_BIT_ECC if uncorrected else SINGLE_BIT_ECC, 0))
+        if uncorrected:
+            found.append((at_s, XID_CRITICAL_ERROR, ecc_xid or uncorrectable_ecc_xid(board)))
+    if fault.xid is not None and ecc_xid is None:
         found.append((fault.at_s, XID_CRITICAL_ERROR, fault.xid))
     if fault.event is not None:
         found.append((fault.at_s, EVENT_TYPES[fault.event], 0))

@@ -259,6 +259,44 @@ def test_a_memory_error_moves_the_counters_and_sends_the_event_whichever_way_the
     assert delivered() == [(0, sbe), (1, dbe), (0, sbe)]
 
 
+def test_an_uncorrectable_memory_error_sends_the_xid_its_architecture_logs_beside_the_ecc_event(node: Any) -> None:
+    # One double-bit error on each of a V100 (page retirement: Xid 48), an A100 and an H100 (row
+    # remapping, the error contained: Xid 94); a corrected one on the A100 sends no Xid.
+    installed = node(
+        {
+            "gpus": [{"model": "V100-SXM2-32GB"}, {"model": "A100-SXM4-80GB"}, {"model": "H100-SXM5-80GB"}],
+            "faults": [
+                {"at": "10m", "gpu": 0, "ecc": {"uncorrected": 1}},
+                {"at": "20m", "gpu": 1, "ecc": {"uncorrected": 1, "corrected": 1}},
+                {"at": "30m", "gpu": 2, "event": "double_bit_ecc"},
+            ],
+        }
+    )
+    event_set = pynvml.nvmlEventSetCreate()
+    wanted = (
+        pynvml.nvmlEventTypeSingleBitEccError
+        | pynvml.nvmlEventTypeDoubleBitEccError
+        | pynvml.nvmlEventTypeXidCriticalError
+    )
+    for gpu in range(3):
+        pynvml.nvmlDeviceRegisterEvents(handle(gpu), wanted, event_set)
+    installed.clock.advance(3600)
+    got = []
+    while True:
+        try:
+            data = pynvml.nvmlEventSetWait_v2(event_set, 0)
+        except pynvml.NVMLError_Timeout:
+            break
+        got.append((pynvml.nvmlDeviceGetIndex(data.device), data.eventType, data.eventData))
+    sbe, dbe = pynvml.nvmlEventTypeSingleBitEccError, pynvml.nvmlEventTypeDoubleBitEccError
+    xid = pynvml.nvmlEventTypeXidCriticalError
+    assert got == [
+        (0, dbe, 0), (0, xid, 48),
+        (1, sbe, 0), (1, dbe, 0), (1, xid, 94),
+        (2, dbe, 0), (2, xid, 94),
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("fault", "message"),
     [

@@ -344,3 +344,107 @@ def test_gpm_costs_two_nvml_calls_per_gpu_per_poll() -> None:
         assert gpm == {"nvmlGpmSampleGet": 2, "nvmlGpmMetricsGet": 2}
     finally:
         rig.close()
+
+
+# -- the NVML call budget (issue 11: 10 calls per GPU per poll in steady state) ------------------
+
+
+def steady_calls(spec: dict[str, Any], settings_: Settings) -> Any:
+    """NVML calls over one slow interval (30 s: six polls 5 s apart) after a minute of polls; the
+    event set's waits are the node's, not a GPU's."""
+    rig = Rig(spec, settings=settings_)
+    try:
+        rig.run(MINUTE, 5)
+        before = rig.node.calls.copy()
+        for _ in range(6):
+            rig.poll(5)
+        calls = rig.node.calls - before
+    finally:
+        rig.close()
+    calls.pop("nvmlEventSetWait_v2", None)
+    return calls
+
+
+H100_WHOLE_AND_MIG = {
+    "node": {"hostname": "gpm"},
+    "gpus": [{"model": "H100-SXM5-80GB", "nvlink_links": 18}, {"model": "H100-SXM5-80GB", "mig": ["1g.10gb"] * 7}],
+    "processes": [{"pid": 10, "gpus": [0], **{k: BURSTY[k] for k in ("sm_util", "sm_active", "tensor")}}]
+    + [{"pid": 20 + m, "gpus": [f"1:{m}"], "sm_util": 30, "memory_mib": 1000 + m} for m in range(7)],
+}
+
+
+def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig_h100() -> None:
+    calls = steady_calls(H100_WHOLE_AND_MIG, settings())
+    # The whole H100, each poll: field values, memory, utilization (and the memory controller's),
+    # temperature, processes, process samples, the SM clock, and GPM's sample and metrics: 9.
+    # Its device utilization samples are not read: GPM is its busy source. Once in the six, the
+    # slow readings: memory clock, performance state, clock-event reasons, PCIe generation and
+    # width, encoder, decoder (7). 9 x 6 + 7 = 61 calls, 10.17 a poll.
+    whole = 9 * 6 + 7
+    # The fully split H100, each poll: field values, temperature, the process list (3), its own
+    # GPM sample and metrics (2), and per instance a GPM sample and metrics (14): 19. Once in the
+    # six: SM and memory clocks, performance state, reasons, PCIe generation and width (6), and
+    # the seven instances' memory (7). 19 x 6 + 13 = 127 calls, 21.17 a poll.
+    mig = 19 * 6 + 6 + 7
+    assert sum(calls.values()) == whole + mig, dict(calls)
+    assert "nvmlDeviceGetSamples" not in calls
+    assert calls["nvmlGpmSampleGet"] == 2 * 6
+    assert calls["nvmlGpmMigSampleGet"] == 7 * 6
+    assert calls["nvmlGpmMetricsGet"] == (1 + 1 + 7) * 6
+    assert whole / 6 == pytest.approx(10.167, abs=1e-3)
+    assert mig / 6 == pytest.approx(21.167, abs=1e-3)
+
+
+def test_without_mig_activity_a_fully_split_h100_keeps_to_the_budget_and_its_instances_have_no_busy_measure() -> None:
+    off = settings()
+    off = off.model_copy(update={"readings": off.readings.model_copy(update={"mig_activity": False})})
+    calls = steady_calls(H100_WHOLE_AND_MIG, off)
+    # The MIG GPU: 3 + its own GPM (2) a poll, 13 once in the six: 5 x 6 + 13 = 43, 7.17 a poll.
+    assert sum(calls.values()) == (9 * 6 + 7) + (5 * 6 + 13), dict(calls)
+    assert "nvmlGpmMigSampleGet" not in calls
+    rig = Rig(H100_WHOLE_AND_MIG, settings=off)
+    try:
+        rig.poll()
+        state = rig.poll(MINUTE)
+        assert state.snapshot is not None
+        instances = state.snapshot.mig_devices(state.snapshot.gpus[1].uuid)
+        assert [(d.activity, d.busy_source) for d in instances] == [(None, "")] * 7
+        assert state.snapshot.gpus[1].activity is not None  # the GPU's own is still read
+    finally:
+        rig.close()
+
+
+def test_gpm_readings_are_the_same_whether_or_not_the_device_samples_are_read() -> None:
+    # The bursty tensor job, its load changing every 7 minutes, over an hour of polls a minute:
+    # with busy_source gpm the sampler skips the device samples; with nvml it reads them. The
+    # GPM readings are the same at every poll, and the device samples' interval mean is what
+    # GPM's graphics activity reads (which stands in for it where the samples are not read).
+    bursty = {
+        **{k: v for k, v in BURSTY.items() if k not in ("sm_active", "tensor")},
+        "sm_util": [
+            {"at": f"{7 * k}m", "sm_util": 100 - 10 * (k % 3), "sm_active": 25 + 5 * (k % 4), "tensor": 80}
+            for k in range(9)
+        ],
+    }
+    readings: dict[str, list[tuple[Any, Any]]] = {}
+    for source in ("gpm", "nvml"):
+        rig = Rig(scenario([bursty]), settings=settings(source))
+        try:
+            rig.poll()
+            polls = []
+            for _ in range(60):
+                state = rig.poll(MINUTE)
+                assert state.snapshot is not None
+                gpu = state.snapshot.gpus[0]
+                polls.append((gpu.activity, gpu.interval_utilization))
+            readings[source] = polls
+            calls = rig.node.calls["nvmlDeviceGetSamples"]
+            assert calls == (0 if source == "gpm" else 61)
+        finally:
+            rig.close()
+    assert [a for a, _ in readings["gpm"]] == [a for a, _ in readings["nvml"]]
+    assert all(a is not None and a.sm_active is not None for a, _ in readings["gpm"])
+    for (_, from_gpm), (_, from_samples) in zip(readings["gpm"], readings["nvml"], strict=True):
+        # The samples come a sampling period apart, so where the load changes the period
+        # straddling it reads one side: within a period's share of the minute (1/60 s here).
+        assert from_gpm == pytest.approx(from_samples, abs=0.005)

@@ -67,6 +67,8 @@ from agent.units import format_duration
 log = logging.getLogger("gpuledger")
 
 MIB = 2**20
+# The Xids a driver logs with an uncorrectable ECC error (NVIDIA's Xid catalogue).
+UNCORRECTABLE_ECC_XIDS = frozenset({48, 94, 95})
 # The most scenario time `record --fake` covers, and the most real time a recording may last.
 MAX_RECORD_S = 7 * 86400.0
 
@@ -160,11 +162,26 @@ class TraceRecorder:
         self._down(snapshot, t)
         self._processes_of(snapshot, state, t)
         self._allocations_of(state, t)
-        for received, index, kind, value in events:
-            if received > self._events_seen_until:
-                fault: dict[str, Any] = {"at": t, "gpu": index}
-                fault.update({"xid": value} if kind == "xid" else {"event": kind})
-                self._events.append(fault)
+        new = [(index, kind, value) for received, index, kind, value in events if received > self._events_seen_until]
+        # A double-bit error's own Xid (48; from Ampere on 94 contained, 95 not) is written on its
+        # ECC event's fault: the fake sends an uncorrectable error's Xid with it, so written apart
+        # it would be sent twice.
+        unpaired = [(index, kind) for index, kind, _ in new if kind == "double_bit_ecc"]
+        paired: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for index, kind, value in new:
+            fault: dict[str, Any] = {"at": t, "gpu": index}
+            if kind == "xid" and value in UNCORRECTABLE_ECC_XIDS and (index, "double_bit_ecc") in unpaired:
+                unpaired.remove((index, "double_bit_ecc"))
+                paired.setdefault((index, "xid"), []).append({"xid": value})
+                continue
+            fault.update({"xid": value} if kind == "xid" else {"event": kind})
+            self._events.append(fault)
+            if kind == "double_bit_ecc":
+                paired.setdefault((index, kind), []).append(fault)
+        for (index, kind), xids in paired.items():
+            if kind == "xid":
+                for dbe, xid in zip(paired[(index, "double_bit_ecc")], xids, strict=False):
+                    dbe.update(xid)
         self._events_seen_until = snapshot.taken_at
 
     def _gpu(self, snapshot: Snapshot, gpu: DeviceReading, k: int, t: float) -> None:

@@ -420,8 +420,14 @@ class Sampler:
             compute_instance_id=self._optional(uuid, "compute instance", lambda: b.compute_instance_id(handle)),
             sm_count=self._optional(uuid, "sm_count", lambda: b.sm_count(handle)),
         )
-        if gpu.activity is not None and mig.gpu_instance_id is not None and self._activity_backend is not None:
-            # A MIG instance's activity is sampled through its GPU, naming the GPU instance.
+        if (
+            gpu.activity is not None
+            and mig.gpu_instance_id is not None
+            and self._activity_backend is not None
+            and self.readings.mig_activity
+        ):
+            # A MIG instance's activity is sampled through its GPU, naming the GPU instance: a
+            # sample and a metrics call each a poll, as NVML has no call for several instances.
             mig.activity = ActivityMeter(self._activity_backend, gpu.handle, mig.gpu_instance_id)
         return mig
 
@@ -670,8 +676,15 @@ class Sampler:
         memory_used = values.get(_MEMORY_USED)
         memory_total = values.get(_MEMORY_TOTAL)
         processes = self._whole_gpu_processes(gpu, where)
-        interval_utilization = self._interval_utilization(gpu, where)
         activity = self._activity(where, gpu.unsupported, gpu.activity)
+        busy_source = self._busy_source(gpu.unsupported, gpu.activity, nvml=True)
+        if busy_source == BUSY_GPM:
+            # GPM's graphics activity is the share of the interval in which a kernel ran: what the
+            # device's own utilization samples average to, measured end to end. So where GPM is
+            # the busy source the samples (a call a poll) buy nothing, and are not read.
+            interval_utilization = activity.graphics_active if activity is not None else None
+        else:
+            interval_utilization = self._interval_utilization(gpu, where)
         return [
             DeviceReading(
                 index=gpu.index,
@@ -693,7 +706,7 @@ class Sampler:
                 processes_known=processes is not None,
                 interval_utilization=interval_utilization,
                 activity=activity,
-                busy_source=self._busy_source(gpu.unsupported, gpu.activity, nvml=True),
+                busy_source=busy_source,
                 telemetry=telemetry,
             )
         ]

@@ -101,6 +101,8 @@ class ReadingOptions:
 
     groups: frozenset[str] = DEFAULT_GROUPS
     slow_interval_s: float = DEFAULT_SLOW_INTERVAL_S
+    # GPM activity of each MIG instance (the sampler's): two calls per instance a poll.
+    mig_activity: bool = True
 
     def __post_init__(self) -> None:
         unknown = self.groups - set(GROUPS)
