@@ -1242,12 +1242,16 @@ def _samples(
     if counter.value < len(found):
         counter.value = len(found)
         return INSUFFICIENT_SIZE
-    array = _obj(samples)
-    for i, (stamp_us, percent) in enumerate(found):
-        sample = array[i]
-        sample.timeStamp = stamp_us
-        sample.sampleValue.uiVal = percent
-    counter.value = len(found)
+    # nvmlSample_t is two words, the time stamp and the value union: written a column at a time.
+    n = len(found)
+    words = memoryview(_obj(samples)).cast("B").cast("Q")
+    stamps, percents = zip(*found, strict=True)
+    words[0 : 2 * n : 2] = array("Q", stamps)
+    values = slice(1, 2 * n, 2)
+    # uiVal: the 4 bytes a C uint has; the union's others are left as they were.
+    kept = words[values].tolist()
+    words[values] = array("Q", [(old & _UINT_KEPT) | (p << _UINT_SHIFT) for old, p in zip(kept, percents, strict=True)])
+    counter.value = n
     return SUCCESS
 
 

@@ -19,6 +19,7 @@ import ctypes
 import functools
 import logging
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -361,11 +362,24 @@ def _field_value(item: _FieldValue, value: ctypes.Union) -> float:
     return float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
 
 
+# Decoding a whole batch at once (`_FieldRequest.unsigned`): a field is five 64-bit words, the
+# fourth holding valueType and nvmlReturn (in that order in memory), the fifth the value union.
+_FIELD_WORDS = 5
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_UINT = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+# The unsigned types whose value fills the union's word (unsigned long is 64 bits on Linux).
+_WORD_TYPES = frozenset(
+    {pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG}
+    | ({pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG} if ctypes.sizeof(ctypes.c_ulong) == 8 else set())
+)
+_UNSIGNED_TYPES = _WORD_TYPES | {_UINT}
+
+
 class _FieldRequest:
     """One field-values request, built once and sent every poll: the driver writes only the
     outputs, so the ids stay; the outputs are reset from `template` before each call."""
 
-    __slots__ = ("array", "items", "length", "template", "values")
+    __slots__ = ("array", "items", "length", "template", "values", "words")
 
     def __init__(self, fields: Sequence[tuple[int, int]]) -> None:
         self.array = (_FieldValue * len(fields))()
@@ -376,6 +390,21 @@ class _FieldRequest:
         # Views into `array`, made once: indexing a ctypes array builds a new object each time.
         self.items = tuple(self.array)
         self.values = tuple(item.value for item in self.items)
+        self.words = memoryview(self.array).cast("B").cast("Q") if _LITTLE_ENDIAN else None
+
+    def unsigned(self) -> list[int] | None:
+        """Every field's value, when every field succeeded with an unsigned integer type (the
+        usual answer): read a word column at a time, not a ctypes attribute per field. None
+        otherwise, and on a big-endian host: the caller then reads field by field."""
+        words = self.words
+        if words is None:
+            return None
+        kinds = words[3::_FIELD_WORDS].tolist()
+        # Little-endian: valueType in the low half of the word, nvmlReturn (0: success) above it.
+        if not kinds or max(kinds) > 0xFFFFFFFF or not _UNSIGNED_TYPES.issuperset(kinds):
+            return None
+        raw = words[4::_FIELD_WORDS].tolist()
+        return [value if kind in _WORD_TYPES else value & 0xFFFFFFFF for kind, value in zip(kinds, raw, strict=True)]
 
 
 class _Plan:
@@ -383,7 +412,7 @@ class _Plan:
     its request), which by single calls. Rebuilt when the backend learns something that
     changes the split (a field the device refuses, or no field values at all)."""
 
-    __slots__ = ("batched", "field_values", "learned", "request", "single")
+    __slots__ = ("batched", "field_values", "learned", "request", "scales", "single")
 
     def __init__(self, backend: NvmlBackend, handle: _Device, keys: Sequence[ReadingKey]) -> None:
         self.field_values = backend._field_values and not handle.no_fields
@@ -400,6 +429,11 @@ class _Plan:
             else:
                 self.single.append(key)
         self.request = _FieldRequest(fields)
+        # What each batched field's raw value is divided by (1.0: nothing); 0.0: a link state,
+        # read as up (1.0) or down.
+        self.scales = [
+            0.0 if key.quantity is Q.NVLINK_UP else _FIELD_DIVISORS.get(key.quantity, 1.0) for key in self.batched
+        ]
 
     def current(self, backend: NvmlBackend, handle: _Device) -> bool:
         fields = backend._field_values and not handle.no_fields
@@ -799,6 +833,16 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
             except DeviceError as exc:
                 errors.update(dict.fromkeys(keys, exc))
                 return left
+            if request is plan.request and (numbers := request.unsigned()) is not None:
+                # Every field answered: the same floats as the loop below, a column at a time.
+                values.update(
+                    zip(
+                        keys,
+                        [n / scale if scale else float(n != 0) for n, scale in zip(numbers, plan.scales, strict=True)],
+                        strict=True,
+                    )
+                )
+                return left
             retry: list[ReadingKey] = []
             refused: set[Quantity] = set()
             for key, item, value in zip(keys, request.items, request.values, strict=True):
@@ -1092,6 +1136,15 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
             if code == pynvml.NVML_ERROR_NOT_FOUND:
                 return []  # nothing sampled since `since_us`
             _check(call, code)
-            member = _VALUE_MEMBERS.get(value_type.value, "uiVal")
-            return [(s.timeStamp, float(getattr(s.sampleValue, member))) for s in buffer[: count.value]]
+            taken, value_kind = count.value, value_type.value
+            if _LITTLE_ENDIAN and value_kind in _UNSIGNED_TYPES:
+                # nvmlSample_t is two words, the time stamp and the value: read a column at a time
+                # (a poll reads a sample a second of every GPU).
+                words = memoryview(buffer).cast("B").cast("Q")
+                values = words[1 : 2 * taken : 2].tolist()
+                if value_kind not in _WORD_TYPES:
+                    values = [value & 0xFFFFFFFF for value in values]
+                return list(zip(words[0 : 2 * taken : 2].tolist(), map(float, values), strict=True))
+            member = _VALUE_MEMBERS.get(value_kind, "uiVal")
+            return [(s.timeStamp, float(getattr(s.sampleValue, member))) for s in buffer[:taken]]
         raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")

@@ -130,7 +130,6 @@ class TelemetryReader:
     _nvlink_total: tuple[float, float] | None = None  # (time, bytes) of the previous poll
     _all_link_keys: tuple[ReadingKey, ...] = ()  # every link's _LINK_QUANTITIES keys, link by link
     _traffic_keys: tuple[ReadingKey, ...] = ()  # every link's transmit and receive keys, link by link
-    _nvlinks: dict[int, NvLinkCounters] = field(default_factory=dict)  # each link's last counters
     _last: tuple[object, Telemetry] | None = None  # the last poll's readings and what they made
 
     def __post_init__(self) -> None:
@@ -203,7 +202,7 @@ class TelemetryReader:
         counts = tuple(map(get, self._all_link_keys)) if self._per_link else ()
         if self._last is not None and self._last[0] == (scalars, counts, rate):
             return self._last[1]
-        built = _build(scalars, counts, rate, self._nvlinks)
+        built = _build(scalars, counts, rate)
         self._last = ((scalars, counts, rate), built)
         return built
 
@@ -269,15 +268,9 @@ _SCALAR_NAMES = tuple(name for name, _quantity, _kind in _SCALARS)
 _LINK_WIDTH = len(_LINK_QUANTITIES)
 
 
-def _build(
-    scalars: tuple[float | None, ...],
-    counts: tuple[float | None, ...],
-    nvlink_rate: float | None,
-    kept: dict[int, NvLinkCounters],
-) -> Telemetry:
+def _build(scalars: tuple[float | None, ...], counts: tuple[float | None, ...], nvlink_rate: float | None) -> Telemetry:
     """A Telemetry from the readings of _SCALAR_KEYS (in order) and of every link's
-    _LINK_QUANTITIES (link by link). A link's counters are those of the previous poll (in `kept`)
-    where they have not changed: traffic stops on an idle GPU, and errors are rare."""
+    _LINK_QUANTITIES (link by link)."""
     # Each value carried as _SCALARS says (a float, int or bool), which mypy cannot follow.
     fields: dict[str, Any] = {
         name: value if value is None or kind is float else kind(value)
@@ -288,23 +281,16 @@ def _build(
         for cause, seconds in zip(VIOLATION_CAUSES, scalars[len(_SCALARS) :], strict=True)
         if seconds is not None
     )
-    nvlinks: list[NvLinkCounters] = []
-    for link in range(len(counts) // _LINK_WIDTH):
-        values = counts[link * _LINK_WIDTH : (link + 1) * _LINK_WIDTH]
-        if values == _NO_COUNTS:
-            continue
-        crc, replay, recovery, tx, rx = (None if c is None else int(c) for c in values)
-        last = kept.get(link)
-        if (
-            last is None
-            or last.tx_bytes != tx
-            or last.rx_bytes != rx
-            or last.crc_errors != crc
-            or last.replay_errors != replay
-            or last.recovery_errors != recovery
-        ):
-            last = kept[link] = NvLinkCounters(link, crc, replay, recovery, tx, rx)
-        nvlinks.append(last)
+    ints = [None if count is None else int(count) for count in counts]
+    width = _LINK_WIDTH
+    if None not in counts:  # every link read in full, the usual case
+        nvlinks = [NvLinkCounters(link, *ints[link * width : (link + 1) * width]) for link in range(len(ints) // width)]
+    else:  # a link is left out only when none of its counters was read
+        nvlinks = [
+            NvLinkCounters(link, *ints[link * width : (link + 1) * width])
+            for link in range(len(ints) // width)
+            if counts[link * width : (link + 1) * width] != _NO_COUNTS
+        ]
     return Telemetry(**fields, violation_s=violations, nvlinks=tuple(nvlinks), nvlink_bytes_per_s=nvlink_rate)
 
 
