@@ -944,6 +944,8 @@ def _per_link(counts: Callable[[FakeNode, int, float], tuple[int, ...]], overhea
             return NOT_SUPPORTED
         found = counts(node, gpu, t)
         if max(scopes) < links:
+            if overhead == 1.0:  # whole counts as they are (round(n * 1.0) is n)
+                return _VALUE_TYPE_ULONGLONG, list(map(found.__getitem__, scopes))
             return _VALUE_TYPE_ULONGLONG, [round(found[scope] * overhead) for scope in scopes]
         return [
             (_VALUE_TYPE_ULONGLONG, round((found[scope] if scope < links else sum(found)) * overhead))
@@ -989,14 +991,19 @@ def _mig_link_count(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float)
     return _VALUE_TYPE_UINT, [0] * len(scopes)
 
 
+_NVLINK_DATA = _per_link(_nvlink_kib)
+_NVLINK_RAW = _per_link(_nvlink_kib, 1.1)  # data plus protocol overhead
+
 # Each field id the fake answers, read for many scopes at once: the health fields (those a
 # batch asks for every link of, for all the links in one go), then those of _FIELD_CALLS.
 _MANY_READERS: dict[int, _ManyReader] = {
     **{fid: _each(read) for fid, (_call, read) in _HEALTH_FIELDS.items()},
-    138: _per_link(_nvlink_kib),
-    139: _per_link(_nvlink_kib),
-    140: _per_link(_nvlink_kib, 1.1),
-    141: _per_link(_nvlink_kib, 1.1),
+    # Traffic is symmetric here: transmit and receive share a reader, and so a batch asking for
+    # both, link by link, is answered as one group (see _field_plan).
+    138: _NVLINK_DATA,
+    139: _NVLINK_DATA,
+    140: _NVLINK_RAW,
+    141: _NVLINK_RAW,
     161: _per_link(_nvlink_errors("replay")),
     162: _per_link(_nvlink_errors("recovery")),
     163: _per_link(_nvlink_errors("crc")),
@@ -1045,12 +1052,36 @@ def _field_plan(lib: FakeNvmlLibrary, dev: Dev, heads: tuple[int, ...]) -> list[
         read = _MANY_READERS[fid] if code is None else None
         if is_mig and fid == FI_NVLINK_LINK_COUNT:
             read = _mig_link_count
-        step = positions[1] - positions[0] if len(positions) > 1 else 1
-        spaced = None
-        if step > 0 and positions == list(range(positions[0], positions[-1] + 1, step)):
-            spaced = slice(positions[0], positions[-1] + 1, step)
-        plan.append(_FieldGroup(tuple(positions), tuple(scopes), code, call if faulted else None, read, spaced))
-    return _merge_lone(plan)
+        plan.append(_group(positions, scopes, code, call if faulted else None, read))
+    return _merge_lone(_merge_alike(plan))
+
+
+def _group(
+    positions: list[int], scopes: list[int], code: int | None, call: str | None, read: _ManyReader | None
+) -> _FieldGroup:
+    step = positions[1] - positions[0] if len(positions) > 1 else 1
+    spaced = None
+    if step > 0 and positions == list(range(positions[0], positions[-1] + 1, step)):
+        spaced = slice(positions[0], positions[-1] + 1, step)
+    return _FieldGroup(tuple(positions), tuple(scopes), code, call, read, spaced)
+
+
+def _merge_alike(plan: list[_FieldGroup]) -> list[_FieldGroup]:
+    """The plan with the groups that are answered alike (one reader, one fixed code, one call's
+    faults: a reader is told the scopes, never the field id) as one group: a batch asks for
+    each link's transmit and receive side by side, and as one group they are one slice."""
+    alike: dict[tuple[object, int | None, str | None], list[_FieldGroup]] = {}
+    for group in plan:
+        alike.setdefault((group.read, group.code, group.call), []).append(group)
+    merged = []
+    for groups in alike.values():
+        if len(groups) == 1:
+            merged.append(groups[0])
+            continue
+        fields = sorted((p, s) for g in groups for p, s in zip(g.positions, g.scopes, strict=True))
+        first = groups[0]
+        merged.append(_group([p for p, _ in fields], [s for _, s in fields], first.code, first.call, first.read))
+    return merged
 
 
 def _merge_lone(plan: list[_FieldGroup]) -> list[_FieldGroup]:
