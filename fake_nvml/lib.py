@@ -262,7 +262,8 @@ class FakeNvmlLibrary:
         self._devices: dict[int, Dev | None] = {}
         self._decoded: dict[int, tuple[Any, Dev | None]] = {}  # id(handle) -> (handle, device)
         # How each batch of fields is answered on each device (see _field_plan).
-        self._field_plans: dict[tuple[Dev, tuple[int, ...]], list[_FieldGroup]] = {}
+        self._field_plans: dict[tuple[bool, frozenset[str], bytes], list[_FieldGroup]] = {}
+        self._field_faults: dict[int, frozenset[str]] = {}  # per GPU, see _faulted_field_calls
         self._synced_at: float | None = None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
@@ -333,6 +334,15 @@ class FakeNvmlLibrary:
 
         symbol.__name__ = name
         return symbol
+
+    def _faulted_field_calls(self, gpu: int) -> frozenset[str]:
+        """The calls behind field ids that a fault of the scenario can make fail on this GPU."""
+        found = self._field_faults.get(gpu)
+        if found is None:
+            calls = {call for call, _read in _HEALTH_FIELDS.values()} | set(_FIELD_CALLS.values())
+            faults_for = self._node.faults_for
+            found = self._field_faults[gpu] = frozenset(c for c in calls if faults_for(c, family(c), gpu)[0])
+        return found
 
     # -- handles ------------------------------------------------------------------------------
 
@@ -1014,7 +1024,7 @@ _MANY_READERS: dict[int, _ManyReader] = {
 }
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class _FieldGroup:
     """The fields of one batch that share a field id: where they are in it (also as a slice,
     where they are evenly spaced), their scopes, and how they are answered: a fixed return
@@ -1108,13 +1118,16 @@ _FIELD_PLANS_KEPT = 256  # batches' plans kept per library (a poll asks a few ki
 def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: Any) -> int:
     n = _int(count)
     words = memoryview(_obj(values)).cast("B").cast("Q")[: n * _FIELD_WORDS]
-    heads = tuple(words[0::_FIELD_WORDS].tolist())
+    heads = words[0::_FIELD_WORDS]
+    # A plan serves every device alike in what it depends on (MIG or not, which of the fields'
+    # calls faults can touch: none, on most GPUs), keyed by the ids' and scopes' bytes.
+    key = (dev.mig is not None, lib._faulted_field_calls(dev.gpu), heads.tobytes())
     plans = lib._field_plans
-    plan = plans.get((dev, heads))
+    plan = plans.get(key)
     if plan is None:
         if len(plans) >= _FIELD_PLANS_KEPT:
             plans.clear()
-        plan = plans[(dev, heads)] = _field_plan(lib, dev, heads)
+        plan = plans[key] = _field_plan(lib, dev, tuple(heads.tolist()))
     node, gpu = lib._node, dev.gpu
     # Each field's (valueType, nvmlReturn) word and value as the caller left them: a field that
     # fails keeps its type and value, as the driver writes only its return code then.

@@ -375,11 +375,16 @@ _WORD_TYPES = frozenset(
 _UNSIGNED_TYPES = _WORD_TYPES | {_UINT}
 
 
+# What a field's raw value is divided by, per quantity, in the batch decoded whole (1.0:
+# nothing; 0.0: a link state, read as up or down).
+_SCALES: dict[Quantity, float] = {q: 0.0 if q is Q.NVLINK_UP else _FIELD_DIVISORS.get(q, 1.0) for q in Quantity}
+
+
 class _FieldRequest:
     """One field-values request, built once and sent every poll: the driver writes only the
     outputs, so the ids stay; the outputs are reset from `template` before each call."""
 
-    __slots__ = ("array", "items", "length", "template", "values", "words")
+    __slots__ = ("_views", "array", "length", "template")
 
     def __init__(self, fields: Sequence[tuple[int, int]]) -> None:
         self.array = (_FieldValue * len(fields))()
@@ -387,18 +392,24 @@ class _FieldRequest:
             item.fieldId, item.scopeId = field_id, scope_id
         self.length = ctypes.c_int32(len(fields))
         self.template = bytes(self.array)
-        # Views into `array`, made once: indexing a ctypes array builds a new object each time.
-        self.items = tuple(self.array)
-        self.values = tuple(item.value for item in self.items)
-        self.words = memoryview(self.array).cast("B").cast("Q") if _LITTLE_ENDIAN else None
+        self._views: tuple[tuple[_FieldValue, ...], tuple[ctypes.Union, ...]] | None = None
+
+    def views(self) -> tuple[tuple[_FieldValue, ...], tuple[ctypes.Union, ...]]:
+        """Each field, and its value union, as ctypes views into `array`: made once, at the first
+        answer that is read field by field (indexing a ctypes array builds a new object each
+        time), and never for a request whose answers are all read whole (`unsigned`)."""
+        if self._views is None:
+            items = tuple(self.array)
+            self._views = items, tuple(item.value for item in items)
+        return self._views
 
     def unsigned(self) -> list[int] | None:
         """Every field's value, when every field succeeded with an unsigned integer type (the
         usual answer): read a word column at a time, not a ctypes attribute per field. None
         otherwise, and on a big-endian host: the caller then reads field by field."""
-        words = self.words
-        if words is None:
+        if not _LITTLE_ENDIAN:
             return None
+        words = memoryview(self.array).cast("B").cast("Q")
         kinds = words[3::_FIELD_WORDS].tolist()
         # Little-endian: valueType in the low half of the word, nvmlReturn (0: success) above it.
         if not kinds or max(kinds) > 0xFFFFFFFF or not _UNSIGNED_TYPES.issuperset(kinds):
@@ -412,7 +423,7 @@ class _Plan:
     its request), which by single calls. Rebuilt when the backend learns something that
     changes the split (a field the device refuses, or no field values at all)."""
 
-    __slots__ = ("batched", "field_values", "learned", "request", "scales", "single")
+    __slots__ = ("batched", "field_values", "learned", "request", "single")
 
     def __init__(self, backend: NvmlBackend, handle: _Device, keys: Sequence[ReadingKey]) -> None:
         self.field_values = backend._field_values and not handle.no_fields
@@ -429,11 +440,6 @@ class _Plan:
             else:
                 self.single.append(key)
         self.request = _FieldRequest(fields)
-        # What each batched field's raw value is divided by (1.0: nothing); 0.0: a link state,
-        # read as up (1.0) or down.
-        self.scales = [
-            0.0 if key.quantity is Q.NVLINK_UP else _FIELD_DIVISORS.get(key.quantity, 1.0) for key in self.batched
-        ]
 
     def current(self, backend: NvmlBackend, handle: _Device) -> bool:
         fields = backend._field_values and not handle.no_fields
@@ -835,17 +841,21 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 return left
             if request is plan.request and (numbers := request.unsigned()) is not None:
                 # Every field answered: the same floats as the loop below, a column at a time.
+                scale = _SCALES
                 values.update(
                     zip(
                         keys,
-                        [n / scale if scale else float(n != 0) for n, scale in zip(numbers, plan.scales, strict=True)],
+                        [
+                            n / by if (by := scale[key.quantity]) else float(n != 0)
+                            for key, n in zip(keys, numbers, strict=True)
+                        ],
                         strict=True,
                     )
                 )
                 return left
             retry: list[ReadingKey] = []
             refused: set[Quantity] = set()
-            for key, item, value in zip(keys, request.items, request.values, strict=True):
+            for key, item, value in zip(keys, *request.views(), strict=True):
                 code = item.nvmlReturn
                 quantity = key.quantity
                 if code == pynvml.NVML_SUCCESS:
@@ -1035,12 +1045,12 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         cls._send(handle, request)
         return [
             (_field_value(item, value), None) if item.nvmlReturn == pynvml.NVML_SUCCESS else (0.0, item.nvmlReturn)
-            for item, value in zip(request.items, request.values, strict=True)
+            for item, value in zip(*request.views(), strict=True)
         ]
 
     @staticmethod
     def _send(handle: _Device, request: _FieldRequest) -> None:
-        """One field-values call; each field's outcome is then in `request.items`."""
+        """One field-values call; each field's outcome is then in `request.array`."""
         call = "nvmlDeviceGetFieldValues"
         array = request.array
         ctypes.memmove(array, request.template, len(request.template))

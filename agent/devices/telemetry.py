@@ -129,8 +129,6 @@ class TelemetryReader:
     _kept: dict[ReadingKey, float] = field(default_factory=dict)  # the last slow and once values
     _nvlink_total: tuple[float, float] | None = None  # (time, bytes) of the previous poll
     _all_link_keys: tuple[ReadingKey, ...] = ()  # every link's _LINK_QUANTITIES keys, link by link
-    _traffic_keys: tuple[ReadingKey, ...] = ()  # every link's transmit and receive keys, link by link
-    _last: tuple[object, Telemetry] | None = None  # the last poll's readings and what they made
 
     def __post_init__(self) -> None:
         groups = [GROUPS[name] for name in sorted(self.options.groups)]
@@ -149,7 +147,6 @@ class TelemetryReader:
         self._every_poll_set = frozenset(self._every_poll)
         self._link_keys = tuple(tuple(ReadingKey(q, link) for q in _LINK_QUANTITIES) for link in links)
         self._all_link_keys = tuple(key for keys in self._link_keys for key in keys)
-        self._traffic_keys = tuple(key for keys in self._link_keys for key in keys[3:])
         self._per_link = self.links > 0 and any(g.per_link_every_poll or g.per_link_slow for g in groups)
         self._traffic = self.links > 0 and any(Q.NVLINK_TX_BYTES in g.per_link_every_poll for g in groups)
         self._retry.update(self._once)
@@ -195,16 +192,11 @@ class TelemetryReader:
                 self._retry.add(key)  # failed this poll: asked again at the next
         merged = {**self._kept, **values} if self._kept else values
         get = merged.get
-        rate = self._nvlink_rate(now, list(map(get, self._traffic_keys))) if self._traffic else None
-        # The same readings as the previous poll (an idle GPU between slow readings) give the
-        # same Telemetry: it is handed on rather than built again.
-        scalars = tuple(map(get, _SCALAR_KEYS))
         counts = tuple(map(get, self._all_link_keys)) if self._per_link else ()
-        if self._last is not None and self._last[0] == (scalars, counts, rate):
-            return self._last[1]
-        built = _build(scalars, counts, rate)
-        self._last = ((scalars, counts, rate), built)
-        return built
+        # Each link's transmit and receive bytes, link by link (the last two of its counts).
+        traffic = [c for link in range(0, len(counts), _LINK_WIDTH) for c in counts[link + 3 : link + 5]]
+        rate = self._nvlink_rate(now, traffic) if self._traffic else None
+        return _build(tuple(map(get, _SCALAR_KEYS)), counts, rate)
 
     def _nvlink_rate(self, now: float, counts: list[float | None]) -> float | None:
         """Bytes per second over every link, both ways, since the previous poll, from each link's
