@@ -120,6 +120,8 @@ class NodeHealth:
         ]
         self._violations: list[_Integral] = []
         self._nvlink: list[_Integral] = []
+        self._nvlink_error_faults = [tuple(f for f in faults if f.nvlink_errors is not None) for faults in self._faults]
+        self._kib_memo: dict[int, tuple[float, tuple[int, ...]]] = {}
         for gpu in scenario.gpus:
             # A fault's edges change throttling, link state and link width too.
             edges = {e for f in self._faults[gpu.index] for e in (f.at_s, f.until_s) if e is not None}
@@ -389,6 +391,24 @@ class NodeHealth:
             if recorded is not None:
                 return recorded
         return int(self._nvlink[gpu].at(t)[link] / 1024)
+
+    def nvlink_kib_all(self, gpu: int, t: float) -> tuple[int, ...]:
+        """`nvlink_kib` of every link of the GPU, worked out once per instant: a poll asks for
+        each link's traffic both ways."""
+        memo = self._kib_memo.get(gpu)
+        if memo is not None and memo[0] == t:
+            return memo[1]
+        kib = tuple([int(carried / 1024) for carried in self._nvlink[gpu].at(t)])
+        self._kib_memo[gpu] = (t, kib)
+        return kib
+
+    def nvlink_errors_all(self, gpu: int, kind: str, t: float) -> tuple[int, ...]:
+        """`nvlink_errors` of every link of the GPU; zeros, at once, for a GPU no fault gives
+        NVLink errors (most of them)."""
+        links = self._node.scenario.gpus[gpu].nvlink_links
+        if not self._nvlink_error_faults[gpu]:
+            return (0,) * links
+        return tuple(self.nvlink_errors(gpu, link, kind, t) for link in range(links))
 
     # -- video --------------------------------------------------------------------------------
 

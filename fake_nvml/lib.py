@@ -18,6 +18,7 @@ import struct
 import sys
 import threading
 import time
+from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -260,6 +261,9 @@ class FakeNvmlLibrary:
         self._fields_hidden = {f for f, since in FIELD_SINCE_DRIVER.items() if major < since}
         self._devices: dict[int, Dev | None] = {}
         self._decoded: dict[int, tuple[Any, Dev | None]] = {}  # id(handle) -> (handle, device)
+        # How each batch of fields is answered on each device (see _field_plan).
+        self._field_plans: dict[tuple[bool, frozenset[str], bytes], list[_FieldGroup]] = {}
+        self._field_faults: dict[int, frozenset[str]] = {}  # per GPU, see _faulted_field_calls
         self._synced_at: float | None = None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
@@ -330,6 +334,15 @@ class FakeNvmlLibrary:
 
         symbol.__name__ = name
         return symbol
+
+    def _faulted_field_calls(self, gpu: int) -> frozenset[str]:
+        """The calls behind field ids that a fault of the scenario can make fail on this GPU."""
+        found = self._field_faults.get(gpu)
+        if found is None:
+            calls = {call for call, _read in _HEALTH_FIELDS.values()} | set(_FIELD_CALLS.values())
+            faults_for = self._node.faults_for
+            found = self._field_faults[gpu] = frozenset(c for c in calls if faults_for(c, family(c), gpu)[0])
+        return found
 
     # -- handles ------------------------------------------------------------------------------
 
@@ -877,82 +890,302 @@ def _nvlink_state(lib: FakeNvmlLibrary, t: float, dev: Dev, link: Any, out: Any)
     return SUCCESS
 
 
+# c_nvmlFieldValue_t is five 64-bit words: fieldId and scopeId, timestamp, latencyUsec,
+# valueType and nvmlReturn, and the value union (a test holds this to pynvml's layout). A batch
+# is read and written a word column at a time through a memoryview: dozens of fields per GPU
+# every poll, and five ctypes attribute accesses per field cost more than the rest.
+_FIELD_WORDS = 5
+_LITTLE = sys.byteorder == "little"
+_LOW32 = 0xFFFFFFFF
+# Where uiVal lies in the union's word: a uint is written over those 4 bytes only.
+_UINT_SHIFT = 0 if _LITTLE else 32
+_UINT_KEPT = ~(_LOW32 << _UINT_SHIFT) & 0xFFFFFFFFFFFFFFFF
+
+
+def _pair(first: int, second: int) -> int:
+    """Two consecutive uint32 fields (fieldId and scopeId, valueType and nvmlReturn) as the
+    word they make up."""
+    return first | second << 32 if _LITTLE else first << 32 | second
+
+
+def _first(word: int) -> int:
+    return word & _LOW32 if _LITTLE else word >> 32
+
+
+def _second(word: int) -> int:
+    return word >> 32 if _LITTLE else word & _LOW32
+
+
+# A field's answer: (value type, value), or an NVML return code.
+_Answer = tuple[int, int] | int
+# The answers to one field id asked for several scopes: one return code for all of them, one
+# value type with a value for each, or an answer each.
+_Answers = int | tuple[int, list[int]] | list[_Answer]
+# Answers one field id for each of the scopes given, at t: (node, gpu, scopes, t) -> answers.
+_ManyReader = Callable[[FakeNode, int, tuple[int, ...], float], _Answers]
+
+
+def _each(read: Callable[[FakeNode, int, int, float], Any]) -> _ManyReader:
+    """A reader of one field and scope as a reader of many scopes."""
+
+    def many(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
+        return [read(node, gpu, scope, t) for scope in scopes]
+
+    _ONE_FIELD_READERS[many] = read
+    return many
+
+
+# The readers `_each` made, and the one-field reader behind each.
+_ONE_FIELD_READERS: dict[_ManyReader, Callable[[FakeNode, int, int, float], Any]] = {}
+
+
+def _per_link(counts: Callable[[FakeNode, int, float], tuple[int, ...]], overhead: float = 1.0) -> _ManyReader:
+    """A link-scoped field of 64-bit counts for many scopes, from every link's count at t (a
+    batch asks for each link, both ways): a link each, or all of them summed (UINT_MAX)."""
+
+    def read(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
+        links = node.gpu(gpu).nvlink_links
+        if links == 0:
+            return NOT_SUPPORTED
+        found = counts(node, gpu, t)
+        if max(scopes) < links:
+            if overhead == 1.0:  # whole counts as they are (round(n * 1.0) is n)
+                return _VALUE_TYPE_ULONGLONG, list(map(found.__getitem__, scopes))
+            return _VALUE_TYPE_ULONGLONG, [round(found[scope] * overhead) for scope in scopes]
+        return [
+            (_VALUE_TYPE_ULONGLONG, round((found[scope] if scope < links else sum(found)) * overhead))
+            if scope < links or scope == 0xFFFFFFFF
+            else INVALID_ARGUMENT
+            for scope in scopes
+        ]
+
+    return read
+
+
+def _nvlink_kib(node: FakeNode, gpu: int, t: float) -> tuple[int, ...]:
+    return node.health.nvlink_kib_all(gpu, t)
+
+
+def _nvlink_errors(kind: str) -> Callable[[FakeNode, int, float], tuple[int, ...]]:
+    return lambda node, gpu, t: node.health.nvlink_errors_all(gpu, kind, t)
+
+
+def _nvlink_state_many(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
+    links = node.gpu(gpu).nvlink_links
+    if links == 0:
+        return NOT_SUPPORTED
+    down = node.nvlinks_down(gpu, t)
+    if max(scopes) < links:
+        return _VALUE_TYPE_UINT, [0 if scope in down else 1 for scope in scopes]
+    return [(_VALUE_TYPE_UINT, 0 if scope in down else 1) if scope < links else INVALID_ARGUMENT for scope in scopes]
+
+
+def _power_many(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
+    return _VALUE_TYPE_UINT, [round(node.power_w(gpu, t) * 1000)] * len(scopes)
+
+
+def _energy_many(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
+    return _VALUE_TYPE_ULONGLONG, [node.energy_mj(gpu, t)] * len(scopes)
+
+
+def _link_count_many(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
+    return _VALUE_TYPE_UINT, [node.gpu(gpu).nvlink_links] * len(scopes)
+
+
+def _mig_link_count(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
+    return _VALUE_TYPE_UINT, [0] * len(scopes)
+
+
+_NVLINK_DATA = _per_link(_nvlink_kib)
+_NVLINK_RAW = _per_link(_nvlink_kib, 1.1)  # data plus protocol overhead
+
+# Each field id the fake answers, read for many scopes at once: the health fields (those a
+# batch asks for every link of, for all the links in one go), then those of _FIELD_CALLS.
+_MANY_READERS: dict[int, _ManyReader] = {
+    **{fid: _each(read) for fid, (_call, read) in _HEALTH_FIELDS.items()},
+    # Traffic is symmetric here: transmit and receive share a reader, and so a batch asking for
+    # both, link by link, is answered as one group (see _field_plan).
+    138: _NVLINK_DATA,
+    139: _NVLINK_DATA,
+    140: _NVLINK_RAW,
+    141: _NVLINK_RAW,
+    161: _per_link(_nvlink_errors("replay")),
+    162: _per_link(_nvlink_errors("recovery")),
+    163: _per_link(_nvlink_errors("crc")),
+    FI_NVLINK_GET_STATE: _nvlink_state_many,
+    FI_POWER_INSTANT: _power_many,
+    FI_TOTAL_ENERGY_CONSUMPTION: _energy_many,
+    FI_NVLINK_LINK_COUNT: _link_count_many,
+}
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class _FieldGroup:
+    """The fields of one batch that share a field id: where they are in it (also as a slice,
+    where they are evenly spaced), their scopes, and how they are answered: a fixed return
+    code, or the call whose faults they share and the reader of their values."""
+
+    positions: tuple[int, ...]
+    scopes: tuple[int, ...]
+    code: int | None = None  # answered with this return code, whatever the time
+    call: str | None = None  # its faults, when it has any on this device, hit the field too
+    read: _ManyReader | None = None
+    spaced: slice | None = None  # the positions, as a slice, where they are evenly spaced
+
+
+def _field_plan(lib: FakeNvmlLibrary, dev: Dev, heads: tuple[int, ...]) -> list[_FieldGroup]:
+    """How a batch of these fields (`heads`: each one's fieldId and scopeId word) is answered on
+    `dev`, worked out once: a field's answer depends on the time, never on the fields beside it."""
+    node, hidden, is_mig = lib._node, lib._fields_hidden, dev.mig is not None
+    by_id: dict[int, tuple[list[int], list[int]]] = {}
+    for position, head in enumerate(heads):
+        where = by_id.setdefault(_first(head), ([], []))
+        where[0].append(position)
+        where[1].append(_second(head))
+    plan = []
+    for fid, (positions, scopes) in by_id.items():
+        health = _HEALTH_FIELDS.get(fid)
+        call = health[0] if health is not None else _FIELD_CALLS.get(fid)
+        code: int | None = None
+        if call is None or fid in hidden:
+            call, code = None, NOT_SUPPORTED
+        elif (is_mig and fid != FI_NVLINK_LINK_COUNT) or fid == FI_MEMORY_TEMP:
+            # A MIG instance has only the link count, and the memory temperature is not modelled;
+            # NOT_SUPPORTED only after the call's faults, which fail every field of the call.
+            code = NOT_SUPPORTED
+        faulted = call is not None and bool(node.faults_for(call, family(call), dev.gpu)[0])
+        read = _MANY_READERS[fid] if code is None else None
+        if is_mig and fid == FI_NVLINK_LINK_COUNT:
+            read = _mig_link_count
+        plan.append(_group(positions, scopes, code, call if faulted else None, read))
+    return _merge_lone(_merge_alike(plan))
+
+
+def _group(
+    positions: list[int], scopes: list[int], code: int | None, call: str | None, read: _ManyReader | None
+) -> _FieldGroup:
+    step = positions[1] - positions[0] if len(positions) > 1 else 1
+    spaced = None
+    if step > 0 and positions == list(range(positions[0], positions[-1] + 1, step)):
+        spaced = slice(positions[0], positions[-1] + 1, step)
+    return _FieldGroup(tuple(positions), tuple(scopes), code, call, read, spaced)
+
+
+def _merge_alike(plan: list[_FieldGroup]) -> list[_FieldGroup]:
+    """The plan with the groups that are answered alike (one reader, one fixed code, one call's
+    faults: a reader is told the scopes, never the field id) as one group: a batch asks for
+    each link's transmit and receive side by side, and as one group they are one slice."""
+    alike: dict[tuple[object, int | None, str | None], list[_FieldGroup]] = {}
+    for group in plan:
+        alike.setdefault((group.read, group.code, group.call), []).append(group)
+    merged = []
+    for groups in alike.values():
+        if len(groups) == 1:
+            merged.append(groups[0])
+            continue
+        fields = sorted((p, s) for g in groups for p, s in zip(g.positions, g.scopes, strict=True))
+        first = groups[0]
+        merged.append(_group([p for p, _ in fields], [s for _, s in fields], first.code, first.call, first.read))
+    return merged
+
+
+def _merge_lone(plan: list[_FieldGroup]) -> list[_FieldGroup]:
+    """The plan with its lone fields that no fault can touch (ECC, violation time, ...: a field
+    id each) read as one group, by one reader: a group costs more to answer than a field."""
+    lone = [
+        g for g in plan if len(g.positions) == 1 and g.code is None and g.call is None and g.read in _ONE_FIELD_READERS
+    ]
+    if len(lone) < 2:
+        return plan
+    reads = tuple((_ONE_FIELD_READERS[g.read], g.scopes[0]) for g in lone if g.read is not None)
+
+    def read(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
+        return [one(node, gpu, scope, t) for one, scope in reads]
+
+    merged = _FieldGroup(tuple(g.positions[0] for g in lone), tuple(g.scopes[0] for g in lone), read=read)
+    return [g for g in plan if g not in lone] + [merged]
+
+
+_FIELD_PLANS_KEPT = 256  # batches' plans kept per library (a poll asks a few kinds per GPU)
+
+
 @_c("nvmlDeviceGetFieldValues")
 def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: Any) -> int:
-    array = _obj(values)
-    node = lib._node
-    index, is_mig = dev.gpu, dev.mig is not None
-    gpu = node.gpu(index)
-    links = gpu.nvlink_links
-    hidden = lib._fields_hidden
-    stamp_us = int(node.clock.start_epoch * 1_000_000 + t * 1_000_000)
+    n = _int(count)
+    words = memoryview(_obj(values)).cast("B").cast("Q")[: n * _FIELD_WORDS]
+    heads = words[0::_FIELD_WORDS]
+    # A plan serves every device alike in what it depends on (MIG or not, which of the fields'
+    # calls faults can touch: none, on most GPUs), keyed by the ids' and scopes' bytes.
+    key = (dev.mig is not None, lib._faulted_field_calls(dev.gpu), heads.tobytes())
+    plans = lib._field_plans
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= _FIELD_PLANS_KEPT:
+            plans.clear()
+        plan = plans[key] = _field_plan(lib, dev, tuple(heads.tolist()))
+    node, gpu = lib._node, dev.gpu
+    # Each field's (valueType, nvmlReturn) word and value as the caller left them: a field that
+    # fails keeps its type and value, as the driver writes only its return code then.
+    kinds = words[3::_FIELD_WORDS].tolist()
+    numbers = words[4::_FIELD_WORDS].tolist()
     # A batch asks for many fields of few calls (every NVLink's state is one call's): each
-    # call's fault, and which links are down, is looked up once per batch.
+    # call's fault is looked up once per batch.
     errors: dict[str, str | None] = {}
-    links_down = node.nvlinks_down(index, t)
-    for i in range(_int(count)):
-        field = array[i]
-        fid = field.fieldId
-        field.timestamp = stamp_us
-        field.latencyUsec = 0
-        health = _HEALTH_FIELDS.get(fid)
-        if health is not None and fid not in hidden:
-            health_call, read = health
-            if health_call in errors:
-                fault = errors[health_call]
+    for group in plan:
+        answers: _Answers | None = group.code
+        call = group.call
+        if call is not None:
+            if call in errors:
+                error = errors[call]
             else:
-                fault = errors[health_call] = node.fault_error(health_call, _HEALTH_FAMILIES[health_call], index, t)
-            if fault is not None:
-                field.nvmlReturn = ERROR_CODES[fault]
-                continue
-            answer = NOT_SUPPORTED if is_mig else read(node, index, field.scopeId, t)
-            if isinstance(answer, int):
-                field.nvmlReturn = answer
-                continue
-            field.valueType, number = answer
-            if field.valueType == _VALUE_TYPE_ULONGLONG:
-                field.value.ullVal = number
-            else:
-                field.value.uiVal = number
-            field.nvmlReturn = SUCCESS
-            continue
-        call = _FIELD_CALLS.get(fid)
-        if call is None or fid in hidden:
-            field.nvmlReturn = NOT_SUPPORTED
-            continue
-        if call in errors:
-            error = errors[call]
-        else:
-            error = errors[call] = node.fault_error(call, _FIELD_FAMILIES[call], index, t)
-        if error is not None:
-            field.nvmlReturn = ERROR_CODES[error]
-        elif is_mig and fid != FI_NVLINK_LINK_COUNT:
-            field.nvmlReturn = NOT_SUPPORTED
-        elif fid == FI_NVLINK_GET_STATE:
-            link = field.scopeId
-            if links == 0:
-                field.nvmlReturn = NOT_SUPPORTED
-            elif link >= links:
-                field.nvmlReturn = INVALID_ARGUMENT
-            else:
-                field.valueType = _VALUE_TYPE_UINT
-                field.value.uiVal = 0 if link in links_down else 1
-                field.nvmlReturn = SUCCESS
-        elif fid == FI_POWER_INSTANT:
-            field.valueType = _VALUE_TYPE_UINT
-            field.value.uiVal = round(node.power_w(index, t) * 1000)
-            field.nvmlReturn = SUCCESS
-        elif fid == FI_TOTAL_ENERGY_CONSUMPTION:
-            field.valueType = _VALUE_TYPE_ULONGLONG
-            field.value.ullVal = node.energy_mj(index, t)
-            field.nvmlReturn = SUCCESS
-        elif fid == FI_NVLINK_LINK_COUNT:
-            field.valueType = _VALUE_TYPE_UINT
-            field.value.uiVal = links if not is_mig else 0
-            field.nvmlReturn = SUCCESS
-        else:
-            field.nvmlReturn = NOT_SUPPORTED
+                error = errors[call] = node.fault_error(call, family(call), gpu, t)
+            if error is not None:
+                answers = ERROR_CODES[error]
+        if answers is None:
+            assert group.read is not None
+            answers = group.read(node, gpu, group.scopes, t)
+        _answer(group, answers, kinds, numbers)
+    stamp_us = int(node.clock.start_epoch * 1_000_000 + t * 1_000_000)
+    words[1::_FIELD_WORDS] = array("Q", (stamp_us,)) * n
+    words[2::_FIELD_WORDS] = array("Q", (0,)) * n  # latencyUsec
+    words[3::_FIELD_WORDS] = array("Q", kinds)
+    words[4::_FIELD_WORDS] = array("Q", numbers)
     return SUCCESS
+
+
+def _answer(group: _FieldGroup, answers: _Answers, kinds: list[int], numbers: list[int]) -> None:
+    """One group's answers into the batch's (valueType, nvmlReturn) words and values: a slice
+    at a time where its fields are evenly spaced and all answered alike (the usual batch: one
+    field id for every link, side by side with another)."""
+    spaced = group.spaced
+    if isinstance(answers, tuple) and spaced is not None:
+        value_type, found = answers
+        kinds[spaced] = [_pair(value_type, SUCCESS)] * len(found)
+        if value_type == _VALUE_TYPE_ULONGLONG:
+            numbers[spaced] = [number & 0xFFFFFFFFFFFFFFFF for number in found]
+        else:  # as ctypes writes a c_uint: its 4 bytes, truncated
+            numbers[spaced] = [
+                (old & _UINT_KEPT) | ((number & _LOW32) << _UINT_SHIFT)
+                for old, number in zip(numbers[spaced], found, strict=True)
+            ]
+        return
+    each: list[_Answer]
+    if isinstance(answers, int):
+        each = [answers] * len(group.positions)
+    elif isinstance(answers, tuple):
+        each = [(answers[0], number) for number in answers[1]]
+    else:
+        each = answers
+    for position, answer in zip(group.positions, each, strict=True):
+        if isinstance(answer, int):
+            kinds[position] = _pair(_first(kinds[position]), answer)  # the type stays the caller's
+            continue
+        value_type, number = answer
+        kinds[position] = _pair(value_type, SUCCESS)
+        if value_type == _VALUE_TYPE_ULONGLONG:
+            numbers[position] = number & 0xFFFFFFFFFFFFFFFF
+        else:
+            numbers[position] = (numbers[position] & _UINT_KEPT) | ((number & _LOW32) << _UINT_SHIFT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1048,12 +1281,16 @@ def _samples(
     if counter.value < len(found):
         counter.value = len(found)
         return INSUFFICIENT_SIZE
-    array = _obj(samples)
-    for i, (stamp_us, percent) in enumerate(found):
-        sample = array[i]
-        sample.timeStamp = stamp_us
-        sample.sampleValue.uiVal = percent
-    counter.value = len(found)
+    # nvmlSample_t is two words, the time stamp and the value union: written a column at a time.
+    n = len(found)
+    words = memoryview(_obj(samples)).cast("B").cast("Q")
+    stamps, percents = zip(*found, strict=True)
+    words[0 : 2 * n : 2] = array("Q", stamps)
+    values = slice(1, 2 * n, 2)
+    # uiVal: the 4 bytes a C uint has; the union's others are left as they were.
+    kept = words[values].tolist()
+    words[values] = array("Q", [(old & _UINT_KEPT) | (p << _UINT_SHIFT) for old, p in zip(kept, percents, strict=True)])
+    counter.value = n
     return SUCCESS
 
 

@@ -23,6 +23,7 @@ PROCESS_SAMPLES_KEPT = 32
 DEVICE_SAMPLE_PERIOD_S = 1.0
 DEVICE_SAMPLES_KEPT = 120
 _NONE_DOWN: frozenset[int] = frozenset()
+_ROUNDING_S = 1e-6  # far above a float's rounding error at scenario times, far below a sample period
 
 
 class ScenarioClock:
@@ -246,14 +247,23 @@ class FakeNode:
         newest_k = int(t // DEVICE_SAMPLE_PERIOD_S)
         unseen_k = math.floor((last_seen_us / 1_000_000 - start_epoch) / DEVICE_SAMPLE_PERIOD_S)
         entries = self._by_gpu[gpu]
+        # Which processes run, and at what, changes only at the GPU's breakpoints: a sample's
+        # percent is worked out once per stretch between two of them, not once per sample (and
+        # again just before a breakpoint: a segment's start is found by a subtraction, which
+        # may round the other way than the breakpoint's sum).
+        points = self._breakpoints[gpu]
+        stretch, percent = -1, 0
         samples: list[tuple[int, int]] = []
         for k in range(max(newest_k - DEVICE_SAMPLES_KEPT + 1, unseen_k, 0), newest_k + 1):
             at = k * DEVICE_SAMPLE_PERIOD_S
             stamp_us = round((start_epoch + at) * 1_000_000)
             if stamp_us <= last_seen_us:
                 continue
-            percent = sum(round(self._util_at(e.process, at)) for e in entries if e.process.running_at(at))
-            samples.append((stamp_us, min(percent, 100)))
+            if stretch < 0 or (stretch < len(points) and at >= points[stretch] - _ROUNDING_S):
+                stretch = bisect.bisect_right(points, at)
+                found = sum(round(self._util_at(e.process, at)) for e in entries if e.process.running_at(at))
+                percent = min(found, 100)
+            samples.append((stamp_us, percent))
         return samples
 
     def _util_at(self, process: Process, t: float) -> float:

@@ -111,6 +111,15 @@ class FakePodResourcesServer:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    def answer_token(self) -> object:
+        """What the answer to ``List`` depends on now: serving or not, hanging or not, the
+        socket file there or not, and the allocations. Two equal tokens mean the same answer,
+        which a client in the same process may keep rather than ask again (the agent's kubelet
+        source, through `SourceOptions.kubelet_answer_token`)."""
+        with self._cond:
+            serving, hanging = self._server is not None and not self._stopping, self._hanging
+        return serving, hanging, os.path.exists(self.socket_path), self._allocations()
+
     def _wait_while_hanging(self, context: grpc.ServicerContext) -> bool:
         """Block while hanging. True: answer the call; False: it ended meanwhile (deadline or
         cancel), so nobody reads the answer. A call caught by `stop` fails with UNAVAILABLE, as

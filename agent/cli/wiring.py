@@ -326,12 +326,15 @@ def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Att
     a = settings.attribution
     rules = compile_rules([(rule.match, rule.set) for rule in a.rules])
     allowlist = set(a.env_allowlist) | rule_env_keys(rules)
+    answer_token: Callable[[], object] | None = None
     if node is not None:
         host = node.host
         proc_root, passwd, slurm_dir, pod_logs, socket_path = (
             str(host.proc_root), str(host.passwd_file), str(host.slurm_map_dir), str(host.pod_logs_dir),
             str(host.podresources_socket),
         )  # fmt: skip
+        # The fake kubelet runs in this process and can say when its answer changes.
+        answer_token = host.server.answer_token
     else:
         proc_root, passwd, slurm_dir, pod_logs, socket_path = (
             settings.proc_root, a.passwd_file, a.slurm_map_dir, a.pod_logs_dir, a.podresources_socket
@@ -346,6 +349,7 @@ def _attributor(settings: Settings, node: fake_nvml.InstalledNode | None) -> Att
         kubelet_timeout_s=a.kubelet_timeout,
         kubelet_interval_s=a.kubelet_interval,
         kubelet_stale_after_s=a.kubelet_stale_after,
+        kubelet_answer_token=answer_token,
     )
     return Attributor(
         open_sources(options), rules=rules, per_pid=a.per_pid_series, team_from_account=a.team_from_account

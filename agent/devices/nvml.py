@@ -19,6 +19,7 @@ import ctypes
 import functools
 import logging
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -361,11 +362,29 @@ def _field_value(item: _FieldValue, value: ctypes.Union) -> float:
     return float(getattr(value, _VALUE_MEMBERS.get(item.valueType, _WIDEST)))
 
 
+# Decoding a whole batch at once (`_FieldRequest.unsigned`): a field is five 64-bit words, the
+# fourth holding valueType and nvmlReturn (in that order in memory), the fifth the value union.
+_FIELD_WORDS = 5
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_UINT = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+# The unsigned types whose value fills the union's word (unsigned long is 64 bits on Linux).
+_WORD_TYPES = frozenset(
+    {pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG}
+    | ({pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG} if ctypes.sizeof(ctypes.c_ulong) == 8 else set())
+)
+_UNSIGNED_TYPES = _WORD_TYPES | {_UINT}
+
+
+# What a field's raw value is divided by, per quantity, in the batch decoded whole (1.0:
+# nothing; 0.0: a link state, read as up or down).
+_SCALES: dict[Quantity, float] = {q: 0.0 if q is Q.NVLINK_UP else _FIELD_DIVISORS.get(q, 1.0) for q in Quantity}
+
+
 class _FieldRequest:
     """One field-values request, built once and sent every poll: the driver writes only the
     outputs, so the ids stay; the outputs are reset from `template` before each call."""
 
-    __slots__ = ("array", "items", "length", "template", "values")
+    __slots__ = ("_views", "array", "length", "template")
 
     def __init__(self, fields: Sequence[tuple[int, int]]) -> None:
         self.array = (_FieldValue * len(fields))()
@@ -373,9 +392,30 @@ class _FieldRequest:
             item.fieldId, item.scopeId = field_id, scope_id
         self.length = ctypes.c_int32(len(fields))
         self.template = bytes(self.array)
-        # Views into `array`, made once: indexing a ctypes array builds a new object each time.
-        self.items = tuple(self.array)
-        self.values = tuple(item.value for item in self.items)
+        self._views: tuple[tuple[_FieldValue, ...], tuple[ctypes.Union, ...]] | None = None
+
+    def views(self) -> tuple[tuple[_FieldValue, ...], tuple[ctypes.Union, ...]]:
+        """Each field, and its value union, as ctypes views into `array`: made once, at the first
+        answer that is read field by field (indexing a ctypes array builds a new object each
+        time), and never for a request whose answers are all read whole (`unsigned`)."""
+        if self._views is None:
+            items = tuple(self.array)
+            self._views = items, tuple(item.value for item in items)
+        return self._views
+
+    def unsigned(self) -> list[int] | None:
+        """Every field's value, when every field succeeded with an unsigned integer type (the
+        usual answer): read a word column at a time, not a ctypes attribute per field. None
+        otherwise, and on a big-endian host: the caller then reads field by field."""
+        if not _LITTLE_ENDIAN:
+            return None
+        words = memoryview(self.array).cast("B").cast("Q")
+        kinds = words[3::_FIELD_WORDS].tolist()
+        # Little-endian: valueType in the low half of the word, nvmlReturn (0: success) above it.
+        if not kinds or max(kinds) > 0xFFFFFFFF or not _UNSIGNED_TYPES.issuperset(kinds):
+            return None
+        raw = words[4::_FIELD_WORDS].tolist()
+        return [value if kind in _WORD_TYPES else value & 0xFFFFFFFF for kind, value in zip(kinds, raw, strict=True)]
 
 
 class _Plan:
@@ -799,9 +839,23 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
             except DeviceError as exc:
                 errors.update(dict.fromkeys(keys, exc))
                 return left
+            if request is plan.request and (numbers := request.unsigned()) is not None:
+                # Every field answered: the same floats as the loop below, a column at a time.
+                scale = _SCALES
+                values.update(
+                    zip(
+                        keys,
+                        [
+                            n / by if (by := scale[key.quantity]) else float(n != 0)
+                            for key, n in zip(keys, numbers, strict=True)
+                        ],
+                        strict=True,
+                    )
+                )
+                return left
             retry: list[ReadingKey] = []
             refused: set[Quantity] = set()
-            for key, item, value in zip(keys, request.items, request.values, strict=True):
+            for key, item, value in zip(keys, *request.views(), strict=True):
                 code = item.nvmlReturn
                 quantity = key.quantity
                 if code == pynvml.NVML_SUCCESS:
@@ -991,12 +1045,12 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         cls._send(handle, request)
         return [
             (_field_value(item, value), None) if item.nvmlReturn == pynvml.NVML_SUCCESS else (0.0, item.nvmlReturn)
-            for item, value in zip(request.items, request.values, strict=True)
+            for item, value in zip(*request.views(), strict=True)
         ]
 
     @staticmethod
     def _send(handle: _Device, request: _FieldRequest) -> None:
-        """One field-values call; each field's outcome is then in `request.items`."""
+        """One field-values call; each field's outcome is then in `request.array`."""
         call = "nvmlDeviceGetFieldValues"
         array = request.array
         ctypes.memmove(array, request.template, len(request.template))
@@ -1092,6 +1146,15 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
             if code == pynvml.NVML_ERROR_NOT_FOUND:
                 return []  # nothing sampled since `since_us`
             _check(call, code)
-            member = _VALUE_MEMBERS.get(value_type.value, "uiVal")
-            return [(s.timeStamp, float(getattr(s.sampleValue, member))) for s in buffer[: count.value]]
+            taken, value_kind = count.value, value_type.value
+            if _LITTLE_ENDIAN and value_kind in _UNSIGNED_TYPES:
+                # nvmlSample_t is two words, the time stamp and the value: read a column at a time
+                # (a poll reads a sample a second of every GPU).
+                words = memoryview(buffer).cast("B").cast("Q")
+                values = words[1 : 2 * taken : 2].tolist()
+                if value_kind not in _WORD_TYPES:
+                    values = [value & 0xFFFFFFFF for value in values]
+                return list(zip(words[0 : 2 * taken : 2].tolist(), map(float, values), strict=True))
+            member = _VALUE_MEMBERS.get(value_kind, "uiVal")
+            return [(s.timeStamp, float(getattr(s.sampleValue, member))) for s in buffer[:taken]]
         raise DeviceError(call, "INSUFFICIENT_SIZE", "the samples kept growing while they were read")

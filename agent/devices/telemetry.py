@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent.devices.backend import Quantity, ReadingKey
 from agent.model import VIOLATION_CAUSES, NvLinkCounters, Telemetry
@@ -129,6 +130,7 @@ class TelemetryReader:
     _retry: set[ReadingKey] = field(default_factory=set)  # slow or once readings that failed
     _kept: dict[ReadingKey, float] = field(default_factory=dict)  # the last slow and once values
     _nvlink_total: tuple[float, float] | None = None  # (time, bytes) of the previous poll
+    _all_link_keys: tuple[ReadingKey, ...] = ()  # every link's _LINK_QUANTITIES keys, link by link
 
     def __post_init__(self) -> None:
         groups = [GROUPS[name] for name in sorted(self.options.groups)]
@@ -146,6 +148,7 @@ class TelemetryReader:
             self._every_poll, self._slow = (), self._every_poll + self._slow
         self._every_poll_set = frozenset(self._every_poll)
         self._link_keys = tuple(tuple(ReadingKey(q, link) for q in _LINK_QUANTITIES) for link in links)
+        self._all_link_keys = tuple(key for keys in self._link_keys for key in keys)
         self._per_link = self.links > 0 and any(g.per_link_every_poll or g.per_link_slow for g in groups)
         self._traffic = self.links > 0 and any(Q.NVLINK_TX_BYTES in g.per_link_every_poll for g in groups)
         self._retry.update(self._once)
@@ -173,9 +176,12 @@ class TelemetryReader:
         `unsupported` holds the readings the GPU has shown it does not have."""
         if self._slow_due_at is None or now >= self._slow_due_at:
             self._slow_due_at = now + self.options.slow_interval_s
-        every = self._every_poll_set
-        for key in asked:
-            if key in every:
+        every = self._every_poll
+        # `keys` puts the every-poll readings first: only those after them are kept or retried.
+        rest = asked[len(every) :] if asked[: len(every)] == every else asked
+        every_set = self._every_poll_set
+        for key in rest:
+            if key in every_set:
                 continue
             if key in values:
                 self._kept[key] = values[key]
@@ -186,14 +192,17 @@ class TelemetryReader:
                 self._retry.discard(key)
             else:
                 self._retry.add(key)  # failed this poll: asked again at the next
-        merged = {**self._kept, **values}
-        links = self._link_keys if self._per_link else ()
-        return _build(merged, links, self._nvlink_rate(now, merged) if self._traffic else None)
+        merged = {**self._kept, **values} if self._kept else values
+        get = merged.get
+        counts = tuple(map(get, self._all_link_keys)) if self._per_link else ()
+        # Each link's transmit and receive bytes, link by link (the last two of its counts).
+        traffic = [c for link in range(0, len(counts), _LINK_WIDTH) for c in counts[link + 3 : link + 5]]
+        rate = self._nvlink_rate(now, traffic) if self._traffic else None
+        return _build(tuple(map(get, _SCALAR_KEYS)), counts, rate)
 
-    def _nvlink_rate(self, now: float, values: Mapping[ReadingKey, float]) -> float | None:
-        """Bytes per second over every link, both ways, since the previous poll."""
-        # The last two of each link's keys are its transmit and receive bytes.
-        counts = [values.get(key) for keys in self._link_keys for key in keys[3:]]
+    def _nvlink_rate(self, now: float, counts: list[float | None]) -> float | None:
+        """Bytes per second over every link, both ways, since the previous poll, from each link's
+        transmit and receive bytes (in link order)."""
         if not counts or None in counts:
             self._nvlink_total = None
             return None
@@ -215,63 +224,68 @@ _LINK_QUANTITIES = (
 )
 
 
-def _build(
-    values: Mapping[ReadingKey, float], links: tuple[tuple[ReadingKey, ...], ...], nvlink_rate: float | None
-) -> Telemetry:
-    found: dict[Quantity, float] = {key.quantity: value for key, value in values.items() if key.link is None}
+# The Telemetry fields _build fills from one reading each, in order, with the quantity read and
+# how its value is carried: as read (a float), as a count, or as a flag.
+_SCALARS: tuple[tuple[str, Quantity, type], ...] = (
+    ("sm_clock_hz", Q.SM_CLOCK, float),
+    ("memory_clock_hz", Q.MEMORY_CLOCK, float),
+    ("sm_clock_max_hz", Q.SM_CLOCK_MAX, float),
+    ("memory_clock_max_hz", Q.MEMORY_CLOCK_MAX, float),
+    ("fan_speed_ratio", Q.FAN_SPEED, float),
+    ("performance_state", Q.PERFORMANCE_STATE, int),
+    ("clock_event_reasons", Q.CLOCK_EVENT_REASONS, int),
+    ("ecc_corrected_volatile", Q.ECC_CORRECTED_VOLATILE, int),
+    ("ecc_uncorrected_volatile", Q.ECC_UNCORRECTED_VOLATILE, int),
+    ("ecc_corrected_aggregate", Q.ECC_CORRECTED_AGGREGATE, int),
+    ("ecc_uncorrected_aggregate", Q.ECC_UNCORRECTED_AGGREGATE, int),
+    ("retired_pages_single_bit", Q.RETIRED_PAGES_SINGLE_BIT, int),
+    ("retired_pages_double_bit", Q.RETIRED_PAGES_DOUBLE_BIT, int),
+    ("retired_pages_pending", Q.RETIRED_PAGES_PENDING, bool),
+    ("remapped_rows_correctable", Q.REMAPPED_ROWS_CORRECTABLE, int),
+    ("remapped_rows_uncorrectable", Q.REMAPPED_ROWS_UNCORRECTABLE, int),
+    ("row_remap_pending", Q.ROW_REMAP_PENDING, bool),
+    ("row_remap_failure", Q.ROW_REMAP_FAILURE, bool),
+    ("pcie_link_generation", Q.PCIE_LINK_GENERATION, int),
+    ("pcie_link_generation_max", Q.PCIE_LINK_GENERATION_MAX, int),
+    ("pcie_link_width", Q.PCIE_LINK_WIDTH, int),
+    ("pcie_link_width_max", Q.PCIE_LINK_WIDTH_MAX, int),
+    ("pcie_replays", Q.PCIE_REPLAYS, int),
+    ("pcie_tx_bytes_per_s", Q.PCIE_TX_RATE, float),
+    ("pcie_rx_bytes_per_s", Q.PCIE_RX_RATE, float),
+    ("encoder_utilization", Q.ENCODER_UTILIZATION, float),
+    ("decoder_utilization", Q.DECODER_UTILIZATION, float),
+    ("memory_utilization", Q.MEMORY_UTILIZATION, float),
+)
+_SCALAR_KEYS = tuple(_KEYS[quantity] for _name, quantity, _kind in _SCALARS) + tuple(_KEYS[q] for q in _VIOLATIONS)
+_SCALAR_KINDS = tuple(kind for _name, _quantity, kind in _SCALARS)
+_SCALAR_NAMES = tuple(name for name, _quantity, _kind in _SCALARS)
+_LINK_WIDTH = len(_LINK_QUANTITIES)
 
-    def get(quantity: Quantity) -> float | None:
-        return found.get(quantity)
 
-    def count(quantity: Quantity) -> int | None:
-        value = found.get(quantity)
-        return None if value is None else int(value)
-
-    def flag(quantity: Quantity) -> bool | None:
-        value = found.get(quantity)
-        return None if value is None else bool(value)
-
-    nvlinks: list[NvLinkCounters] = []
-    for link, keys in enumerate(links):
-        counts = [values.get(key) for key in keys]
-        if any(c is not None for c in counts):
-            crc, replay, recovery, tx, rx = (None if c is None else int(c) for c in counts)
-            nvlinks.append(NvLinkCounters(link, crc, replay, recovery, tx, rx))
+def _build(scalars: tuple[float | None, ...], counts: tuple[float | None, ...], nvlink_rate: float | None) -> Telemetry:
+    """A Telemetry from the readings of _SCALAR_KEYS (in order) and of every link's
+    _LINK_QUANTITIES (link by link)."""
+    # Each value carried as _SCALARS says (a float, int or bool), which mypy cannot follow.
+    fields: dict[str, Any] = {
+        name: value if value is None or kind is float else kind(value)
+        for name, kind, value in zip(_SCALAR_NAMES, _SCALAR_KINDS, scalars, strict=False)
+    }
     violations = tuple(
         (cause, seconds)
-        for cause, quantity in zip(VIOLATION_CAUSES, _VIOLATIONS, strict=True)
-        if (seconds := found.get(quantity)) is not None
+        for cause, seconds in zip(VIOLATION_CAUSES, scalars[len(_SCALARS) :], strict=True)
+        if seconds is not None
     )
-    return Telemetry(
-        sm_clock_hz=get(Q.SM_CLOCK),
-        memory_clock_hz=get(Q.MEMORY_CLOCK),
-        sm_clock_max_hz=get(Q.SM_CLOCK_MAX),
-        memory_clock_max_hz=get(Q.MEMORY_CLOCK_MAX),
-        fan_speed_ratio=get(Q.FAN_SPEED),
-        performance_state=count(Q.PERFORMANCE_STATE),
-        clock_event_reasons=count(Q.CLOCK_EVENT_REASONS),
-        violation_s=violations,
-        ecc_corrected_volatile=count(Q.ECC_CORRECTED_VOLATILE),
-        ecc_uncorrected_volatile=count(Q.ECC_UNCORRECTED_VOLATILE),
-        ecc_corrected_aggregate=count(Q.ECC_CORRECTED_AGGREGATE),
-        ecc_uncorrected_aggregate=count(Q.ECC_UNCORRECTED_AGGREGATE),
-        retired_pages_single_bit=count(Q.RETIRED_PAGES_SINGLE_BIT),
-        retired_pages_double_bit=count(Q.RETIRED_PAGES_DOUBLE_BIT),
-        retired_pages_pending=flag(Q.RETIRED_PAGES_PENDING),
-        remapped_rows_correctable=count(Q.REMAPPED_ROWS_CORRECTABLE),
-        remapped_rows_uncorrectable=count(Q.REMAPPED_ROWS_UNCORRECTABLE),
-        row_remap_pending=flag(Q.ROW_REMAP_PENDING),
-        row_remap_failure=flag(Q.ROW_REMAP_FAILURE),
-        pcie_link_generation=count(Q.PCIE_LINK_GENERATION),
-        pcie_link_generation_max=count(Q.PCIE_LINK_GENERATION_MAX),
-        pcie_link_width=count(Q.PCIE_LINK_WIDTH),
-        pcie_link_width_max=count(Q.PCIE_LINK_WIDTH_MAX),
-        pcie_replays=count(Q.PCIE_REPLAYS),
-        pcie_tx_bytes_per_s=get(Q.PCIE_TX_RATE),
-        pcie_rx_bytes_per_s=get(Q.PCIE_RX_RATE),
-        nvlinks=tuple(nvlinks),
-        nvlink_bytes_per_s=nvlink_rate,
-        encoder_utilization=get(Q.ENCODER_UTILIZATION),
-        decoder_utilization=get(Q.DECODER_UTILIZATION),
-        memory_utilization=get(Q.MEMORY_UTILIZATION),
-    )
+    ints = [None if count is None else int(count) for count in counts]
+    width = _LINK_WIDTH
+    if None not in counts:  # every link read in full, the usual case
+        nvlinks = [NvLinkCounters(link, *ints[link * width : (link + 1) * width]) for link in range(len(ints) // width)]
+    else:  # a link is left out only when none of its counters was read
+        nvlinks = [
+            NvLinkCounters(link, *ints[link * width : (link + 1) * width])
+            for link in range(len(ints) // width)
+            if counts[link * width : (link + 1) * width] != _NO_COUNTS
+        ]
+    return Telemetry(**fields, violation_s=violations, nvlinks=tuple(nvlinks), nvlink_bytes_per_s=nvlink_rate)
+
+
+_NO_COUNTS: tuple[None, ...] = (None,) * _LINK_WIDTH

@@ -42,6 +42,11 @@ class SourceOptions:
     kubelet_interval_s: float = 10.0
     # How long the kubelet's last allocations stand in for it while it does not answer.
     kubelet_stale_after_s: float = 300.0
+    # Only for a kubelet that runs in this process (the fake node's): a token equal between two
+    # moments only when its answer to List is the same at both. While it stays equal to the one
+    # taken with the last answer, the refresher keeps that answer instead of asking again. A
+    # real kubelet has none, and is asked every `kubelet_interval_s`.
+    kubelet_answer_token: Callable[[], object] | None = None
 
 
 class AttributionSource(Protocol):
