@@ -392,9 +392,12 @@ class NodeHealth:
                 return recorded
         return int(self._nvlink[gpu].at(t)[link] / 1024)
 
-    def nvlink_kib_all(self, gpu: int, t: float) -> tuple[int, ...]:
+    def nvlink_kib_all(self, gpu: int, t: float, receive: bool = False) -> tuple[int, ...]:
         """`nvlink_kib` of every link of the GPU, worked out once per instant: a poll asks for
-        each link's traffic both ways."""
+        each link's traffic both ways (the same both ways, unless a recorded row says not)."""
+        if self._recorded(gpu, t) is not None:
+            links = self._node.scenario.gpus[gpu].nvlink_links
+            return tuple(self.nvlink_kib(gpu, link, t, receive) for link in range(links))
         memo = self._kib_memo.get(gpu)
         if memo is not None and memo[0] == t:
             return memo[1]
@@ -406,7 +409,7 @@ class NodeHealth:
         """`nvlink_errors` of every link of the GPU; zeros, at once, for a GPU no fault gives
         NVLink errors (most of them)."""
         links = self._node.scenario.gpus[gpu].nvlink_links
-        if not self._nvlink_error_faults[gpu]:
+        if not self._nvlink_error_faults[gpu] and self._recorded(gpu, t) is None:
             return (0,) * links
         return tuple(self.nvlink_errors(gpu, link, kind, t) for link in range(links))
 

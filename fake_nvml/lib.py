@@ -962,8 +962,12 @@ def _per_link(counts: Callable[[FakeNode, int, float], tuple[int, ...]], overhea
     return read
 
 
-def _nvlink_kib(node: FakeNode, gpu: int, t: float) -> tuple[int, ...]:
+def _nvlink_kib_tx(node: FakeNode, gpu: int, t: float) -> tuple[int, ...]:
     return node.health.nvlink_kib_all(gpu, t)
+
+
+def _nvlink_kib_rx(node: FakeNode, gpu: int, t: float) -> tuple[int, ...]:
+    return node.health.nvlink_kib_all(gpu, t, receive=True)
 
 
 def _nvlink_errors(kind: str) -> Callable[[FakeNode, int, float], tuple[int, ...]]:
@@ -996,8 +1000,10 @@ def _mig_link_count(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float)
     return _VALUE_TYPE_UINT, [0] * len(scopes)
 
 
-_NVLINK_DATA = _per_link(_nvlink_kib)
-_NVLINK_RAW = _per_link(_nvlink_kib, 1.1)  # data plus protocol overhead
+_NVLINK_DATA_TX = _per_link(_nvlink_kib_tx)
+_NVLINK_DATA_RX = _per_link(_nvlink_kib_rx)
+_NVLINK_RAW_TX = _per_link(_nvlink_kib_tx, 1.1)  # data plus protocol overhead
+_NVLINK_RAW_RX = _per_link(_nvlink_kib_rx, 1.1)
 
 # Each field id the fake answers, read for many scopes at once: the health fields (those a
 # batch asks for every link of, for all the links in one go), then those of _FIELD_CALLS.
@@ -1005,10 +1011,10 @@ _MANY_READERS: dict[int, _ManyReader] = {
     **{fid: _each(read) for fid, (_call, read) in _HEALTH_FIELDS.items()},
     # Traffic is symmetric here: transmit and receive share a reader, and so a batch asking for
     # both, link by link, is answered as one group (see _field_plan).
-    138: _NVLINK_DATA,
-    139: _NVLINK_DATA,
-    140: _NVLINK_RAW,
-    141: _NVLINK_RAW,
+    138: _NVLINK_DATA_TX,
+    139: _NVLINK_DATA_RX,
+    140: _NVLINK_RAW_TX,
+    141: _NVLINK_RAW_RX,
     161: _per_link(_nvlink_errors("replay")),
     162: _per_link(_nvlink_errors("recovery")),
     163: _per_link(_nvlink_errors("crc")),
