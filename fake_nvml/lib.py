@@ -880,6 +880,8 @@ def _supported_memory_clocks(lib: FakeNvmlLibrary, t: float, dev: Dev, count: An
     counter.value = len(supported)
     if room < len(supported):
         return INSUFFICIENT_SIZE
+    if clocks is None and supported:
+        return INVALID_ARGUMENT  # room claimed for clocks, and nowhere to write them
     array = _obj(clocks)
     for i, mhz in enumerate(supported):
         array[i] = mhz
