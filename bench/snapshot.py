@@ -80,8 +80,9 @@ NOTES = (
     "Health readings (all three readers): clocks and their maxima, fan, performance state, clock-event"
     " reasons, violation time, ECC, retired pages, remapped rows, PCIe link and replays, NVLink errors and"
     " traffic, encoder, decoder, memory controller. gpuledger batches every counter NVML has a field id for into"
-    " its one nvmlDeviceGetFieldValues call, reads the maxima once and the SM clock every poll, and the rest"
-    " (memory clock, performance state, clock-event reasons, fan, PCIe link, encoder, decoder, and the counters)"
+    " its one nvmlDeviceGetFieldValues call, reads the maxima once (and the memory clock of a board that"
+    " supports one memory clock: HBM) and the SM clock every poll, and the rest (a GDDR board's memory clock,"
+    " performance state, clock-event reasons, fan, PCIe link, encoder, decoder, and the counters)"
     " every readings.slow_interval (30s): with the clock moving 5s a poll, one poll in six (the fractional"
     " counts). nvitop reads those nvitop has no"
     " method for through Device.__getattr__'s pynvml pass-through, one call each (36 for the NVLink errors of a"
@@ -90,13 +91,14 @@ NOTES = (
     " one Slurm job. Calls are per physical GPU (a MIG GPU's instances count toward their GPU); us/process is"
     " the sampler's time over the node's processes: flat from 512 to 2048 processes means linear growth.",
     "Calls per GPU per poll: a whole GPU makes 8 calls a poll (field values, memory, utilization, temperature,"
-    " processes, process samples, device samples, SM clock) and 7 more every slow interval; a MIG-enabled GPU"
+    " processes, process samples, device samples, SM clock) and 6 more every slow interval (7 on a GDDR board,"
+    " whose memory clock moves; an A100's or H100's HBM has one memory clock, read once); a MIG-enabled GPU"
     " makes 3 (field values, temperature, the process list of all its instances), reads an instance's memory"
     " where its processes' memory changed (else once a slow interval, 7 calls when fully split) and takes its"
-    " 6 health calls on the slow rhythm. Averaged over whole slow intervals (30s, 6 polls at 5s).",
+    " 5 health calls on the slow rhythm. Averaged over whole slow intervals (30s, 6 polls at 5s).",
     "H100 (GPM on, its default): GPM adds a sample and a metrics call per device a poll; a whole H100 skips"
-    " its device utilization samples (SM activity is its busy source), so 9 a poll and 7 slow: 10.17. A fully"
-    " split H100 pays 2 per instance (NVML samples and computes one GPU instance per call): 21.17;"
+    " its device utilization samples (SM activity is its busy source), so 9 a poll and 6 slow: 10.00. A fully"
+    " split H100 pays 2 per instance (NVML samples and computes one GPU instance per call): 21.00;"
     " H100 MIG* is the same node with readings.mig_activity false.",
 )
 

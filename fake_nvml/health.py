@@ -146,6 +146,18 @@ class NodeHealth:
             memory = row.memory_clock_max_mhz
         return sm, memory
 
+    def memory_clocks_mhz(self, gpu: int, t: float) -> tuple[int, ...]:
+        """The memory clocks the GPU supports, highest first: the board's, with a recording's
+        maximum in place of the data sheet's, and every memory clock a recording shows (a
+        trace whose memory clock moves came from a board that can move it)."""
+        board = self._boards[gpu]
+        clocks = set(board.memory_clocks_mhz) - {board.memory_clock_max_mhz}
+        clocks.add(self.clock_max_mhz(gpu, t)[1])
+        for row in self._node.scenario.gpus[gpu].readings:
+            if row.health is not None and row.health.memory_clock_mhz is not None:
+                clocks.add(row.health.memory_clock_mhz)
+        return tuple(sorted(clocks, reverse=True))
+
     def performance_state(self, gpu: int, t: float) -> int:
         """P0 while busy, P8 idle."""
         row = self._recorded(gpu, t)

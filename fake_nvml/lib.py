@@ -878,6 +878,29 @@ def _max_clock(lib: FakeNvmlLibrary, t: float, dev: Dev, which: Any, out: Any) -
     return SUCCESS
 
 
+@_c("nvmlDeviceGetSupportedMemoryClocks")
+def _supported_memory_clocks(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, clocks: Any) -> int:
+    """nvmlReturn_t (device, unsigned int *count, unsigned int *clocksMHz): `count` holds the
+    room in `clocksMHz` and is set to the clocks the device has; too little room answers
+    INSUFFICIENT_SIZE, filling nothing. A MIG device has no clocks of its own."""
+    if dev.mig is not None:
+        return NOT_SUPPORTED
+    if count is None:
+        return INVALID_ARGUMENT
+    supported = lib._node.health.memory_clocks_mhz(dev.gpu, t)
+    counter = _obj(count)
+    room = counter.value
+    counter.value = len(supported)
+    if room < len(supported):
+        return INSUFFICIENT_SIZE
+    if clocks is None and supported:
+        return INVALID_ARGUMENT  # room claimed for clocks, and nowhere to write them
+    array = _obj(clocks)
+    for i, mhz in enumerate(supported):
+        array[i] = mhz
+    return SUCCESS
+
+
 @_c("nvmlDeviceGetNvLinkState")
 def _nvlink_state(lib: FakeNvmlLibrary, t: float, dev: Dev, link: Any, out: Any) -> int:
     gpu = lib._node.gpu(dev.gpu)

@@ -441,19 +441,26 @@ def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig(run: Any) -> Non
     # temperature, its process list. The whole GPU also: memory, utilization, its process
     # samples, its device samples, the SM clock: 8. The MIG GPU: its instances' memory only
     # where their processes' memory changed (here never), else every slow interval: 3.
-    # Once in the six, the slow readings: the whole GPU's memory clock, performance state,
-    # clock-event reasons, PCIe generation and width, encoder, decoder (7); the MIG GPU's SM and
-    # memory clocks, performance state, reasons, PCIe generation and width (6) and the seven
-    # instances' memory (7).
-    whole = 8 * 6 + 7
-    mig = 3 * 6 + 6 + 7
+    # Once in the six, the slow readings: the whole GPU's performance state, clock-event reasons,
+    # PCIe generation and width, encoder, decoder (6); the MIG GPU's SM clock, performance state,
+    # reasons, PCIe generation and width (5) and the seven instances' memory (7). An A100's HBM
+    # runs at one memory clock (its supported-clocks list has one entry), so its memory clock was
+    # read once, at the first poll, and is not among them (it was: 7 and 6, 9.17 and 5.17).
+    whole = 8 * 6 + 6
+    mig = 3 * 6 + 5 + 7
     assert sum(calls.values()) == whole + mig, dict(calls)
     assert calls["nvmlDeviceGetMemoryInfo_v2"] == 6 + 7
     assert calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 2 * 6
-    assert whole / 6 == pytest.approx(9.167, abs=1e-3)
-    assert mig / 6 == pytest.approx(5.167, abs=1e-3)
+    # The whole GPU's SM clock every poll, the MIG GPU's once; no memory clock.
+    assert calls["nvmlDeviceGetClockInfo"] == 6 + 1
+    assert "nvmlDeviceGetSupportedMemoryClocks" not in calls
+    assert whole / 6 == 9
+    assert mig / 6 == 5
     # And the carried memory is the instances' own, as read.
     assert state.snapshot is not None
+    # The memory clock read once is still shown every poll: both boards busy at the A100
+    # SXM4 80GB's 1593 MHz.
+    assert [g.telemetry.memory_clock_hz if g.telemetry else None for g in state.snapshot.gpus] == [1593e6] * 2
     instances = state.snapshot.mig_devices(state.snapshot.gpus[1].uuid)
     assert [d.memory_used_bytes for d in instances] == [(1000 + m) * 2**20 for m in range(7)]
 

@@ -587,6 +587,13 @@ READING_TABLE: dict[str, Reading] = {
     "L4's maximum SM clock": Reading(
         "nvmlDeviceGetMaxClockInfo", lambda d: pynvml.nvmlDeviceGetMaxClockInfo(d.gpu(2), pynvml.NVML_CLOCK_SM), 2040
     ),
+    # HBM runs at one memory clock; GDDR lists its busy and idle ones (the fake's two).
+    "A100's one HBM memory clock": Reading(
+        "nvmlDeviceGetSupportedMemoryClocks", lambda d: pynvml.nvmlDeviceGetSupportedMemoryClocks(d.gpu(0)), [1593]
+    ),
+    "L4's GDDR memory clocks": Reading(
+        "nvmlDeviceGetSupportedMemoryClocks", lambda d: pynvml.nvmlDeviceGetSupportedMemoryClocks(d.gpu(2)), [6251, 405]
+    ),
     "supported reasons": Reading(
         "nvmlDeviceGetSupportedClocksEventReasons",
         lambda d: pynvml.nvmlDeviceGetSupportedClocksEventReasons(d.gpu(0)),

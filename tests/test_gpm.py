@@ -378,29 +378,32 @@ def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig_h100() -> None:
     # The whole H100, each poll: field values, memory, utilization (and the memory controller's),
     # temperature, processes, process samples, the SM clock, and GPM's sample and metrics: 9.
     # Its device utilization samples are not read: GPM is its busy source. Once in the six, the
-    # slow readings: memory clock, performance state, clock-event reasons, PCIe generation and
-    # width, encoder, decoder (7). 9 x 6 + 7 = 61 calls, 10.17 a poll.
-    whole = 9 * 6 + 7
+    # slow readings: performance state, clock-event reasons, PCIe generation and width, encoder,
+    # decoder (6). 9 x 6 + 6 = 60 calls, 10.00 a poll. (The memory clock was slow too, 10.17 a
+    # poll: an H100's HBM3 supports one memory clock, so it is read once, at the first poll.)
+    whole = 9 * 6 + 6
     # The fully split H100, each poll: field values, temperature, the process list (3), its own
     # GPM sample and metrics (2), and per instance a GPM sample and metrics (14): 19. Once in the
-    # six: SM and memory clocks, performance state, reasons, PCIe generation and width (6), and
-    # the seven instances' memory (7). 19 x 6 + 13 = 127 calls, 21.17 a poll.
-    mig = 19 * 6 + 6 + 7
+    # six: SM clock, performance state, reasons, PCIe generation and width (5), and the seven
+    # instances' memory (7). 19 x 6 + 12 = 126 calls, 21.00 a poll (the memory clock, once: as above).
+    mig = 19 * 6 + 5 + 7
     assert sum(calls.values()) == whole + mig, dict(calls)
     assert "nvmlDeviceGetSamples" not in calls
     assert calls["nvmlGpmSampleGet"] == 2 * 6
     assert calls["nvmlGpmMigSampleGet"] == 7 * 6
     assert calls["nvmlGpmMetricsGet"] == (1 + 1 + 7) * 6
-    assert whole / 6 == pytest.approx(10.167, abs=1e-3)
-    assert mig / 6 == pytest.approx(21.167, abs=1e-3)
+    assert "nvmlDeviceGetSupportedMemoryClocks" not in calls
+    assert whole / 6 == 10
+    assert mig / 6 == 21
 
 
 def test_without_mig_activity_a_fully_split_h100_keeps_to_the_budget_and_its_instances_have_no_busy_measure() -> None:
     off = settings()
     off = off.model_copy(update={"readings": off.readings.model_copy(update={"mig_activity": False})})
     calls = steady_calls(H100_WHOLE_AND_MIG, off)
-    # The MIG GPU: 3 + its own GPM (2) a poll, 13 once in the six: 5 x 6 + 13 = 43, 7.17 a poll.
-    assert sum(calls.values()) == (9 * 6 + 7) + (5 * 6 + 13), dict(calls)
+    # The MIG GPU: 3 + its own GPM (2) a poll, 12 once in the six: 5 x 6 + 12 = 42, 7.00 a poll
+    # (13 and 7.17 before the memory clock of its HBM, which has one, was read once).
+    assert sum(calls.values()) == (9 * 6 + 6) + (5 * 6 + 12), dict(calls)
     assert "nvmlGpmMigSampleGet" not in calls
     rig = Rig(H100_WHOLE_AND_MIG, settings=off)
     try:

@@ -86,6 +86,9 @@ class Quantity(enum.StrEnum):
     MEMORY_CLOCK = "memory clock"  # hertz
     SM_CLOCK_MAX = "sm clock max"  # hertz
     MEMORY_CLOCK_MAX = "memory clock max"  # hertz
+    # How many memory clocks the device can run at (a count, from the supported-clocks list): 1
+    # on HBM boards, whose memory clock therefore never changes and is read once.
+    MEMORY_CLOCKS_SUPPORTED = "memory clocks supported"
     FAN_SPEED = "fan speed"  # fraction of the fan's maximum speed (a driver may report above 1)
     PERFORMANCE_STATE = "performance state"  # 0 (P0, the most performance) to 15
     # Throttling: the reasons the clocks are held down now (NVML's clocks-event reason bits), and

@@ -900,6 +900,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
             return self._uint(call, call, handle, clock_type) * 1e6
         if quantity is Q.CLOCK_EVENT_REASONS:
             return float(self._clock_event_reasons(handle))
+        if quantity is Q.MEMORY_CLOCKS_SUPPORTED:
+            return float(self._memory_clock_count(handle))
         if quantity is Q.PERFORMANCE_STATE:
             call = "nvmlDeviceGetPerformanceState"
             pstate = self._uint(call, call, handle)
@@ -974,6 +976,17 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 handle.worked.add(newer)
                 return result
         return read_older()
+
+    def _memory_clock_count(self, handle: _Device) -> int:
+        """How many memory clocks the device supports, in one call: room for one clock is given,
+        and a device with more answers INSUFFICIENT_SIZE with the count it needs (pynvml's
+        wrapper makes two calls, the first to size the list; only the count matters here)."""
+        call = "nvmlDeviceGetSupportedMemoryClocks"
+        count, clocks_mhz = ctypes.c_uint(1), (ctypes.c_uint * 1)()
+        code = _function(call, call)(handle.handle, ctypes.byref(count), clocks_mhz)
+        if code != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            _check(call, code)
+        return int(count.value)
 
     def _clock_event_reasons(self, handle: _Device) -> int:
         call = "nvmlDeviceGetCurrentClocksEventReasons"  # nvmlDeviceGetCurrentClocksThrottleReasons before R535

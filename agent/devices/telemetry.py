@@ -14,6 +14,8 @@ readings are read on one of three rhythms:
   of its own (36 for the NVLink errors of a 12-link GPU), and this keeps such a driver's polls
   short too;
 - once: what is fixed (the clocks' and the PCIe link's maxima), at the GPU's first good poll.
+  The memory clock joins them on a GPU that says it supports a single memory clock (HBM boards:
+  A100, H100), which cannot change it; elsewhere, or where the GPU cannot say, it stays slow.
 
 A reading that failed is asked again at the next poll, whatever its rhythm, and is absent
 until it answers; one the GPU does not have is learned by the sampler and never asked again.
@@ -55,11 +57,12 @@ _VIOLATIONS = (
 assert len(_VIOLATIONS) == len(VIOLATION_CAUSES)
 
 GROUPS: dict[str, Group] = {
-    # The memory clock changes only with the performance state (HBM boards never change it).
+    # The memory clock changes only with the performance state, and HBM boards never change it:
+    # how many memory clocks the GPU supports (read once) says which (`TelemetryReader`).
     "clocks": Group(
         every_poll=(Q.SM_CLOCK,),
         slow=(Q.MEMORY_CLOCK, Q.PERFORMANCE_STATE),
-        once=(Q.SM_CLOCK_MAX, Q.MEMORY_CLOCK_MAX),
+        once=(Q.SM_CLOCK_MAX, Q.MEMORY_CLOCK_MAX, Q.MEMORY_CLOCKS_SUPPORTED),
     ),
     "fan": Group(slow=(Q.FAN_SPEED,)),
     # The reasons as dcgm-exporter reads them, every 30 s by default; the violation time, also
@@ -192,6 +195,7 @@ class TelemetryReader:
                 self._retry.discard(key)
             else:
                 self._retry.add(key)  # failed this poll: asked again at the next
+        self._fix_memory_clock()
         merged = {**self._kept, **values} if self._kept else values
         get = merged.get
         counts = tuple(map(get, self._all_link_keys)) if self._per_link else ()
@@ -199,6 +203,17 @@ class TelemetryReader:
         traffic = [c for link in range(0, len(counts), _LINK_WIDTH) for c in counts[link + 3 : link + 5]]
         rate = self._nvlink_rate(now, traffic) if self._traffic else None
         return _build(tuple(map(get, _SCALAR_KEYS)), counts, rate)
+
+    def _fix_memory_clock(self) -> None:
+        """Moves the memory clock from the slow rhythm to the once rhythm when the GPU has said it
+        supports a single memory clock. Saves a call every slow interval (issue 11's budget: a
+        whole H100 at 10 calls a poll). Its last value carries into every poll as before, and a
+        memory clock that has not answered yet stays in `_retry`, which the once rhythm asks
+        again at the next poll; a count that failed or is unsupported leaves it slow."""
+        if self._kept.get(_MEMORY_CLOCKS_SUPPORTED) != 1.0 or _MEMORY_CLOCK not in self._slow:
+            return
+        self._slow = tuple(k for k in self._slow if k != _MEMORY_CLOCK)
+        self._once += (_MEMORY_CLOCK,)
 
     def _nvlink_rate(self, now: float, counts: list[float | None]) -> float | None:
         """Bytes per second over every link, both ways, since the previous poll, from each link's
@@ -215,6 +230,8 @@ class TelemetryReader:
 
 # One key per quantity, made once: a poll looks up dozens per GPU.
 _KEYS: dict[Quantity, ReadingKey] = {q: ReadingKey(q) for q in Quantity}
+_MEMORY_CLOCK = _KEYS[Q.MEMORY_CLOCK]
+_MEMORY_CLOCKS_SUPPORTED = _KEYS[Q.MEMORY_CLOCKS_SUPPORTED]
 _LINK_QUANTITIES = (
     Q.NVLINK_CRC_ERRORS,
     Q.NVLINK_REPLAY_ERRORS,

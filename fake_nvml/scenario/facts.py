@@ -111,6 +111,14 @@ class BoardFacts:
     def remaps_rows(self) -> bool:
         return self.architecture not in ("volta", "turing")
 
+    @property
+    def memory_clocks_mhz(self) -> tuple[int, ...]:
+        """The memory clocks the board supports, highest first, as
+        nvmlDeviceGetSupportedMemoryClocks lists them: one on an HBM board (its clock never
+        leaves the maximum), several on a GDDR board (the fake's two: busy and idle; a real one
+        lists a few more in between)."""
+        return tuple(sorted({self.memory_clock_max_mhz, self.memory_clock_idle_mhz}, reverse=True))
+
 
 # Public spec-sheet clocks and links (NVIDIA data sheets; NVML's memory clock for GDDR6 is the
 # data rate over two).
