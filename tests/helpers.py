@@ -138,7 +138,9 @@ def run_weekend_idle(ledger_path: Path, first_day_series: Sequence[str]) -> Week
                 first_day.append(rig.samples(state, wanted))
             if now >= 4 * 86400:
                 break
-            state = rig.poll(step_s)
+            # Every minute on the first day (the alert test's series), then every 5 minutes:
+            # each transition the weekend test checks (Friday 22:00, Monday 09:00) is on a poll.
+            state = rig.poll(step_s if now < 86400 else 300.0)
     finally:
         rig.close()  # flushes the ledger
     return WeekendIdleRun(step_s, ledger_path, transitions, first_day, state)
