@@ -407,7 +407,7 @@ def test_simulate_shows_progress_on_a_terminal_only() -> None:
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     with os.fdopen(controller, "rb", buffering=0) as tty:
         process = subprocess.Popen(
-            [sys.executable, "-m", "agent", "simulate", "demo", "--for", "6h"],
+            [sys.executable, "-m", "agent", "simulate", "demo", "--for", "1h"],
             stdout=subprocess.PIPE,
             stderr=terminal,
             cwd=REPO,
@@ -428,8 +428,8 @@ def test_simulate_shows_progress_on_a_terminal_only() -> None:
     assert b"poll" in seen
     # ...and never in the output a script reads.
     assert b"poll/s" not in out
-    assert out.startswith(b"simulated 6h of 'demo'")
-    piped = gpuledger("simulate", "demo", "--for", "1h")
+    assert out.startswith(b"simulated 1h of 'demo'")
+    piped = gpuledger("simulate", "demo", "--for", "15m")
     assert "simulate demo" not in piped.stderr  # stderr not a terminal: no bar
 
 

@@ -53,9 +53,14 @@ RULE_FILES = (
     ROOT / "deploy" / "prometheus" / "gpuledger-work.rules.yml",
 )
 PROMETHEUS = shutil.which("prometheus") or shutil.which("prometheus", path="/usr/bin")
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None, reason="the prometheus server is missing: apt-get install prometheus (Debian's package)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        PROMETHEUS is None, reason="the prometheus server is missing: apt-get install prometheus (Debian's package)"
+    ),
+    # One worker starts the stack (Prometheus and three agents) for the module: pyproject's
+    # --dist loadgroup; without it each worker that runs one of these tests starts its own.
+    pytest.mark.xdist_group("prometheus-e2e"),
+]
 
 SPEED = 600  # scenario seconds per real second
 GPUS = 8  # the demo node: 8 x A100
@@ -76,11 +81,13 @@ DEADLINE_S = 60.0  # how long to wait for every query to have data
 STARTUP_S = 30.0  # how long a process may take to answer HTTP
 
 AGENT_ENV = {
-    # Polls once a real second, so at 600x each poll moves the scenario 10 minutes on.
-    "GPULEDGER_POLL_INTERVAL": "1s",
-    # An interval between polls longer than accounting.max_interval (default 5m) is charged to
-    # nobody (unobserved time). At 600x a 1 s poll interval is 10 scenario minutes, so without
-    # this every interval would go unobserved and the cost counters would stay at 0.
+    # A sped-up fake node is polled every poll_interval of scenario time (agent/cli/wiring.py):
+    # every 5 scenario minutes is twice a real second at 600x, as often as the 1 s scrapes need.
+    # With the default 5 s it would poll every 20 real ms (FAKE_MIN_POLL_S), three agents at
+    # 50 polls a second each, most of this module's CPU time.
+    "GPULEDGER_POLL_INTERVAL": "300s",
+    # Late polls on a busy machine stretch an interval past accounting.max_interval (default
+    # 5m), which would leave it unobserved: the cost checks here are about the price and speed.
     "GPULEDGER_ACCOUNTING__MAX_INTERVAL": "1h",
 }
 
