@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from agent.ledger.files import (
     SQLITE_CANTOPEN,
@@ -309,19 +310,13 @@ def _read(
         for r in gpu
     }
     usage.extend(
-        UsageRow(
-            hour=r["hour"],
-            node=r["node"],
-            gpu=r["gpu"],
-            uuid=r["uuid"],
-            workload=Workload(),
-            held_s=r["idle_s"],
-            busy_s=0.0,
-            dollars=r["idle_dollars"],
+        _unowned_row(
+            r,
+            r["idle_s"],
+            r["idle_dollars"],
             joules=r["idle_joules"],
             energy_dollars=r["idle_energy_dollars"],
             idle=True,
-            charged_s=r["idle_s"],
             left_by=Workload.from_labels(r),
             **prices.get((r["hour"], r["node"], r["uuid"]), {}),
         )
@@ -329,17 +324,11 @@ def _read(
         if r["idle_s"] or r["idle_dollars"] or r["idle_joules"]
     )
     usage.extend(
-        UsageRow(
-            hour=r["hour"],
-            node=r["node"],
-            gpu=r["gpu"],
-            uuid=r["uuid"],
-            workload=Workload(),
-            held_s=r["unobserved_s"],
-            busy_s=0.0,
-            dollars=r["unobserved_dollars"],
+        _unowned_row(
+            r,
+            r["unobserved_s"],
+            r["unobserved_dollars"],
             joules=0.0,
-            charged_s=r["unobserved_s"],
             unobserved=True,
             dollars_per_hour=r["dollars_per_hour"],
             purchase=r["purchase"],
@@ -349,3 +338,19 @@ def _read(
         if r["unobserved_s"] or r["unobserved_dollars"]
     )
     return LedgerContents(info, usage)
+
+
+def _unowned_row(r: sqlite3.Row, seconds: float, dollars: float, **figures: Any) -> UsageRow:
+    """A GPU-hour's time nobody held (idle or unobserved): all of it charged, none of it busy."""
+    return UsageRow(
+        hour=r["hour"],
+        node=r["node"],
+        gpu=r["gpu"],
+        uuid=r["uuid"],
+        workload=Workload(),
+        held_s=seconds,
+        busy_s=0.0,
+        dollars=dollars,
+        charged_s=seconds,
+        **figures,
+    )
