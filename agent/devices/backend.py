@@ -135,6 +135,19 @@ class Quantity(enum.StrEnum):
     MEMORY_UTILIZATION = "memory utilization"
 
 
+# The driver's violation time, one quantity per cause, in agent.model.VIOLATION_CAUSES's order.
+VIOLATION_QUANTITIES: tuple[Quantity, ...] = (
+    Quantity.VIOLATION_POWER,
+    Quantity.VIOLATION_THERMAL,
+    Quantity.VIOLATION_SYNC_BOOST,
+    Quantity.VIOLATION_BOARD_LIMIT,
+    Quantity.VIOLATION_LOW_UTILIZATION,
+    Quantity.VIOLATION_RELIABILITY,
+    Quantity.VIOLATION_APP_CLOCKS,
+    Quantity.VIOLATION_BASE_CLOCKS,
+)
+
+
 class ReadingKey(NamedTuple):
     """One reading of one device: a quantity, and the link for per-link quantities. A named
     tuple, not a dataclass: it keys the dicts of every read, and tuples hash and compare in C."""

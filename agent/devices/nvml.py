@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import pynvml
 
 from agent.devices.backend import (
+    VIOLATION_QUANTITIES,
     DeviceError,
     DeviceLost,
     DriverLibraryMissing,
@@ -101,19 +102,7 @@ _PER_LINK_FIELD_IDS: dict[Quantity, tuple[int, int]] = {
 _FIELD_DIVISORS: dict[Quantity, float] = {
     Q.POWER: 1000.0,  # mW
     Q.ENERGY: 1000.0,  # mJ
-    **dict.fromkeys(
-        (
-            Q.VIOLATION_POWER,
-            Q.VIOLATION_THERMAL,
-            Q.VIOLATION_SYNC_BOOST,
-            Q.VIOLATION_BOARD_LIMIT,
-            Q.VIOLATION_LOW_UTILIZATION,
-            Q.VIOLATION_RELIABILITY,
-            Q.VIOLATION_APP_CLOCKS,
-            Q.VIOLATION_BASE_CLOCKS,
-        ),
-        1e9,  # ns
-    ),
+    **dict.fromkeys(VIOLATION_QUANTITIES, 1e9),  # ns
     Q.NVLINK_TX_BYTES: 1 / 1024,  # KiB (a power of two: the division is exact)
     Q.NVLINK_RX_BYTES: 1 / 1024,
 }

@@ -27,7 +27,7 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.devices.backend import Quantity, ReadingKey
+from agent.devices.backend import VIOLATION_QUANTITIES, Quantity, ReadingKey
 from agent.model import VIOLATION_CAUSES, NvLinkCounters, Telemetry
 
 Q = Quantity
@@ -44,16 +44,7 @@ class Group:
     per_link_slow: tuple[Quantity, ...] = ()
 
 
-_VIOLATIONS = (
-    Q.VIOLATION_POWER,
-    Q.VIOLATION_THERMAL,
-    Q.VIOLATION_SYNC_BOOST,
-    Q.VIOLATION_BOARD_LIMIT,
-    Q.VIOLATION_LOW_UTILIZATION,
-    Q.VIOLATION_RELIABILITY,
-    Q.VIOLATION_APP_CLOCKS,
-    Q.VIOLATION_BASE_CLOCKS,
-)
+_VIOLATIONS = VIOLATION_QUANTITIES
 assert len(_VIOLATIONS) == len(VIOLATION_CAUSES)
 
 GROUPS: dict[str, Group] = {
