@@ -11,6 +11,7 @@ reads no instance activity.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -326,6 +327,23 @@ def test_a_failed_instance_sample_drops_the_carried_mean_and_is_asked_again_next
     assert (calls[90], calls[95], calls[100], calls[125]) == (2, 2, 0, 2)
     assert [readings[t] for t in range(90, 125, 5)] == [None] * 7
     assert readings[125] == pytest.approx(0.35)
+
+
+def test_snapshot_reads_mig_activity_over_its_last_five_seconds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `snapshot` polls twice, 5 s apart: on the slow rhythm the second poll would have no span
+    # yet, so it reads MIG activity every poll, as the rest of its figures are read.
+    scenario = tmp_path / "split.yaml"
+    scenario.write_text(yaml.safe_dump(STEADY))
+    assert main(["snapshot", "--fake", str(scenario), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    first = next(d for d in found["devices"] if d["gpu"] == "0:0")
+    assert first["busy_source"] == "gpm"
+    assert first["busy"] == pytest.approx(0.35)
+    # The span it is over: the snapshot's two polls, 5 s apart.
+    assert first["activity"]["until"] - first["activity"]["since"] == pytest.approx(5.0)
+    assert first["activity"]["until"] == found["taken_at"]
 
 
 # -- configuration ----------------------------------------------------------------------------------
