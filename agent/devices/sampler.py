@@ -360,7 +360,7 @@ class Sampler:
             # The GPU's own activity takes its instances' rhythm: under MIG it is no one's busy
             # measure (accounting and the rules take each instance's), only its exported series,
             # and over the same span it is its instances' SM-weighted mean, so the GPU's series
-            # and its instances' describe the same 30 s. Two more calls a poll saved.
+            # and its instances' describe the same span. Two more calls a poll saved.
             gpu.activity.every_s = self.readings.slow_interval_s
         if gpu.migs:
             total = self._optional(uuid, "memory", lambda: b.read(handle, [_MEMORY_TOTAL]).values.get(_MEMORY_TOTAL))
