@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -32,7 +32,7 @@ from agent.actions.config import cross_problems as action_problems
 from agent.actions.config import host_problems as action_host_problems
 from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
 from agent.devices import backend_names
-from agent.devices.telemetry import GROUPS, ReadingOptions
+from agent.devices.telemetry import GROUPS, MIG_ACTIVITY_MODES, MIG_ACTIVITY_OFF, MIG_ACTIVITY_SLOW, ReadingOptions
 from agent.errors import ConfigError
 from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS
 from agent.model import WORKLOAD_LABELS
@@ -316,6 +316,29 @@ class WorkCounterConfig(_Section):
         return tuple((label, label) for label in self.join)
 
 
+MigActivity = Literal["slow", "every_poll", "off"]
+assert get_args(MigActivity) == MIG_ACTIVITY_MODES
+# The spellings pydantic takes for a boolean (YAML's own true/false/on/off arrive as booleans);
+# `off` means the same either way.
+_TRUE = frozenset({"true", "1", "yes", "y", "on", "t"})
+_FALSE = frozenset({"false", "0", "no", "n", "off", "f"})
+
+
+def _mig_activity(value: object) -> object:
+    """`readings.mig_activity` as one of MIG_ACTIVITY_MODES: it was a boolean before it was a
+    choice, and a config written then (or its environment variable) still means what it did."""
+    if isinstance(value, bool | int) and value in (0, 1):
+        return MIG_ACTIVITY_SLOW if value else MIG_ACTIVITY_OFF
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in MIG_ACTIVITY_MODES:
+        return word
+    if word in _TRUE:
+        return MIG_ACTIVITY_SLOW
+    if word in _FALSE:
+        return MIG_ACTIVITY_OFF
+    raise ValueError(f"expected {', '.join(MIG_ACTIVITY_MODES)} (or true for slow, false for off), got {value!r}")
+
+
 class ReadingsConfig(_Section):
     """Which groups of health readings each poll asks the driver for (agent/devices/telemetry.py).
     Each group is one switch; PCIe throughput is off unless asked for: NVML samples the bus for
@@ -331,9 +354,12 @@ class ReadingsConfig(_Section):
     nvlink_throughput: bool = True  # bytes per link
     codecs: bool = True  # video encoder and decoder utilization
     memory_utilization: bool = True  # the memory controller's
-    # GPM activity of each MIG instance (Hopper and later): two NVML calls per instance a poll,
-    # 14 for a fully split H100; without it an instance has no busy measure (docs: README).
-    mig_activity: bool = True
+    # GPM activity of each MIG instance (Hopper and later), two NVML calls per instance each
+    # time: `slow` reads it every slow_interval and carries that span's mean into the polls
+    # between (a holder's busy seconds then lag by up to one slow interval where its load
+    # changes); `every_poll`, exact per poll, 14 calls a poll for a fully split H100; `off`, no
+    # busy measure for the instances. true means slow, false off (docs: README).
+    mig_activity: Annotated[MigActivity, BeforeValidator(_mig_activity)] = "slow"
     # How often readings that change slowly or only count are read (between, a poll carries the
     # last value): dcgm-exporter's collection interval.
     slow_interval: Duration = Field(default=30.0, gt=0)

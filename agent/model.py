@@ -119,8 +119,9 @@ class Telemetry:
 
 @dataclass(frozen=True, slots=True)
 class Activity:
-    """What a GPU's (or MIG instance's) SMs did between the previous poll and this one, as GPU
-    Performance Monitoring measures it (Hopper and later): fractions 0-1, None where not read.
+    """What a GPU's (or MIG instance's) SMs did between two polls (`since` to `until`: the
+    previous poll and this one, or on the slow rhythm the last slow span), as GPU Performance
+    Monitoring measures it (Hopper and later): fractions 0-1, None where not read.
 
     NVML's utilization counts time in which any kernel ran, so one small kernel reads 100%;
     `sm_active` is the share of the SMs that had work, the measure of "busy" that tells the truth.
@@ -131,6 +132,11 @@ class Activity:
     sm_occupancy: float | None = None  # warps resident over the SMs' maximum
     tensor_active: float | None = None  # cycles the tensor pipes were active
     dram_active: float | None = None  # cycles the memory interface moved data
+    # The span the means are over (backend clock, unix seconds): the polls that took its two
+    # samples. Where the activity is read on the slow rhythm (`readings.mig_activity: slow`) a
+    # poll carries the last span's figures, so `until` can be up to `slow_interval` before it.
+    since: float | None = None
+    until: float | None = None
 
 
 # Where a device's "busy" figure comes from (`DeviceReading.busy_source`).
@@ -177,7 +183,7 @@ class DeviceReading:
     # The device's own utilization (0-1) time-weighted over its samples since the previous poll:
     # what accounting caps its holders' busy time by. None where the samples could not be read.
     interval_utilization: float | None = None
-    activity: Activity | None = None  # GPM, over the interval since the previous poll
+    activity: Activity | None = None  # GPM, over the interval since the previous poll (or slow span)
     busy_source: str = BUSY_NVML  # BUSY_GPM, BUSY_NVML, or "" where the device has no busy measure
 
     @property

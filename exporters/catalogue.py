@@ -85,60 +85,69 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("gpuledger_mig_memory_total_bytes", Kind.GAUGE, "Memory of a MIG instance.", (*DEVICE, "mig"), "bytes"),
     # GPU activity (GPM, Hopper and later), over the interval between the last two polls; a MIG
-    # instance's over its own SMs.
+    # instance's over its own SMs. A MIG-enabled GPU's, its own and its instances', by default
+    # over the last slow interval (readings.mig_activity: slow), carried into the polls between.
     MetricSpec(
         "gpuledger_gpu_sm_active_ratio",
         Kind.GAUGE,
-        "Fraction of the GPU's SMs that had work (at least one warp), averaged over the last poll interval (GPM).",
+        "Fraction of the GPU's SMs that had work (at least one warp), averaged over the last poll interval (GPM;"
+        " under MIG, by default the last slow interval).",
         DEVICE,
         "ratio",
     ),
     MetricSpec(
         "gpuledger_gpu_sm_occupancy_ratio",
         Kind.GAUGE,
-        "Warps resident on the GPU's SMs over the most they can hold, averaged over the last poll interval (GPM).",
+        "Warps resident on the GPU's SMs over the most they can hold, averaged over the last poll interval (GPM;"
+        " under MIG, by default the last slow interval).",
         DEVICE,
         "ratio",
     ),
     MetricSpec(
         "gpuledger_gpu_tensor_active_ratio",
         Kind.GAUGE,
-        "Fraction of cycles the GPU's tensor pipes were active over the last poll interval (GPM).",
+        "Fraction of cycles the GPU's tensor pipes were active over the last poll interval (GPM;"
+        " under MIG, by default the last slow interval).",
         DEVICE,
         "ratio",
     ),
     MetricSpec(
         "gpuledger_gpu_dram_active_ratio",
         Kind.GAUGE,
-        "Fraction of cycles the GPU's memory interface moved data over the last poll interval (GPM).",
+        "Fraction of cycles the GPU's memory interface moved data over the last poll interval (GPM;"
+        " under MIG, by default the last slow interval).",
         DEVICE,
         "ratio",
     ),
     MetricSpec(
         "gpuledger_mig_sm_active_ratio",
         Kind.GAUGE,
-        "Fraction of a MIG instance's SMs that had work, averaged over the last poll interval (GPM).",
+        "Fraction of a MIG instance's SMs that had work, averaged over the last poll interval (GPM;"
+        " by default the last slow interval: readings.mig_activity).",
         (*DEVICE, "mig"),
         "ratio",
     ),
     MetricSpec(
         "gpuledger_mig_sm_occupancy_ratio",
         Kind.GAUGE,
-        "Warps resident on a MIG instance's SMs over the most they can hold, over the last poll interval (GPM).",
+        "Warps resident on a MIG instance's SMs over the most they can hold, over the last poll interval (GPM;"
+        " by default the last slow interval: readings.mig_activity).",
         (*DEVICE, "mig"),
         "ratio",
     ),
     MetricSpec(
         "gpuledger_mig_tensor_active_ratio",
         Kind.GAUGE,
-        "Fraction of cycles a MIG instance's tensor pipes were active over the last poll interval (GPM).",
+        "Fraction of cycles a MIG instance's tensor pipes were active over the last poll interval (GPM;"
+        " by default the last slow interval: readings.mig_activity).",
         (*DEVICE, "mig"),
         "ratio",
     ),
     MetricSpec(
         "gpuledger_mig_dram_active_ratio",
         Kind.GAUGE,
-        "Fraction of cycles a MIG instance's memory interface moved data over the last poll interval (GPM).",
+        "Fraction of cycles a MIG instance's memory interface moved data over the last poll interval (GPM;"
+        " by default the last slow interval: readings.mig_activity).",
         (*DEVICE, "mig"),
         "ratio",
     ),

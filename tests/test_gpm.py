@@ -15,7 +15,7 @@ import pynvml
 import pytest
 
 import fake_nvml
-from agent.config import AccountingConfig, PricingConfig, Settings
+from agent.config import AccountingConfig, PricingConfig, ReadingsConfig, Settings
 from agent.model import AgentState
 from exporters.prometheus import make_registry
 from fake_nvml.scenario import ScenarioError
@@ -41,11 +41,12 @@ def scenario(processes: list[dict[str, Any]], model: str = "H100-SXM5-80GB", **g
 BURSTY = {"pid": 100, "gpus": [0], "sm_util": 100, "sm_active": 25, "tensor": 80, "memory_mib": 30000}
 
 
-def settings(busy_source: str = "auto") -> Settings:
+def settings(busy_source: str = "auto", mig_activity: str = "slow") -> Settings:
     return Settings(
         node_name="rig",
         pricing=PricingConfig(gpu_hourly=PRICE),
         accounting=AccountingConfig(busy_source=busy_source),  # type: ignore[arg-type]
+        readings=ReadingsConfig(mig_activity=mig_activity),  # type: ignore[arg-type]
     )
 
 
@@ -373,8 +374,9 @@ H100_WHOLE_AND_MIG = {
 }
 
 
-def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig_h100() -> None:
-    calls = steady_calls(H100_WHOLE_AND_MIG, settings())
+def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig_h100_reading_mig_activity_every_poll() -> None:
+    # Not the default (slow: tests/test_mig_activity.py): the exact per-poll mode, and its cost.
+    calls = steady_calls(H100_WHOLE_AND_MIG, settings(mig_activity="every_poll"))
     # The whole H100, each poll: field values, memory, utilization (and the memory controller's),
     # temperature, processes, process samples, the SM clock, and GPM's sample and metrics: 9.
     # Its device utilization samples are not read: GPM is its busy source. Once in the six, the
@@ -398,8 +400,7 @@ def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig_h100() -> None:
 
 
 def test_without_mig_activity_a_fully_split_h100_keeps_to_the_budget_and_its_instances_have_no_busy_measure() -> None:
-    off = settings()
-    off = off.model_copy(update={"readings": off.readings.model_copy(update={"mig_activity": False})})
+    off = settings(mig_activity="off")
     calls = steady_calls(H100_WHOLE_AND_MIG, off)
     # The MIG GPU: 3 + its own GPM (2) a poll, 12 once in the six: 5 x 6 + 12 = 42, 7.00 a poll
     # (13 and 7.17 before the memory clock of its HBM, which has one, was read once).

@@ -319,6 +319,12 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
     from agent.cli.wiring import build_agent
 
     settings = load_config(args.config)
+    if settings.readings.mig_activity == "slow":
+        # One look, not a daemon's steady polls: its last two polls are 5 s apart, so MIG
+        # activity on the slow rhythm would have no span yet at the second; read over those
+        # 5 s like the rest of the snapshot (a few calls more, once).
+        readings = settings.readings.model_copy(update={"mig_activity": "every_poll"})
+        settings = settings.model_copy(update={"readings": readings})
     at = duration_arg(args.at, "--at")
     if args.fake is None and args.at != "0s":
         raise BadInputError("gpuledger: --at: only meaningful with --fake")

@@ -8,9 +8,10 @@ What goes in, and how it comes back:
 
 - each GPU as discovery saw it (model, uuid, PCI bus, memory, power limit, SMs, NVLinks, MIG
   layout) and its readings as a time series (`readings:`, one row per poll: utilization, memory,
-  temperature, power, the energy counter, NVLinks down, GPM activity over the interval that
-  starts at the row, and every health reading the poll took, in the driver's units), which the
-  fake serves in place of its physics;
+  temperature, power, the energy counter, NVLinks down, GPM activity over the span the row lies
+  in (the interval that starts at it; on the slow rhythm, the whole slow span's mean on each of
+  its rows), and every health reading the poll took, in the driver's units), which the fake
+  serves in place of its physics;
 - each GPU process with its GPUs, its lifetime, its memory over time and its per-process
   utilization as segments that reproduce the driver's samples, its uid and user name, its
   cgroup, and its pod or Slurm job where the scheduler allocated it the GPU; its command line
@@ -122,7 +123,7 @@ class TraceRecorder:
         self._node: dict[str, Any] = {}
         self._gpus: dict[int, dict[str, Any]] = {}  # index -> its scenario entry
         self._rows: dict[int, list[dict[str, Any]]] = {}
-        self._last_row: dict[int, tuple[int, dict[str, Any]]] = {}  # index -> (poll, row)
+        self._taken: dict[int, list[float]] = {}  # index -> when each of its rows' polls was taken
         self._index_of: dict[str, int] = {}  # GPU or MIG uuid -> GPU index
         self._refs: dict[str, str] = {}  # GPU or MIG uuid -> "0" or "0:1", as scenarios name them
         # Lost GPUs and a driver gone: the fault key of each outage still open (no poll has seen
@@ -158,7 +159,7 @@ class TraceRecorder:
             self._refs[device.uuid] = device.label
         self._failures(t)
         for gpu in snapshot.gpus:
-            self._gpu(snapshot, gpu, k, t)
+            self._gpu(snapshot, gpu, t)
         self._down(snapshot, t)
         self._processes_of(snapshot, state, t)
         self._allocations_of(state, t)
@@ -184,7 +185,7 @@ class TraceRecorder:
                     dbe.update(xid)
         self._events_seen_until = snapshot.taken_at
 
-    def _gpu(self, snapshot: Snapshot, gpu: DeviceReading, k: int, t: float) -> None:
+    def _gpu(self, snapshot: Snapshot, gpu: DeviceReading, t: float) -> None:
         migs = snapshot.mig_devices(gpu.uuid)
         if gpu.up and gpu.index not in self._gpus:
             entry: dict[str, Any] = {"model": gpu.model, "uuid": gpu.uuid}
@@ -214,17 +215,31 @@ class TraceRecorder:
         if gpu.nvlinks:
             row["nvlink_down"] = [link.link for link in gpu.nvlinks if not link.up]
         row.update(_health(gpu.telemetry))
-        # Activity read at this poll covers the interval since the previous one: it belongs to the
-        # previous poll's row, which holds over that interval.
-        previous = self._last_row.get(gpu.index)
-        if previous is not None and previous[0] == k - 1:
-            previous_row = previous[1]
-            previous_row.update(_activity(gpu.activity))
-            by_slot = sorted(migs, key=lambda m: m.mig_index or 0)
-            if any(m.activity is not None for m in by_slot):
-                previous_row["migs"] = [_activity(m.activity) for m in by_slot]
+        # Activity read at this poll covers the span since the poll of its earlier sample (the
+        # previous poll; on the slow rhythm, the last slow span's first): it belongs to the rows
+        # of the polls in that span, which hold over it, so that a replay samples the same means.
+        # A poll that carries a figure read earlier adds nothing.
+        for earlier in self._span_rows(gpu.index, gpu.activity, snapshot.taken_at):
+            earlier.update(_activity(gpu.activity))
+        by_slot = sorted(migs, key=lambda m: m.mig_index or 0)
+        for slot, mig in enumerate(by_slot):
+            for earlier in self._span_rows(gpu.index, mig.activity, snapshot.taken_at):
+                earlier.setdefault("migs", [{} for _ in by_slot])[slot] = _activity(mig.activity)
         self._rows.setdefault(gpu.index, []).append(row)
-        self._last_row[gpu.index] = (k, row)
+        self._taken.setdefault(gpu.index, []).append(snapshot.taken_at)
+
+    def _span_rows(self, index: int, activity: Activity | None, now: float) -> list[dict[str, Any]]:
+        """GPU `index`'s rows of the polls in the span `activity` covers, where it was read at
+        this poll (`now`); none where it was carried, or has no span."""
+        if activity is None or activity.since is None or activity.until != now:
+            return []
+        rows, taken = self._rows.get(index, []), self._taken.get(index, [])
+        found = []
+        i = len(taken) - 1
+        while i >= 0 and taken[i] >= activity.since:  # spans are a few polls long: from the end
+            found.append(rows[i])
+            i -= 1
+        return found
 
     def _processes_of(self, snapshot: Snapshot, state: AgentState, t: float) -> None:
         holding_of: dict[tuple[str, int], Holding] = {}

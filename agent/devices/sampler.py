@@ -31,7 +31,7 @@ from agent.devices.backend import (
     ReadingNoLongerSupported,
     ReadingNotSupported,
 )
-from agent.devices.telemetry import ReadingOptions, TelemetryReader
+from agent.devices.telemetry import MIG_ACTIVITY_OFF, MIG_ACTIVITY_SLOW, ReadingOptions, TelemetryReader
 from agent.model import (
     BUSY_GPM,
     BUSY_NVML,
@@ -184,7 +184,8 @@ class Sampler:
       its processes come from one read of the GPU's process list, split over the MIG devices
       by instance ids, so a fully split GPU costs fewer calls than a whole one. Its memory is
       the sum of its MIG devices' (NVML documents the GPU's own figure in MIG mode as that
-      aggregate).
+      aggregate). Its GPM activity, its instances' and its own, is read on the slow rhythm by
+      default (`readings.mig_activity`), each figure the mean over the last slow span.
 
     Not thread-safe: the scheduler runs one poll at a time.
     """
@@ -355,6 +356,12 @@ class Sampler:
         gpu.activity = self._meter(gpu, handle, None)
         if gpu.mig_enabled:
             gpu.migs = [self._discover_mig(gpu, slot, mig_handle) for slot, mig_handle in b.mig_handles(handle)]
+        if gpu.migs and gpu.activity is not None and self.readings.mig_activity == MIG_ACTIVITY_SLOW:
+            # The GPU's own activity takes its instances' rhythm: under MIG it is no one's busy
+            # measure (accounting and the rules take each instance's), only its exported series,
+            # and over the same span it is its instances' SM-weighted mean, so the GPU's series
+            # and its instances' describe the same span. Two more calls a poll saved.
+            gpu.activity.every_s = self.readings.slow_interval_s
         if gpu.migs:
             total = self._optional(uuid, "memory", lambda: b.read(handle, [_MEMORY_TOTAL]).values.get(_MEMORY_TOTAL))
             gpu.memory_total_bytes = None if total is None else int(total)
@@ -420,15 +427,19 @@ class Sampler:
             compute_instance_id=self._optional(uuid, "compute instance", lambda: b.compute_instance_id(handle)),
             sm_count=self._optional(uuid, "sm_count", lambda: b.sm_count(handle)),
         )
+        mode = self.readings.mig_activity
         if (
             gpu.activity is not None
             and mig.gpu_instance_id is not None
             and self._activity_backend is not None
-            and self.readings.mig_activity
+            and mode != MIG_ACTIVITY_OFF
         ):
             # A MIG instance's activity is sampled through its GPU, naming the GPU instance: a
-            # sample and a metrics call each a poll, as NVML has no call for several instances.
-            mig.activity = ActivityMeter(self._activity_backend, gpu.handle, mig.gpu_instance_id)
+            # sample and a metrics call each time, as NVML has no call for several instances. So
+            # by default (slow) once a slow interval, the span's mean carried into the polls
+            # between, and with every_poll each poll (14 calls a poll for a fully split H100).
+            every_s = self.readings.slow_interval_s if mode == MIG_ACTIVITY_SLOW else None
+            mig.activity = ActivityMeter(self._activity_backend, gpu.handle, mig.gpu_instance_id, every_s)
         return mig
 
     def _meter(self, gpu: _Gpu, handle: Handle, gpu_instance_id: int | None) -> ActivityMeter | None:
@@ -457,9 +468,12 @@ class Sampler:
             return BUSY_GPM
         return BUSY_NVML if nvml and self.busy_policy != "gpm" else ""
 
-    def _activity(self, where: str, unsupported: Unsupported, meter: ActivityMeter | None) -> Activity | None:
-        """The device's activity since the previous poll: learned unsupported once, counted
-        when it fails otherwise; None at a device's first poll."""
+    def _activity(
+        self, where: str, unsupported: Unsupported, meter: ActivityMeter | None, now: float | None
+    ) -> Activity | None:
+        """The device's activity since the previous poll (on the slow rhythm: over the last slow
+        span, carried): learned unsupported once, counted when it fails otherwise; None at a
+        device's first poll (first slow span)."""
         if meter is None or "activity" in unsupported:
             return None
 
@@ -468,7 +482,7 @@ class Sampler:
             log.debug("%s: reading activity failed: %s", where, exc)
 
         try:
-            activity = meter.read(failed)
+            activity = meter.read(failed, now)
         except ReadingNotSupported as exc:
             if "activity" in unsupported.worked:
                 self._count(exc)
@@ -676,7 +690,7 @@ class Sampler:
         memory_used = values.get(_MEMORY_USED)
         memory_total = values.get(_MEMORY_TOTAL)
         processes = self._whole_gpu_processes(gpu, where)
-        activity = self._activity(where, gpu.unsupported, gpu.activity)
+        activity = self._activity(where, gpu.unsupported, gpu.activity, gpu.poll_at)
         busy_source = self._busy_source(gpu.unsupported, gpu.activity, nvml=True)
         if busy_source == BUSY_GPM:
             # GPM's graphics activity is the share of the interval in which a kernel ran: what the
@@ -772,7 +786,7 @@ class Sampler:
     ) -> list[DeviceReading]:
         processes = self._mig_processes(gpu, where)
         memory = [self._mig_memory(f"{where} MIG {m.slot}", m, processes.get(m.slot), gpu.poll_at) for m in gpu.migs]
-        activity = [self._activity(f"{where} MIG {m.slot}", m.unsupported, m.activity) for m in gpu.migs]
+        activity = [self._activity(f"{where} MIG {m.slot}", m.unsupported, m.activity, gpu.poll_at) for m in gpu.migs]
         used = [m.get(_MEMORY_USED) for m in memory]
         parent = DeviceReading(
             index=gpu.index,
@@ -790,7 +804,7 @@ class Sampler:
             power_limit_w=gpu.power_limit_w,
             energy_j=values.get(_ENERGY),
             nvlinks=links,
-            activity=self._activity(where, gpu.unsupported, gpu.activity),
+            activity=self._activity(where, gpu.unsupported, gpu.activity, gpu.poll_at),
             busy_source=self._busy_source(gpu.unsupported, gpu.activity, nvml=True),
             telemetry=telemetry,
         )

@@ -89,20 +89,32 @@ OPT_IN = frozenset({"pcie_throughput"})
 DEFAULT_GROUPS = frozenset(GROUPS) - OPT_IN
 DEFAULT_SLOW_INTERVAL_S = 30.0
 
+# How the sampler reads the GPM activity of a MIG-enabled GPU's instances (two NVML calls per
+# instance each time, as NVML samples one GPU instance per call): on the slow rhythm, each figure
+# the mean over the last slow span, carried into the polls between (with the GPU's own
+# activity, which on such a GPU only feeds its exported series); every poll (exact per poll,
+# 14 calls a poll for a fully split H100); or not at all (the instances have no busy measure).
+MIG_ACTIVITY_SLOW = "slow"
+MIG_ACTIVITY_EVERY_POLL = "every_poll"
+MIG_ACTIVITY_OFF = "off"
+MIG_ACTIVITY_MODES = (MIG_ACTIVITY_SLOW, MIG_ACTIVITY_EVERY_POLL, MIG_ACTIVITY_OFF)
+
 
 @dataclass(frozen=True)
 class ReadingOptions:
-    """Which groups of `GROUPS` a poll reads, and how often the slow ones."""
+    """Which groups of `GROUPS` a poll reads, how often the slow ones, and how MIG instances'
+    activity is read (one of `MIG_ACTIVITY_MODES`)."""
 
     groups: frozenset[str] = DEFAULT_GROUPS
     slow_interval_s: float = DEFAULT_SLOW_INTERVAL_S
-    # GPM activity of each MIG instance (the sampler's): two calls per instance a poll.
-    mig_activity: bool = True
+    mig_activity: str = MIG_ACTIVITY_SLOW
 
     def __post_init__(self) -> None:
         unknown = self.groups - set(GROUPS)
         if unknown:
             raise ValueError(f"unknown reading groups: {', '.join(sorted(unknown))}")
+        if self.mig_activity not in MIG_ACTIVITY_MODES:
+            raise ValueError(f"mig_activity must be one of {', '.join(MIG_ACTIVITY_MODES)}, got {self.mig_activity!r}")
 
 
 @dataclass
