@@ -115,39 +115,41 @@ def test_each_instance_carries_the_mean_of_its_last_slow_span_into_the_polls_bet
         rig.close()
     start = states[0].snapshot.taken_at if states[0].snapshot is not None else 0.0
     by_t = {t: devices(state) for t, state in states.items()}
-    # Samples at 0, 30, 60, 90 and 120 s (the slow interval from the first poll). The first span
-    # has no mean until its end: polls 0-25 read none, as a first poll does.
-    assert [sm_active(by_t[t][1].activity) for t in range(0, 30, 5)] == [None] * 6
-    # 0-30 s: 40% throughout. 30-60 s: 40% for 17 s, 10% for 13 s: (40 x 17 + 10 x 13) / 30 = 27%.
-    # 60-90 and 90-120 s: 10%. Each read at the span's end and carried for the five polls after.
-    expected = {30: 0.40, 60: 0.27, 90: 0.10}
-    for t in range(30, 120, 5):
-        span_end = max(end for end in expected if end <= t)
+    # Samples at 0 and 5 s (a first sample is followed by one at the next poll), then each slow
+    # interval: 35, 65 and 95 s. Only the first poll reads none, as a first poll does.
+    assert sm_active(by_t[0][1].activity) is None
+    # 0-5 s and 5-35 s: 40% throughout. 35-65 s: 40% for 12 s (to 47 s), 10% for 18 s:
+    # (40 x 12 + 10 x 18) / 30 = 22%. 65-95 s: 10%. Each read at the span's end and carried for
+    # the polls after it until the next.
+    spans = {5: (0, 0.40), 35: (5, 0.40), 65: (35, 0.22), 95: (65, 0.10)}
+    for t in range(5, 125, 5):
+        span_end = max(end for end in spans if end <= t)
+        span_start, mean = spans[span_end]
         parent, first, second = by_t[t]
         assert first.activity is not None, t
-        assert first.activity.sm_active == pytest.approx(expected[span_end]), t
-        # The span it is over, on the backend clock: the slow interval that ended at span_end.
-        assert (first.activity.since, first.activity.until) == (start + span_end - 30, start + span_end), t
+        assert first.activity.sm_active == pytest.approx(mean), t
+        # The span it is over, on the backend clock.
+        assert (first.activity.since, first.activity.until) == (start + span_start, start + span_end), t
         assert second.activity is not None
         assert second.activity.sm_active == 0.0
         # The GPU's own activity takes the same rhythm: over the same span it is its instances'
         # SM-weighted mean, 48/132 of instance 0's (instance 1 is idle).
         assert parent.activity is not None
         assert (parent.activity.since, parent.activity.until) == (first.activity.since, first.activity.until)
-        assert parent.activity.sm_active == pytest.approx(expected[span_end] * WEIGHT), t
-    # The 30-60 s span's other figures are its means too: graphics (80 x 17 + 20 x 13) / 30 = 54%;
-    # tensor half the SM activity, 13.5%; the fake's occupancy 0.5 x and DRAM 0.6 x SM activity.
+        assert parent.activity.sm_active == pytest.approx(mean * WEIGHT), t
+    # The 35-65 s span's other figures are its means too: graphics (80 x 12 + 20 x 18) / 30 = 44%;
+    # tensor half the SM activity, 11%; the fake's occupancy 0.5 x and DRAM 0.6 x SM activity.
     span = by_t[85][1].activity
     assert span is not None
-    assert span.graphics_active == pytest.approx(0.54)
-    assert span.tensor_active == pytest.approx(0.135)
-    assert span.sm_occupancy == pytest.approx(0.135)
-    assert span.dram_active == pytest.approx(0.162)
+    assert span.graphics_active == pytest.approx(0.44)
+    assert span.tensor_active == pytest.approx(0.11)
+    assert span.sm_occupancy == pytest.approx(0.11)
+    assert span.dram_active == pytest.approx(0.132)
     # What /metrics shows is the carried figure.
     parent, first, _ = by_t[85]
     registry = make_registry(lambda: states[85], dcgm_compat=False)
     labels = {"gpu": "0", "uuid": parent.uuid, "mig": "0"}
-    assert registry.get_sample_value("gpuledger_mig_sm_active_ratio", labels) == pytest.approx(0.27)
+    assert registry.get_sample_value("gpuledger_mig_sm_active_ratio", labels) == pytest.approx(0.22)
 
 
 def test_every_poll_reads_each_instance_over_each_poll_interval_as_before() -> None:
@@ -181,12 +183,13 @@ def test_a_fully_split_h100_reads_its_instances_only_on_slow_polls() -> None:
             per_poll.append(rig.node.calls - before)
     finally:
         rig.close()
-    # The first poll took the first samples; every sixth poll after (30 s at 5 s polls) one
-    # sample per instance and the metrics since the last: 7 of each, plus the MIG GPU's own pair.
-    assert [c["nvmlGpmMigSampleGet"] for c in per_poll] == [0, 0, 0, 0, 0, 7] * 2 + [0]
+    # The first poll took the first samples and the second poll the next (a first span is one
+    # poll long); every sixth poll after (30 s at 5 s polls) one sample per instance and the
+    # metrics since the last: 7 of each, plus the MIG GPU's own pair.
+    assert [c["nvmlGpmMigSampleGet"] for c in per_poll] == [7, 0, 0, 0, 0, 0] * 2 + [7]
     # GPU 0 (whole) samples every poll; GPU 1 (split) with its instances.
-    assert [c["nvmlGpmSampleGet"] for c in per_poll] == [1, 1, 1, 1, 1, 2] * 2 + [1]
-    assert [c["nvmlGpmMetricsGet"] for c in per_poll] == [1, 1, 1, 1, 1, 1 + 1 + 7] * 2 + [1]
+    assert [c["nvmlGpmSampleGet"] for c in per_poll] == [2, 1, 1, 1, 1, 1] * 2 + [2]
+    assert [c["nvmlGpmMetricsGet"] for c in per_poll] == [1 + 1 + 7, 1, 1, 1, 1, 1] * 2 + [1 + 1 + 7]
 
 
 def test_a_fully_split_h100_keeps_to_the_call_budget_by_default() -> None:
@@ -213,9 +216,9 @@ def test_a_fully_split_h100_keeps_to_the_call_budget_by_default() -> None:
     [
         # Every poll: the hour's 3600 s x 4/11 of the GPU x 35% SM activity = 458.18 s.
         ("every_poll", 3600 * WEIGHT * 0.35),
-        # Slow: the same, less the intervals before the first slow span's mean (the polls at 5 to
-        # 25 s have none: 25 s at 0 busy): (3600 - 25) x 4/11 x 0.35 = 455.0 s.
-        ("slow", (3600 - 25) * WEIGHT * 0.35),
+        # Slow: the same, as the first span is one poll long (0-5 s) and every interval after has
+        # a span's mean: 3600 x 4/11 x 0.35 = 458.18 s.
+        ("slow", 3600 * WEIGHT * 0.35),
     ],
 )
 def test_a_steady_mig_holders_busy_seconds_and_the_gpus_dollars_add_up(mode: str, busy_s: float) -> None:
@@ -245,8 +248,9 @@ def test_a_steady_mig_holders_busy_seconds_and_the_gpus_dollars_add_up(mode: str
 @pytest.mark.parametrize(
     ("mode", "busy"),
     [
-        # Slow: the span 30-60 s was job 1's (60% SM activity) and is carried to 85 s.
-        ("slow", 0.60),
+        # Slow: the span 35-65 s (samples at 0, 5, then every 30 s) was job 1's for 27 s at 60%
+        # and job 2's for 3 s at 10%: (60 x 27 + 10 x 3) / 30 = 55%, carried to 90 s.
+        ("slow", 0.55),
         # Every poll: job 2's own 10%.
         ("every_poll", 0.10),
     ],
@@ -269,8 +273,8 @@ def test_a_new_holder_is_credited_with_the_last_spans_mean_until_the_next_slow_s
         return next(t for (_, _, w), t in state.costs.workloads.items() if w.hpc_job == "2")
 
     # From the poll at 65 s to the one at 85 s job 2 alone held the instance: 20 s x 4/11 held,
-    # busy x the instance's SM activity as read: the carried 60% under slow (the trade-off), 10%
-    # every poll. 20 x 4/11 x 0.60 = 4.36 s against 20 x 4/11 x 0.10 = 0.73 s.
+    # busy x the instance's SM activity as read: the carried 55% under slow (the trade-off), 10%
+    # every poll. 20 x 4/11 x 0.55 = 4.0 s against 20 x 4/11 x 0.10 = 0.73 s.
     held = job_2(states[85]).held_s - job_2(states[65]).held_s
     assert held == pytest.approx(20 * WEIGHT)
     assert job_2(states[85]).busy_s - job_2(states[65]).busy_s == pytest.approx(20 * WEIGHT * busy)
@@ -298,16 +302,24 @@ def test_the_carried_mean_is_dropped_when_the_gpu_or_the_driver_goes_away(fault:
     back = min(t for t in up if t > 60)
     assert all(t >= 65 for t in up if t > 60)  # down at 65 s
     # Back at `back`: its first sample starts a new span; nothing carried across the outage.
-    for t in (t for t in up if back <= t < back + 30):
-        parent, first, second = devices(up[t])
-        assert (parent.activity, first.activity, second.activity) == (None, None, None), t
-    assert sm_active(devices(up[back + 30])[1].activity) == pytest.approx(0.35)
+    parent, first, second = devices(up[back])
+    assert (parent.activity, first.activity, second.activity) == (None, None, None)
+    # The new span is one poll long (its second sample at the next poll), then carried.
+    for t in range(int(back) + 5, int(back) + 35, 5):
+        first = devices(up[t])[1]
+        assert sm_active(first.activity) == pytest.approx(0.35), t
+        assert first.activity is not None
+        assert first.activity.until - first.activity.since == pytest.approx(STEP_S), t
+    slow_span = devices(up[back + 35])[1].activity
+    assert slow_span is not None
+    assert slow_span.until - slow_span.since == pytest.approx(30)
 
 
 def test_a_failed_instance_sample_drops_the_carried_mean_and_is_asked_again_next_poll() -> None:
     # NOT_FOUND from nvmlGpmMigSampleGet is what NVML answers for a GPU instance that is gone
-    # (the instances destroyed or reconfigured); here it fails the sample at 90 s only.
-    fault = {"at": "88s", "until": "92s", "gpu": 0, "call": "nvmlGpmMigSampleGet", "error": "NOT_FOUND"}
+    # (the instances destroyed or reconfigured); here it fails the sample at 95 s only (samples
+    # at 0 and 5 s, then every 30 s: 35, 65, 95).
+    fault = {"at": "93s", "until": "97s", "gpu": 0, "call": "nvmlGpmMigSampleGet", "error": "NOT_FOUND"}
     rig = Rig(split_h100(STEADY["processes"], [fault]), settings=settings())
     try:
         rig.poll()
@@ -321,12 +333,12 @@ def test_a_failed_instance_sample_drops_the_carried_mean_and_is_asked_again_next
     finally:
         rig.close()
     assert readings[85] == pytest.approx(0.35)
-    # 90 s: both samples fail (counted), the carried figures go; 95 s asks again at once, which
-    # starts a new span: a figure again 30 s later, at 125 s.
+    # 95 s: both samples fail (counted), the carried figures go; 100 s asks again at once, which
+    # starts a new span, one poll long: a figure again at 105 s, then the next sample at 135 s.
     assert errors[("nvmlGpmMigSampleGet", "NOT_FOUND")] == 2
-    assert (calls[90], calls[95], calls[100], calls[125]) == (2, 2, 0, 2)
-    assert [readings[t] for t in range(90, 125, 5)] == [None] * 7
-    assert readings[125] == pytest.approx(0.35)
+    assert (calls[90], calls[95], calls[100], calls[105], calls[110], calls[135]) == (0, 2, 2, 2, 0, 2)
+    assert [readings[t] for t in (95, 100)] == [None] * 2
+    assert all(readings[t] == pytest.approx(0.35) for t in range(105, 160, 5))
 
 
 def test_snapshot_reads_mig_activity_over_its_last_five_seconds(
@@ -438,10 +450,10 @@ def test_a_trace_recorded_on_the_slow_rhythm_replays_the_same_span_means(tmp_pat
     write_trace(trace, str(path), "# slow rhythm\n")
     fake_nvml.uninstall()
     # Each row of a slow span holds the span's mean (a row holds until the next), so the replay's
-    # samples 30 s apart read it back: 0-30 s 40%; 30-60 s 27% (see above); 120-150 s: 10% for
-    # 13 s, 70% for 17 s, (10 x 13 + 70 x 17) / 30 = 44%.
+    # samples, at 0 and 5 s and then 30 s apart, read it back: 0-5 s and 5-35 s 40%; 35-65 s 22%
+    # (see above); 125-155 s: 10% for 8 s, 70% for 22 s, (10 x 8 + 70 x 22) / 30 = 54%.
     rows = {row["at"]: row for row in yaml.safe_load(path.read_text())["gpus"][0]["readings"]}
-    for at, percent in ((0, 40), (25, 40), (30, 27), (55, 27), (120, 44), (145, 44)):
+    for at, percent in ((0, 40), (5, 40), (30, 40), (35, 22), (60, 22), (125, 54), (150, 54)):
         assert rows[at]["migs"][0]["sm_active"] == pytest.approx(percent), at
         assert rows[at]["sm_active"] == pytest.approx(percent * WEIGHT), at
     replay = build_agent(settings(node_name=None), fake=str(path), poll_interval_s=STEP_S, monotonic=lambda: 0.0)
@@ -459,7 +471,7 @@ def test_a_trace_recorded_on_the_slow_rhythm_replays_the_same_span_means(tmp_pat
     for k, (original, again) in enumerate(zip(texts, replayed, strict=True)):
         problems = same(series(original), series(again))
         assert not problems, f"poll {k}: " + "\n".join(problems[:10])
-    # The comparison had MIG activity to compare: at 300 s, the 270-300 s span, 70% and 0%.
+    # The comparison had MIG activity to compare: at 300 s, the 245-275 s span, 70% and 0%.
     last = series(texts[-1])
     assert sorted(v for (name, _), v in last.items() if name == "gpuledger_mig_sm_active_ratio") == pytest.approx(
         [0.0, 0.70]

@@ -55,7 +55,8 @@ class ActivityMeter:
     samples, so a 30 s span's mean is exact for those 30 s, and costs two calls instead of twelve
     at 5 s polls. What is carried is dropped with the interval it came from: a failed read (the
     next poll reads again, whatever the rhythm), a lost device (`restart`), and a new meter for
-    a device discovered anew. The first span has no figure yet (None), as a first poll has none.
+    a device discovered anew. The first span is one poll long (its second sample is taken at the
+    next poll), and has no figure until then, as a first poll has none.
     """
 
     def __init__(
@@ -92,8 +93,12 @@ class ActivityMeter:
             on_error(exc)
 
         activity = self._measure(failed, now)
-        if not failures:
+        if not failures and activity is not None:
             self._carried, self._due_at = activity, now + self.every_s
+        # A first sample (at discovery, after a loss or a failed read) is followed by another at
+        # the next poll, not a slow interval later: two calls once, so an agent that restarts or
+        # a GPU that recovers has a figure from its second poll on instead of a slow interval of
+        # None (busy seconds 0) each time.
         return activity
 
     def _measure(self, on_error: Callable[[DeviceError], None], now: float | None) -> Activity | None:

@@ -473,7 +473,7 @@ class Sampler:
     ) -> Activity | None:
         """The device's activity since the previous poll (on the slow rhythm: over the last slow
         span, carried): learned unsupported once, counted when it fails otherwise; None at a
-        device's first poll (first slow span)."""
+        device's first poll (on the slow rhythm too: a first span is one poll long)."""
         if meter is None or "activity" in unsupported:
             return None
 
