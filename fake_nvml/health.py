@@ -47,7 +47,7 @@ from fake_nvml.scenario.facts import (
 from fake_nvml.scenario.model import Fault, HealthRow
 
 if TYPE_CHECKING:
-    from fake_nvml.node import FakeNode
+    from fake_nvml.node import FakeNode, GpuState
 
 # The temperature thresholds the fake driver reports (nvmlDeviceGetTemperatureThreshold): the
 # GPU's maximum operating temperature, and the hardware slowdown threshold above it.
@@ -122,6 +122,9 @@ class NodeHealth:
         self._nvlink: list[_Integral] = []
         self._nvlink_error_faults = [tuple(f for f in faults if f.nvlink_errors is not None) for faults in self._faults]
         self._kib_memo: dict[int, tuple[float, tuple[int, ...]]] = {}
+        self._throttle_memo: list[tuple[GpuState, tuple[int, float, frozenset[int]]] | None] = [
+            None for _ in scenario.gpus
+        ]
         for gpu in scenario.gpus:
             # A fault's edges change throttling, link state and link width too.
             edges = {e for f in self._faults[gpu.index] for e in (f.at_s, f.until_s) if e is not None}
@@ -176,18 +179,29 @@ class NodeHealth:
     # -- clocks and throttling ----------------------------------------------------------------
 
     def _throttles(self, gpu: int, t: float) -> tuple[int, float, frozenset[int]]:
-        """(reason bits, clock factor, policies holding the clocks down) at t."""
-        node, spec = self._node, self._node.scenario.gpus[gpu]
-        util = node.utilization(gpu, t)
+        """(reason bits, clock factor, policies holding the clocks down) at t: worked out once per
+        state of the GPU (FakeNode.state), as what they depend on changes only with it (the
+        throttle faults' edges are the GPU's edges too)."""
+        state = self._node.state(gpu, t)
+        memo = self._throttle_memo[gpu]
+        if memo is not None and memo[0] is state:
+            return memo[1]
+        found = self._throttles_at(gpu, t, state)
+        self._throttle_memo[gpu] = (state, found)
+        return found
+
+    def _throttles_at(self, gpu: int, t: float, state: GpuState) -> tuple[int, float, frozenset[int]]:
+        spec = self._node.scenario.gpus[gpu]
+        util = state.utilization
         reasons, factor, policies = 0, 1.0, set()
         if util <= 0:
             reasons |= REASON_GPU_IDLE
             policies.add(POLICY_LOW_UTILIZATION)
-        elif node.power_w(gpu, t) >= POWER_CAP_FRACTION * spec.power_limit_w:
+        elif state.power_w >= POWER_CAP_FRACTION * spec.power_limit_w:
             reasons |= REASON_SW_POWER_CAP
             factor = POWER_CAP_CLOCK_FACTOR
             policies.add(POLICY_POWER)
-        temperature = node.temperature_c(gpu, t)
+        temperature = state.temperature_c
         if temperature >= SLOWDOWN_C:
             reasons |= REASON_HW_THERMAL_SLOWDOWN | REASON_HW_SLOWDOWN
             factor = min(factor, HW_SLOWDOWN_CLOCK_FACTOR)

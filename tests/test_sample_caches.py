@@ -7,6 +7,7 @@ from __future__ import annotations
 from agent.devices.backend import Quantity, ReadingKey
 from agent.devices.telemetry import ReadingOptions, TelemetryReader
 from agent.model import Telemetry
+from fake_nvml import FakeNode, ScenarioClock, load_scenario
 
 Q = Quantity
 
@@ -47,3 +48,72 @@ def test_telemetry_is_handed_on_while_its_readings_hold_and_rebuilt_where_they_c
     sixth = reader.telemetry(60.0, asked, values)
     assert [c.link for c in sixth.nvlinks] == [1]
     assert sixth.nvlink_bytes_per_s is None  # link 0's traffic is unknown
+
+
+# GPU 0's readings change at its edges: a process starts (1h), changes load and memory (2h) and
+# ends (5h), a link is down from 2h30 to 3h, a thermal throttle holds from 3h30 to 4h. GPU 1
+# replays a recording whose rows change what it shows at 1h and 2h.
+EDGES_S = (3600.0, 7200.0, 9000.0, 10800.0, 12600.0, 14400.0, 18000.0)
+CHANGING = {
+    "gpus": [
+        {"model": "A100-SXM4-80GB", "nvlink_links": 4},
+        {
+            "model": "A100-SXM4-80GB",
+            "nvlink_links": 4,
+            "readings": [
+                {"at": "0s", "utilization": 10, "power_w": 90, "temperature_c": 40},
+                {"at": "1h", "utilization": 70, "power_w": 300, "temperature_c": 88, "nvlink_down": [2]},
+                {"at": "2h", "utilization": 0, "memory_used_mib": 100},
+            ],
+        },
+    ],
+    "processes": [
+        {
+            "pid": 7,
+            "gpus": [0],
+            "start": "1h",
+            "end": "5h",
+            "memory_mib": 500,
+            "sm_util": [{"at": "0s", "sm_util": 50}, {"at": "1h", "sm_util": 100, "memory_mib": 1000}],
+        }
+    ],
+    "faults": [
+        {"at": "2h30m", "until": "3h", "gpu": 0, "nvlink_down": [1]},
+        {"at": "3h30m", "until": "4h", "gpu": 0, "throttle": "thermal"},
+    ],
+}
+
+
+def readings_at(node: FakeNode, gpu: int, t: float) -> tuple[object, ...]:
+    health = node.health
+    return (
+        node.utilization(gpu, t),
+        node.power_w(gpu, t),
+        node.temperature_c(gpu, t),
+        node.memory_used_bytes(gpu, None, t),
+        node.memory_used_mib(gpu, None, t),
+        node.nvlinks_down(gpu, t),
+        tuple(p.pid for p in node.processes_on(gpu, None, t)),
+        health.clock_event_reasons(gpu, t),
+        health.sm_clock_mhz(gpu, t),
+        health.performance_state(gpu, t),
+    )
+
+
+def test_the_fake_gpus_state_is_worked_out_again_at_every_edge() -> None:
+    """One node asked along the timeline (as polls ask, and at and around each edge) answers
+    what a node asked only at that time answers: nothing carried over an edge."""
+    scenario = load_scenario(CHANGING)
+    node = FakeNode(scenario, ScenarioClock(scenario.start_epoch))
+    times = sorted(
+        {450.0 * k for k in range(49)} | {edge + offset for edge in EDGES_S for offset in (-0.5, -1e-7, 0.0, 1e-7, 0.5)}
+    )
+    seen = set()
+    for t in times:
+        for gpu in (0, 1):
+            fresh = FakeNode(scenario, ScenarioClock(scenario.start_epoch))
+            assert readings_at(node, gpu, t) == readings_at(fresh, gpu, t), (gpu, t)
+            seen.add(readings_at(node, gpu, t))
+    # The timeline meets every state the scenario has (else it tests less than it says): GPU 0
+    # idle, at 50%, at 100% (at the power cap), with a link down, throttled; GPU 1's three rows.
+    assert len(seen) == 8
