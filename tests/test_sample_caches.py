@@ -5,6 +5,7 @@ read without it."""
 from __future__ import annotations
 
 from agent.devices.backend import Quantity, ReadingKey
+from agent.devices.sampler import Unsupported
 from agent.devices.telemetry import ReadingOptions, TelemetryReader
 from agent.model import Telemetry
 from fake_nvml import FakeNode, ScenarioClock, load_scenario
@@ -117,3 +118,19 @@ def test_the_fake_gpus_state_is_worked_out_again_at_every_edge() -> None:
     # The timeline meets every state the scenario has (else it tests less than it says): GPU 0
     # idle, at 50%, at 100% (at the power cap), with a link down, throttled; GPU 1's three rows.
     assert len(seen) == 8
+
+
+def test_what_a_device_is_asked_for_follows_what_it_has_shown_it_lacks() -> None:
+    unsupported = Unsupported()
+    keys = (ReadingKey(Q.TEMPERATURE), ReadingKey(Q.POWER), ReadingKey(Q.FAN_SPEED), ReadingKey(Q.SM_CLOCK))
+    assert unsupported.wanted(keys) == keys
+    unsupported.add(ReadingKey(Q.FAN_SPEED))
+    assert unsupported.wanted(keys) == (ReadingKey(Q.TEMPERATURE), ReadingKey(Q.POWER), ReadingKey(Q.SM_CLOCK))
+    assert unsupported.wanted(keys[:2]) == keys[:2]
+    # Learned mid-run, after the list was asked for: not asked again from then on.
+    unsupported.add(ReadingKey(Q.POWER))
+    assert unsupported.wanted(keys) == (ReadingKey(Q.TEMPERATURE), ReadingKey(Q.SM_CLOCK))
+    unsupported.add("processes")  # a call, not a reading: the lists are as they were
+    assert unsupported.wanted(keys) == (ReadingKey(Q.TEMPERATURE), ReadingKey(Q.SM_CLOCK))
+    unsupported.discard(ReadingKey(Q.FAN_SPEED))
+    assert unsupported.wanted(keys) == (ReadingKey(Q.TEMPERATURE), ReadingKey(Q.FAN_SPEED), ReadingKey(Q.SM_CLOCK))
