@@ -134,3 +134,24 @@ def test_what_a_device_is_asked_for_follows_what_it_has_shown_it_lacks() -> None
     assert unsupported.wanted(keys) == (ReadingKey(Q.TEMPERATURE), ReadingKey(Q.SM_CLOCK))
     unsupported.discard(ReadingKey(Q.FAN_SPEED))
     assert unsupported.wanted(keys) == (ReadingKey(Q.TEMPERATURE), ReadingKey(Q.FAN_SPEED), ReadingKey(Q.SM_CLOCK))
+
+
+def test_the_fakes_counters_integrate_each_stretch_at_its_own_rate() -> None:
+    """GPU 0's violation time and NVLink traffic, integrated poll by poll on one node, equal what
+    a node asked only at that time integrates from the start (every figure here is a whole
+    number of seconds and bytes, so the sums are exact whatever their order). GPU 1 is left
+    out: the integrals do not stop at a recording's rows, so there they depend on the polls."""
+    scenario = load_scenario(CHANGING)
+    node = FakeNode(scenario, ScenarioClock(scenario.start_epoch))
+    policies = range(12)  # nvmlPerfPolicyType_t; the fake keeps 0-5, 10 and 11
+
+    def counters(node: FakeNode, t: float) -> list[int | None]:
+        found = [node.health.violation_ns(0, policy, t) for policy in policies]
+        return found + [node.health.nvlink_kib(0, link, t) for link in range(4)]
+
+    for t in (450.0 * k for k in range(49)):
+        assert counters(node, t) == counters(FakeNode(scenario, ScenarioClock(scenario.start_epoch)), t), t
+    # GPU 0 at the end (6h): idle 1h and 1h (low utilization); at the power cap 3h; thermal 30m
+    assert node.health.violation_ns(0, 4, 21600.0) == 7200 * 10**9
+    assert node.health.violation_ns(0, 0, 21600.0) == 3 * 3600 * 10**9
+    assert node.health.violation_ns(0, 1, 21600.0) == 1800 * 10**9
