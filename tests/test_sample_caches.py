@@ -35,7 +35,7 @@ def test_telemetry_is_handed_on_while_its_readings_hold_and_rebuilt_where_they_c
     assert fourth.nvlinks[1].rx_bytes == 1025
     # 2 x 1024 bytes more over the 5 s since the previous poll
     assert fourth.nvlink_bytes_per_s == 2 * 1024 / 5
-    assert fourth.nvlinks[0] is third.nvlinks[0]  # link 0's counters did not change
+    assert fourth.nvlinks[0] == third.nvlinks[0]  # link 0 carried nothing more
     # A slow poll (30 s after the first) reads a new ECC count; the rest as before.
     fifth, asked = poll(30.0, {**traffic, ReadingKey(Q.SM_CLOCK): 2.0, ReadingKey(Q.ECC_CORRECTED_VOLATILE): 3.0})
     assert ReadingKey(Q.ECC_CORRECTED_VOLATILE) in asked

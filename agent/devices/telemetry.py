@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from agent.devices.backend import VIOLATION_QUANTITIES, Quantity, ReadingKey
 from agent.model import VIOLATION_CAUSES, NvLinkCounters, Telemetry
@@ -132,7 +132,7 @@ class TelemetryReader:
     _last_scalars: tuple[float | None, ...] = ()
     _last_counts: tuple[float | None, ...] = ()
     _scalar_fields: dict[str, Any] = field(default_factory=dict)  # Telemetry's fields of _last_scalars
-    _link_counters: tuple[NvLinkCounters, ...] = ()  # of _last_counts
+    _link_counters: tuple[NvLinkCounters, ...] = ()  # made from _last_counts
 
     def __post_init__(self) -> None:
         groups = [GROUPS[name] for name in sorted(self.options.groups)]
@@ -211,7 +211,7 @@ class TelemetryReader:
         """The Telemetry of the readings of _SCALAR_KEYS (in order) and of every link's
         _LINK_QUANTITIES (link by link). Equal readings make an equal Telemetry, so the last one
         is handed on where they are all as they were (an idle GPU between slow polls), and only
-        the parts whose readings changed are built again: a busy GPU's link traffic moves every
+        the part whose readings changed is built again: a busy GPU's link traffic moves every
         poll, its clocks and error counts seldom. Built whole every poll, the Telemetry of a
         12-link GPU was a sixth of the CPU time of the GPU's poll."""
         last = self._last
@@ -223,7 +223,7 @@ class TelemetryReader:
             self._scalar_fields = _scalar_fields(scalars)
             self._last_scalars = scalars
         if not same_counts:
-            self._link_counters = _link_counters(counts, self._last_counts, self._link_counters)
+            self._link_counters = _link_counters(counts)
             self._last_counts = counts
         self._last = Telemetry(**self._scalar_fields, nvlinks=self._link_counters, nvlink_bytes_per_s=nvlink_rate)
         return self._last
@@ -318,26 +318,22 @@ def _scalar_fields(scalars: tuple[float | None, ...]) -> dict[str, Any]:
     return fields
 
 
-def _link_counters(
-    counts: tuple[float | None, ...], earlier: tuple[float | None, ...], made: tuple[NvLinkCounters, ...]
-) -> tuple[NvLinkCounters, ...]:
+def _link_counters(counts: tuple[float | None, ...]) -> tuple[NvLinkCounters, ...]:
     """Each link's counters from every link's _LINK_QUANTITIES readings (link by link); a link is
-    left out only when none of its counters was read. `made` were made from the readings
-    `earlier`: a link whose readings are as they were keeps its counters."""
+    left out only when none of its counters was read."""
     width = _LINK_WIDTH
-    kept = {c.link: c for c in made}
-    ints: list[int | None] = [None if c is None else int(c) for c in counts]
-    found = []
-    for link in range(len(counts) // width):
-        first, end = link * width, (link + 1) * width
-        these = counts[first:end]
-        if these == _NO_COUNTS:
-            continue
-        counters = kept.get(link)
-        if counters is None or earlier[first:end] != these:
-            counters = NvLinkCounters(link, *ints[first:end])
-        found.append(counters)
-    return tuple(found)
+    if None not in counts:  # every link read in full, the usual case
+        ints = list(map(int, cast("tuple[float, ...]", counts)))
+        return tuple(
+            [NvLinkCounters(link, *ints[link * width : (link + 1) * width]) for link in range(len(ints) // width)]
+        )
+    return tuple(
+        [
+            NvLinkCounters(link, *[None if c is None else int(c) for c in counts[link * width : (link + 1) * width]])
+            for link in range(len(counts) // width)
+            if counts[link * width : (link + 1) * width] != _NO_COUNTS
+        ]
+    )
 
 
 _NO_COUNTS: tuple[None, ...] = (None,) * _LINK_WIDTH
