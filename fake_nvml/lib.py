@@ -1057,8 +1057,8 @@ _NVLINK_RAW_RX = _per_link(_nvlink_kib_rx, 1.1)
 # batch asks for every link of, for all the links in one go), then those of _FIELD_CALLS.
 _MANY_READERS: dict[int, _ManyReader] = {
     **{fid: _each(read) for fid, (_call, read) in _HEALTH_FIELDS.items()},
-    # Traffic is symmetric here: transmit and receive share a reader, and so a batch asking for
-    # both, link by link, is answered as one group (see _field_plan).
+    # Transmit and receive have a reader each (a recording's may differ), so a batch asking for
+    # both, link by link, answers them as two groups (see _field_plan), each one slice.
     138: _NVLINK_DATA_TX,
     139: _NVLINK_DATA_RX,
     140: _NVLINK_RAW_TX,
