@@ -277,6 +277,8 @@ class FakeNvmlLibrary:
         return bound
 
     def _make_symbol(self, name: str, spec: _Spec) -> Callable[..., Any]:
+        if spec.takes_device:
+            return self._device_symbol(name, spec.impl)
         node = self._node
         fam = family(name)
         impl = spec.impl
@@ -286,8 +288,6 @@ class FakeNvmlLibrary:
         needs_init = name not in ("nvmlInit_v2", "nvmlInitWithFlags", "nvmlInit")
         # Node-wide faults that can touch this call, found once: the scenario's faults are fixed.
         node_errors, node_latencies = node.faults_for(name, fam, None)
-        if spec.takes_device:
-            return self._device_symbol(name, impl)
 
         def symbol(*args: Any) -> Any:
             calls[name] += 1
@@ -315,9 +315,9 @@ class FakeNvmlLibrary:
         return symbol
 
     def _device_symbol(self, name: str, impl: Callable[..., Any]) -> Callable[..., Any]:
-        """The symbol of a C function whose first argument is a device handle: `symbol` above,
-        for a device, with what can be known of it before the first call worked out then (a
-        poll makes about ten of these calls per GPU)."""
+        """The symbol of a C function whose first argument is a device handle: the node-level
+        symbol's steps, then the device's own faults, found per GPU when the symbol is made
+        rather than at each call (a poll makes about ten of these calls per GPU)."""
         node = self._node
         fam = family(name)
         calls = node.calls
