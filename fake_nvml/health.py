@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from fake_nvml.scenario.facts import (
     BOARD_FACTS,
@@ -47,7 +47,9 @@ from fake_nvml.scenario.facts import (
 from fake_nvml.scenario.model import Fault, HealthRow
 
 if TYPE_CHECKING:
-    from fake_nvml.node import FakeNode
+    from fake_nvml.node import FakeNode, GpuState
+
+T = TypeVar("T")
 
 # The temperature thresholds the fake driver reports (nvmlDeviceGetTemperatureThreshold): the
 # GPU's maximum operating temperature, and the hardware slowdown threshold above it.
@@ -122,6 +124,10 @@ class NodeHealth:
         self._nvlink: list[_Integral] = []
         self._nvlink_error_faults = [tuple(f for f in faults if f.nvlink_errors is not None) for faults in self._faults]
         self._kib_memo: dict[int, tuple[float, tuple[int, ...]]] = {}
+        # Throttling (reason bits, clock factor, policies holding the clocks down) of each GPU, a
+        # function of its state: what it depends on changes only at the GPU's edges (the
+        # throttle faults' edges among them).
+        self._throttles_of = [self._per_state(gpu.index, self._throttles_at) for gpu in scenario.gpus]
         for gpu in scenario.gpus:
             # A fault's edges change throttling, link state and link width too.
             edges = {e for f in self._faults[gpu.index] for e in (f.at_s, f.until_s) if e is not None}
@@ -175,19 +181,37 @@ class NodeHealth:
 
     # -- clocks and throttling ----------------------------------------------------------------
 
+    def _per_state(self, gpu: int, of_state: Callable[[int, float, GpuState], T]) -> Callable[[float], T]:
+        """`of_state` of the GPU at t, a function of its state (FakeNode.state), worked out once per
+        state: a state is replaced, never changed, when time leaves its stretch."""
+        state_at = self._node.state
+        memo: tuple[GpuState, T] | None = None
+
+        def at(t: float) -> T:
+            nonlocal memo
+            state = state_at(gpu, t)
+            if memo is None or memo[0] is not state:
+                memo = (state, of_state(gpu, t, state))  # one assignment: no lock for other threads
+            return memo[1]
+
+        return at
+
     def _throttles(self, gpu: int, t: float) -> tuple[int, float, frozenset[int]]:
         """(reason bits, clock factor, policies holding the clocks down) at t."""
-        node, spec = self._node, self._node.scenario.gpus[gpu]
-        util = node.utilization(gpu, t)
+        return self._throttles_of[gpu](t)
+
+    def _throttles_at(self, gpu: int, t: float, state: GpuState) -> tuple[int, float, frozenset[int]]:
+        spec = self._node.scenario.gpus[gpu]
+        util = state.utilization
         reasons, factor, policies = 0, 1.0, set()
         if util <= 0:
             reasons |= REASON_GPU_IDLE
             policies.add(POLICY_LOW_UTILIZATION)
-        elif node.power_w(gpu, t) >= POWER_CAP_FRACTION * spec.power_limit_w:
+        elif state.power_w >= POWER_CAP_FRACTION * spec.power_limit_w:
             reasons |= REASON_SW_POWER_CAP
             factor = POWER_CAP_CLOCK_FACTOR
             policies.add(POLICY_POWER)
-        temperature = node.temperature_c(gpu, t)
+        temperature = state.temperature_c
         if temperature >= SLOWDOWN_C:
             reasons |= REASON_HW_THERMAL_SLOWDOWN | REASON_HW_SLOWDOWN
             factor = min(factor, HW_SLOWDOWN_CLOCK_FACTOR)
@@ -232,11 +256,11 @@ class NodeHealth:
         return board.memory_clock_max_mhz if busy else board.memory_clock_idle_mhz
 
     def _violation_rates(self, gpu: int) -> Callable[[float], tuple[float, ...]]:
-        def rates(t: float) -> tuple[float, ...]:
+        def rates(gpu: int, t: float, state: GpuState) -> tuple[float, ...]:
             policies = self._throttles(gpu, t)[2]
             return tuple(1.0 if policy in policies else 0.0 for policy in POLICIES)
 
-        return rates
+        return self._per_state(gpu, rates)
 
     def violation_ns(self, gpu: int, policy: int, t: float) -> int | None:
         """Nanoseconds the policy has held the clocks down since t=0; None for a policy the
@@ -387,12 +411,12 @@ class NodeHealth:
     def _nvlink_rates(self, gpu: int) -> Callable[[float], tuple[float, ...]]:
         links = self._node.scenario.gpus[gpu].nvlink_links
 
-        def rates(t: float) -> tuple[float, ...]:
-            busy = self._node.utilization(gpu, t) / 100
-            down = self._node.nvlinks_down(gpu, t)
+        def rates(gpu: int, t: float, state: GpuState) -> tuple[float, ...]:
+            busy = state.utilization / 100
+            down = state.nvlinks_down
             return tuple(0.0 if link in down else busy * NVLINK_BYTES_PER_S for link in range(links))
 
-        return rates
+        return self._per_state(gpu, rates)
 
     def nvlink_kib(self, gpu: int, link: int, t: float, receive: bool = False) -> int:
         """KiB carried by one link in one direction since t=0 (traffic is symmetric here, not

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fake_nvml.node import FakeNode
-from fake_nvml.scenario import ERROR_CODES, MODEL_FACTS, Fault
+from fake_nvml.scenario import ERROR_CODES, MODEL_FACTS
 
 SUCCESS = 0
 INVALID_ARGUMENT = ERROR_CODES["INVALID_ARGUMENT"]
@@ -277,20 +277,17 @@ class FakeNvmlLibrary:
         return bound
 
     def _make_symbol(self, name: str, spec: _Spec) -> Callable[..., Any]:
+        if spec.takes_device:
+            return self._device_symbol(name, spec.impl)
         node = self._node
         fam = family(name)
         impl = spec.impl
         calls = node.calls
         now = node.clock.now
         sync_host = node.sync_host
-        faults_for = node.faults_for
-        takes_device = spec.takes_device
         needs_init = name not in ("nvmlInit_v2", "nvmlInitWithFlags", "nvmlInit")
         # Node-wide faults that can touch this call, found once: the scenario's faults are fixed.
-        node_errors, node_latencies = faults_for(name, fam, None)
-
-        # Faults that can touch this call on each GPU, found at the GPU's first call.
-        gpu_faults: dict[int, tuple[tuple[Fault, ...], tuple[Fault, ...]]] = {}
+        node_errors, node_latencies = node.faults_for(name, fam, None)
 
         def symbol(*args: Any) -> Any:
             calls[name] += 1
@@ -308,20 +305,48 @@ class FakeNvmlLibrary:
                 return impl(self, t, *args)
             if needs_init and not self._initialised:
                 return UNINITIALIZED
-            if not takes_device:
-                if node_errors:
-                    error = node.fault_error(name, fam, None, t)
-                    if error is not None:
-                        return ERROR_CODES[error]
-                return impl(self, t, *args)
-            dev = self._decode(args[0])
+            if node_errors:
+                error = node.fault_error(name, fam, None, t)
+                if error is not None:
+                    return ERROR_CODES[error]
+            return impl(self, t, *args)
+
+        symbol.__name__ = name
+        return symbol
+
+    def _device_symbol(self, name: str, impl: Callable[..., Any]) -> Callable[..., Any]:
+        """The symbol of a C function whose first argument is a device handle: the node-level
+        symbol's steps, then the device's own faults, found per GPU when the symbol is made
+        rather than at each call (a poll makes about ten of these calls per GPU)."""
+        node = self._node
+        fam = family(name)
+        calls = node.calls
+        now = node.clock.now
+        sync_host = node.sync_host
+        decoded, decode = self._decoded, self._decode
+        node_latencies = node.faults_for(name, fam, None)[1]
+        # (error faults, latency faults) that can touch this call, per GPU.
+        gpu_faults = [node.faults_for(name, fam, gpu) for gpu in range(len(node.scenario.gpus))]
+
+        def symbol(*args: Any) -> Any:
+            calls[name] += 1
+            t = now()
+            if t != self._synced_at:
+                sync_host(t)
+                self._synced_at = t
+            if node_latencies:
+                latency = node.call_latency_s(name, fam, None, t)
+                if latency:
+                    time.sleep(latency)
+            if not self._initialised:
+                return UNINITIALIZED
+            handle = args[0]
+            known = decoded.get(id(handle))  # `_decode`'s first step, inline
+            dev = known[1] if known is not None and known[0] is handle else decode(handle)
             if dev is None:
                 return INVALID_ARGUMENT
             gpu = dev.gpu
-            faults = gpu_faults.get(gpu)
-            if faults is None:
-                faults = gpu_faults[gpu] = faults_for(name, fam, gpu)
-            errors, latencies = faults
+            errors, latencies = gpu_faults[gpu]
             if latencies:
                 latency = node.call_latency_s(name, fam, gpu, t)
                 if latency:
@@ -1032,8 +1057,8 @@ _NVLINK_RAW_RX = _per_link(_nvlink_kib_rx, 1.1)
 # batch asks for every link of, for all the links in one go), then those of _FIELD_CALLS.
 _MANY_READERS: dict[int, _ManyReader] = {
     **{fid: _each(read) for fid, (_call, read) in _HEALTH_FIELDS.items()},
-    # Traffic is symmetric here: transmit and receive share a reader, and so a batch asking for
-    # both, link by link, is answered as one group (see _field_plan).
+    # Transmit and receive have a reader each (a recording's may differ), so a batch asking for
+    # both, link by link, answers them as two groups (see _field_plan), each one slice.
     138: _NVLINK_DATA_TX,
     139: _NVLINK_DATA_RX,
     140: _NVLINK_RAW_TX,

@@ -80,6 +80,34 @@ class ProcessOnGpu:
     mig: int | None
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class GpuState:
+    """What a whole GPU shows at scenario time t, and the stretch of time around t in which none
+    of it can change (`after` < t < `before`): every reading here is a pure function of (GPU, t)
+    that changes only at the GPU's edges (a process starting or ending, a load segment, a fault
+    starting or ending, a recorded row), so it is worked out once per stretch rather than for
+    every call that asks (a poll asks for utilization a dozen times per GPU). The stretch stops
+    _ROUNDING_S short of each edge: an edge is found by a float sum (a process's start plus a
+    segment's offset), and the reading by a difference that may round the other way, so a time
+    that close to an edge is worked out on its own. A state is replaced, never changed, when
+    time leaves its stretch: what is worked out from one (NodeHealth's throttling) is kept
+    beside it and known to be stale by the state's identity."""
+
+    after: float
+    before: float
+    row: ReadingRow | None  # the recorded row in force (None: physics decides)
+    running: tuple[Process, ...]  # on any part of the GPU
+    utilization: float  # percent
+    power_w: float
+    temperature_c: float
+    memory_used_bytes: int
+    memory_used_mib: int  # the running processes' own figures, whatever a recorded row says
+    nvlinks_down: frozenset[int]
+
+
+_NO_STATE = GpuState(0.0, 0.0, None, (), 0.0, 0.0, 0.0, 0, 0, _NONE_DOWN)  # holds for no time at all
+
+
 class FakeNode:
     """A scenario running on a clock: what NVML (and later procfs) would show at any moment."""
 
@@ -91,6 +119,9 @@ class FakeNode:
         for process in scenario.processes:
             for ref in process.gpus:
                 self._by_gpu[ref.gpu].append(ProcessOnGpu(process, ref.mig))
+        self._faults_by_gpu: dict[int | None, list[Fault]] = {}
+        for fault in scenario.faults:
+            self._faults_by_gpu.setdefault(fault.gpu, []).append(fault)
         # Times at which a GPU's utilization may change: integrating power between them is exact.
         self._breakpoints: list[list[float]] = []
         for entries in self._by_gpu:
@@ -105,14 +136,17 @@ class FakeNode:
         self._rows = [([row.at_s for row in gpu.readings], gpu.readings) for gpu in scenario.gpus]
         self._energy_cache: list[tuple[float, float]] = [(0.0, 0.0) for _ in scenario.gpus]
         self._energy_lock = threading.Lock()
-        self._faults_by_gpu: dict[int | None, list[Fault]] = {}
-        for fault in scenario.faults:
-            self._faults_by_gpu.setdefault(fault.gpu, []).append(fault)
-        # Every reading is a pure function of (GPU, t) over a frozen scenario, and one poll asks
-        # for the same GPU's utilization several times at the same t (power, temperature,
-        # utilization, energy): each memo keeps the last t's answer per key.
+        # Every reading is a pure function of (GPU, t) over a frozen scenario: a MIG instance's
+        # processes are kept for the last t asked, a whole GPU's readings for a stretch of time
+        # (GpuState), between the edges where any of them can change.
         self._running_memo: dict[tuple[int, int | None], tuple[float, tuple[Process, ...]]] = {}
-        self._utilization_memo: dict[int, tuple[float, float]] = {}
+        self._states = [_NO_STATE for _ in scenario.gpus]
+        self._edges: list[list[float]] = []
+        for gpu in scenario.gpus:
+            edges = set(self._breakpoints[gpu.index]) | {row.at_s for row in gpu.readings}
+            for fault in (*self._faults_by_gpu.get(gpu.index, ()), *self._faults_by_gpu.get(None, ())):
+                edges.update(edge for edge in (fault.at_s, fault.until_s) if edge is not None)
+            self._edges.append(sorted(edges))
         self._segment_times: dict[int, list[float]] = {}  # id(process) -> its segments' start times
         # The faults that can touch a call, per (call, family, gpu): the scenario's faults never
         # change, so each call looks through only its own.
@@ -132,6 +166,11 @@ class FakeNode:
 
     def processes_on(self, gpu: int, mig: int | None, t: float) -> tuple[Process, ...]:
         """Processes running on a GPU (mig None: on any part of it) or one MIG instance."""
+        if mig is None:
+            return self.state(gpu, t).running
+        return self._running_on(gpu, mig, t)
+
+    def _running_on(self, gpu: int, mig: int | None, t: float) -> tuple[Process, ...]:
         memo = self._running_memo.get((gpu, mig))
         if memo is not None and memo[0] == t:
             return memo[1]
@@ -160,41 +199,75 @@ class FakeNode:
         i = bisect.bisect_right(times, t)
         return rows[i - 1] if i else None
 
+    def state(self, gpu: int, t: float) -> GpuState:
+        """The GPU's readings at t: the state of the stretch t lies in, worked out at the first
+        time asked in it (alone, for a time within rounding of an edge)."""
+        state = self._states[gpu]
+        if state.after < t < state.before:
+            return state
+        edges = self._edges[gpu]
+        i = bisect.bisect_right(edges, t)
+        after = edges[i - 1] + _ROUNDING_S if i else -math.inf
+        before = edges[i] - _ROUNDING_S if i < len(edges) else math.inf
+        state = self._state_at(gpu, t, after, before)
+        if after < t < before:
+            self._states[gpu] = state  # one object replaces another: readers on other threads need no lock
+        return state
+
+    def _state_at(self, gpu: int, t: float, after: float, before: float) -> GpuState:
+        row = self.reading_row(gpu, t)
+        running = self._running_on(gpu, None, t)
+        spec = self.scenario.gpus[gpu]
+        if row is not None and row.utilization is not None:
+            utilization = row.utilization
+        else:
+            # Percent of the GPU kept busy: the running processes' sm_util summed, capped at 100.
+            utilization = min(100.0, sum(self.process_util(p, t) for p in running))
+        if row is not None and row.power_w is not None:
+            power_w = row.power_w
+        else:
+            power_w = spec.idle_power_w + (spec.power_limit_w - spec.idle_power_w) * utilization / 100
+        if row is not None and row.temperature_c is not None:
+            temperature_c = row.temperature_c
+        else:
+            temperature_c = spec.idle_temp_c + (spec.max_temp_c - spec.idle_temp_c) * utilization / 100
+        if row is not None and row.memory_used_bytes is not None:
+            memory_used_bytes = row.memory_used_bytes
+        else:
+            memory_used_bytes = sum(p.memory_bytes_at(t - p.start_s) for p in running)
+        if row is not None and row.nvlink_down is not None:
+            nvlinks_down = frozenset(row.nvlink_down)
+        else:
+            faults = self._nvlink_faults.get(gpu)
+            nvlinks_down = _NONE_DOWN
+            if faults:
+                nvlinks_down = frozenset(link for f in faults if f.active(t) for link in f.nvlink_down)
+        memory_used_mib = sum(p.memory_mib for p in running)
+        return GpuState(
+            after, before, row, running, utilization, power_w, temperature_c, memory_used_bytes, memory_used_mib,
+            nvlinks_down,
+        )  # fmt: skip
+
     def utilization(self, gpu: int, t: float) -> float:
         """Percent of the GPU kept busy: the running processes' sm_util summed, capped at 100."""
-        row = self.reading_row(gpu, t)
-        if row is not None and row.utilization is not None:
-            return row.utilization
-        memo = self._utilization_memo.get(gpu)
-        if memo is not None and memo[0] == t:
-            return memo[1]
-        total = min(100.0, sum(self.process_util(p, t) for p in self.processes_on(gpu, None, t)))
-        self._utilization_memo[gpu] = (t, total)
-        return total
+        return self.state(gpu, t).utilization
 
     def memory_used_mib(self, gpu: int, mig: int | None, t: float) -> int:
-        return sum(p.memory_mib for p in self.processes_on(gpu, mig, t))
+        if mig is None:
+            return self.state(gpu, t).memory_used_mib
+        return sum(p.memory_mib for p in self._running_on(gpu, mig, t))
 
     def memory_used_bytes(self, gpu: int, mig: int | None, t: float) -> int:
         """Memory in use: a recorded row's figure, else what the running processes hold now."""
-        row = self.reading_row(gpu, t) if mig is None else None
-        if row is not None and row.memory_used_bytes is not None:
-            return row.memory_used_bytes
-        return sum(p.memory_bytes_at(t - p.start_s) for p in self.processes_on(gpu, mig, t))
+        if mig is None:
+            return self.state(gpu, t).memory_used_bytes
+        return sum(p.memory_bytes_at(t - p.start_s) for p in self._running_on(gpu, mig, t))
 
     def power_w(self, gpu: int, t: float) -> float:
-        row = self.reading_row(gpu, t)
-        if row is not None and row.power_w is not None:
-            return row.power_w
-        spec = self.scenario.gpus[gpu]
-        return spec.idle_power_w + (spec.power_limit_w - spec.idle_power_w) * self.utilization(gpu, t) / 100
+        return self.state(gpu, t).power_w
 
     def temperature_c(self, gpu: int, t: float) -> float:
-        row = self.reading_row(gpu, t)
-        if row is not None and row.temperature_c is not None:
-            return row.temperature_c
-        spec = self.scenario.gpus[gpu]
-        return spec.idle_temp_c + (spec.max_temp_c - spec.idle_temp_c) * self.utilization(gpu, t) / 100
+        return self.state(gpu, t).temperature_c
 
     def energy_j(self, gpu: int, t: float) -> float:
         """Energy since t=0: the exact integral of power, which is constant between breakpoints."""
@@ -226,13 +299,7 @@ class FakeNode:
 
     def nvlinks_down(self, gpu: int, t: float) -> frozenset[int]:
         """The GPU's links that a fault (or a recorded row) holds down at t."""
-        row = self.reading_row(gpu, t)
-        if row is not None and row.nvlink_down is not None:
-            return frozenset(row.nvlink_down)
-        faults = self._nvlink_faults.get(gpu)
-        if not faults:
-            return _NONE_DOWN
-        return frozenset(link for f in faults if f.active(t) for link in f.nvlink_down)
+        return self.state(gpu, t).nvlinks_down
 
     def device_samples(self, gpu: int, last_seen_us: int, t: float) -> list[tuple[int, int]]:
         """(timestamp_us, percent) GPU utilization samples newer than `last_seen_us`.

@@ -412,7 +412,7 @@ class _Plan:
     its request), which by single calls. Rebuilt when the backend learns something that
     changes the split (a field the device refuses, or no field values at all)."""
 
-    __slots__ = ("batched", "field_values", "learned", "request", "single")
+    __slots__ = ("batched", "field_values", "learned", "request", "scales", "single")
 
     def __init__(self, backend: NvmlBackend, handle: _Device, keys: Sequence[ReadingKey]) -> None:
         self.field_values = backend._field_values and not handle.no_fields
@@ -429,6 +429,7 @@ class _Plan:
             else:
                 self.single.append(key)
         self.request = _FieldRequest(fields)
+        self.scales = [_SCALES[key.quantity] for key in self.batched]  # see _SCALES
 
     def current(self, backend: NvmlBackend, handle: _Device) -> bool:
         fields = backend._field_values and not handle.no_fields
@@ -830,17 +831,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 return left
             if request is plan.request and (numbers := request.unsigned()) is not None:
                 # Every field answered: the same floats as the loop below, a column at a time.
-                scale = _SCALES
-                values.update(
-                    zip(
-                        keys,
-                        [
-                            n / by if (by := scale[key.quantity]) else float(n != 0)
-                            for key, n in zip(keys, numbers, strict=True)
-                        ],
-                        strict=True,
-                    )
-                )
+                scaled = [n / by if by else float(n != 0) for n, by in zip(numbers, plan.scales, strict=True)]
+                values.update(zip(keys, scaled, strict=True))
                 return left
             retry: list[ReadingKey] = []
             refused: set[Quantity] = set()

@@ -72,6 +72,10 @@ _ENERGY = ReadingKey(Quantity.ENERGY)
 _MEMORY = (_MEMORY_USED, _MEMORY_TOTAL)
 
 
+# Lists of reading keys whose wanted part Unsupported keeps (a GPU's poll asks two or three).
+_WANTED_KEPT = 16
+
+
 # Learned per device: reading keys and call names ("processes", "process utilization").
 class Unsupported(set[object]):
     """What one device has shown it does not have (NOT_SUPPORTED), learned and never asked for
@@ -82,6 +86,23 @@ class Unsupported(set[object]):
     def __init__(self) -> None:
         super().__init__()
         self.worked: set[object] = set()
+        # Each list of reading keys asked for, less what the device does not have, and what it
+        # had shown then: a poll asks one of the same few lists of dozens of keys every time,
+        # and what it lacks is learned early and seldom changes after.
+        self._wanted: dict[tuple[ReadingKey, ...], tuple[set[object], tuple[ReadingKey, ...]]] = {}
+
+    def wanted(self, keys: tuple[ReadingKey, ...]) -> tuple[ReadingKey, ...]:
+        """`keys` less those the device has shown it does not have, in their order."""
+        if not self:
+            return keys
+        kept = self._wanted.get(keys)
+        if kept is not None and kept[0] == self:  # nothing learned (or forgotten) since
+            return kept[1]
+        if len(self._wanted) >= _WANTED_KEPT:
+            self._wanted.clear()  # the lists vary only with the slow readings being retried
+        wanted = tuple(k for k in keys if k not in self)
+        self._wanted[keys] = (set(self), wanted)
+        return wanted
 
 
 @dataclass
@@ -620,7 +641,7 @@ class Sampler:
         self, where: str, unsupported: Unsupported, handle: Handle, keys: Sequence[ReadingKey]
     ) -> Mapping[ReadingKey, float]:
         """The readings of `keys` the device has and gave this poll; learns and counts the rest."""
-        wanted = tuple(k for k in keys if k not in unsupported) if unsupported else keys
+        wanted = unsupported.wanted(tuple(keys))
         if not wanted:
             return {}
         try:
