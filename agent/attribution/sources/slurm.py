@@ -1,6 +1,11 @@
 """Slurm's GPU mapping directory, as a prolog writes it and an epilog removes it: one file per
 GPU index (or MIG `gpu.gi`) holding `JOBID [USER [ACCOUNT]]`, its modification time the job's
-start there. A missing directory is a node without Slurm."""
+start there. A missing directory is a node without Slurm.
+
+The directory is looked at every poll (a prolog or epilog may have run since the last), but a
+file is read again only when its stat changed (`SlurmMap`): an unchanged map costs one stat
+of the directory and one of each file.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import locale
 import logging
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,73 +28,140 @@ _MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
 # Slurm account names: letters, digits and a few separators (sacctmgr refuses the rest).
 _ACCOUNT = re.compile(r"[A-Za-z0-9_.@+-]{1,128}")
 _JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a job id, or an array task's (`1234_7`)
+# How old a stat must be before it is trusted to change with the next write. File systems
+# stamp times at their own granularity (a kernel tick; whole seconds on some), so a second
+# write within the tick of the first, after we read, would leave the stat as it was. Git's
+# index has the same rule ("racy git").
+SETTLE_NS = 2_000_000_000
+
+# What says a file (or the directory) is as it was read: inode, size, modification and change
+# time. The change time is the kernel's, set by every write, rename or utime and by nothing
+# else, so a prolog that rewrites a file in place at the same length and dates it back with
+# utime still changes it.
+_StatKey = tuple[int, int, int, int]
+_MapFile = tuple[str, str, re.Match[str]]  # name, path, the name's match of _MAP_NAME
+
+
+def _stat_key(st: os.stat_result) -> _StatKey:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
     """One file per GPU index (`3`) or MIG instance (`0.2`), as a prolog writes them and an
     epilog removes them; the first line holds the job id and, optionally, the user and the
-    job's account ($SLURM_JOB_ACCOUNT in the prolog)."""
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return []
-    found: list[SlurmAllocation] = []
-    encoding = locale.getpreferredencoding(False)  # asked once per read, not once per file
-    for name in names:
-        match = _MAP_NAME.match(name)
-        if not match:
-            continue
-        path = os.path.join(directory, name)
+    job's account ($SLURM_JOB_ACCOUNT in the prolog). Reads every file (`SlurmMap` reads only
+    what changed)."""
+    return SlurmMap(directory, now_ns=lambda: 0).read()  # nothing settles at time 0: nothing is kept
+
+
+class SlurmMap:
+    """The map directory, read as `read_slurm_map` reads it, keeping what each file said with
+    the stat it was read under: a file whose stat is unchanged is not read again, and the
+    directory is listed again only when its own stat changed.
+
+    Only stats `SETTLE_NS` older than the read (`now_ns`, the wall clock the kernel stamps file
+    times from) are kept: a file written just before it is read again at the next call, until
+    its stat has settled."""
+
+    def __init__(self, directory: str | Path, now_ns: Callable[[], int] = time.time_ns) -> None:
+        self.directory = str(directory)
+        self._now_ns = now_ns
+        self._listing: tuple[_StatKey, list[_MapFile]] | None = None
+        # Map file name -> the stat it was read under and what it said (None: no job id in it).
+        self._files: dict[str, tuple[_StatKey, SlurmAllocation | None]] = {}
+        self.file_reads = 0  # map files opened and parsed (tests and benchmarks count them)
+
+    def read(self) -> list[SlurmAllocation]:
+        # Taken before any stat: a stat settled by this time was settled when it was taken.
+        settled_before = self._now_ns() - SETTLE_NS
+        kept: dict[str, tuple[_StatKey, SlurmAllocation | None]] = {}
+        found: list[SlurmAllocation] = []
+        encoding = locale.getpreferredencoding(False)  # asked once per read, not once per file
+        for name, path, match in self._map_files(settled_before):
+            known = self._files.get(name)
+            try:
+                if known is not None and _stat_key(os.stat(path)) == known[0]:
+                    kept[name] = known
+                    allocation = known[1]
+                else:
+                    text, st = _read_text(path, encoding)
+                    self.file_reads += 1
+                    allocation = _parse(path, match, text, st.st_mtime)
+                    if st.st_ctime_ns <= settled_before:
+                        kept[name] = (_stat_key(st), allocation)
+            except OSError:
+                continue  # removed by the epilog while we listed: the job is gone
+            if allocation is not None:
+                found.append(allocation)
+        self._files = kept  # files gone from the directory are forgotten
+        return found
+
+    def _map_files(self, settled_before: int) -> list[_MapFile]:
+        """The directory's map files, by name; listed again only when its stat changed."""
         try:
-            text, written_at = _read_text(path, encoding)
+            key = _stat_key(os.stat(self.directory))
+            listing = self._listing
+            if listing is not None and listing[0] == key:
+                return listing[1]
+            # Stat first, then list: an entry added in between changes the next stat.
+            names = sorted(os.listdir(self.directory))
         except OSError:
-            continue  # removed by the epilog while we listed: the job is gone
-        first = text.strip().splitlines()
-        fields = first[0].split() if first else []
-        if not fields or not _JOB_ID.fullmatch(fields[0]):
-            log.debug("ignoring %s: no job id on its first line", path)
-            continue
-        found.append(
-            SlurmAllocation(
-                gpu_index=int(match.group(1)),
-                gpu_instance_id=int(match.group(2)) if match.group(2) else None,
-                job=fields[0],
-                user=fields[1] if len(fields) > 1 else None,
-                started_at=written_at,
-                account=fields[2] if len(fields) > 2 and _ACCOUNT.fullmatch(fields[2]) else None,
-            )
-        )
-    return found
+            self._listing = None
+            return []
+        files = [
+            (name, os.path.join(self.directory, name), match) for name in names if (match := _MAP_NAME.match(name))
+        ]
+        self._listing = (key, files) if key[3] <= settled_before else None
+        return files
 
 
 class SlurmMapSource(AttributionSource):
-    """The Slurm jobs each GPU is allocated to, from the map directory, read every poll (a
+    """The Slurm jobs each GPU is allocated to, from the map directory, looked at every poll (a
     prolog or epilog may have run since the last)."""
 
     def __init__(self, directory: str | Path | None) -> None:
         self.directory = directory
+        self.map = SlurmMap(directory) if directory else None
 
     @classmethod
     def from_options(cls, options: SourceOptions) -> SlurmMapSource:
         return cls(options.slurm_map_dir)
 
     def gather(self, snapshot: Snapshot, found: HostFacts) -> HostFacts:
-        if not self.directory:
+        if self.map is None:
             return found
-        return replace(found, slurm_allocations=(*found.slurm_allocations, *read_slurm_map(self.directory)))
+        return replace(found, slurm_allocations=(*found.slurm_allocations, *self.map.read()))
 
 
-def _read_text(path: str, encoding: str) -> tuple[str, float]:
-    """The file's text, as Path.read_text(errors="replace") gives it, and its modification time,
-    through os.open, os.read and os.fstat: the map is read every poll, and a buffered text file
-    costs more than the read. The time is when the prolog wrote the file: the job's start on
-    this GPU, which accounting charges it from."""
+def _parse(path: str, match: re.Match[str], text: str, written_at: float) -> SlurmAllocation | None:
+    """The allocation a map file names, or None where its first line holds no job id."""
+    first = text.strip().splitlines()
+    fields = first[0].split() if first else []
+    if not fields or not _JOB_ID.fullmatch(fields[0]):
+        log.debug("ignoring %s: no job id on its first line", path)
+        return None
+    return SlurmAllocation(
+        gpu_index=int(match.group(1)),
+        gpu_instance_id=int(match.group(2)) if match.group(2) else None,
+        job=fields[0],
+        user=fields[1] if len(fields) > 1 else None,
+        started_at=written_at,
+        account=fields[2] if len(fields) > 2 and _ACCOUNT.fullmatch(fields[2]) else None,
+    )
+
+
+def _read_text(path: str, encoding: str) -> tuple[str, os.stat_result]:
+    """The file's text, as Path.read_text(errors="replace") gives it, and its stat (taken before
+    the read: a write after it changes the stat, and the file is read again), through os.open,
+    os.read and os.fstat: a buffered text file costs more than the read. The modification time
+    is when the prolog wrote the file: the job's start on this GPU, which accounting charges it
+    from."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        written_at = os.fstat(fd).st_mtime
+        st = os.fstat(fd)
         chunks = []
         while chunk := os.read(fd, 4096):
             chunks.append(chunk)
     finally:
         os.close(fd)
-    return b"".join(chunks).decode(encoding, errors="replace"), written_at
+    return b"".join(chunks).decode(encoding, errors="replace"), st

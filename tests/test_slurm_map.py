@@ -1,0 +1,120 @@
+"""The Slurm map directory, read every poll but re-read only where it changed (`SlurmMap`): every
+way a prolog or epilog can change it is seen at the next read, and a file written just before
+a read is read again until its stat has settled."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.attribution.facts import SlurmAllocation
+from agent.attribution.sources.slurm import SETTLE_NS, SlurmMap, read_slurm_map
+
+# A clock an hour ahead of the files: every stat has settled.
+LATER_NS = time.time_ns() + 3600 * 10**9
+
+
+def write(path: Path, text: str, dated: float = 1_795_000_000.0) -> None:
+    """As a prolog writes a map file: the text, dated when the job started there."""
+    path.write_text(text)
+    os.utime(path, (dated, dated))
+
+
+def jobs(found: list[SlurmAllocation]) -> dict[int, tuple[str, str | None]]:
+    return {a.gpu_index: (a.job, a.user) for a in found}
+
+
+def wait_for_a_new_change_time(path: Path) -> None:
+    """Sleep until a write to `path` would stamp a change time other than its present one (the
+    kernel stamps at tick granularity): the rewrites below must change only that."""
+    before = path.stat().st_ctime_ns
+    deadline = time.monotonic() + 5
+    while time.time_ns() <= before + 50_000_000 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def slurm_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "slurm"
+    directory.mkdir()
+    write(directory / "0", "4242 bob\n")
+    write(directory / "1", "4243 carol\n")
+    return directory
+
+
+def test_an_unchanged_map_is_not_read_again(slurm_dir: Path) -> None:
+    reader = SlurmMap(slurm_dir, now_ns=lambda: LATER_NS)
+    first = reader.read()
+    again = reader.read()
+    assert jobs(first) == jobs(again) == {0: ("4242", "bob"), 1: ("4243", "carol")}
+    assert again == first == read_slurm_map(slurm_dir)
+    assert reader.file_reads == 2  # each file once
+
+
+def test_a_file_rewritten_in_place_at_the_same_length_and_date_is_read_again(slurm_dir: Path) -> None:
+    reader = SlurmMap(slurm_dir, now_ns=lambda: LATER_NS)
+    reader.read()
+    wait_for_a_new_change_time(slurm_dir / "0")
+    before = (slurm_dir / "0").stat()
+    write(slurm_dir / "0", "4299 dan\n")  # as long as "4242 bob", dated as before
+    after = (slurm_dir / "0").stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert jobs(reader.read())[0] == ("4299", "dan")
+
+
+def test_a_new_map_file_and_a_removed_one_are_seen_at_the_next_read(slurm_dir: Path) -> None:
+    reader = SlurmMap(slurm_dir, now_ns=lambda: LATER_NS)
+    reader.read()
+    write(slurm_dir / "3", "5000 erin\n")  # a prolog
+    (slurm_dir / "1").unlink()  # an epilog
+    assert jobs(reader.read()) == {0: ("4242", "bob"), 3: ("5000", "erin")}
+
+
+def test_a_file_replaced_by_another_of_the_same_stat_but_its_inode_is_read_again(slurm_dir: Path) -> None:
+    # An epilog removes a GPU's file and the next job's prolog writes a new one.
+    reader = SlurmMap(slurm_dir, now_ns=lambda: LATER_NS)
+    reader.read()
+    wait_for_a_new_change_time(slurm_dir / "1")
+    replacement = slurm_dir.parent / "next"
+    write(replacement, "4244 carla\n")  # as long as "4243 carol", dated as before
+    replacement.replace(slurm_dir / "1")
+    assert jobs(reader.read())[1] == ("4244", "carla")
+
+
+def test_a_file_written_just_before_the_read_is_read_again_until_it_settles(slurm_dir: Path) -> None:
+    # Within SETTLE_NS of its change time a second write could leave every field of the stat as
+    # it was (the same tick): the file is read again at every read until then.
+    ctime = (slurm_dir / "0").stat().st_ctime_ns
+    now = ctime + SETTLE_NS // 2
+    reader = SlurmMap(slurm_dir, now_ns=lambda: now)
+    reader.read()
+    reader.read()
+    assert reader.file_reads == 4  # both files, both times
+    now = ctime + 2 * SETTLE_NS
+    reader.read()
+    reader.read()
+    assert reader.file_reads == 6  # read once more, then kept
+
+
+def test_the_directory_removed_and_made_again_is_read_afresh(slurm_dir: Path) -> None:
+    reader = SlurmMap(slurm_dir, now_ns=lambda: LATER_NS)
+    reader.read()
+    for name in ("0", "1"):
+        (slurm_dir / name).unlink()
+    slurm_dir.rmdir()
+    assert reader.read() == []  # no Slurm (any more) on this node
+    slurm_dir.mkdir()
+    write(slurm_dir / "0", "4242 bob\n")
+    assert jobs(reader.read()) == {0: ("4242", "bob")}
+
+
+def test_a_file_without_a_job_id_is_skipped_and_named_once_it_has_one(slurm_dir: Path) -> None:
+    reader = SlurmMap(slurm_dir, now_ns=lambda: LATER_NS)
+    write(slurm_dir / "2", "\n")  # a prolog that has not written yet
+    assert 2 not in jobs(reader.read())
+    assert 2 not in jobs(reader.read())
+    write(slurm_dir / "2", "4300 fay\n")
+    assert jobs(reader.read())[2] == ("4300", "fay")
