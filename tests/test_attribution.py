@@ -259,6 +259,26 @@ def test_rules_first_match_wins_per_field_and_fill_groups() -> None:
     assert rule_env_keys(rules) == {"TEAM"}
 
 
+@pytest.mark.parametrize("team_from_account", [True, False])
+@pytest.mark.parametrize("account", [None, "", "nlp"])
+@pytest.mark.parametrize(
+    "cmdline", [(), ("python", "x.py", "--model", "bert-base"), ("python", "x.py"), ("vllm", "serve", "m/llama")]
+)
+def test_without_rules_the_labels_are_those_the_rules_path_gives(
+    cmdline: tuple[str, ...], account: str | None, team_from_account: bool
+) -> None:
+    # With no rules configured apply_rules answers from a memo of (workload, cmdline, team), the
+    # same object each time; a rule that never matches takes the general path to the same labels.
+    never = compile_rules([({"cmdline": "(?!)"}, {"model": "never", "team": "never"})])
+    w = Workload(hpc_job="4242", user="bob")
+    fast = apply_rules(w, cmdline, None, (), account, team_from_account)
+    assert fast == apply_rules(w, cmdline, None, never, account, team_from_account)
+    assert fast is apply_rules(
+        Workload(hpc_job="4242", user="bob"), list(cmdline), None, (), account, team_from_account
+    )
+    assert fast.team == ((account or "") if team_from_account else "")
+
+
 def write_proc(root: Path, pid: int, comm: str, start_ticks: int, cgroup: str, environ: bytes = b"") -> None:
     """One process as procfs shows it: stat (field 22: start time), status, cmdline, cgroup, environ."""
     proc = root / str(pid)

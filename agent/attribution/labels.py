@@ -78,6 +78,8 @@ def apply_rules(
     `team_from_account`) the Slurm account as the team no rule named. `cmdline`, `facts` (for
     `env.` keys) and `account` are what a rule may match besides the workload's fields; an
     allocation without a process has only the account its map file names."""
+    if not rules:
+        return _recognised(w, tuple(cmdline), account if team_from_account and account else "")
     chosen: dict[str, str] = {}
     for rule in rules:
         if all(name in chosen for name, _ in rule.set):
@@ -103,12 +105,15 @@ def apply_rules(
 
 
 @lru_cache(maxsize=8192)
-def _recognised(w: Workload, cmdline: tuple[str, ...]) -> Workload:
-    """`apply_rules` without configured rules: the built-in recognisers alone, which see only the
-    workload and the cmdline. Remembered, as every poll asks about the same few; answering with
-    the same object each time also lets later lookups find it by identity."""
-    model = _model_of(cmdline) if cmdline else None
-    return replace(w, model=model) if model else w
+def _recognised(w: Workload, cmdline: tuple[str, ...], team: str) -> Workload:
+    """`apply_rules` without configured rules: the model the built-in recognisers see in the
+    cmdline, and `team` (the account, where it names the team) where set. Remembered, as every
+    poll asks about the same few; answering with the same object each time also lets later
+    lookups find it by identity."""
+    chosen = {"model": model} if cmdline and (model := _model_of(cmdline)) else {}
+    if team:
+        chosen["team"] = team
+    return replace(w, **chosen) if chosen else w
 
 
 def _expand(template: str, groups: Sequence[str]) -> str:
