@@ -530,10 +530,13 @@ class Pipeline:
     def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
         snapshot = sampled.snapshot
         parent = {d.uuid: d.parent_uuid or d.uuid for d in snapshot.devices}
+        # Who holds each unit (a GPU or a MIG instance), and so each GPU: found once per poll.
+        unit_held_by: dict[str, set[Workload]] = {}
         held_by: dict[str, set[Workload]] = {}
         for h in attribution.holdings:
             gpu_uuid = parent.get(h.device_uuid)
             if gpu_uuid is not None:
+                unit_held_by.setdefault(h.device_uuid, set()).add(h.workload)
                 held_by.setdefault(gpu_uuid, set()).add(h.workload)
         holders = {uuid: tuple(sorted(workloads)) for uuid, workloads in held_by.items()}
         # Who left each GPU idle, as of before this poll: a clearing idle flag names them, not
@@ -543,11 +546,15 @@ class Pipeline:
         if not self.rules:
             return
         cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
+        migs_of: dict[str, list[DeviceReading]] = {}
+        for d in snapshot.devices:
+            if d.parent_uuid is not None:
+                migs_of.setdefault(d.parent_uuid, []).append(d)
         observations = []
         node, interval_s = snapshot.node.hostname, sampled.interval_s
         for gpu in snapshot.gpus:
             charge = cost.get(gpu.uuid)
-            migs = snapshot.mig_devices(gpu.uuid)
+            migs = tuple(migs_of.get(gpu.uuid, ()))
             observations.append(
                 GpuObservation(
                     gpu=gpu.index,
@@ -565,7 +572,8 @@ class Pipeline:
                 )
             )
             if migs:
-                observations += self._mig_observations(sampled, gpu, attribution, charge.dollars if charge else 0.0)
+                dollars = charge.dollars if charge else 0.0
+                observations += self._mig_observations(sampled, gpu, migs, unit_held_by, dollars)
         result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at)
         self._rule_states = result.states
         self._flags = result.flags
@@ -575,17 +583,23 @@ class Pipeline:
             _log_transition(t, left, idle=t.rule in idle_rules)
 
     def _mig_observations(
-        self, sampled: Sampled, gpu: DeviceReading, attribution: Attribution, gpu_dollars: float
+        self,
+        sampled: Sampled,
+        gpu: DeviceReading,
+        migs: tuple[DeviceReading, ...],
+        held_by: Mapping[str, set[Workload]],
+        gpu_dollars: float,
     ) -> list[GpuObservation]:
-        """Each MIG instance of `gpu` as the rules see it: a unit of its own (its uuid, its
-        holders, its share of the GPU's cost), busy by its GPM SM activity where it has that."""
+        """Each MIG instance of `gpu` (`migs`) as the rules see it: a unit of its own (its uuid,
+        its holders in `held_by`, its share of the GPU's cost), busy by its GPM SM activity
+        where it has that."""
         snapshot = sampled.snapshot
         found = []
-        for unit in cost_units(snapshot, gpu):
+        for unit in cost_units(snapshot, gpu, migs):
             device = unit.device
             if device is None:
                 continue  # SMs no instance holds: nobody to flag
-            held = tuple(sorted({h.workload for h in attribution.holdings if h.device_uuid == unit.uuid}))
+            held = tuple(sorted(held_by.get(unit.uuid, ())))
             dollars = gpu_dollars * unit.weight
             found.append(
                 GpuObservation(

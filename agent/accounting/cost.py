@@ -345,7 +345,7 @@ def account(
                     IdleCharge(w, seconds, dollars, joules, energy_dollars(joules, energy_per_kwh))
                     for w, (seconds, dollars, joules) in sorted(idle_by.items())
                 ),
-                busy_s=_gpu_busy_s(curr, gpu, dt - unobserved_s),
+                busy_s=_gpu_busy_s(gpu, gpu.uuid in migs_of, dt - unobserved_s),
                 purchase=in_force.purchase if in_force is not None else "",
                 price_source=in_force.origin if in_force is not None else "",
             )
@@ -416,10 +416,10 @@ def _cap_busy(charged: Mapping[tuple[int, str, Workload], _Acc], ratio: float | 
             acc.busy_s *= scale
 
 
-def _gpu_busy_s(snapshot: Snapshot, gpu: DeviceReading, observed_s: float) -> float | None:
-    """The GPU's busy seconds over its observed time: None for a MIG-enabled GPU (neither it
-    nor its instances measure utilization) or one that measures none."""
-    if snapshot.mig_devices(gpu.uuid):
+def _gpu_busy_s(gpu: DeviceReading, has_migs: bool, observed_s: float) -> float | None:
+    """The GPU's busy seconds over its observed time: None for a GPU with MIG instances (neither
+    it nor its instances measure utilization) or one that measures none."""
+    if has_migs:
         return None
     ratio = device_busy_ratio(gpu)
     return None if ratio is None else ratio * observed_s

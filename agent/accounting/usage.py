@@ -11,7 +11,7 @@ it is conservative (it recommends less than SM activity would).
 from __future__ import annotations
 
 from agent.accounting.cost import device_busy_ratio
-from agent.model import Attribution, DeviceReading, Snapshot, UnitUsage
+from agent.model import Attribution, DeviceReading, Holding, Snapshot, UnitUsage
 
 BUSY_GPM = "gpm"
 BUSY_NVML = "nvml"
@@ -35,15 +35,18 @@ def _clamp(value: float | None) -> float | None:
 def unit_usage(snapshot: Snapshot, attribution: Attribution) -> tuple[UnitUsage, ...]:
     """One `UnitUsage` per workload and unit it holds at this snapshot."""
     by_uuid = {d.uuid: d for d in snapshot.devices}
+    held: dict[str, list[Holding]] = {}  # each device's holdings, in attribution order
+    for h in attribution.holdings:
+        held.setdefault(h.device_uuid, []).append(h)
     usage: list[UnitUsage] = []
-    for device_uuid in sorted({h.device_uuid for h in attribution.holdings}):
+    for device_uuid in sorted(held):
         device = by_uuid.get(device_uuid)
         if device is None or not device.up:
             continue
         parent = by_uuid.get(device.parent_uuid) if device.parent_uuid is not None else device
         if parent is None:
             continue
-        holdings = attribution.for_device(device_uuid)
+        holdings = held[device_uuid]
         alone = len({h.workload for h in holdings}) == 1
         for holding in holdings:
             busy: float | None = None
