@@ -20,6 +20,7 @@ from pathlib import Path
 
 from agent.attribution.facts import HostFacts, SlurmAllocation
 from agent.attribution.sources.base import AttributionSource, SourceOptions
+from agent.attribution.sources.settled import Listing, StatKey, settled_before, stat_key
 from agent.model import Snapshot
 
 log = logging.getLogger(__name__)
@@ -28,22 +29,7 @@ _MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
 # Slurm account names: letters, digits and a few separators (sacctmgr refuses the rest).
 _ACCOUNT = re.compile(r"[A-Za-z0-9_.@+-]{1,128}")
 _JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a job id, or an array task's (`1234_7`)
-# How old a stat must be before it is trusted to change with the next write. File systems
-# stamp times at their own granularity (a kernel tick; whole seconds on some), so a second
-# write within the tick of the first, after we read, would leave the stat as it was. Git's
-# index has the same rule ("racy git").
-SETTLE_NS = 2_000_000_000
-
-# What says a file (or the directory) is as it was read: inode, size, modification and change
-# time. The change time is the kernel's, set by every write, rename or utime and by nothing
-# else, so a prolog that rewrites a file in place at the same length and dates it back with
-# utime still changes it.
-_StatKey = tuple[int, int, int, int]
 _MapFile = tuple[str, str, re.Match[str]]  # name, path, the name's match of _MAP_NAME
-
-
-def _stat_key(st: os.stat_result) -> _StatKey:
-    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
@@ -56,39 +42,37 @@ def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
 
 class SlurmMap:
     """The map directory, read as `read_slurm_map` reads it, keeping what each file said with
-    the stat it was read under: a file whose stat is unchanged is not read again, and the
-    directory is listed again only when its own stat changed.
-
-    Only stats `SETTLE_NS` older than the read (`now_ns`, the wall clock the kernel stamps file
-    times from) are kept: a file written just before it is read again at the next call, until
-    its stat has settled."""
+    the stat it was read under (`agent.attribution.sources.settled`): a file whose stat is
+    unchanged is not read again, and the directory is listed again only when its own stat
+    changed. A file written just before a read is read again at the next, until its stat has
+    settled."""
 
     def __init__(self, directory: str | Path, now_ns: Callable[[], int] = time.time_ns) -> None:
         self.directory = str(directory)
         self._now_ns = now_ns
-        self._listing: tuple[_StatKey, list[_MapFile]] | None = None
+        self._listing = Listing(directory, now_ns)
+        self._map_files: tuple[list[str], list[_MapFile]] = ([], [])  # the listing's map files
         # Map file name -> the stat it was read under and what it said (None: no job id in it).
-        self._files: dict[str, tuple[_StatKey, SlurmAllocation | None]] = {}
+        self._files: dict[str, tuple[StatKey, SlurmAllocation | None]] = {}
         self.file_reads = 0  # map files opened and parsed (tests and benchmarks count them)
 
     def read(self) -> list[SlurmAllocation]:
-        # Taken before any stat: a stat settled by this time was settled when it was taken.
-        settled_before = self._now_ns() - SETTLE_NS
-        kept: dict[str, tuple[_StatKey, SlurmAllocation | None]] = {}
+        before = settled_before(self._now_ns)
+        kept: dict[str, tuple[StatKey, SlurmAllocation | None]] = {}
         found: list[SlurmAllocation] = []
         encoding = locale.getpreferredencoding(False)  # asked once per read, not once per file
-        for name, path, match in self._map_files(settled_before):
+        for name, path, match in self._files_listed():
             known = self._files.get(name)
             try:
-                if known is not None and _stat_key(os.stat(path)) == known[0]:
+                if known is not None and stat_key(os.stat(path)) == known[0]:
                     kept[name] = known
                     allocation = known[1]
                 else:
                     text, st = _read_text(path, encoding)
                     self.file_reads += 1
                     allocation = _parse(path, match, text, st.st_mtime)
-                    if st.st_ctime_ns <= settled_before:
-                        kept[name] = (_stat_key(st), allocation)
+                    if st.st_ctime_ns <= before:
+                        kept[name] = (stat_key(st), allocation)
             except OSError:
                 continue  # removed by the epilog while we listed: the job is gone
             if allocation is not None:
@@ -96,22 +80,15 @@ class SlurmMap:
         self._files = kept  # files gone from the directory are forgotten
         return found
 
-    def _map_files(self, settled_before: int) -> list[_MapFile]:
-        """The directory's map files, by name; listed again only when its stat changed."""
-        try:
-            key = _stat_key(os.stat(self.directory))
-            listing = self._listing
-            if listing is not None and listing[0] == key:
-                return listing[1]
-            # Stat first, then list: an entry added in between changes the next stat.
-            names = sorted(os.listdir(self.directory))
-        except OSError:
-            self._listing = None
-            return []
-        files = [
-            (name, os.path.join(self.directory, name), match) for name in names if (match := _MAP_NAME.match(name))
-        ]
-        self._listing = (key, files) if key[3] <= settled_before else None
+    def _files_listed(self) -> list[_MapFile]:
+        """The directory's map files, by name, matched once per listing."""
+        names = self._listing.names()
+        listed, files = self._map_files
+        if names is not listed:
+            files = [
+                (name, os.path.join(self.directory, name), match) for name in names if (match := _MAP_NAME.match(name))
+            ]
+            self._map_files = (names, files)
         return files
 
 

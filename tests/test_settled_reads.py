@@ -1,6 +1,8 @@
-"""The Slurm map directory, read every poll but re-read only where it changed (`SlurmMap`): every
-way a prolog or epilog can change it is seen at the next read, and a file written just before
-a read is read again until its stat has settled."""
+"""Files looked at every poll but read again only where their stat changed
+(`agent.attribution.sources.settled`): the Slurm map directory (`SlurmMap`) and the kubelet's pod
+log directories (`PodLogSource`). Every way a prolog, an epilog or the kubelet can change them
+is seen at the next read, and a file written just before a read is read again until its stat
+has settled."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.attribution.facts import SlurmAllocation
-from agent.attribution.sources.slurm import SETTLE_NS, SlurmMap, read_slurm_map
+from agent.attribution.facts import HostFacts, SlurmAllocation
+from agent.attribution.sources.podlogs import PodLogSource
+from agent.attribution.sources.settled import SETTLE_NS, Listing
+from agent.attribution.sources.slurm import SlurmMap, read_slurm_map
+from agent.model import NodeInfo, ProcessFacts, ProcessIdentity, Snapshot
 
 # A clock an hour ahead of the files: every stat has settled.
 LATER_NS = time.time_ns() + 3600 * 10**9
@@ -118,3 +123,52 @@ def test_a_file_without_a_job_id_is_skipped_and_named_once_it_has_one(slurm_dir:
     assert 2 not in jobs(reader.read())
     write(slurm_dir / "2", "4300 fay\n")
     assert jobs(reader.read())[2] == ("4300", "fay")
+
+
+def test_a_directory_is_listed_again_only_when_an_entry_changed(tmp_path: Path) -> None:
+    listing = Listing(tmp_path, now_ns=lambda: LATER_NS)
+    (tmp_path / "a").mkdir()
+    assert listing.names() == ["a"]
+    assert listing.names() == ["a"]
+    assert listing.listings == 1
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a").rename(tmp_path / "c")
+    assert listing.names() == ["b", "c"]
+    (tmp_path / "b").rmdir()
+    assert listing.names() == ["c"]
+    assert listing.listings == 3
+
+
+def test_a_directory_changed_just_before_it_is_listed_is_listed_again_until_it_settles(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    ctime = tmp_path.stat().st_ctime_ns
+    now = ctime + SETTLE_NS // 2
+    listing = Listing(tmp_path, now_ns=lambda: now)
+    listing.names()
+    listing.names()
+    assert listing.listings == 2
+    now = ctime + 2 * SETTLE_NS
+    listing.names()
+    listing.names()
+    assert listing.listings == 3
+
+
+NOTEBOOK_UID = "5f2c9a77-0b6e-4c1d-9a3e-7d2b1c0e4f11"
+
+
+def test_pod_names_follow_the_kubelets_log_directories(tmp_path: Path) -> None:
+    # A process in a pod's cgroup: its pod's namespace and name come from /var/log/pods.
+    in_pod = ProcessFacts(
+        ProcessIdentity(700, 1),
+        1000,
+        ("python",),
+        f"0::/kubepods.slice/kubepods-pod{NOTEBOOK_UID}.slice/cri-containerd-1",
+    )
+    found = HostFacts(processes={700: in_pod})
+    snapshot = Snapshot(0.0, NodeInfo("n"), ())
+    source = PodLogSource(tmp_path, now_ns=lambda: LATER_NS)  # every listing is kept
+    assert source.gather(snapshot, found).pod_names == {}
+    (tmp_path / f"research_notebook-7_{NOTEBOOK_UID}").mkdir()  # the kubelet starts the pod
+    assert source.gather(snapshot, found).pod_names == {NOTEBOOK_UID: ("research", "notebook-7")}
+    (tmp_path / f"research_notebook-7_{NOTEBOOK_UID}").rmdir()  # and removes it
+    assert source.gather(snapshot, found).pod_names == {}
