@@ -304,6 +304,22 @@ class Workload:
     user: str = ""
     model: str = ""
     team: str = ""
+    # The labels' hash, worked out at the first lookup (`__hash__`); not a label. Typed object,
+    # not int | None, so that mypy still takes replace(w, **labels) with str values.
+    _hash: object = field(default=None, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        # A workload keys dicts and sets all the way from attribution to the ledger, over a
+        # hundred lookups a poll: its eight strings are hashed once, not at every lookup.
+        found = self._hash
+        if not isinstance(found, int):
+            found = hash(_label_values(self))
+            object.__setattr__(self, "_hash", found)
+        return found
+
+    def __reduce__(self) -> tuple[type[Workload], tuple[str, ...]]:
+        # Pickled (or copied) by its labels alone: a string's hash differs between processes.
+        return Workload, self.labels()
 
     def labels(self) -> tuple[str, ...]:
         """The label values in `WORKLOAD_LABELS` order."""
@@ -338,7 +354,7 @@ class Workload:
 
 # The workload label names, in order: every exporter, the ledger, the report and the rules
 # read them from here, never from a list of their own.
-WORKLOAD_LABELS: tuple[str, ...] = tuple(f.name for f in fields(Workload))
+WORKLOAD_LABELS: tuple[str, ...] = tuple(f.name for f in fields(Workload) if f.compare)
 _label_values = attrgetter(*WORKLOAD_LABELS)
 
 

@@ -4,6 +4,11 @@ rules in config files)."""
 
 from __future__ import annotations
 
+import copy
+import os
+import pickle
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -52,6 +57,32 @@ def test_the_label_list_is_the_workload_fields_in_order() -> None:
         assert spec.labels[:2] == ("gpu", "uuid")
         assert spec.labels[2 : 2 + len(WORKLOAD_LABELS)] == WORKLOAD_LABELS, spec.name
     assert all("job" not in spec.labels for spec in CATALOGUE)
+
+
+def test_a_workloads_remembered_hash_stays_in_its_process() -> None:
+    # The hash is remembered at the first lookup; pickled, a workload carries its labels only,
+    # so a process with other string hashes (another PYTHONHASHSEED) finds it as its own.
+    w = Workload(namespace="serving", pod="vllm-llama-0", container="vllm", model="meta-llama/Llama-3.1-8B")
+    assert hash(w) == hash(replace(w, team="")) == hash(Workload.from_labels(w.label_dict()))
+    assert hash(w) != hash(replace(w, team="inference"))
+    script = (
+        "import pickle, sys\n"
+        "from agent.model import Workload\n"
+        "w = pickle.loads(sys.stdin.buffer.read())\n"
+        "fresh = Workload.from_labels(w.label_dict())\n"
+        "print(hash(w) == hash(fresh), {fresh: 1}.get(w), w in {fresh}, w == fresh)\n"
+    )
+    for seed in ("1", "2"):
+        found = subprocess.run(
+            [sys.executable, "-c", script],
+            input=pickle.dumps(w),
+            capture_output=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        assert found.stdout.decode().split() == ["True", "1", "True", "True"]
+    assert copy.copy(w) == w
+    assert hash(copy.deepcopy(w)) == hash(w)
 
 
 @pytest.mark.parametrize(
