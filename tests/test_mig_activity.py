@@ -344,8 +344,8 @@ def test_a_failed_instance_sample_drops_the_carried_mean_and_is_asked_again_next
 def test_snapshot_reads_mig_activity_over_its_last_five_seconds(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # `snapshot` polls twice, 5 s apart: on the slow rhythm the second poll would have no span
-    # yet, so it reads MIG activity every poll, as the rest of its figures are read.
+    # `snapshot` reads MIG activity over its last two polls, 5 s apart, as the rest of its
+    # figures are read (with --at, the slow rhythm would carry the minute polls' span instead).
     scenario = tmp_path / "split.yaml"
     scenario.write_text(yaml.safe_dump(STEADY))
     assert main(["snapshot", "--fake", str(scenario), "--json"]) == 0

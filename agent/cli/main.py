@@ -320,9 +320,9 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
 
     settings = load_config(args.config)
     if settings.readings.mig_activity == "slow":
-        # One look, not a daemon's steady polls: its last two polls are 5 s apart, so MIG
-        # activity on the slow rhythm would have no span yet at the second; read over those
-        # 5 s like the rest of the snapshot (a few calls more, once).
+        # One look, not a daemon's steady polls: its last two polls are 5 s apart, and with
+        # --at the slow rhythm would carry the span of the minute polls before them; read MIG
+        # activity over those 5 s like the rest of the snapshot (a few calls more, once).
         readings = settings.readings.model_copy(update={"mig_activity": "every_poll"})
         settings = settings.model_copy(update={"readings": readings})
     at = duration_arg(args.at, "--at")
