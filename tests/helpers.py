@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from agent.attribution.sources.kubelet import KubeletSource
@@ -144,3 +147,11 @@ def run_weekend_idle(ledger_path: Path, first_day_series: Sequence[str]) -> Week
     finally:
         rig.close()  # flushes the ledger
     return WeekendIdleRun(step_s, ledger_path, transitions, first_day, state)
+
+
+@functools.cache
+def operator_models() -> ModuleType:
+    """prometheus-operator's v1 CRD models (cloudcoil), imported on first use: building their
+    four thousand pydantic models takes seconds, which every xdist worker would otherwise pay
+    at collection whether or not it runs a test that validates a manifest."""
+    return importlib.import_module("cloudcoil.models.prometheus_operator.v1")

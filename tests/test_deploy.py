@@ -32,9 +32,9 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
-from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 
 from agent.config import Settings, check_config
+from tests.helpers import operator_models
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "gpuledger"
@@ -55,10 +55,8 @@ RELEASE = "gpuledger"
 NAMESPACE = "gpuledger"
 # The chart's kubeVersion floor, and the newest Kubernetes whose schemas kubernetes-validate has.
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
-CRD_MODELS: dict[tuple[str, str], Any] = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): prometheus_operator.ServiceMonitor,
-    ("monitoring.coreos.com/v1", "PrometheusRule"): prometheus_operator.PrometheusRule,
-}
+# The prometheus-operator CRDs the chart renders, validated by the operator's own models.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 CAPABILITIES = {"SYS_PTRACE", "DAC_READ_SEARCH"}
 
 Objects = dict[str, dict[str, Any]]  # "Kind/name" -> object
@@ -127,8 +125,8 @@ def rendered(request: pytest.FixtureRequest) -> Objects:
 
 def validate(obj: Mapping[str, Any]) -> None:
     """Fail unless the object is valid for every Kubernetes version in KUBE_VERSIONS."""
-    model = CRD_MODELS.get((obj["apiVersion"], obj["kind"]))
-    if model is not None:
+    if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
+        model = getattr(operator_models(), obj["kind"])
         # The models are generated from the operator's CRD schemas; they drop fields the schema
         # does not know, so a round trip that loses anything marks an unknown field.
         parsed = model.model_validate(obj)

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import yaml
-from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 
 from agent.cli.main import main
 from exporters.promrules import (
@@ -30,6 +29,7 @@ from exporters.promrules import (
     calendar_rules,
     zone_offsets,
 )
+from tests.helpers import operator_models
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -244,7 +244,7 @@ def test_prometheusrule_format_is_a_valid_manifest_of_the_same_groups(
     assert manifest["kind"] == "PrometheusRule"
     assert manifest["metadata"]["name"] == ("gpuledger-budgets" if budgets else "gpuledger-work")
     # The operator's CRD model drops what its schema does not know: a round trip loses nothing.
-    parsed = prometheus_operator.PrometheusRule.model_validate(manifest)
+    parsed = operator_models().PrometheusRule.model_validate(manifest)
     assert parsed.model_dump(mode="json", by_alias=True, exclude_unset=True) == manifest
     assert manifest["spec"]["groups"] == yaml.safe_load(rules_text)["groups"]
 
