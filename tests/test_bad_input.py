@@ -16,6 +16,7 @@ from agent.config import check_config, parse_listen
 from agent.errors import ConfigError
 from agent.ledger.report import parse_time
 from agent.units import parse_duration, parse_size_bytes
+from agent.yamlfile import YamlFileError, read_yaml
 from exporters.webconfig import load_web_config
 from fake_nvml.scenario import ScenarioError, load_scenario
 from tests.test_cli import gpuledger
@@ -219,3 +220,43 @@ def test_check_config_refuses_what_run_refuses(tmp_path: Path, config: str, prob
     assert ran.returncode == 2
     [line] = ran.stderr.splitlines()
     assert wanted in line
+
+
+# Broken YAML: what libyaml's parser says differs from the pure-Python parser's message, and the
+# latter, the one a user is shown, names the problem better (and its line, for "[1, 2").
+BROKEN_YAML = [
+    ("a: b: c\n", ": line 1: mapping values are not allowed here"),
+    ("a: [1, 2\n", ": line 2: expected ',' or ']', but got '<stream end>'"),
+    ("a: *nope\n", ": line 1: found undefined alias 'nope'"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BROKEN_YAML)
+def test_broken_yaml_is_named_by_the_pure_python_parser(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(YamlFileError) as raised:
+        read_yaml(path, "settings")
+    assert str(raised.value) == f"{path}{message}"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(document=documents)
+def test_libyaml_reads_any_document_as_the_pure_python_parser_does(tmp_path: Path, document: object) -> None:
+    # read_yaml parses with libyaml where PyYAML has it: the data must be what safe_load gives
+    # (or, for a key that is not text, the one line saying so).
+    path = tmp_path / "doc.yaml"
+    text = yaml.safe_dump(document)
+    path.write_text(text)
+    expected = yaml.safe_load(text)
+    if has_a_key_not_text(expected):
+        with pytest.raises(YamlFileError, match="keys must be text"):
+            read_yaml(path, "any")
+    else:  # compared as YAML again: a NaN in the document is not equal to itself
+        assert yaml.safe_dump(read_yaml(path, "any")) == yaml.safe_dump(expected)
+
+
+def has_a_key_not_text(node: object) -> bool:
+    if isinstance(node, dict):
+        return any(not isinstance(k, str) or has_a_key_not_text(v) for k, v in node.items())
+    return isinstance(node, list) and any(has_a_key_not_text(item) for item in node)

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 import fake_nvml
 from agent.cli.record import build_recording_agent, record, write_trace
-from agent.cli.wiring import build_agent
+from agent.cli.wiring import Agent, build_agent
 from agent.config import PricingConfig, ReadingsConfig, Settings
+from agent.model import AgentState
 
 STEP_S = 5.0
 DURATION_S = 600.0
@@ -128,12 +128,14 @@ def settings() -> Settings:
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def series(text: str) -> Series:
-    found: Series = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            found[(s.name, frozenset(s.labels.items()))] = s.value
-    return found
+def series(agent: Agent, state: AgentState) -> Series:
+    """Every series a scrape of `state` would show, read from the agent's registry (what the
+    exposition text is rendered from, without rendering and parsing it)."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in agent.registry(lambda: state).collect()
+        for s in family.samples
+    }
 
 
 def same(a: Series, b: Series) -> list[str]:
@@ -148,10 +150,10 @@ def same(a: Series, b: Series) -> list[str]:
     return sorted(problems)
 
 
-def record_node(scenario: Any, keep_cmdlines: bool = True) -> tuple[dict[str, Any], list[str]]:
-    """Record `scenario` for 10 minutes; the trace, and the exposition at each poll."""
+def record_node(scenario: Any, keep_cmdlines: bool = True) -> tuple[dict[str, Any], list[Series]]:
+    """Record `scenario` for 10 minutes; the trace, and the series at each poll."""
     agent, tap = build_recording_agent(settings(), scenario, STEP_S, monotonic=lambda: 0.0)
-    texts: list[str] = []
+    polls: list[Series] = []
     try:
         trace = record(
             agent,
@@ -159,48 +161,48 @@ def record_node(scenario: Any, keep_cmdlines: bool = True) -> tuple[dict[str, An
             DURATION_S,
             STEP_S,
             keep_cmdlines=keep_cmdlines,
-            on_poll=lambda state: texts.append(agent.exposition(state).decode()),
+            on_poll=lambda state: polls.append(series(agent, state)),
         )
     finally:
         agent.close()
-    return trace, texts
+    return trace, polls
 
 
-def replayed_texts(trace: Any) -> list[str]:
+def replayed_series(trace: Any) -> list[Series]:
     agent = build_agent(settings(), fake=trace, poll_interval_s=STEP_S, monotonic=lambda: 0.0)
     assert agent.node is not None
-    texts = []
+    polls = []
     try:
         for k in range(int(DURATION_S // STEP_S) + 1):
             if k:
                 agent.node.clock.advance(STEP_S)
             agent.pipeline.refresh_allocations()
-            texts.append(agent.exposition(agent.pipeline.poll_once()).decode())
+            polls.append(series(agent, agent.pipeline.poll_once()))
     finally:
         agent.close()
-    return texts
+    return polls
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
-    trace, texts = record_node(NODE)
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Series]]:
+    trace, polls = record_node(NODE)
     path = tmp_path_factory.mktemp("trace") / "trace.yaml"
     write_trace(trace, str(path), "# test trace\n")
     fake_nvml.uninstall()
-    return path, texts
+    return path, polls
 
 
 def test_a_replayed_trace_gives_every_series_the_recorded_node_gave_at_every_poll(
-    recorded: tuple[Path, list[str]],
+    recorded: tuple[Path, list[Series]],
 ) -> None:
-    path, texts = recorded
-    replayed = replayed_texts(str(path))
-    assert len(replayed) == len(texts) == 121
-    for k, (original, again) in enumerate(zip(texts, replayed, strict=True)):
-        problems = same(series(original), series(again))
+    path, polls = recorded
+    replayed = replayed_series(str(path))
+    assert len(replayed) == len(polls) == 121
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        problems = same(original, again)
         assert not problems, f"poll {k} (t={k * STEP_S:g}s): " + "\n".join(problems[:20])
     # The comparison had something to compare: the whole node, events, GPM and costs included.
-    last = series(texts[-1])
+    last = polls[-1]
     names = {name for name, _ in last}
     for name in (
         "gpuledger_gpu_xid_errors_total",
@@ -235,7 +237,7 @@ def test_a_replayed_trace_gives_every_series_the_recorded_node_gave_at_every_pol
         assert name in names, name
 
 
-def test_the_trace_is_a_scenario_with_readings_as_time_series(recorded: tuple[Path, list[str]]) -> None:
+def test_the_trace_is_a_scenario_with_readings_as_time_series(recorded: tuple[Path, list[Series]]) -> None:
     path, _ = recorded
     trace = yaml.safe_load(path.read_text())
     loaded = fake_nvml.load_scenario(str(path))
@@ -287,7 +289,7 @@ def test_the_trace_is_a_scenario_with_readings_as_time_series(recorded: tuple[Pa
 
 
 def test_command_lines_are_anonymised_unless_kept_and_environments_never_recorded() -> None:
-    trace, texts = record_node(NODE, keep_cmdlines=False)
+    trace, polls = record_node(NODE, keep_cmdlines=False)
     text = yaml.safe_dump(trace)
     by_pid = {p["pid"]: p for p in trace["processes"]}
     assert by_pid[4101]["cmdline"] == "torchrun --model llama-3-8b"  # the executable and its model
@@ -296,7 +298,7 @@ def test_command_lines_are_anonymised_unless_kept_and_environments_never_recorde
     assert "never-recorded" not in text
     assert "environ" not in text
     # What is left is what the labels need: the anonymised trace replays to the same series.
-    assert not same(series(texts[-1]), series(replayed_texts(trace)[-1]))
+    assert not same(polls[-1], replayed_series(trace)[-1])
     kept, _ = record_node(NODE, keep_cmdlines=True)
     assert next(p for p in kept["processes"] if p["pid"] == 4101)["cmdline"].endswith("--token=secret123")
     assert "never-recorded" not in yaml.safe_dump(kept)
