@@ -33,10 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
-
-from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
-from apscheduler.schedulers.background import BackgroundScheduler
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from agent.accounting.cost import account, accumulate, cost_units, downtime
 from agent.accounting.unpriced import Unplaced, Unpriced
@@ -67,6 +64,10 @@ from agent.model import (
 from agent.scrub import scrub_label
 from agent.units import format_duration
 from rules.engine import GpuObservation, RuleSpec, RuleState, Transition, evaluate
+
+if TYPE_CHECKING:  # imported where `run` starts the scheduler: simulate, snapshot and report never do
+    from apscheduler.events import JobExecutionEvent
+    from apscheduler.schedulers.background import BackgroundScheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -710,6 +711,9 @@ class Pipeline:
 
     def start(self) -> None:
         """Run `jobs()` on real time, in background threads, until `stop`."""
+        from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED  # noqa: PLC0415 - run only
+        from apscheduler.schedulers.background import BackgroundScheduler  # noqa: PLC0415 - run only
+
         scheduler = BackgroundScheduler(daemon=True)
         scheduler.add_listener(self._on_missed, EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
         now = datetime.now(UTC)

@@ -21,10 +21,12 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-
-from apscheduler.schedulers.background import BackgroundScheduler
+from typing import TYPE_CHECKING
 
 from agent.model import AgentState
+
+if TYPE_CHECKING:  # imported by `start`: a one-off write (simulate --textfile) never schedules
+    from apscheduler.schedulers.background import BackgroundScheduler
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ class TextfileWriter:
 
     def start(self, poll_interval_s: float) -> None:
         """Check for a new poll four times per poll interval (at most once a second)."""
+        from apscheduler.schedulers.background import BackgroundScheduler  # noqa: PLC0415 - run only
+
         check_s = min(1.0, poll_interval_s / 4)
         scheduler = BackgroundScheduler(daemon=True)
         scheduler.add_job(self.write_if_new, "interval", seconds=check_s, max_instances=1, coalesce=True, id="textfile")

@@ -260,12 +260,15 @@ def test_a_sped_up_run_charges_the_job_what_simulate_charges(tmp_path: Path) -> 
     # weekend-idle's job 9001 holds 8 GPUs for its 4 hours, then dies. `run --fake-speed 3600`
     # polled every 5 real seconds, 5 scenario hours, never saw it and booked it all as idle; a
     # sped-up node is now polled every 20 real ms (FAKE_MIN_POLL_S), and the job is charged
-    # within 1% of simulate's 15 s steps. Run at 1200x (24 scenario seconds a poll): its end
-    # costs at most half the gap between two polls, and on a loaded 2-core machine a poll can be
-    # 100 real ms late, which at 3600x is 6 scenario minutes (1.25% of 4 h) but at 1200x 2.
+    # within 1% of what simulate charges (at 1-minute steps: the job starts and ends on one, so
+    # simulate charges it exactly, as at 15 s steps, in a quarter of the polls). Run at 1200x (24
+    # scenario seconds a poll): its end costs at most half the gap between two polls, and on a
+    # loaded 2-core machine a poll can be 100 real ms late, which at 3600x is 6 scenario minutes
+    # (1.25% of 4 h) but at 1200x 2.
     simulated, ran = tmp_path / "simulate.db", tmp_path / "run.db"
     sim = subprocess.run(
-        [sys.executable, "-m", "agent", "simulate", "weekend-idle", "--for", "5h", "--ledger", str(simulated)],
+        [sys.executable, "-m", "agent", "simulate", "weekend-idle", "--for", "5h", "--step", "1m",
+         "--ledger", str(simulated)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert sim.returncode == 0, sim.stderr
