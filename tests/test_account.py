@@ -18,6 +18,10 @@ from agent.config import Settings, load_catalogue
 from agent.model import AgentState, Workload
 from tests.helpers import Rig
 
+# One worker runs this module, so its ledger, a module fixture, is built once rather than once per
+# xdist worker (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("account")
+
 REPO = Path(__file__).resolve().parent.parent
 
 

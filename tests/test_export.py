@@ -20,6 +20,10 @@ from agent.ledger.report import report_from_ledgers
 from agent.pipeline import run_on_scenario_time
 from tests.test_cli import gpuledger
 
+# One worker runs this module, so the two nodes' ledgers, a module fixture, are built once rather than once
+# per xdist worker (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("export")
+
 pa = pytest.importorskip("pyarrow", reason="pyarrow (gpuledger[parquet]) is not installed")
 pq = pytest.importorskip("pyarrow.parquet")
 

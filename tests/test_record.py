@@ -26,6 +26,10 @@ from agent.cli.wiring import Agent, build_agent
 from agent.config import PricingConfig, ReadingsConfig, Settings
 from agent.model import AgentState
 
+# One worker runs this module, so the recorded trace, a module fixture, is built once rather than once per
+# xdist worker (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("record")
+
 STEP_S = 5.0
 DURATION_S = 600.0
 

@@ -16,6 +16,10 @@ from agent.ledger.report import build_report, render
 from agent.model import Workload
 from tests.test_cli import gpuledger
 
+# One worker runs this module, so its ledger, a module fixture, is built once rather than once per
+# xdist worker (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("report_runs")
+
 T0 = 1_795_197_600.0  # 2026-11-20T18:00:00Z, the scenario's start
 H = 3600.0
 
