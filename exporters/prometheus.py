@@ -6,7 +6,7 @@ snapshot is gone from the next scrape, with no series to clean up.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -21,15 +21,19 @@ StateSource = Callable[[], AgentState]
 
 
 class _Families:
-    """Families keyed by catalogue name, created on first use so absent readings emit nothing."""
+    """Families keyed by catalogue name, created on first use so absent readings emit nothing;
+    with `only`, just the families of those catalogue names."""
 
-    def __init__(self, per_pid: bool = False) -> None:
+    def __init__(self, per_pid: bool = False, only: Collection[str] | None = None) -> None:
         self._families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         self._per_pid = per_pid
+        self._only = None if only is None else frozenset(only)
 
     def add(self, name: str, labels: Sequence[str], value: float) -> None:
         family = self._families.get(name)
         if family is None:
+            if self._only is not None and name not in self._only:
+                return
             spec = BY_NAME[name]
             cls = CounterMetricFamily if spec.kind is Kind.COUNTER else GaugeMetricFamily
             names = [*spec.labels, *(spec.optional_labels if self._per_pid else ())]
@@ -42,13 +46,14 @@ class _Families:
 
 
 class GpuledgerCollector(Collector):
-    def __init__(self, state: StateSource, per_pid: bool = False) -> None:
+    def __init__(self, state: StateSource, per_pid: bool = False, only: Collection[str] | None = None) -> None:
         self._state = state
         self._per_pid = per_pid
+        self._only = only
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
-        out = _Families(self._per_pid)
+        out = _Families(self._per_pid, self._only)
         snapshot = state.snapshot
         driver = ""
         cuda = ""
@@ -266,11 +271,16 @@ def _cost_series(out: _Families, state: AgentState) -> None:
             out.add("gpuledger_ledger_last_flush_timestamp_seconds", (), state.ledger.last_flush_at)
 
 
-def make_registry(state: StateSource, per_pid: bool = False, dcgm_compat: bool = False) -> CollectorRegistry:
+def make_registry(
+    state: StateSource, per_pid: bool = False, dcgm_compat: bool = False, only: Collection[str] | None = None
+) -> CollectorRegistry:
     """A registry holding only gpuledger's collector (no process/platform defaults), and with
-    `dcgm_compat` also dcgm-exporter's series rendered from the same state (exporters/dcgm.py)."""
+    `dcgm_compat` also dcgm-exporter's series rendered from the same state (exporters/dcgm.py).
+    `only` (catalogue names) keeps just those of gpuledger's families (dcgm-exporter's are not
+    filtered): a reader that wants a few series every simulated minute skips building the
+    thousand others."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GpuledgerCollector(state, per_pid))
+    registry.register(GpuledgerCollector(state, per_pid, only))
     if dcgm_compat:
         registry.register(DcgmCollector(state))
     return registry

@@ -79,7 +79,7 @@ class Rig:
     def samples(self, state: AgentState, names: Collection[str]) -> list[Sample]:
         """The samples named `names` that a scrape of `state` would show, read from the
         registry (no exposition text written and parsed)."""
-        registry = self.agent.registry(lambda: state)
+        registry = self.agent.registry(lambda: state, only=names)
         return [(s.name, s.labels, s.value) for m in registry.collect() for s in m.samples if s.name in names]
 
     def close(self) -> None:

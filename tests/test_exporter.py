@@ -157,6 +157,14 @@ def test_every_emitted_metric_is_catalogued_and_every_catalogued_one_is_emitted(
     assert catalogued - set(emitted) == set(), "catalogued but never emitted"
     for name, labels in emitted.items():
         assert labels == set(BY_NAME[name].labels), name
+    # A registry made with `only` yields exactly those families' samples, as the whole one does.
+    only = sorted(catalogued)[::2]
+    for state in states:
+        whole = make_registry(lambda state=state: state).collect()
+        part = make_registry(lambda state=state: state, only=only).collect()
+        expected = [(s.name, s.labels, s.value) for m in whole for s in m.samples if s.name in only]
+        assert expected, "nothing to compare"
+        assert [(s.name, s.labels, s.value) for m in part for s in m.samples] == expected
 
 
 def test_catalogue_names_follow_prometheus_conventions() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -67,14 +67,17 @@ class Agent:
     _closed: bool = False
     _ledger_written: bool = True
 
-    def registry(self, state: Callable[[], AgentState] | None = None) -> CollectorRegistry:
+    def registry(
+        self, state: Callable[[], AgentState] | None = None, only: Collection[str] | None = None
+    ) -> CollectorRegistry:
         """A registry rendering `state` (by default the pipeline's latest), with the per-pid
-        series and dcgm-exporter compatibility the settings ask for."""
+        series and dcgm-exporter compatibility the settings ask for; `only`: make_registry's."""
         pipeline = self.pipeline
         return make_registry(
             state if state is not None else lambda: pipeline.state,
             self.settings.attribution.per_pid_series,
             dcgm_compat=self.settings.exporters.dcgm_compat,
+            only=only,
         )
 
     def exposition(self, state: AgentState | None = None) -> bytes:
