@@ -28,7 +28,7 @@ from agent.model import Activity, AgentState, DeviceReading
 from exporters.prometheus import make_registry
 from tests.helpers import Rig
 from tests.test_gpm import H100_WHOLE_AND_MIG, steady_calls
-from tests.test_record import same, series
+from tests.test_record import Series, same, series
 
 PRICE = 4.0  # $/GPU-hour, pricing.gpu_hourly
 STEP_S = 5.0
@@ -441,9 +441,9 @@ def test_a_trace_recorded_on_the_slow_rhythm_replays_the_same_span_means(tmp_pat
     duration_s = 300.0
     # No node_name: the node's hostname, which MIG uuids derive from, goes into the trace.
     agent, tap = build_recording_agent(settings(node_name=None), node, STEP_S, monotonic=lambda: 0.0)
-    texts: list[str] = []
+    polls: list[Series] = []
     try:
-        trace = record(agent, tap, duration_s, STEP_S, on_poll=lambda s: texts.append(agent.exposition(s).decode()))
+        trace = record(agent, tap, duration_s, STEP_S, on_poll=lambda s: polls.append(series(agent, s)))
     finally:
         agent.close()
     path = tmp_path / "trace.yaml"
@@ -464,15 +464,15 @@ def test_a_trace_recorded_on_the_slow_rhythm_replays_the_same_span_means(tmp_pat
             if k:
                 replay.node.clock.advance(STEP_S)
             replay.pipeline.refresh_allocations()
-            replayed.append(replay.exposition(replay.pipeline.poll_once()).decode())
+            replayed.append(series(replay, replay.pipeline.poll_once()))
     finally:
         replay.close()
-    assert len(replayed) == len(texts) == 61
-    for k, (original, again) in enumerate(zip(texts, replayed, strict=True)):
-        problems = same(series(original), series(again))
+    assert len(replayed) == len(polls) == 61
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        problems = same(original, again)
         assert not problems, f"poll {k}: " + "\n".join(problems[:10])
     # The comparison had MIG activity to compare: at 300 s, the 245-275 s span, 70% and 0%.
-    last = series(texts[-1])
+    last = polls[-1]
     assert sorted(v for (name, _), v in last.items() if name == "gpuledger_mig_sm_active_ratio") == pytest.approx(
         [0.0, 0.70]
     )
