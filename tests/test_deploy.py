@@ -36,6 +36,9 @@ import yaml
 from agent.config import Settings, check_config
 from tests.helpers import operator_models
 
+# One worker runs this module: the operator's CRD models take seconds to load, once a process.
+pytestmark = pytest.mark.xdist_group("deploy")
+
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "gpuledger"
 ALL_ON_VALUES = CHART / "ci" / "all-on-values.yaml"
