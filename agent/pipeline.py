@@ -221,6 +221,9 @@ class Pipeline:
         self._previous: Snapshot | None = None
         self._attribution = Attribution()
         self._clean_workloads: dict[Workload, Workload | None] = {}
+        # The last attribution scrubbed and its scrubbed form: a steady state hands on the same
+        # attribution poll after poll (Attributor.attribute).
+        self._scrubbed_last: tuple[Attribution, Attribution] | None = None
         self._last_energy: dict[str, float] = {}  # GPU uuid -> its last energy counter reading
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
@@ -400,6 +403,9 @@ class Pipeline:
         characters. Here, once, because every output (metrics, textfile, ledger, flags and their
         log lines, snapshot) is built from this stage's result: a model given as
         https://user:pass@host/m?token=... leaves the agent as https://host/m."""
+        last = self._scrubbed_last
+        if last is not None and last[0] is attribution:
+            return last[1]
         clean = self._clean_workloads
         if len(clean) > CLEAN_WORKLOADS_KEPT:
             clean.clear()  # workloads come and go; the ones still running are redone next poll
@@ -415,7 +421,9 @@ class Pipeline:
                 scrubbed = clean[workload] = None if values == workload.label_dict() else Workload.from_labels(values)
             changed = changed or scrubbed is not None
             holdings.append(holding if scrubbed is None else replace(holding, workload=scrubbed))
-        return replace(attribution, holdings=tuple(holdings)) if changed else attribution
+        result = replace(attribution, holdings=tuple(holdings)) if changed else attribution
+        self._scrubbed_last = (attribution, result)
+        return result
 
     def _account(self, sampled: Sampled, attribution: Attribution, earlier: Attribution) -> Charges | None:
         costing = self.costing

@@ -122,3 +122,23 @@ def test_sources_are_opened_from_the_options_alone(tmp_path: Path) -> None:
         SlurmAllocation(3, None, "4242", "bob", started_at=1_795_000_000.0),
     )
     assert found.kubelet_up is None  # no socket configured: no kubelet, and no health series
+
+
+def test_a_steady_state_hands_on_the_last_attribution_and_a_change_is_followed(job_map: Path) -> None:
+    rig = Rig({**NODE, "processes": [{**NODE["processes"][0], "end": "1m"}]})  # type: ignore[dict-item]
+    try:
+        first = rig.poll().attribution
+        second = rig.poll(5).attribution
+        # Nothing the attribution reads changed: the same result, not one worked out again.
+        assert second is first
+        job_map.write_text(json.dumps({"0": "5150", "1": "6000"}))  # a source's facts change
+        moved = rig.poll(5).attribution
+        gone = rig.poll(60).attribution  # the snapshot changes: ann's process has ended
+    finally:
+        rig.close()
+    assert [h.workload for h in first.holdings] == [Workload(hpc_job="5150", user="ann"), Workload(hpc_job="5151")]
+    assert [h.workload for h in moved.holdings] == [Workload(hpc_job="5150", user="ann"), Workload(hpc_job="6000")]
+    assert [(h.workload, h.pids, h.sm_util) for h in gone.holdings] == [
+        (Workload(hpc_job="5150"), (), 0.0),
+        (Workload(hpc_job="6000"), (), 0.0),
+    ]

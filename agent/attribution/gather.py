@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from agent.attribution.facts import HostFacts
 from agent.attribution.labels import LabelRule
-from agent.attribution.resolve import Inputs, attribute
+from agent.attribution.resolve import Inputs, attribute, attributed_readings
 from agent.attribution.sources.base import AttributionSource, Refresher
 from agent.model import Attribution, Snapshot
 
@@ -37,11 +37,21 @@ class Attributor:
         self.rules = tuple(rules)
         self.per_pid = per_pid
         self.team_from_account = team_from_account
+        # The last poll's inputs to `attribute` and its result (see `attribute`).
+        self._last: tuple[tuple[object, ...], HostFacts, Attribution] | None = None
 
     def attribute(self, snapshot: Snapshot) -> Attribution:
+        """The holdings of `snapshot`'s devices, from what the sources find. In a steady state
+        (the same processes with the same readings, facts and allocations as at the last poll)
+        that is the last poll's attribution, handed on rather than worked out again: `attribute`
+        is pure, so equal inputs give an equal result."""
         found = HostFacts()
         for source in self.sources:
             found = source.gather(snapshot, found)
+        key = (attributed_readings(snapshot), self.rules, self.per_pid, self.team_from_account)
+        last = self._last
+        if last is not None and last[0] == key and last[1] == found:
+            return last[2]
         attribution = attribute(
             Inputs(
                 snapshot=snapshot,
@@ -56,7 +66,10 @@ class Attributor:
                 team_from_account=self.team_from_account,
             )
         )
-        return attribution if found.allocations_known else replace(attribution, allocations_known=False)
+        if not found.allocations_known:
+            attribution = replace(attribution, allocations_known=False)
+        self._last = (key, found, attribution)
+        return attribution
 
     def refreshers(self) -> tuple[Refresher, ...]:
         """Every source's scheduled work, in the order the sources gather."""

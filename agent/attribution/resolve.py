@@ -58,6 +58,16 @@ _HoldingKey = tuple[str, Workload, int | None]  # (device uuid, workload, pid wh
 _Owner = tuple[str, ...]
 
 
+def attributed_readings(snapshot: Snapshot) -> tuple[tuple[object, ...], ...]:
+    """Everything of `snapshot` that `attribute` reads, device by device: two snapshots with
+    equal readings here attribute alike (given equal other inputs). Kept beside `attribute`, so
+    that a reading it starts to use is added here too."""
+    return tuple(
+        (d.uuid, d.index, d.parent_uuid is None, d.gpu_instance_id, d.up, d.utilization is None, d.processes)
+        for d in snapshot.devices
+    )
+
+
 def _device_index(snapshot: Snapshot) -> tuple[dict[str, DeviceReading], dict[tuple[int, int | None], str]]:
     by_uuid = {d.uuid: d for d in snapshot.devices}
     by_slot: dict[tuple[int, int | None], str] = {}

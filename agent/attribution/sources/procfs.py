@@ -77,14 +77,17 @@ class ProcFS:
 
     def identity(self, pid: int) -> ProcessIdentity:
         """(pid, start time): one small read, done every poll to notice pid reuse."""
+        return ProcessIdentity(pid, self.start_ticks(pid))
+
+    def start_ticks(self, pid: int) -> int:
+        """The process's start time in clock ticks since boot: `identity`'s reading, alone."""
         stat = self._read(pid, "stat")
         # The command name sits in parentheses and may itself hold spaces and ')'.
         after_comm = stat[stat.rfind(b")") + 2 :].split()
         try:
-            start_ticks = int(after_comm[19])  # field 22 of proc(5); fields after comm start at 3
+            return int(after_comm[19])  # field 22 of proc(5); fields after comm start at 3
         except (IndexError, ValueError):
             raise ProcessGone(f"pid {pid}: unreadable stat") from None
-        return ProcessIdentity(pid, start_ticks)
 
     def boot_time(self) -> float | None:
         """When the host booted (unix seconds): `btime` in <root>/stat, read once. None where it
@@ -214,11 +217,13 @@ class ProcessSource(AttributionSource):
 
     def _facts(self, pid: int) -> ProcessFacts | None:
         try:
-            identity: ProcessIdentity = self.procfs.identity(pid)
+            start_ticks = self.procfs.start_ticks(pid)
             cached = self._cache.get(pid)
-            if cached is not None and cached.identity == identity:
+            # The same process as last poll (cached under its pid): compared without building
+            # its identity, which only a process read in full needs.
+            if cached is not None and cached.identity.start_ticks == start_ticks:
                 return cached
-            facts = self.procfs.facts(identity)
+            facts = self.procfs.facts(ProcessIdentity(pid, start_ticks))
         except GpuledgerError as exc:
             log.debug("cannot resolve pid %d: %s", pid, exc)
             self._cache.pop(pid, None)
