@@ -22,13 +22,12 @@ import yaml
 import fake_nvml
 from agent.cli.main import main
 from agent.cli.record import build_recording_agent, record, write_trace
-from agent.cli.wiring import build_agent
 from agent.config import PricingConfig, ReadingsConfig, Settings, check_config
 from agent.model import Activity, AgentState, DeviceReading
 from exporters.prometheus import make_registry
 from tests.helpers import Rig
 from tests.test_gpm import H100_WHOLE_AND_MIG, steady_calls
-from tests.test_record import Series, same, series
+from tests.test_record import Series, replayed_series, same, series
 
 PRICE = 4.0  # $/GPU-hour, pricing.gpu_hourly
 STEP_S = 5.0
@@ -456,17 +455,7 @@ def test_a_trace_recorded_on_the_slow_rhythm_replays_the_same_span_means(tmp_pat
     for at, percent in ((0, 40), (5, 40), (30, 40), (35, 22), (60, 22), (125, 54), (150, 54)):
         assert rows[at]["migs"][0]["sm_active"] == pytest.approx(percent), at
         assert rows[at]["sm_active"] == pytest.approx(percent * WEIGHT), at
-    replay = build_agent(settings(node_name=None), fake=str(path), poll_interval_s=STEP_S, monotonic=lambda: 0.0)
-    assert replay.node is not None
-    replayed = []
-    try:
-        for k in range(int(duration_s // STEP_S) + 1):
-            if k:
-                replay.node.clock.advance(STEP_S)
-            replay.pipeline.refresh_allocations()
-            replayed.append(series(replay, replay.pipeline.poll_once()))
-    finally:
-        replay.close()
+    replayed = replayed_series(str(path), settings(node_name=None), duration_s, STEP_S)
     assert len(replayed) == len(polls) == 61
     for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
         problems = same(original, again)

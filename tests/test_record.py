@@ -172,14 +172,17 @@ def record_node(scenario: Any, keep_cmdlines: bool = True) -> tuple[dict[str, An
     return trace, polls
 
 
-def replayed_series(trace: Any) -> list[Series]:
-    agent = build_agent(settings(), fake=trace, poll_interval_s=STEP_S, monotonic=lambda: 0.0)
+def replayed_series(
+    trace: Any, with_settings: Settings | None = None, duration_s: float = DURATION_S, step_s: float = STEP_S
+) -> list[Series]:
+    """`trace` replayed by an agent polling every step_s from 0 to duration_s: each poll's series."""
+    agent = build_agent(with_settings or settings(), fake=trace, poll_interval_s=step_s, monotonic=lambda: 0.0)
     assert agent.node is not None
     polls = []
     try:
-        for k in range(int(DURATION_S // STEP_S) + 1):
+        for k in range(int(duration_s // step_s) + 1):
             if k:
-                agent.node.clock.advance(STEP_S)
+                agent.node.clock.advance(step_s)
             agent.pipeline.refresh_allocations()
             polls.append(series(agent, agent.pipeline.poll_once()))
     finally:
