@@ -64,12 +64,6 @@ class RuleState:
 
 _CLEAR = RuleState()  # a condition that does not hold, with nothing in its window
 
-# Lowered flags, each the same value poll after poll (a lowered flag carries no time or cost):
-# most flags of most polls are one of these, handed out again rather than built again. Keyed
-# by everything a lowered flag holds; cleared when it outgrows the GPUs and holders in sight.
-_LOWERED: dict[tuple[int, str, str, tuple[Workload, ...]], Flag] = {}
-_LOWERED_KEPT = 4096
-
 
 @dataclass(frozen=True, slots=True)
 class Transition:
@@ -192,20 +186,6 @@ def evaluate(
                 )
             new_states[key] = state
             holders = obs.holders if spec.condition in ("allocated_idle", "stranded_memory") else ()
-            if raised:
-                flags.append(Flag(obs.gpu, obs.uuid, spec.name, True, held_s, holders, state.dollars))
-            else:
-                flags.append(_lowered(obs.gpu, obs.uuid, spec.name, holders))
+            dollars = state.dollars if raised else 0.0
+            flags.append(Flag(obs.gpu, obs.uuid, spec.name, raised, held_s if raised else 0.0, holders, dollars))
     return Evaluation(new_states, tuple(flags), tuple(transitions))
-
-
-def _lowered(gpu: int, uuid: str, rule: str, holders: tuple[Workload, ...]) -> Flag:
-    """The lowered flag of `rule` on the GPU: equal to Flag(gpu, uuid, rule, False, 0.0,
-    holders, 0.0), and the same object while it stays so."""
-    key = (gpu, uuid, rule, holders)
-    flag = _LOWERED.get(key)
-    if flag is None:
-        if len(_LOWERED) >= _LOWERED_KEPT:
-            _LOWERED.clear()
-        flag = _LOWERED[key] = Flag(gpu, uuid, rule, False, 0.0, holders, 0.0)
-    return flag
