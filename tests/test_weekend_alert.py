@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -66,19 +67,18 @@ def rules_the_alert_reads(alert: str, out: Path) -> list[str]:
     recorded = {rule["record"]: rule for _, rule in rules if "record" in rule}
     wanted = [rule for _, rule in rules if rule.get("alert") == alert]
     assert len(wanted) == 1, f"{alert} is not one alerting rule of {RULE_FILES}"
-    i = 0
-    while i < len(wanted):
-        rule = wanted[i]
+    kept = {id(wanted[0])}
+    for rule in wanted:  # grows as the rules read are found
         read = rule["expr"] + " " + " ".join(str(v) for v in rule.get("annotations", {}).values())
         for name in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", read):
-            if name in recorded and not any(recorded[name] is r for r in wanted):
+            if name in recorded and id(recorded[name]) not in kept:
+                kept.add(id(recorded[name]))
                 wanted.append(recorded[name])
-        i += 1
-    groups: dict[str, dict[str, object]] = {}
+    groups: dict[str, dict[str, Any]] = {}
     for group, rule in rules:
-        if any(rule is r for r in wanted):
-            kept = groups.setdefault(group["name"], {**{k: v for k, v in group.items() if k != "rules"}, "rules": []})
-            kept["rules"].append(rule)  # type: ignore[attr-defined]
+        if id(rule) in kept:
+            groups.setdefault(group["name"], {**{k: v for k, v in group.items() if k != "rules"}, "rules": []})
+            groups[group["name"]]["rules"].append(rule)
     out.write_text(yaml.safe_dump({"groups": list(groups.values())}, sort_keys=False), encoding="utf-8")
     return list(groups)
 
