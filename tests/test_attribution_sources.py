@@ -8,13 +8,15 @@ import os
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from agent.attribution import sources
+from agent.attribution import gather, sources
 from agent.attribution.facts import HostFacts, SlurmAllocation
+from agent.attribution.resolve import Inputs, attribute, attributed_readings
 from agent.attribution.sources.base import AttributionSource, Refresher, SourceOptions
-from agent.model import NodeInfo, Snapshot, Workload
+from agent.model import Attribution, NodeInfo, Snapshot, Workload
 from tests.helpers import Rig
 
 # One whole GPU busy with an unlabelled process of ann's, one idle GPU.
@@ -142,3 +144,60 @@ def test_a_steady_state_hands_on_the_last_attribution_and_a_change_is_followed(j
         (Workload(hpc_job="5150"), (), 0.0),
         (Workload(hpc_job="6000"), (), 0.0),
     ]
+
+
+class _Reads:
+    """Stands in for a snapshot or a device reading and writes down each attribute read of it
+    ("snapshot.devices", "device.processes"). A property is worked out on the stand-in, so what
+    it reads is written down instead (`is_mig` as "device.parent_uuid"), and so is a method."""
+
+    __slots__ = ("_kind", "_of", "_seen")
+
+    def __init__(self, of: object, kind: str, seen: set[str]) -> None:
+        self._of, self._kind, self._seen = of, kind, seen
+
+    def __getattr__(self, name: str) -> Any:
+        on_class = getattr(type(self._of), name, None)
+        if isinstance(on_class, property):
+            assert on_class.fget is not None
+            return on_class.fget(self)
+        if callable(on_class):
+            return on_class.__get__(self)
+        self._seen.add(f"{self._kind}.{name}")
+        value = getattr(self._of, name)
+        if name == "devices":
+            return tuple(_Reads(device, "device", self._seen) for device in value)
+        return value
+
+
+@pytest.mark.parametrize("scenario", ["demo", "mig", "gpu-lost", "weekend-idle"])
+def test_the_steady_state_key_covers_every_reading_attribution_reads(
+    scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reuse above is only right while `attributed_readings` names every reading of the
+    snapshot that `attribute` reads: one it missed could change while the key stays equal, and a
+    steady poll would hand on a stale owner. Every attribution worked out over a few hours of
+    each scenario is done again on a stand-in snapshot that notes what is read of it. It sees
+    which readings are read, not what of them: the key holds whether `utilization` is None, which
+    is all `attribute` asks of it (a comment at its one use says so)."""
+    captured: list[Inputs] = []
+
+    def capturing(inputs: Inputs) -> Attribution:
+        captured.append(inputs)
+        return attribute(inputs)
+
+    monkeypatch.setattr(gather, "attribute", capturing)
+    rig = Rig(scenario)
+    try:
+        rig.run(6 * 3600, 600)
+    finally:
+        rig.close()
+    assert captured
+    keyed: set[str] = set()
+    read: set[str] = set()
+    for inputs in captured:
+        attributed_readings(_Reads(inputs.snapshot, "snapshot", keyed))  # type: ignore[arg-type]
+        again = attribute(replace(inputs, snapshot=_Reads(inputs.snapshot, "snapshot", read)))  # type: ignore[arg-type]
+        assert again == attribute(inputs)  # the stand-in changes nothing
+    assert read, "attribute read nothing of the snapshot"
+    assert read <= keyed, f"attribute reads {sorted(read - keyed)}, which attributed_readings leaves out"

@@ -211,6 +211,7 @@ def _mark_allocated(
     acc.allocated = True
     acc.began(started_at)
     if device.uuid not in measures:
+        # Whether utilization was read, not its value: `attributed_readings` keys on no more.
         measures[device.uuid] = device.utilization is not None or any(p.sm_util is not None for p in device.processes)
     acc.sm_util = 0.0 if measures[device.uuid] else acc.sm_util
     acc.memory_bytes = acc.memory_bytes or 0
