@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tests.fake_engines import shut_down
+
 
 @dataclass(frozen=True)
 class Counter:
@@ -92,9 +94,8 @@ class Serving:
     _servers: list[tuple[WSGIServer, threading.Thread]]
 
     def stop(self) -> None:
-        for server, thread in self._servers:
-            server.shutdown()
-            server.server_close()
+        shut_down([server for server, _thread in self._servers])
+        for _server, thread in self._servers:
             thread.join(timeout=5)
 
 

@@ -16,9 +16,9 @@ model: the engine's label):
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from socketserver import ThreadingMixIn
+from socketserver import BaseServer, ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -139,6 +139,16 @@ class Engines:
 
     def close(self) -> None:
         self._stop.set()
-        for server in self._servers:
-            server.shutdown()
-            server.server_close()
+        shut_down(self._servers)
+
+
+def shut_down(servers: Sequence[BaseServer]) -> None:
+    """Stop and close `servers`, asked together. Each one's loop looks for a shutdown every
+    half second and `shutdown` waits for it: one at a time, a fleet's engines took 8 s to stop."""
+    stopping = [threading.Thread(target=server.shutdown) for server in servers]
+    for thread in stopping:
+        thread.start()
+    for thread in stopping:
+        thread.join()
+    for server in servers:
+        server.server_close()
