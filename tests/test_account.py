@@ -5,9 +5,7 @@ SLURM_JOB_ACCOUNT), the team it gives a job no rule names, and `report --by acco
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ from agent.attribution.sources.slurm import read_slurm_map
 from agent.config import Settings, load_catalogue
 from agent.model import AgentState, Workload
 from tests.helpers import Rig
+from tests.test_cli import gpuledger as cli
 
 # One worker runs this module, so its ledger, a module fixture, is built once rather than once per
 # xdist worker (pyproject: --dist loadgroup).
@@ -114,10 +113,7 @@ def test_the_account_is_no_metric_label() -> None:
 
 
 def gpuledger(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=REPO, env=dict(os.environ),
-        timeout=300, check=False,
-    )  # fmt: skip
+    return cli(*args, timeout=300)
 
 
 @pytest.fixture(scope="module")

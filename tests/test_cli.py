@@ -18,20 +18,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.model import WORKLOAD_LABELS
 from fake_nvml.scenario import load_scenario
+from tests.cli_server import CliServer
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+_CLI = CliServer(REPO)
+
+
 def gpuledger(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agent", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-        check=False,
-    )
+    """`python -m agent ARGS` in a process of its own, as subprocess.run gives it back; forked
+    from a server that has imported the agent already (tests/cli_server.py)."""
+    return _CLI.run(args, {**os.environ, **(env or {})}, REPO, timeout)
 
 
 def free_port() -> int:

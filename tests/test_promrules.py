@@ -9,10 +9,8 @@ budgets.test.yml) run in tests/test_prometheus_rules.py.
 from __future__ import annotations
 
 import datetime as dt
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from exporters.promrules import (
     zone_offsets,
 )
 from tests.helpers import operator_models
+from tests.test_cli import gpuledger as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -49,15 +48,7 @@ UNIT_PER_MINUTE = 0.05859375
 
 
 def gpuledger(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agent", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=False,
-    )
+    return cli(*args, timeout=60)
 
 
 def promtool(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -6,9 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import load_catalogue
 from tests.helpers import WeekendIdleRun
+from tests.test_cli import gpuledger as cli
 
 REPO = Path(__file__).resolve().parent.parent
 HOUR = 3600.0
@@ -26,10 +25,7 @@ PRICE = P4DE.dollars_per_hour / P4DE.gpus
 
 
 def gpuledger(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=REPO,
-        env={**os.environ, **(env or {})}, timeout=600, check=False,
-    )  # fmt: skip
+    return cli(*args, env=env, timeout=600)
 
 
 # The weekend's simulation is a session fixture: on one xdist worker (--dist loadgroup), it runs once.
