@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import stat
 import threading
 import time
@@ -26,6 +25,7 @@ from agent.actions.policy import Selector
 from agent.config import Settings
 from agent.model import AgentState
 from tests.helpers import Rig
+from tests.test_cli import gpuledger
 
 START = datetime(2026, 11, 20, 18, 0, tzinfo=UTC).timestamp()
 STEP_S = 60.0
@@ -469,9 +469,6 @@ def test_without_triggers_the_agent_has_no_actions() -> None:
 
 
 def test_simulate_only_logs_what_would_run(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     record = script(tmp_path / "record.sh", 'touch "$OUT/ran"\n')
     config = tmp_path / "config.yaml"
     config.write_text(
@@ -487,13 +484,17 @@ def test_simulate_only_logs_what_would_run(tmp_path: Path) -> None:
             }
         )
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "agent", "simulate", "demo", "--for", "3h", "--step", "1m", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OUT": str(tmp_path)},
+    result = gpuledger(
+        "simulate",
+        "demo",
+        "--for",
+        "3h",
+        "--step",
+        "1m",
+        "--config",
+        str(config),
+        env={"OUT": str(tmp_path)},
         timeout=120,
-        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "ran").exists()
@@ -506,12 +507,7 @@ def test_simulate_only_logs_what_would_run(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> Any:
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=60, check=False, env=os.environ
-    )
+    return gpuledger(*args)
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,7 @@ their arguments and answer like the real ones."""
 
 from __future__ import annotations
 
-import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import yaml
 from agent.actions.policy import Decision, Target, Trigger
 from agent.actions.runner import EXECUTED, FAILED, Outcome, run_command
 from agent.model import Workload
+from tests.test_cli import gpuledger
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "deploy" / "actions"
@@ -83,14 +81,7 @@ def test_the_example_config_is_one_the_agent_accepts(tmp_path: Path) -> None:
     document["actions"]["state_file"] = str(tmp_path / "actions.json")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(document))
-    result = subprocess.run(
-        [sys.executable, "-m", "agent", "check-config", str(config)],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=ROOT,
-        env=os.environ,
-    )
+    result = gpuledger("check-config", str(config))
     assert result.returncode == 0, result.stderr
     assert document["actions"]["dry_run"] is True  # shipped as a dry run
 

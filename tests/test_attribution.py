@@ -17,6 +17,7 @@ from agent.attribution.recognise import recognise_model
 from agent.attribution.sources.procfs import ProcessUnreadable, ProcFS
 from agent.model import WORKLOAD_LABELS, AgentState, Workload
 from tests.helpers import Rig
+from tests.test_cli import gpuledger
 
 DEMO_RULES = [
     ({"namespace": "^research-"}, {"team": "research"}),
@@ -350,17 +351,14 @@ def test_a_secret_in_a_process_environment_appears_nowhere(tmp_path: Path) -> No
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "GPULEDGER_POLL_INTERVAL": "0.2s"}
 
-    sim = subprocess.run(
-        [sys.executable, "-m", "agent", "--debug", "simulate", str(scenario), "--for", "10m", "--config", str(config),
-         "--metrics-out", str(out_dir / "metrics.prom")],
-        capture_output=True, text=True, cwd=repo, env=env, timeout=120, check=False,
+    sim = gpuledger(
+        "--debug", "simulate", str(scenario), "--for", "10m", "--config", str(config),
+        "--metrics-out", str(out_dir / "metrics.prom"), env=env, timeout=120,
     )  # fmt: skip
     assert sim.returncode == 0, sim.stderr
-    snap = subprocess.run(
-        [sys.executable, "-m", "agent", "--debug", "snapshot", "--fake", str(scenario), "--json",
-         "--config", str(config)],
-        capture_output=True, text=True, cwd=repo, env=env, timeout=120, check=False,
-    )  # fmt: skip
+    snap = gpuledger(
+        "--debug", "snapshot", "--fake", str(scenario), "--json", "--config", str(config), env=env, timeout=120
+    )
     assert snap.returncode == 0, snap.stderr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,6 +35,7 @@ import yaml
 
 from agent.config import Settings, check_config
 from tests.helpers import operator_models
+from tests.test_cli import gpuledger
 
 # One worker runs this module: the operator's CRD models take seconds to load, once a process.
 pytestmark = pytest.mark.xdist_group("deploy")
@@ -744,8 +745,5 @@ def test_readme_container_commands_match_the_dockerfile_and_the_chart() -> None:
     mounts = {run[i + 1].split(":")[1] for i, arg in enumerate(run) if arg == "-v"}
     assert env["GPULEDGER_PROC_ROOT"] in mounts
     assert env["GPULEDGER_ATTRIBUTION__PASSWD_FILE"] in mounts
-    result = subprocess.run(
-        [sys.executable, "-m", "agent", "check-config", str(SYSTEMD_DIR / "config.yaml")],
-        env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT, check=False,
-    )  # fmt: skip
+    result = gpuledger("check-config", str(SYSTEMD_DIR / "config.yaml"), env=env)
     assert result.returncode == 0, result.stderr

@@ -25,6 +25,7 @@ from agent.model import AgentState, Price
 from agent.pipeline import Costing
 from rules.engine import RuleSpec
 from tests.helpers import Rig
+from tests.test_cli import gpuledger
 
 PRICE = 3.6  # $/GPU-hour: $0.001 a second, so seconds read as thousandths of a dollar
 
@@ -266,11 +267,7 @@ def test_a_sped_up_run_charges_the_job_what_simulate_charges(tmp_path: Path) -> 
     # loaded 2-core machine a poll can be 100 real ms late, which at 3600x is 6 scenario minutes
     # (1.25% of 4 h) but at 1200x 2.
     simulated, ran = tmp_path / "simulate.db", tmp_path / "run.db"
-    sim = subprocess.run(
-        [sys.executable, "-m", "agent", "simulate", "weekend-idle", "--for", "5h", "--step", "1m",
-         "--ledger", str(simulated)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    sim = gpuledger("simulate", "weekend-idle", "--for", "5h", "--step", "1m", "--ledger", str(simulated), timeout=300)
     assert sim.returncode == 0, sim.stderr
     daemon = subprocess.Popen(
         [sys.executable, "-m", "agent", "run", "--fake", "weekend-idle", "--fake-speed", "1200",
