@@ -21,13 +21,11 @@ whose environment changes one of those.
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import json
 import locale
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -119,8 +117,6 @@ class CliServer:
         self._lock = threading.Lock()
         self._server: subprocess.Popen[bytes] | None = None
         self._env: dict[str, str] = {}
-        self._files = Path(tempfile.mkdtemp(prefix="gpuledger-cli-"))
-        atexit.register(shutil.rmtree, self._files, ignore_errors=True)
 
     def run(
         self, args: Sequence[str], env: Mapping[str, str], cwd: Path, timeout: float | None
@@ -132,19 +128,25 @@ class CliServer:
                 return subprocess.run(
                     argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=dict(env), check=False
                 )
-            out, err = self._files / "stdout", self._files / "stderr"
-            request = {"args": list(args), "env": dict(env), "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
-            assert server.stdin is not None
-            assert server.stdout is not None
-            server.stdin.write((json.dumps(request) + "\n").encode())
-            server.stdin.flush()
-            pid = self._answer(server, None)["pid"]
-            answer = self._answer(server, timeout)
-            if answer is None:
-                os.kill(pid, signal.SIGKILL)
-                self._answer(server, None)
-                raise subprocess.TimeoutExpired(argv, timeout or 0.0, _read(out), _read(err))
-            return subprocess.CompletedProcess(argv, answer["code"], _read(out), _read(err))
+            with tempfile.TemporaryDirectory(prefix="gpuledger-cli-") as files:
+                out, err = Path(files) / "stdout", Path(files) / "stderr"
+                request = {
+                    "args": list(args),
+                    "env": dict(env),
+                    "cwd": str(cwd),
+                    "stdout": str(out),
+                    "stderr": str(err),
+                }
+                assert server.stdin is not None
+                server.stdin.write((json.dumps(request) + "\n").encode())
+                server.stdin.flush()
+                pid = self._answer(server, None)["pid"]
+                answer = self._answer(server, timeout)
+                if answer is None:
+                    os.kill(pid, signal.SIGKILL)
+                    self._answer(server, None)
+                    raise subprocess.TimeoutExpired(argv, timeout or 0.0, _read(out), _read(err))
+                return subprocess.CompletedProcess(argv, answer["code"], _read(out), _read(err))
 
     def _started(self) -> subprocess.Popen[bytes]:
         server = self._server
