@@ -3,8 +3,10 @@ has already imported the agent; and `CliServer`, the tests' side of it.
 
 A command line the tests run is a real process: its own pid, environment, working directory,
 stdin (/dev/null), stdout and stderr (files the caller reads back), exit code and interpreter
-shutdown, exactly as `python -m agent ARGS` would have. What it skips is the import of the agent
-and its libraries, about 0.35 s of CPU each time: the suite runs a couple of hundred of them.
+shutdown, as `python -m agent ARGS` would have. What it skips is the import of the agent and its
+libraries, about 0.35 s of CPU each time: the suite runs a couple of hundred of them. What it
+shares with the server: the modules in PREIMPORTED, already imported, and the string hash seed
+(every child iterates a set of strings in the same order, where fresh interpreters would not).
 
     python -m tests.cli_server
 
