@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -128,6 +129,43 @@ def polls_at_least(n: int) -> object:
             return False
 
     return check
+
+
+# -- the helper: commands forked from the CLI server give what a fresh interpreter gives -------
+
+
+def test_a_forked_command_gives_what_a_fresh_interpreter_gives(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("pricing: {gpu_hourly: 2.5}\n")
+    commands: list[tuple[tuple[str, ...], dict[str, str]]] = [
+        (("--version",), {}),
+        (("report", "--ledger", str(tmp_path / "none.db")), {}),  # exit 2, one line on stderr
+        (("check-config", str(config)), {"GPULEDGER_PRICING__GPU_HOURLY": "lots"}),  # the environment counts
+        (("simulate", "demo", "--for", "1h", "--step", "5m"), {}),  # stdout, and log lines on stderr
+    ]
+    for args, env in commands:
+        forked = gpuledger(*args, env=env)
+        fresh = subprocess.run(
+            [sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=60, cwd=REPO,
+            env={**os.environ, **env}, check=False,
+        )  # fmt: skip
+        assert forked.returncode == fresh.returncode, args
+        assert forked.stdout == fresh.stdout, args
+        # Log lines carry the time and the fake node's temporary directory: compare what they say.
+        assert _messages(forked.stderr) == _messages(fresh.stderr), args
+    assert gpuledger("check-config", str(config)).returncode == 0  # nothing of the last command's environment stays
+
+
+def _messages(stderr: str) -> list[str]:
+    return [re.sub(r"^\S+ \S+ |/tmp/\S+", "", line) for line in stderr.splitlines()]
+
+
+def test_a_forked_command_past_its_timeout_is_killed_and_the_next_one_runs() -> None:
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        gpuledger("run", "--fake", "--listen", "127.0.0.1:0", timeout=2)
+    assert time.monotonic() - started < 10
+    assert gpuledger("--version").returncode == 0
 
 
 def test_run_fake_serves_demo_metrics_and_health_over_http(daemon: type[Daemon]) -> None:
