@@ -241,6 +241,15 @@ class Snapshot:
     def mig_devices(self, parent_uuid: str) -> tuple[DeviceReading, ...]:
         return tuple(d for d in self.devices if d.parent_uuid == parent_uuid)
 
+    def migs_by_parent(self) -> dict[str, tuple[DeviceReading, ...]]:
+        """`mig_devices` of every GPU that has some, found in one pass (for readers that ask
+        about every GPU)."""
+        found: dict[str, list[DeviceReading]] = {}
+        for d in self.devices:
+            if d.parent_uuid is not None:
+                found.setdefault(d.parent_uuid, []).append(d)
+        return {parent: tuple(migs) for parent, migs in found.items()}
+
 
 # The uuid a GPU goes by while discovery cannot read its own (and nothing remembers it): the
 # node's index, marked so that no reader takes it for a GPU's uuid. Charges are booked under it
@@ -393,6 +402,13 @@ class Attribution:
 
     def for_device(self, uuid: str) -> tuple[Holding, ...]:
         return tuple(h for h in self.holdings if h.device_uuid == uuid)
+
+    def by_device(self) -> dict[str, tuple[Holding, ...]]:
+        """`for_device` of every device held, found in one pass (holdings in attribution order)."""
+        found: dict[str, list[Holding]] = {}
+        for h in self.holdings:
+            found.setdefault(h.device_uuid, []).append(h)
+        return {uuid: tuple(held) for uuid, held in found.items()}
 
 
 @dataclass(frozen=True, slots=True)

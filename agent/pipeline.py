@@ -555,15 +555,12 @@ class Pipeline:
         if not self.rules:
             return
         cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
-        migs_of: dict[str, list[DeviceReading]] = {}
-        for d in snapshot.devices:
-            if d.parent_uuid is not None:
-                migs_of.setdefault(d.parent_uuid, []).append(d)
+        migs_of = snapshot.migs_by_parent()
         observations = []
         node, interval_s = snapshot.node.hostname, sampled.interval_s
         for gpu in snapshot.gpus:
             charge = cost.get(gpu.uuid)
-            migs = tuple(migs_of.get(gpu.uuid, ()))
+            migs = migs_of.get(gpu.uuid, ())
             observations.append(
                 GpuObservation(
                     gpu=gpu.index,

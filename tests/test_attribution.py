@@ -389,3 +389,20 @@ def test_a_secret_in_a_process_environment_appears_nowhere(tmp_path: Path) -> No
                        ("snapshot output", snap.stdout + snap.stderr), *(("file", t) for t in written)]:  # fmt: skip
         assert CANARY not in text, f"the canary leaked into the {name}"
     assert "HF_TOKEN" not in scraped
+
+
+@pytest.mark.parametrize("scenario", ["demo", "mig"])
+def test_the_one_pass_indexes_agree_with_the_per_device_lookups(rig: Any, scenario: str) -> None:
+    """`Attribution.by_device` and `Snapshot.migs_by_parent`, which accounting and the rules use,
+    give per device what `for_device` and `mig_devices` give one device at a time."""
+    r = rig(scenario)
+    r.poll()
+    state = r.poll(60)
+    snapshot, attribution = state.snapshot, state.attribution
+    assert snapshot is not None
+    assert attribution.holdings
+    held = attribution.by_device()
+    assert held == {d.uuid: attribution.for_device(d.uuid) for d in snapshot.devices if attribution.for_device(d.uuid)}
+    migs = snapshot.migs_by_parent()
+    assert migs == {g.uuid: snapshot.mig_devices(g.uuid) for g in snapshot.gpus if snapshot.mig_devices(g.uuid)}
+    assert bool(migs) == (scenario == "mig")

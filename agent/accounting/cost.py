@@ -249,18 +249,10 @@ def account(
         if not d.discovered:
             previous.setdefault(_by_index(d.index), d)
     prev_devices = {d.uuid: d for d in prev.devices}
-    # Each unit's holders, now and at the start, in attribution order (`Attribution.for_device`,
-    # found in one pass each), and each GPU's MIG devices (`Snapshot.mig_devices`, likewise).
-    holders_of: dict[str, list[Holding]] = {}
-    for h in attribution.holdings:
-        holders_of.setdefault(h.device_uuid, []).append(h)
-    earlier_of: dict[str, list[Holding]] = {}
-    for h in earlier.holdings if earlier is not None else ():
-        earlier_of.setdefault(h.device_uuid, []).append(h)
-    migs_of: dict[str, list[DeviceReading]] = {}
-    for d in curr.devices:
-        if d.parent_uuid is not None:
-            migs_of.setdefault(d.parent_uuid, []).append(d)
+    # Each unit's holders, now and at the start, in attribution order, and each GPU's MIG devices.
+    holders_of = attribution.by_device()
+    earlier_of = earlier.by_device() if earlier is not None else {}
+    migs_of = curr.migs_by_parent()
     workloads: dict[tuple[int, str, Workload], _Acc] = {}
     gpus: list[GpuCharge] = []
     # Whether a unit nobody runs on is idle or of unknown holder, at each end of the interval.
@@ -281,14 +273,14 @@ def account(
         unobserved_s = unobserved_dollars = 0.0
         unobserved_reason = ""
         idle_by: dict[Workload, list[float]] = {}  # left by -> [seconds, dollars, joules]
-        for unit in cost_units(curr, gpu, tuple(migs_of.get(gpu.uuid, ()))):
+        for unit in cost_units(curr, gpu, migs_of.get(gpu.uuid, ())):
             unit_dollars = gpu_dollars * unit.weight
             unit_joules = gpu_joules * unit.weight
-            holders = tuple(holders_of.get(unit.uuid, ())) if unit.uuid else ()
+            holders = holders_of.get(unit.uuid, ()) if unit.uuid else ()
             was = prev_devices.get(unit.uuid)
             # Who held it at the start, where that is known (its process list was read then).
             known = earlier is not None and was is not None and was.processes_known
-            before = tuple(earlier_of.get(unit.uuid, ())) if known and unit.uuid else holders
+            before = earlier_of.get(unit.uuid, ()) if known and unit.uuid else holders
             if unit.device is not None and not unit.device.processes_known and not holders:
                 # Nobody is known to hold it, but its processes could not be listed: not idle.
                 unobserved_s += dt * unit.weight

@@ -11,7 +11,7 @@ it is conservative (it recommends less than SM activity would).
 from __future__ import annotations
 
 from agent.accounting.cost import device_busy_ratio
-from agent.model import Attribution, DeviceReading, Holding, Snapshot, UnitUsage
+from agent.model import Attribution, DeviceReading, Snapshot, UnitUsage
 
 BUSY_GPM = "gpm"
 BUSY_NVML = "nvml"
@@ -35,9 +35,7 @@ def _clamp(value: float | None) -> float | None:
 def unit_usage(snapshot: Snapshot, attribution: Attribution) -> tuple[UnitUsage, ...]:
     """One `UnitUsage` per workload and unit it holds at this snapshot."""
     by_uuid = {d.uuid: d for d in snapshot.devices}
-    held: dict[str, list[Holding]] = {}  # each device's holdings, in attribution order
-    for h in attribution.holdings:
-        held.setdefault(h.device_uuid, []).append(h)
+    held = attribution.by_device()
     usage: list[UnitUsage] = []
     for device_uuid in sorted(held):
         device = by_uuid.get(device_uuid)
