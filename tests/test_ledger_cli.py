@@ -1,7 +1,7 @@
 """The ledger through the command line, on real files and real subprocesses: `simulate` refuses
-a ledger that already holds charges unless --append, and one it cannot write, before it
-simulates anything; `report` merges several ledgers (files or directories) and refuses to
-count one node's time twice."""
+a ledger that already holds charges unless --append, an --append that would count time twice,
+and a ledger it cannot write, before it simulates anything; `report` merges several ledgers
+(files or directories) and refuses to count one node's time twice."""
 
 from __future__ import annotations
 
@@ -103,12 +103,33 @@ def test_simulate_twice_into_one_ledger_is_refused_unless_append(tmp_path: Path,
     )
     assert ledger.read_bytes() == before  # not even opened for writing
 
-    appended = simulate(files, ledger, "--append")
+    # --append continues the ledger; the same two hours again would be counted twice: refused.
+    overlapping = simulate(files, ledger, "--append")
+    assert overlapping.returncode == 2
+    assert one_line(overlapping.stderr) == (
+        f"gpuledger: --append: {ledger} records charges until 2026-11-20T20:00:00Z, after the scenario's start "
+        "2026-11-20T18:00:00Z: that time would be counted twice; start the scenario at or after "
+        "2026-11-20T20:00:00Z, or choose a new file"
+    )
+    assert ledger.read_bytes() == before
+
+    appended = simulate(files, ledger, "--append", node="gpu-node-01-later")
     assert appended.returncode == 0, appended.stderr
-    # What --append asks for: the same two hours once more, $5.00 + $5.00 each for ann and idle.
-    twice = report_json(ledger)
-    assert dollars_by_user(twice) == pytest.approx({"ann": 10.0}, rel=1e-9)
-    assert twice["total"]["dollars"] == pytest.approx(20.0, rel=1e-9)
+    # The next two hours, 20:00 to 22:00: ann 4 h x $2.50 = $10.00, idle GPU 1 4 h x $2.50 = $10.00;
+    # nothing unobserved (the second run starts where the first ended). 10 + 10 + 0 = $20.00 =
+    # 2 GPUs x 4 h x $2.50.
+    both = report_json(ledger)
+    assert dollars_by_user(both) == pytest.approx({"ann": 10.0}, rel=1e-9)
+    assert both["idle"]["dollars"] == pytest.approx(10.0, rel=1e-9)
+    assert both["unobserved"]["dollars"] == pytest.approx(0.0, abs=1e-9)
+    assert both["total"]["dollars"] == pytest.approx(20.0, rel=1e-9)
+    after = ledger.read_bytes()
+
+    # The 18:00 scenario once more, now that the ledger runs to 22:00: its hours are held already.
+    earlier = simulate(files, ledger, "--append")
+    assert earlier.returncode == 2
+    assert "records charges until 2026-11-20T22:00:00Z" in one_line(earlier.stderr)
+    assert ledger.read_bytes() == after
 
 
 def test_an_empty_file_or_a_ledger_without_charges_is_a_new_ledger(tmp_path: Path, files: dict[str, Path]) -> None:

@@ -5,8 +5,10 @@ dcgm-exporter compatibility, the textfile, the ledger) applies here too; its per
 on the scenario clock at the daemon's rhythm, one poll per --step.
 
 Everything that can be refused is refused before the first poll: a --for or --step that would
-charge nothing, and a --ledger that already holds charges (simulating the same scenario into it
-twice would count every hour twice; --append says that is meant) or cannot be written.
+charge nothing, a --ledger that cannot be written or already holds charges (unless --append), and
+an --append whose scenario starts before the ledger's record ends: time is a partition, and
+simulating time the ledger already holds (the same scenario twice, or an earlier one after a
+later) would count it twice, or leave a hole in it that nothing books.
 """
 
 from __future__ import annotations
@@ -52,12 +54,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for option, target in (("--metrics-out", args.metrics_out), ("--ledger", args.ledger)):
         if target and target != "-" and not Path(target).parent.is_dir():
             raise BadInputError(f"gpuledger: {option}: no such directory {Path(target).parent}")
+    from fake_nvml import load_scenario  # here: `run` on a real driver never loads the fake
+
+    scenario = load_scenario(args.scenario)
     if args.ledger:
-        check_ledger(Path(args.ledger), append=args.append)
+        check_ledger(Path(args.ledger), append=args.append, start=scenario.start_epoch)
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
     # Scenario time is not the host's: actions are only logged as dry runs.
     agent = build_agent(
-        settings, fake=args.scenario, ledger_path=args.ledger, poll_interval_s=step, actions="dry_run",
+        settings, fake=scenario, ledger_path=args.ledger, poll_interval_s=step, actions="dry_run",
         ledger_write_behind=True,
     )  # fmt: skip
     node = agent.node
@@ -120,8 +125,9 @@ def _flags(state: AgentState) -> str:
     )
 
 
-def check_ledger(path: Path, *, append: bool) -> None:
-    """Refuse (BadInputError, one line) a ledger that holds charges unless `append`, and one that
+def check_ledger(path: Path, *, append: bool, start: float) -> None:
+    """Refuse (BadInputError, one line) a ledger that holds charges unless `append`, one whose
+    record ends after `start` (the simulation's first instant, epoch seconds), and one that
     cannot be opened for writing: opened and closed here, before anything is simulated."""
     try:
         if path.is_dir():
@@ -131,6 +137,12 @@ def check_ledger(path: Path, *, append: bool) -> None:
             raise BadInputError(
                 f"gpuledger: --ledger: {path} already holds charges ({iso_time(period[0])} to "
                 f"{iso_time(period[1])}); pass --append to add to them, or choose a new file"
+            )
+        if period is not None and start < period[1]:
+            raise BadInputError(
+                f"gpuledger: --append: {path} records charges until {iso_time(period[1])}, after the scenario's "
+                f"start {iso_time(start)}: that time would be counted twice; start the scenario at or after "
+                f"{iso_time(period[1])}, or choose a new file"
             )
         Ledger(path, retention_s=None).close()
     except LedgerError as exc:
