@@ -168,6 +168,9 @@ class PeriodicJob:
     # How late a run may start and still count (the daemon only): a poll due so long ago that
     # the next one is nearly due is skipped, and counted as an overrun.
     misfire_grace_s: int | None = None
+    # `simulate` only: where --for is not a whole number of steps, its last, shorter step ends
+    # with a run of this job whether due or not (the poll), so the run covers all of --for.
+    at_end: bool = False
 
 
 class _Stage:
@@ -707,7 +710,11 @@ class Pipeline:
             jobs += [PeriodicJob(r.name, r.interval_s, r.refresh) for r in self.attributor.refreshers()]
         jobs.append(
             PeriodicJob(
-                "poll", self.poll_interval_s, self._scheduled_poll, misfire_grace_s=max(1, int(self.poll_interval_s))
+                "poll",
+                self.poll_interval_s,
+                self._scheduled_poll,
+                misfire_grace_s=max(1, int(self.poll_interval_s)),
+                at_end=True,
             )
         )
         if self.costing is not None and self.costing.sink is not None:
@@ -777,15 +784,18 @@ def run_on_scenario_time(
     Jobs due at the start run first; then after each step every job whose time has come runs
     once, in the order given, however many of its runs fell within the step (APScheduler's
     coalescing). Each job keeps the daemon's rhythm: due every `interval_s` from the start.
-    `on_step` is called after each step's jobs (progress).
+    Where `duration_s` is not a whole number of steps, a last, shorter step ends the run at
+    `duration_s`, and the `at_end` jobs (the poll) run then too, due or not: otherwise the
+    seconds after the last whole step would be in no interval. `on_step` is called after each
+    step's jobs (progress).
     """
     schedule = [(job, 0.0 if job.at_start else job.interval_s) for job in jobs]
     elapsed = 0.0
     steps = 0
 
-    def run_due() -> None:
+    def run_due(last: bool = False) -> None:
         for i, (job, due) in enumerate(schedule):
-            if due <= elapsed + 1e-9:
+            if due <= elapsed + 1e-9 or (last and job.at_end):
                 job.run()
                 # The next run is the first of the job's beats after now, as with coalesce=True.
                 beats = math.floor((elapsed - due) / job.interval_s + 1e-9) + 1
@@ -797,6 +807,14 @@ def run_on_scenario_time(
         elapsed += step_s
         steps += 1
         run_due()
+        if on_step is not None:
+            on_step()
+    rest = duration_s - elapsed
+    if rest > 1e-9:
+        advance(rest)
+        elapsed = duration_s
+        steps += 1
+        run_due(last=True)
         if on_step is not None:
             on_step()
     return steps

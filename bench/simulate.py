@@ -11,6 +11,7 @@ with its rows.
 from __future__ import annotations
 
 import argparse
+import math
 import sqlite3
 import subprocess
 import sys
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", default="15s")
     args = parser.parse_args(argv)
     duration_s, step_s = parse_duration(args.duration), parse_duration(args.step)
-    polls = int(duration_s // step_s) + 1
+    polls = math.ceil(duration_s / step_s - 1e-9) + 1  # a last, shorter step ends at --for
     with tempfile.TemporaryDirectory() as tmp:
         ledger = Path(tmp) / "ledger.db"
         command = [

@@ -132,6 +132,23 @@ def test_simulate_twice_into_one_ledger_is_refused_unless_append(tmp_path: Path,
     assert ledger.read_bytes() == after
 
 
+def test_a_duration_that_is_not_whole_steps_is_simulated_to_its_end(tmp_path: Path, files: dict[str, Path]) -> None:
+    ledger = tmp_path / "odd.db"
+    result = gpuledger(
+        "simulate", str(files["gpu-node-01"]), "--for", "2h", "--step", "7m", "--config", str(files["config"]),
+        "--ledger", str(ledger),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # 2 h in 7 min steps is 17 of them (1 h 59 min) and a last one of 1 min: 0 + 18 steps = 19 polls.
+    assert f"simulated 2h of '{files['gpu-node-01']}' in 19 polls" in result.stdout
+    # All of the 2 h is charged, as with whole steps: ann 2 h x $2.50 = $5.00, idle GPU 1 $5.00.
+    document = report_json(ledger)
+    assert dollars_by_user(document) == pytest.approx({"ann": 5.0}, rel=1e-9)
+    assert document["idle"]["dollars"] == pytest.approx(5.0, rel=1e-9)
+    assert document["unobserved"]["dollars"] == pytest.approx(0.0, abs=1e-9)
+    assert document["total"]["dollars"] == pytest.approx(10.0, rel=1e-9)  # 2 GPUs x 2 h x $2.50
+
+
 def test_an_empty_file_or_a_ledger_without_charges_is_a_new_ledger(tmp_path: Path, files: dict[str, Path]) -> None:
     empty = tmp_path / "empty.db"
     empty.touch()

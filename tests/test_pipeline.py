@@ -299,5 +299,29 @@ def test_a_job_slower_than_the_step_keeps_its_own_beat() -> None:
         300,
         45,
     )
-    # Due at 60, 120, 180, 240: seen at the first step on or after each (90, 135, 180, 270).
-    assert ran == [90, 135, 180, 270]
+    # Due at 60, 120, 180, 240, 300: seen at the first step on or after each (90, 135, 180, 270),
+    # and at 300, where the last, shorter step (270 + 30) ends the run at its duration.
+    assert ran == [90, 135, 180, 270, 300]
+
+
+def test_a_duration_that_is_not_whole_steps_ends_with_a_shorter_step_and_a_poll() -> None:
+    now = [0.0]
+    ran: list[tuple[float, str]] = []
+
+    def job(name: str, interval_s: float, **kw: bool) -> PeriodicJob:
+        return PeriodicJob(name, interval_s, lambda: ran.append((now[0], name)), **kw)
+
+    steps = run_on_scenario_time(
+        [job("kubelet", 10), job("poll", 7, at_end=True), job("ledger", 60, at_start=False)],
+        lambda s: now.__setitem__(0, now[0] + s),
+        30,
+        7,
+    )
+    # Steps of 7 s to 28, then one of 2 s to 30: five steps, and the poll runs at 30 though its
+    # next beat is 35, so its intervals cover all 30 s (7 + 7 + 7 + 7 + 2).
+    assert steps == 5
+    assert [t for t, name in ran if name == "poll"] == [0, 7, 14, 21, 28, 30]
+    # A job without at_end keeps its beat: the kubelet, due at 10, 20 and 30, runs at the first
+    # step on or after each (14, 21, 30); the ledger, due at 60, not at all.
+    assert [t for t, name in ran if name == "kubelet"] == [0, 14, 21, 30]
+    assert [name for _t, name in ran].count("ledger") == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -70,7 +71,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     # Progress on a terminal only (tqdm turns itself off when stderr is not a TTY): a week at
     # 15 s steps is 40,000 polls, a minute or more of waiting.
     with tqdm(
-        total=int(duration // step), unit="poll", desc=f"simulate {node.scenario.name}", disable=None, leave=False
+        total=math.ceil(duration / step - 1e-9),
+        unit="poll",
+        desc=f"simulate {node.scenario.name}",
+        disable=None,
+        leave=False,
     ) as bar:
         try:
             run_on_scenario_time(agent.pipeline.jobs(), node.clock.advance, duration, step, on_step=bar.update)
