@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from agent.accounting.cost import account, accumulate, cost_units, downtime
+from agent.accounting.cost import LastEnergy, account, accumulate, cost_units, downtime
 from agent.accounting.unpriced import Unplaced, Unpriced
 from agent.accounting.usage import unit_usage
 from agent.attribution.gather import Attributor
@@ -227,7 +227,7 @@ class Pipeline:
         # The last attribution scrubbed and its scrubbed form: a steady state hands on the same
         # attribution poll after poll (Attributor.attribute).
         self._scrubbed_last: tuple[Attribution, Attribution] | None = None
-        self._last_energy: dict[str, float] = {}  # GPU uuid -> its last energy counter reading
+        self._last_energy: dict[str, LastEnergy] = {}  # GPU uuid -> its last energy counter reading
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
         # Cost unit uuid -> the workloads that held it at the last poll that saw it held: whom
@@ -463,9 +463,13 @@ class Pipeline:
         if sampled.interval_s <= costing.max_interval_s:  # what longer intervals used is not known
             charges = replace(charges, usage=unit_usage(snapshot, attribution))
         self._remember_holders(attribution)
+        unobserved_s = {g.uuid: g.unobserved_s for g in charges.gpus}
         for gpu in snapshot.gpus:
             if gpu.energy_j is not None:
-                self._last_energy[gpu.uuid] = gpu.energy_j
+                self._last_energy[gpu.uuid] = LastEnergy(gpu.energy_j, snapshot.taken_at)
+            elif (last := self._last_energy.get(gpu.uuid)) is not None and unobserved_s.get(gpu.uuid):
+                # The counter unread and the time unobserved: its share of the gap's energy is nobody's.
+                self._last_energy[gpu.uuid] = replace(last, unobserved_s=last.unobserved_s + unobserved_s[gpu.uuid])
         self._book(charges, snapshot, costing)
         return charges
 

@@ -4,6 +4,7 @@ of what used to be booked as idle, or lost; each checks the partition adds up to
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -122,6 +123,47 @@ def test_a_driver_outage_is_unobserved_not_idle(run: Any) -> None:
     assert unobserved == {"DRIVER_NOT_LOADED": pytest.approx(0.675)}
     assert idle == pytest.approx(1.125)
     assert charged + idle + sum(unobserved.values()) == pytest.approx(1800 * PRICE / 3600)  # $1.80
+
+
+def test_energy_counted_while_nobody_could_see_the_gpu_is_unobserved_not_the_next_holders(tmp_path: Path) -> None:
+    # ann runs at 50% on one GPU for 30 minutes: 50 W idle + 50% of the 350 W up to its 400 W
+    # limit = 225 W throughout, 225 W x 1800 s = 405,000 J on its counter. From 10:00 to 20:00
+    # every call on the GPU times out: the 40 intervals ending at the polls 10:00 .. 19:45
+    # (9:45 to 19:45, 600 s, $0.600) are unobserved, and the counter is not read from 9:45 until
+    # 20:00. Its 225 W x 615 s then are the gap's; ann held the GPU for the 15 s of the interval
+    # that ended it (225 x 15 = 3,375 J), and nobody saw who used it in the other 600 s
+    # (135,000 J). Before, all 138,375 J were charged to ann.
+    # ann: 225 W x 1200 s observed = 270,000 J; unobserved: 135,000 J; 270,000 + 135,000 = 405,000.
+    # At $0.12/kWh: 270,000 J = 0.075 kWh = $0.009; 135,000 J = 0.0375 kWh = $0.0045.
+    scenario = tmp_path / "outage.yaml"
+    scenario.write_text(
+        "node: {hostname: n1}\n"
+        "gpus: [{count: 1, power_limit_w: 400, idle_power_w: 50}]\n"
+        "processes: [{pid: 1, gpus: [0], sm_util: 50, memory_mib: 1000, uid: 1000, user: ann}]\n"
+        'faults: [{at: 10m, until: 20m, gpu: 0, call: "*", error: TIMEOUT}]\n'
+    )
+    config = tmp_path / "config.yaml"
+    config.write_text(f"pricing: {{gpu_hourly: {PRICE}, energy_per_kwh: 0.12}}\n")
+    ledger = tmp_path / "ledger.db"
+    result = gpuledger(
+        "simulate", str(scenario), "--for", "30m", "--config", str(config), "--ledger", str(ledger)
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = gpuledger("report", "--ledger", str(ledger), "--by", "user", "--format", "json")
+    assert report.returncode == 0, report.stderr
+    document = json.loads(report.stdout)
+    [ann] = document["rows"]
+    assert ann["user"] == "ann"
+    assert ann["energy_kwh"] == pytest.approx(0.075)
+    assert ann["energy_dollars"] == pytest.approx(0.009)
+    assert ann["dollars"] == pytest.approx(1.200)  # 1200 s x $0.001
+    unobserved = document["unobserved"]
+    assert unobserved["dollars"] == pytest.approx(0.600)
+    assert unobserved["energy_kwh"] == pytest.approx(0.0375)
+    assert unobserved["energy_dollars"] == pytest.approx(0.0045)
+    total = document["total"]
+    assert total["energy_kwh"] == pytest.approx(0.1125)  # 405,000 J: all the counter counted
+    assert total["dollars"] == pytest.approx(1800 * PRICE / 3600)  # $1.80 = $1.20 + $0.60 + $0 idle
 
 
 # -- utilization over the interval --------------------------------------------------------------

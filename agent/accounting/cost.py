@@ -194,14 +194,39 @@ def _unobserved(prev: DeviceReading | None, curr: DeviceReading, dt: float, max_
     return None
 
 
-def _energy_delta(prev: DeviceReading | None, curr: DeviceReading, last_known: float | None = None) -> float:
-    """Joules since the previous reading of the counter: the interval's start, or, where the
-    counter could not be read then, the last time it could (the counter kept counting)."""
-    before = prev.energy_j if prev is not None and prev.energy_j is not None else last_known
-    if before is None or curr.energy_j is None:
-        return 0.0
-    delta = curr.energy_j - before
-    return delta if delta >= 0 else 0.0  # the counter restarts with the driver: skip, never go negative
+def _energy_delta(
+    prev: DeviceReading | None, curr: DeviceReading, start: float, end: float, last_known: LastEnergy | None
+) -> tuple[float, float]:
+    """(joules, of which the interval's holders') since the previous reading of the counter:
+    the interval's start (`start`, to `end`), or, where the counter could not be read then, the
+    last time it could (`last_known`). The counter kept counting over such a gap; where the gap
+    held unobserved time (nobody saw who used the GPU), that time's share of it, pro rata by
+    time (the gap's mean power), is nobody's: the holders are charged the rest."""
+    if curr.energy_j is None:
+        return 0.0, 0.0
+    if prev is not None and prev.energy_j is not None:
+        delta = curr.energy_j - prev.energy_j
+        unseen_s = span_s = 0.0
+    elif last_known is not None:
+        delta = curr.energy_j - last_known.joules
+        unseen_s, span_s = last_known.unobserved_s, end - last_known.at
+    else:
+        return 0.0, 0.0
+    if delta < 0:
+        return 0.0, 0.0  # the counter restarts with the driver: skip, never go negative
+    if unseen_s <= 0 or span_s <= 0:
+        return delta, delta
+    return delta, delta * max(0.0, 1.0 - unseen_s / span_s)
+
+
+@dataclass(frozen=True, slots=True)
+class LastEnergy:
+    """A GPU's last energy counter reading, for the polls that cannot read it: the joules, when
+    (`at`), and how much of the time since was unobserved (`unobserved_s`)."""
+
+    joules: float
+    at: float
+    unobserved_s: float = 0.0
 
 
 @dataclass
@@ -223,7 +248,7 @@ def account(
     max_interval_s: float,
     energy_per_kwh: float | None = None,
     earlier: Attribution | None = None,
-    energy_before: Mapping[str, float] | None = None,
+    energy_before: Mapping[str, LastEnergy] | None = None,
     left_by: Mapping[str, tuple[Workload, ...]] | None = None,
 ) -> Charges:
     """Charges for the interval (prev.taken_at, curr.taken_at]. `prices` is keyed by GPU uuid;
@@ -236,8 +261,11 @@ def account(
     it started). `left_by` holds, per unit uuid, the workloads that held it last before `prev`:
     who left it idle, where it is idle before anyone holds it within the interval.
 
-    `energy_before` holds each GPU's last energy counter reading, for a counter that could not
-    be read at `prev`: its difference across the gap is the gap's energy, not 0."""
+    `energy_before` holds each GPU's last energy counter reading (`LastEnergy`), for a counter
+    that could not be read at `prev`: its difference across the gap is the gap's energy, not 0.
+    The interval's holders are charged it but for the share of the gap's unobserved time; that
+    share, like the energy of units whose holders could not be known, is in the GPU's joules and
+    in no workload's or idle stretch's: its unobserved energy."""
     dt = curr.taken_at - prev.taken_at
     charges = Charges(start=prev.taken_at, end=curr.taken_at, node=curr.node.hostname, energy_per_kwh=energy_per_kwh)
     if dt <= 0:
@@ -268,14 +296,16 @@ def account(
         if reason is not None:
             gpus.append(_unobserved_charge(gpu, in_force, gpu_dollars, dt, reason, energy_per_kwh))
             continue
-        gpu_joules = _energy_delta(previous.get(gpu.uuid), gpu, (energy_before or {}).get(gpu.uuid))
+        gpu_joules, interval_joules = _energy_delta(
+            previous.get(gpu.uuid), gpu, prev.taken_at, curr.taken_at, (energy_before or {}).get(gpu.uuid)
+        )
         idle_s = idle_dollars = idle_joules = 0.0
         unobserved_s = unobserved_dollars = 0.0
         unobserved_reason = ""
         idle_by: dict[Workload, list[float]] = {}  # left by -> [seconds, dollars, joules]
         for unit in cost_units(curr, gpu, migs_of.get(gpu.uuid, ())):
             unit_dollars = gpu_dollars * unit.weight
-            unit_joules = gpu_joules * unit.weight
+            unit_joules = interval_joules * unit.weight
             holders = holders_of.get(unit.uuid, ()) if unit.uuid else ()
             was = prev_devices.get(unit.uuid)
             # Who held it at the start, where that is known (its process list was read then).

@@ -6,6 +6,7 @@ needs to create the WAL's shared-memory file in a directory the reader may not w
 from __future__ import annotations
 
 import logging
+import math
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
@@ -37,9 +38,10 @@ class UsageRow:
     the charged seconds of every row of a GPU-hour add up to the hour. For an idle row both are
     the GPU's idle seconds, `dollars`, `joules` and `energy_dollars` its idle cost and energy,
     `busy_s` 0, the workload empty and `left_by` the workload that left the GPU idle (empty
-    where nobody is known to have held it); an unobserved row likewise carries the unobserved seconds
-    and dollars, no energy (nobody read the counter) and no energy dollars. `energy_dollars` is
-    None where no price per kWh was set (and for hours written before the ledger stored it).
+    where nobody is known to have held it); an unobserved row likewise carries the unobserved
+    seconds and dollars, and the energy the GPU's counter counted that no other row of the hour
+    carries (0 where the counter could not be read either). `energy_dollars` is None where no
+    price per kWh was set (and for hours written before the ledger stored it).
 
     `account` is the Slurm account of a job's row ('' otherwise, and in rows written before
     schema version 5); `dollars_per_hour`, `purchase` and `price_source` are the price the row was
@@ -323,21 +325,39 @@ def _read(
         for r in idle
         if r["idle_s"] or r["idle_dollars"] or r["idle_joules"]
     )
-    usage.extend(
-        _unowned_row(
-            r,
-            r["unobserved_s"],
-            r["unobserved_dollars"],
-            joules=0.0,
-            unobserved=True,
-            dollars_per_hour=r["dollars_per_hour"],
-            purchase=r["purchase"],
-            price_source=r["price_source"],
+    # A GPU-hour's unobserved energy: what its counter counted that no workload or idle row
+    # carries (the energy of units whose holders could not be known, and of a gap in the counter
+    # beyond the interval after it). Derived, so every ledger ever written has it.
+    carried: dict[tuple[int, str, int], list[float]] = {}
+    for row in usage:
+        carried.setdefault((row.hour, row.node, row.gpu), []).append(row.joules)
+    for r in gpu:
+        unseen = _unobserved_joules(r["joules"], carried.get((r["hour"], r["node"], r["gpu"]), []))
+        if not (r["unobserved_s"] or r["unobserved_dollars"] or unseen):
+            continue
+        # Priced at the hour's rate: its energy dollars over its joules.
+        priced = r["energy_dollars"]
+        usage.append(
+            _unowned_row(
+                r,
+                r["unobserved_s"],
+                r["unobserved_dollars"],
+                joules=unseen,
+                energy_dollars=priced * unseen / r["joules"] if priced is not None and unseen else None,
+                unobserved=True,
+                dollars_per_hour=r["dollars_per_hour"],
+                purchase=r["purchase"],
+                price_source=r["price_source"],
+            )
         )
-        for r in gpu
-        if r["unobserved_s"] or r["unobserved_dollars"]
-    )
     return LedgerContents(info, usage)
+
+
+def _unobserved_joules(gpu_joules: float, carried: list[float]) -> float:
+    """The GPU-hour's joules less those its rows carry; 0 where that is rounding (a part in a
+    billion of the hour's energy: the rows are its shares, summed in another order)."""
+    rest = gpu_joules - math.fsum(carried)
+    return rest if rest > gpu_joules * 1e-9 else 0.0
 
 
 def _unowned_row(r: sqlite3.Row, seconds: float, dollars: float, **figures: Any) -> UsageRow:

@@ -32,12 +32,15 @@ Choices a reader of the output should know:
 - Efficiency is used/charged: a percent in the table; in CSV and JSON `efficiency_ratio`, 0-1
   like every ratio gpuledger exports, empty / null where nothing was charged, for the idle row
   (nobody held it) and for the unobserved row (what it was used for is unknown; its GPU-hours
-  used, waste and energy are unknown too: "-", empty, null).
+  used and waste are unknown too: "-", empty, null).
 - Waste dollars are what was paid for and not used: dollars x (1 - used/charged), summed stored
   hour by stored hour, so that a workload on GPUs of different prices wastes what each idle
   GPU-hour cost (with one price it is the row's dollars x (1 - efficiency)). All the idle row's
   dollars are waste; TOTAL's waste is the workloads' plus the idle row's.
-- Energy is the GPUs' own energy counters split like cost, in kWh; its dollars are the ledger's
+- Energy is the GPUs' own energy counters split like cost, in kWh, so TOTAL's is what the
+  counters counted; the unobserved row's is the part no holder could be charged (the GPU was
+  read, its holders were not; or the counter's gap after an outage beyond the interval that
+  ended it), "-" where there is none (the counter was not read either). Its dollars are the ledger's
   (priced once, by accounting, at `pricing.energy_per_kwh`), summed over the hours that had a
   price. CSV and JSON always carry `energy_kwh` and `energy_dollars` (empty / null where
   nothing was priced); the table shows ENERGY KWH where energy was recorded and ENERGY $ where
@@ -84,7 +87,7 @@ class ReportLine:
     joules: float = 0.0
     energy_dollars: float | None = None  # None where no hour of the line had an energy price
     waste_dollars: float | None = None  # paid for and not used; None where use is unknown
-    observed: bool = True  # False for unobserved time: its use, waste and energy are unknown
+    observed: bool = True  # False for unobserved time: its use and waste are unknown
     left_by: Workload | None = None  # an idle line's: who left the GPUs idle (Workload(): nobody known)
     # When and on what it ran (report --runs): the first and the last hour it was charged in (the
     # ledger keeps hours), and the cost units (GPUs, MIG instances) it was charged for.
@@ -234,7 +237,7 @@ class _Sums:
     energy_dollars: list[float] = field(default_factory=list)
     waste_dollars: list[float] = field(default_factory=list)
     priced: bool = False
-    observed: bool = True  # False: the unobserved line, whose use, waste and energy are unknown
+    observed: bool = True  # False: the unobserved line, whose use and waste are unknown
     hours: set[int] = field(default_factory=set)
     units: set[tuple[str, str]] = field(default_factory=set)  # (node, uuid) of each GPU or MIG instance
 
@@ -545,7 +548,8 @@ def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | 
         "gpu_hours_used": line.gpu_hours_used if line.observed else None,
         "efficiency_ratio": line.efficiency if efficiency else None,
         "waste_dollars": line.waste_dollars,
-        "energy_kwh": line.energy_kwh if line.observed else None,
+        # Unobserved time's energy is known where the counter was read (its holders were not).
+        "energy_kwh": line.energy_kwh if line.observed or line.joules > 0 else None,
         "energy_dollars": line.energy_dollars,
     }
 
