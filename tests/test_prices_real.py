@@ -284,3 +284,25 @@ def test_a_mismatched_instance_type_is_priced_by_the_gpu(tmp_path: Path, caplog:
     assert all(line.endswith(" 1.0") for line in mismatch)
     assert 'source="catalogue"' in text
     assert 'purchase="on_demand"' in text
+
+
+def test_a_configured_instance_type_that_does_not_match_says_to_correct_the_config(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The same mistake made in the config rather than detected: the warning points at the key set.
+    caplog.set_level(logging.WARNING, logger="gpuledger")
+    scenario = {**NODE, "node": {"hostname": "wrong-node"}}
+    rig = Rig(scenario, settings=Settings(pricing={"instance_type": "p4d.24xlarge"}))
+    try:
+        state = rig.run(60, 60)
+    finally:
+        rig.close()
+    # Priced as the GPUs are, as when detected: 8 GPUs x $3.430881/h, p4d's 40 GB price unused.
+    model_price = load_catalogue().gpu_models["A100-SXM4-80GB"].dollars_per_hour
+    assert [p.dollars_per_hour for p in dict(state.prices).values()] == [pytest.approx(model_price)] * 8
+    warnings = [r.getMessage() for r in caplog.records if "NVML reports" in r.getMessage()]
+    assert warnings == [
+        "pricing: instance type p4d.24xlarge comes with A100-SXM4-40GB GPUs but NVML reports A100-SXM4-80GB: "
+        "priced as A100-SXM4-80GB (pricing.instance_type names it: correct it, or price these GPUs with "
+        "pricing.by_model)"
+    ]

@@ -377,6 +377,12 @@ def _costing(
 
     epochs = pricing.epochs()
     warned: set[str] = set()  # each warning once per run, however often GPUs are priced
+    # What to do about an instance type listed with other GPUs: the config's, or the detected one.
+    mismatch_hint = (
+        "pricing.instance_type names it: correct it, or price these GPUs with pricing.by_model"
+        if pricing.instance_type
+        else "set pricing.instance_type if the detected one is wrong"
+    )
 
     def prices(snapshot: Snapshot) -> dict[str, Price | None]:
         # A GPU not identified yet (no name, so no model) is priced by what prices the whole
@@ -399,7 +405,7 @@ def _costing(
         periods = [p for price in found.values() if price is not None for p in (price, *(c for _, c in price.changes))]
         for message in sorted({p.mismatch for p in periods if p.mismatch} - warned):
             warned.add(message)
-            log.warning("pricing: %s (set pricing.instance_type if the detected one is wrong)", message)
+            log.warning("pricing: %s (%s)", message, mismatch_hint)
         for p in periods:
             if p.source.startswith(NO_SPOT_PRICE) and "spot" not in warned:
                 warned.add("spot")
