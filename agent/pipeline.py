@@ -62,7 +62,7 @@ from agent.model import (
     Workload,
 )
 from agent.scrub import scrub_label
-from agent.units import format_duration
+from agent.units import format_duration, iso_time
 from rules.engine import GpuObservation, RuleSpec, RuleState, Transition, evaluate
 
 if TYPE_CHECKING:  # imported where `run` starts the scheduler: simulate, snapshot and report never do
@@ -228,6 +228,10 @@ class Pipeline:
         # attribution poll after poll (Attributor.attribute).
         self._scrubbed_last: tuple[Attribution, Attribution] | None = None
         self._last_energy: dict[str, LastEnergy] = {}  # GPU uuid -> its last energy counter reading
+        # Where the time booked so far ends (the ledger's record, then each interval booked): a
+        # clock stepped back (NTP) must not book the same wall-clock time twice.
+        self._booked_until: float | None = None
+        self._behind_since: float | None = None  # the clock of the last poll found behind it
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
         # Cost unit uuid -> the workloads that held it at the last poll that saw it held: whom
@@ -440,6 +444,17 @@ class Pipeline:
             self._book_downtime(snapshot, costing)
             self._remember_holders(attribution)
             return None
+        booked = self._booked_until
+        if booked is not None and snapshot.taken_at <= booked:
+            self._clock_behind(snapshot.taken_at, booked)
+            self._remember_holders(attribution)
+            self._remember_energy(snapshot, None)
+            return None
+        if booked is not None and previous.taken_at < booked:
+            # The clock caught up with the time already booked within this interval: its rest.
+            log.info("the clock is past %s again: charging from there", iso_time(booked))
+            previous = replace(previous, taken_at=booked)
+        self._booked_until, self._behind_since = snapshot.taken_at, None
         if not previous.gpus or not snapshot.gpus:
             # No GPU known at one end (the driver could not list them and nothing else named
             # them): the interval waits, unobserved, until GPUs are known to book it to.
@@ -463,15 +478,30 @@ class Pipeline:
         if sampled.interval_s <= costing.max_interval_s:  # what longer intervals used is not known
             charges = replace(charges, usage=unit_usage(snapshot, attribution))
         self._remember_holders(attribution)
-        unobserved_s = {g.uuid: g.unobserved_s for g in charges.gpus}
+        self._remember_energy(snapshot, charges)
+        self._book(charges, snapshot, costing)
+        return charges
+
+    def _remember_energy(self, snapshot: Snapshot, charges: Charges | None) -> None:
+        """Each GPU's last energy counter reading, for the polls that cannot read it, with the
+        unobserved seconds since (`charges` says which): that share of the gap's energy is nobody's."""
+        unobserved_s = {g.uuid: g.unobserved_s for g in charges.gpus} if charges is not None else {}
         for gpu in snapshot.gpus:
             if gpu.energy_j is not None:
                 self._last_energy[gpu.uuid] = LastEnergy(gpu.energy_j, snapshot.taken_at)
             elif (last := self._last_energy.get(gpu.uuid)) is not None and unobserved_s.get(gpu.uuid):
-                # The counter unread and the time unobserved: its share of the gap's energy is nobody's.
                 self._last_energy[gpu.uuid] = replace(last, unobserved_s=last.unobserved_s + unobserved_s[gpu.uuid])
-        self._book(charges, snapshot, costing)
-        return charges
+
+    def _clock_behind(self, now: float, booked: float) -> None:
+        """A poll whose clock is at or before the time already booked: nothing to charge (that
+        time is in the counters and the ledger once already), said once per step back."""
+        if now < booked and (self._behind_since is None or now < self._behind_since):
+            log.warning(
+                "the clock reads %s, %s before the time already charged (to %s): it was set back; "
+                "nothing is charged until it passes that time again",
+                iso_time(now), format_duration(booked - now), iso_time(booked),
+            )  # fmt: skip
+        self._behind_since = now
 
     def _book(self, charges: Charges, snapshot: Snapshot, costing: Costing) -> None:
         """The one way charges reach the counters and the ledger: less the time of GPUs that
@@ -496,6 +526,9 @@ class Pipeline:
         ledger and in report, not missing from both. With no GPU known yet (the driver cannot
         list them) it waits for them, like the time after it."""
         since = costing.sink.recorded_until if costing.sink is not None else None
+        self._booked_until = snapshot.taken_at if since is None else max(since, snapshot.taken_at)
+        if since is not None and snapshot.taken_at < since:
+            self._clock_behind(snapshot.taken_at, since)
         if since is None or not 0 < snapshot.taken_at - since <= MAX_DOWNTIME_S:
             return
         log.info(

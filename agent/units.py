@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from datetime import UTC, datetime
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 _DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -103,3 +104,8 @@ def format_duration(seconds: float) -> str:
         if count:
             parts.append(f"{count}{unit}")
     return "".join(parts) or "0s"
+
+
+def iso_time(t: float) -> str:
+    """`t` (unix seconds) as 2026-11-27T18:00:00Z."""
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")

@@ -5,6 +5,7 @@ of what used to be booked as idle, or lost; each checks the partition adds up to
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -20,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from agent.config import load_catalogue
+from agent.cli.wiring import build_agent
+from agent.config import Settings, load_catalogue
 from agent.ledger.sink import LedgerSink
 from agent.model import AgentState, Price
 from agent.pipeline import Costing
@@ -164,6 +166,90 @@ def test_energy_counted_while_nobody_could_see_the_gpu_is_unobserved_not_the_nex
     total = document["total"]
     assert total["energy_kwh"] == pytest.approx(0.1125)  # 405,000 J: all the counter counted
     assert total["dollars"] == pytest.approx(1800 * PRICE / 3600)  # $1.80 = $1.20 + $0.60 + $0 idle
+
+
+def _stepped_agent(ledger: Path, offset: list[float]) -> Any:
+    """The agent on one GPU that ann holds throughout, at $0.001 a second, writing `ledger`,
+    whose clock reads the scenario's plus `offset[0]` (a host clock that can be set back)."""
+
+    def stepped(backend: Any) -> Any:
+        clock = backend.clock
+        backend.clock = lambda: clock() + offset[0]
+        return backend
+
+    sink = LedgerSink(ledger, retention_s=None, node="n1")
+    prices = lambda snapshot: {g.uuid: Price(PRICE, "test") for g in snapshot.gpus}  # noqa: E731
+    return build_agent(
+        Settings(node_name="n1"),
+        fake={"node": {"hostname": "n1"}, "gpus": [{"count": 1}], "processes": [BUSY]},
+        costing=Costing(prices=prices, sink=sink, max_interval_s=300.0),
+        wrap_backend=stepped,
+    )
+
+
+def _ledger_time(ledger: Path) -> tuple[float, float, float, float]:
+    """(observed seconds, dollars, idle dollars, unobserved dollars) the ledger holds."""
+    with sqlite3.connect(ledger) as db:
+        found: tuple[float, float, float, float] = db.execute(
+            "SELECT sum(observed_s), sum(dollars), sum(idle_dollars), sum(unobserved_dollars) FROM gpu_hours"
+        ).fetchone()
+    return found
+
+
+def test_a_clock_set_back_never_charges_the_same_time_twice(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Polls every 15 s of scenario time for 20 minutes. At 10:00 the host's clock is set back 5
+    # minutes (NTP stepping a clock that ran fast): the polls from then on read 5:15, 5:30, ...
+    # The 5:00 to 10:00 the clock shows again were charged already, so nothing is charged until
+    # the clock passes 10:00, and then from there: the ledger holds 0:00 to 15:00 on the clock,
+    # 900 s, once: ann $0.900 at $0.001 a second, nothing idle or unobserved; 0.900 + 0 + 0 =
+    # 900 s x $0.001. Before, the 5 minutes shown twice were charged twice: 1185 s, $1.185.
+    caplog.set_level(logging.WARNING, logger="agent.pipeline")
+    ledger, offset = tmp_path / "ledger.db", [0.0]
+    agent = _stepped_agent(ledger, offset)
+    try:
+        agent.pipeline.poll_once()
+        for step in range(1, 81):
+            agent.node.clock.advance(15)
+            if step == 41:  # scenario 10:15, the first poll after the step back
+                offset[0] = -300.0
+            state = agent.pipeline.poll_once()
+    finally:
+        agent.close()
+    charged, idle, unobserved = partition(state)
+    assert charged == pytest.approx(0.900)
+    assert (idle, unobserved) == (0.0, {})
+    observed, dollars, idle_dollars, unobserved_dollars = _ledger_time(ledger)
+    assert observed == pytest.approx(900.0)
+    assert dollars == pytest.approx(900 * PRICE / 3600)  # $0.900
+    assert (idle_dollars, unobserved_dollars) == (0.0, 0.0)
+    warnings = [r.getMessage() for r in caplog.records if "set back" in r.getMessage()]
+    assert warnings == [  # said once, not at each of the 20 polls behind
+        "the clock reads 2026-11-20T18:05:15Z, 4m45s before the time already charged (to 2026-11-20T18:10:00Z): "
+        "it was set back; nothing is charged until it passes that time again"
+    ]
+
+
+def test_a_run_whose_clock_starts_before_the_ledgers_record_ends_charges_only_what_is_new(tmp_path: Path) -> None:
+    # Run 1 watches 0:00 to 10:00 into the ledger. Run 2 starts on a host clock set back 5
+    # minutes, at 5:00, and watches 10 minutes, to 15:00 on its clock: the 5:00 to 10:00 it
+    # sees again are in the ledger already, so it charges 10:00 to 15:00 only. The ledger holds
+    # 0:00 to 15:00 once: 900 s, ann $0.900; 0.900 + 0 idle + 0 unobserved = 900 s x $0.001.
+    # Before, run 2 charged all its 600 s: 1200 s, $1.200.
+    ledger = tmp_path / "ledger.db"
+    for start, offset in ((0.0, 0.0), (600.0, -300.0)):
+        agent = _stepped_agent(ledger, [offset])
+        try:
+            agent.node.clock.advance(start)  # run 2: 10:00 into the scenario, its clock at 5:00
+            agent.pipeline.poll_once()
+            for _ in range(40):
+                agent.node.clock.advance(15)
+                agent.pipeline.poll_once()
+        finally:
+            agent.close()
+    observed, dollars, idle_dollars, unobserved_dollars = _ledger_time(ledger)
+    assert observed == pytest.approx(900.0)
+    assert dollars == pytest.approx(900 * PRICE / 3600)
+    assert (idle_dollars, unobserved_dollars) == (0.0, 0.0)
 
 
 # -- utilization over the interval --------------------------------------------------------------

@@ -26,13 +26,12 @@ from agent.cli.wiring import build_agent
 from agent.config import load_config
 from agent.errors import BadInputError, GpuledgerError
 from agent.ledger.files import LedgerError
-from agent.ledger.pending import iso_time
 from agent.ledger.read import recorded_period
 from agent.ledger.store import Ledger
 from agent.model import AgentState
 from agent.pipeline import run_on_scenario_time
 from agent.scrub import escape_control
-from agent.units import format_duration
+from agent.units import format_duration, iso_time
 
 log = logging.getLogger("gpuledger")
 

@@ -31,10 +31,11 @@ from dataclasses import dataclass, replace
 from agent.fleet import DEFAULT_NODE_LABEL
 from agent.fleet.promapi import EmptyStore, LabelSet, PrometheusAPI
 from agent.fleet.source import DEFAULT_LOOKBACK_S, Window, counter_growth, has_series
-from agent.ledger.pending import hour_start, iso_time
+from agent.ledger.pending import hour_start
 from agent.ledger.read import UsageRow
 from agent.ledger.report import Report, build_report, check_by
 from agent.model import WORKLOAD_LABELS, Workload
+from agent.units import iso_time
 
 QUERY_WORKERS = 4  # counters asked for at once: enough to overlap round trips, few for the store
 

@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from agent.errors import BadInputError
-from agent.ledger.pending import HOUR_S, iso_time
+from agent.ledger.pending import HOUR_S
 from agent.ledger.read import UsageRow, read_ledger
 from agent.ledger.report import check_overlaps
 from agent.model import WORKLOAD_LABELS, Workload
-from agent.units import joules_to_kwh
+from agent.units import iso_time, joules_to_kwh
 
 FORMATS = ("csv", "parquet")
 LEFT_BY_COLUMNS = tuple(f"left_by_{name}" for name in WORKLOAD_LABELS)

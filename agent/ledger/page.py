@@ -26,7 +26,7 @@ from html import escape
 from agent.accounting.rightsize import ACTION_NONE, HOURS_PER_MONTH, Recommendation
 from agent.ledger import charts
 from agent.ledger.charts import Series
-from agent.ledger.pending import HOUR_S, hour_start, iso_time
+from agent.ledger.pending import HOUR_S, hour_start
 from agent.ledger.read import UsageRow
 from agent.ledger.report import (
     IDLE_LABEL,
@@ -44,6 +44,7 @@ from agent.ledger.report import (
     left_by_name,
 )
 from agent.model import Workload
+from agent.units import iso_time
 
 DAY_S = 86400.0
 WEEK_S = 7 * DAY_S

@@ -10,7 +10,6 @@ import math
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple
@@ -18,6 +17,7 @@ from typing import NamedTuple
 from agent.accounting import sketch
 from agent.ledger.schema import GPU_MEASURES, IDLE_MEASURES, PRICE_ATTRIBUTES, PRICED_MEASURES, WORKLOAD_MEASURES
 from agent.model import Charges, GpuCharge, IdleCharge, UnitUsage, Workload
+from agent.units import iso_time
 
 log = logging.getLogger("gpuledger.ledger")
 
@@ -486,8 +486,3 @@ def _add_usage(batch: Batch, charges: Charges, shares: Sequence[tuple[int, float
         for hour, _share in shares:
             pending = batch.sizing_rows[_SizingHour(hour, charges.node, *kind)]
             pending.max_units = max(pending.max_units, count)
-
-
-def iso_time(t: float) -> str:
-    """`t` (unix seconds) as 2026-11-27T18:00:00Z."""
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")

@@ -60,10 +60,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from agent.ledger.pending import HOUR_S, hour_start, iso_time
+from agent.ledger.pending import HOUR_S, hour_start
 from agent.ledger.read import LedgerInfo, UsageRow, read_ledger
 from agent.model import WORKLOAD_LABELS, Workload
-from agent.units import joules_to_kwh, parse_duration
+from agent.units import iso_time, joules_to_kwh, parse_duration
 
 # `account`: the Slurm account a job is billed to, kept in the ledger (it is no metric label).
 GROUP_KEYS = ("node", "gpu", *WORKLOAD_LABELS, "account")
