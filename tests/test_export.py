@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
+import stat
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -154,9 +156,29 @@ def test_bad_export_arguments_are_one_line(ledgers: list[Path], args: tuple[str,
     assert words in result.stderr
 
 
-def test_a_failed_write_leaves_no_file_behind(ledgers: list[Path], tmp_path: Path) -> None:
-    target = tmp_path / "out.csv"
-    target.mkdir()  # os.replace cannot put a file over a directory
-    result = gpuledger("export", "--ledger", str(ledgers[0]), "--out", str(target))
-    assert result.returncode == 1
-    assert list(tmp_path.iterdir()) == [target]
+def test_an_out_that_is_not_a_file_is_refused_and_left_alone(ledgers: list[Path], tmp_path: Path) -> None:
+    # Renaming the export over a directory fails; over a FIFO or a device it would succeed and
+    # destroy it (`--out /dev/null` once left a regular file where the device was).
+    directory = tmp_path / "out.csv"
+    directory.mkdir()
+    fifo = tmp_path / "pipe.csv"
+    os.mkfifo(fifo)
+    for target, kind in ((directory, "a directory"), (fifo, "not a regular file")):
+        result = gpuledger("export", "--ledger", str(ledgers[0]), "--out", str(target))
+        assert (result.returncode, result.stderr.strip()) == (
+            2,
+            f"gpuledger: --out: {target} is {kind}: name a file to write",
+        )
+    assert sorted(tmp_path.iterdir()) == sorted([directory, fifo])  # no temporary file left behind
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_an_out_that_is_a_symlink_is_written_through(ledgers: list[Path], tmp_path: Path) -> None:
+    real = tmp_path / "real.csv"
+    real.write_text("old\n")
+    link = tmp_path / "link.csv"
+    link.symlink_to(real)
+    result = gpuledger("export", "--ledger", str(ledgers[0]), "--out", str(link))
+    assert result.returncode == 0, result.stderr
+    assert link.is_symlink()  # still the link, now to the new export
+    assert real.read_text().startswith("hour,node,gpu,uuid,kind,")

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TypeVar
 
 from agent.cli.args import EXIT_OK
 from agent.config import load_config
-from agent.errors import BadInputError, ConfigError
+from agent.errors import ConfigError
+from agent.ledger.export import replacing
 from exporters.promrules import (
     WorkCounter,
     budget_groups,
@@ -78,17 +77,5 @@ def _configured_work(config: str | None) -> list[WorkCounter]:
 
 def _write(path: Path, text: str) -> None:
     """Write atomically: Prometheus may reload the file at any moment."""
-    if path.is_dir():
-        raise BadInputError(f"gpuledger: --out: {path} is a directory")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
-    except OSError as exc:
-        raise BadInputError(f"gpuledger: --out: {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replacing(path) as out:
+        out.write(text.encode())

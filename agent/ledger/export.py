@@ -175,12 +175,12 @@ def write(rows: Sequence[Record], fmt: str, path: str) -> None:
             return
         raise BadInputError("gpuledger: export: Parquet is binary: give --out FILE")
     target = Path(path)
-    with _replacing(target) as handle:
+    with replacing(target) as handle:
         if fmt == "csv":
             text = io.TextIOWrapper(handle, encoding="utf-8", newline="")
             write_csv(rows, text)
             text.flush()
-            text.detach()  # the binary file stays open for _replacing to close
+            text.detach()  # the binary file stays open for replacing to close
         else:
             write_parquet(rows, handle)
         handle.flush()
@@ -188,14 +188,27 @@ def write(rows: Sequence[Record], fmt: str, path: str) -> None:
 
 
 @contextmanager
-def _replacing(target: Path) -> Iterator[IO[bytes]]:
-    """A temporary file in `target`'s directory, renamed to `target` when the block succeeds and
-    removed when it fails."""
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+def replacing(target: Path, option: str = "--out") -> Iterator[IO[bytes]]:
+    """A temporary file beside `target`, renamed over it when the block succeeds and removed
+    when it fails, so that a reader sees the old file or the new one, never half of either.
+
+    A symlink is written through (its target is replaced; the link stays). Anything else that
+    is not a regular file is refused (BadInputError, naming `option`) before anything is
+    written: renaming over a device, a FIFO or a socket would destroy it (`--out /dev/null`
+    once replaced the device with a file), and its reader would never see the output."""
+    real = Path(os.path.realpath(target))
+    if real.exists() and not real.is_file():
+        kind = "a directory" if real.is_dir() else "not a regular file"
+        raise BadInputError(f"gpuledger: {option}: {target} is {kind}: name a file to write")
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{real.name}.", dir=real.parent)
+    except OSError as exc:
+        raise BadInputError(f"gpuledger: {option}: {target}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as handle:
             yield handle
-        os.replace(name, target)
+        os.chmod(name, 0o644)
+        os.replace(name, real)
     except BaseException:
         with suppress(OSError):
             os.unlink(name)
