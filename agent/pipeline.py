@@ -406,8 +406,8 @@ class Pipeline:
         return self._scrubbed(self.attributor.attribute(snapshot))
 
     def _scrubbed(self, attribution: Attribution) -> Attribution:
-        """`attribution` with every workload label scrubbed of credentials and control
-        characters. Here, once, because every output (metrics, textfile, ledger, flags and their
+        """`attribution` with every workload label and Slurm account scrubbed of credentials and
+        control characters. Here, once, because every output (metrics, textfile, ledger, flags and their
         log lines, snapshot) is built from this stage's result: a model given as
         https://user:pass@host/m?token=... leaves the agent as https://host/m."""
         last = self._scrubbed_last
@@ -426,8 +426,15 @@ class Pipeline:
                 # None: nothing to scrub. Each poll's attribution may build its workloads anew,
                 # so "the same" means equal, not the object first remembered.
                 scrubbed = clean[workload] = None if values == workload.label_dict() else Workload.from_labels(values)
-            changed = changed or scrubbed is not None
-            holdings.append(holding if scrubbed is None else replace(holding, workload=scrubbed))
+            # The Slurm account is no label but reaches the ledger and `report --by account`; the
+            # process's own SLURM_JOB_ACCOUNT can hold anything.
+            account = scrub_label(holding.account) if holding.account else ""
+            if scrubbed is not None or account != holding.account:
+                changed = True
+                clean_workload = scrubbed if scrubbed is not None else workload
+                holdings.append(replace(holding, workload=clean_workload, account=account))
+            else:
+                holdings.append(holding)
         result = replace(attribution, holdings=tuple(holdings)) if changed else attribution
         self._scrubbed_last = (attribution, result)
         return result

@@ -142,8 +142,16 @@ def test_a_log_line_stays_one_line_without_the_secret() -> None:
 SECRET_SCENARIO = """
 start: 2026-11-20T18:00:00Z
 node: {hostname: leaky-node, instance_type: p4d.24xlarge}
-gpus: [{model: A100-SXM4-80GB, count: 1}]
+gpus: [{model: A100-SXM4-80GB, count: 2}]
 processes:
+  - pid: 4343
+    gpus: [1]
+    sm_util: 50
+    memory_mib: 1000
+    uid: 1001
+    user: bob
+    cmdline: "python train.py"
+    environ: {SLURM_JOB_ID: "77", SLURM_JOB_ACCOUNT: "acct?token=SECRETACC8"}
   - pid: 4242
     gpus: [0]
     sm_util: 80
@@ -181,6 +189,8 @@ def test_a_credential_in_the_model_argument_reaches_no_output(tmp_path: Path) ->
         ),
         "metrics": metrics.read_text(),
         "report": gpuledger("report", "--ledger", str(ledger), "--by", "model", "--format", "csv"),
+        "report by account": gpuledger("report", "--ledger", str(ledger), "--by", "account,team", "--format", "csv"),
+        "export": gpuledger("export", "--ledger", str(ledger)),
         "snapshot": gpuledger("snapshot", "--fake", str(scenario), "--json"),
         "snapshot table": gpuledger("snapshot", "--fake", str(scenario)),
         "ledger rows": "\n".join(
@@ -191,6 +201,8 @@ def test_a_credential_in_the_model_argument_reaches_no_output(tmp_path: Path) ->
         assert "s3cretpw" not in text, name
         assert "abc123xyz" not in text, name
         assert "alice:" not in text, name
+        assert "SECRETACC8" not in text, name  # a Slurm account from the job's own environment
+    assert "acct" in outputs["report by account"]  # the account itself stays, its token does not
     # The model keeps what identifies it: the URL without its userinfo and query string.
     for name in ("metrics", "report", "snapshot", "ledger rows"):
         assert "https://hub.example/org/m" in outputs[name], name
