@@ -48,11 +48,14 @@ Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No setting is infinite or NaN: a price of inf passed, and then every charge was refused.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 Purchase = Literal["on_demand", "spot", "reserved", "savings_plan", "committed"]
-Dollars = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# A price, $/hour: at most a million, far above any GPU or instance sold, so that a price with
+# its exponent mistyped (1e308) is refused rather than overflowing the dollars it multiplies.
+Dollars = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
 # Purchase options whose price cannot be guessed from the on-demand one: they need a rate or a
 # discount (spot may have its price per instance type in spot_hourly instead).
 _NEEDS_TERMS = ("reserved", "savings_plan", "committed")
@@ -78,12 +81,12 @@ class PriceChange(_Section):
 
 
 class PricingConfig(_Section):
-    gpu_hourly: float | None = Field(default=None, ge=0)
-    by_uuid: dict[str, Annotated[float, Field(ge=0)]] = {}
-    by_model: dict[str, Annotated[float, Field(ge=0)]] = {}
+    gpu_hourly: Dollars | None = None
+    by_uuid: dict[str, Dollars] = {}
+    by_model: dict[str, Dollars] = {}
     instance_type: str | None = None
-    instance_hourly: dict[str, Annotated[float, Field(ge=0)]] = {}
-    energy_per_kwh: float | None = Field(default=None, ge=0)
+    instance_hourly: dict[str, Dollars] = {}
+    energy_per_kwh: Dollars | None = None  # $/kWh
     # How this node is bought, and at what terms: `rate` ($/GPU-hour) replaces the price found
     # above, `discount` (0-1) takes that fraction off it; spot takes its price per instance type
     # from spot_hourly ($/instance-hour, like instance_hourly) where listed.
@@ -387,7 +390,12 @@ def _check_listen(value: object) -> str:
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, populate_by_name=True
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        populate_by_name=True,
+        allow_inf_nan=False,
     )
 
     # The node's name in the ledger, logs and rule selectors; default the hostname (in a pod,

@@ -76,6 +76,30 @@ def test_a_section_variable_that_is_not_json_is_named() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("document", "problem"),
+    [
+        # An infinite price passed, and then every charge was refused as not finite: exit 0, an
+        # empty ledger. A mistyped exponent overflowed the dollars it multiplied.
+        ("pricing: {gpu_hourly: .inf}", "pricing.gpu_hourly: Input should be a finite number"),
+        ("pricing: {energy_per_kwh: .nan}", "pricing.energy_per_kwh: Input should be a finite number"),
+        (
+            "pricing: {by_model: {A100-SXM4-80GB: 1e308}}",
+            "pricing.by_model.A100-SXM4-80GB: Input should be less than or equal to 1000000",
+        ),
+        ("pricing: {instance_hourly: {p4d.24xlarge: -1}}", "Input should be greater than or equal to 0"),
+    ],
+)
+def test_a_price_that_is_not_a_finite_sane_number_is_refused(tmp_path: Path, document: str, problem: str) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(document + "\n")
+    settings_, problems = check_config(config)
+    assert settings_ is None
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{config}: ")
+    assert problem in problems[0]
+
+
 # -- fuzzing: every reader of user input fails with its own one-line error, or succeeds --------
 
 keys = st.one_of(
