@@ -1622,6 +1622,46 @@ BAD_SCENARIOS = [
         id="nvlink_down link out of range",
     ),
     pytest.param({"gpus": TWO_GPUS, "faults": [{"nvlink_down": [0]}]}, "faults[0].gpu:", id="nvlink_down without GPU"),
+    # Numbers past what the fake driver can report: each one crashed every poll (NaN, a pid over
+    # 32 bits), hung the run (a hundred million GPUs or links), ran out of memory (10^12 ECC
+    # errors) or wrapped silently (memory past 64 bits of bytes).
+    pytest.param(
+        {"gpus": ONE_GPU, "processes": [process(sm_util=float("nan"))]},
+        "processes[0].sm_util: must be a finite number, got nan",
+        id="NaN utilization",
+    ),
+    pytest.param(
+        {"gpus": [{"power_limit_w": float("inf")}]},
+        "gpus[0].power_limit_w: must be a finite number, got inf",
+        id="infinite power limit",
+    ),
+    pytest.param(
+        {"gpus": ONE_GPU, "processes": [process(pid=2**32 + 1)]},
+        "processes[0].pid: must be at most 4194304, got 4294967297",
+        id="pid past 32 bits",
+    ),
+    pytest.param(
+        {"gpus": [{"count": 100_000_000}]}, "gpus[0].count: must be at most 64, got 100000000", id="GPU count"
+    ),
+    pytest.param(
+        {"gpus": [{"count": 40}, {"count": 40}]},
+        "gpus[1].count: a node has at most 64 GPUs; these would make 80",
+        id="GPUs over all entries",
+    ),
+    pytest.param({"gpus": [{"nvlink_links": 10**12}]}, "gpus[0].nvlink_links: must be at most 18,", id="links"),
+    pytest.param(
+        {"gpus": ONE_GPU, "faults": [{"gpu": 0, "ecc": {"corrected": 10**12}}]},
+        "faults[0].ecc.corrected: must be at most 1000000,",
+        id="ECC errors",
+    ),
+    pytest.param(
+        {"gpus": [{"memory_total_mib": 10**23}]}, "gpus[0].memory_total_mib: must be at most 16777216,", id="memory"
+    ),
+    pytest.param(
+        {"gpus": ONE_GPU, "faults": [{"call": "*", "latency_ms": 1e300}]},
+        "faults[0].latency_ms: must be 0..600000, got 1e+300",
+        id="latency",
+    ),
 ]
 
 

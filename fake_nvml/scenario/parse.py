@@ -8,6 +8,7 @@ a bad scenario fails at load and never as a puzzling reading halfway through a r
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -48,6 +49,19 @@ from fake_nvml.scenario.model import (
     UtilSegment,
 )
 
+# Bounds that keep every number a scenario gives inside what the fake driver can report: NVML's
+# unsigned counters, a node's GPUs (its handles number up to 255) and links, a process id. Beyond
+# them a run hung, ran out of memory or wrapped values silently.
+MAX_COUNT = 2**64 - 1  # NVML's widest counters are unsigned long long
+MAX_NUMBER = 1e15  # a number with no narrower bound (watts, joules): finite, and far from overflow
+MAX_GPUS = 64
+MAX_NVLINKS = 18  # NVML_NVLINK_MAX_LINKS
+MAX_MIB = 2**24  # 16 TiB of GPU memory
+MAX_PID = 4_194_304  # Linux's PID_MAX_LIMIT
+MAX_EVENTS = 1_000_000  # errors one fault adds to a counter
+MAX_LATENCY_MS = 600_000.0
+MAX_WATTS = 10_000.0  # a board's power in milliwatts stays within NVML's unsigned int
+
 
 class _Reader:
     """Typed access to one mapping of the YAML, with the path used in error messages."""
@@ -78,25 +92,28 @@ class _Reader:
             raise self.fail(key, f"expected text, got {_kind(value)}")
         return str(value)
 
-    def int_(self, key: str, default: int | None = None, *, minimum: int = 0) -> int | None:
+    def int_(self, key: str, default: int | None = None, *, minimum: int = 0, maximum: int = MAX_COUNT) -> int | None:
         value = self.data.get(key, default)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"expected a whole number, got {value!r}")
+            raise self.fail(key, f"expected a whole number, got {_short(value)}")
         if value < minimum:
-            raise self.fail(key, f"must be at least {minimum}, got {value}")
+            raise self.fail(key, f"must be at least {minimum}, got {_short(value)}")
+        if value > maximum:
+            raise self.fail(key, f"must be at most {maximum}, got {_short(value)}")
         return value
 
-    def num(self, key: str, default: float | None = None, *, maximum: float | None = None) -> float | None:
+    def num(self, key: str, default: float | None = None, *, maximum: float = MAX_NUMBER) -> float | None:
         value = self.data.get(key, default)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(key, f"expected a number, got {value!r}")
-        if value < 0 or (maximum is not None and value > maximum):
-            bound = f"0..{maximum:g}" if maximum is not None else "0 or more"
-            raise self.fail(key, f"must be {bound}, got {value}")
+            raise self.fail(key, f"expected a number, got {_short(value)}")
+        if not math.isfinite(value):
+            raise self.fail(key, f"must be a finite number, got {value}")
+        if value < 0 or value > maximum:
+            raise self.fail(key, f"must be 0..{maximum:g}, got {_short(value)}")
         return float(value)
 
     def duration(self, key: str, default: float | None = None) -> float | None:
@@ -135,6 +152,12 @@ def _uuid(hostname: str, *parts: object) -> str:
     return f"{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
 
 
+def _short(value: object) -> str:
+    """A value for an error line: its repr, cut to 40 characters (a line, not a 5 MB string)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
     entries = top.list_("gpus")
     if not entries:
@@ -151,16 +174,18 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
         )  # fmt: skip
         model = r.str_("model", "A100-SXM4-80GB") or "A100-SXM4-80GB"
         facts = MODEL_FACTS.get(model, DEFAULT_FACTS)
-        count = r.int_("count", 1, minimum=1) or 1
-        memory_total_mib = r.int_("memory_total_mib", minimum=1) or facts.memory_total_mib
-        power_limit_w = r.num("power_limit_w", facts.power_limit_w) or float(facts.power_limit_w)
-        idle_power_w = r.num("idle_power_w", facts.idle_power_w) or 0.0
+        count = r.int_("count", 1, minimum=1, maximum=MAX_GPUS) or 1
+        if len(gpus) + count > MAX_GPUS:
+            raise r.fail("count", f"a node has at most {MAX_GPUS} GPUs; these would make {len(gpus) + count}")
+        memory_total_mib = r.int_("memory_total_mib", minimum=1, maximum=MAX_MIB) or facts.memory_total_mib
+        power_limit_w = r.num("power_limit_w", facts.power_limit_w, maximum=MAX_WATTS) or float(facts.power_limit_w)
+        idle_power_w = r.num("idle_power_w", facts.idle_power_w, maximum=MAX_WATTS) or 0.0
         if idle_power_w > power_limit_w:
             raise r.fail("idle_power_w", f"{idle_power_w:g} is above power_limit_w {power_limit_w:g}")
         idle_temp_c = r.num("idle_temp_c", 32.0, maximum=120) or 0.0
         max_temp_c = r.num("max_temp_c", 83.0, maximum=120) or 0.0
-        nvlink_links = r.int_("nvlink_links", 0) or 0
-        sm_count = r.int_("sm_count", facts.sm_count, minimum=1) or facts.sm_count
+        nvlink_links = r.int_("nvlink_links", 0, maximum=MAX_NVLINKS) or 0
+        sm_count = r.int_("sm_count", facts.sm_count, minimum=1, maximum=1024) or facts.sm_count
         profiles = r.list_("mig")
         if count > 1 and {"uuid", "pci_bus_id", "readings"} & set(r.data):
             raise r.fail("count", "uuid, pci_bus_id and readings belong to one GPU: give each its own entry")
@@ -229,7 +254,7 @@ def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ..
             m = r.child(f"migs[{j}]", entry)
             m.check_keys(list(_ACTIVITY_KEYS))
             mig_rows.append(_activity_row(m))
-        memory = r.num("memory_used_mib")
+        memory = r.num("memory_used_mib", maximum=MAX_MIB)
         energy = r.num("energy_j")
         rows.append(
             ReadingRow(
@@ -237,7 +262,7 @@ def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ..
                 utilization=r.num("utilization", None, maximum=100),
                 memory_used_bytes=None if memory is None else round(memory * 2**20),
                 temperature_c=r.num("temperature_c", None, maximum=200),
-                power_w=r.num("power_w"),
+                power_w=r.num("power_w", maximum=MAX_WATTS),
                 energy_mj=None if energy is None else round(energy * 1000),
                 nvlink_down=None if down is None else tuple(down),
                 activity=_activity_row(r),
@@ -437,7 +462,8 @@ def _parse_segments(r: _Reader) -> tuple[UtilSegment, ...]:
             util = s.num("sm_util", 0.0, maximum=100) or 0.0
             if segments and at < segments[-1].at_s:
                 raise s.fail("at", "segments must be in time order")
-            segments.append(UtilSegment(at, util, *_activity(s, util, tensor_default), s.num("memory_mib")))
+            memory_mib = s.num("memory_mib", maximum=MAX_MIB)
+            segments.append(UtilSegment(at, util, *_activity(s, util, tensor_default), memory_mib))
         return tuple(segments)
     util = r.num("sm_util", 0.0, maximum=100) or 0.0
     return (UtilSegment(0.0, util, *_activity(r, util, tensor_default)),)
@@ -455,7 +481,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
                 "decoder_util",
             ]
         )  # fmt: skip
-        pid = r.int_("pid", minimum=1)
+        pid = r.int_("pid", minimum=1, maximum=MAX_PID)
         if pid is None:
             raise r.fail("pid", "required: the process id")
         start = r.duration("start", 0.0) or 0.0
@@ -477,7 +503,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
             start_s=start,
             end_s=end,
             segments=_parse_segments(r),
-            memory_mib=r.int_("memory_mib", 0) or 0,
+            memory_mib=r.int_("memory_mib", 0, maximum=MAX_MIB) or 0,
             uid=r.int_("uid", 0) or 0,
             user=r.str_("user"),
             cmdline=r.str_("cmdline", "python") or "python",
@@ -568,7 +594,7 @@ def _parse_faults(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Fault, ...]:
             raise r.fail("event", f"unknown driver event {event!r} (use one of: {', '.join(DRIVER_EVENTS)})")
         if event is not None and gpu is None:
             raise r.fail("gpu", "event needs the GPU it happens on")
-        latency_ms = r.num("latency_ms", 0.0) or 0.0
+        latency_ms = r.num("latency_ms", 0.0, maximum=MAX_LATENCY_MS) or 0.0
         health = _parse_health_fault(r, gpus, gpu)
         if event in ECC_EVENTS:
             # One model of a memory error (fake_nvml/health.py): an ECC event is an `ecc:` fault
@@ -598,7 +624,7 @@ def _counts(r: _Reader, key: str, names: Sequence[str]) -> dict[str, int]:
     """A mapping of event counts under `key`, e.g. ecc: {corrected: 120, uncorrected: 1}."""
     c = r.child(key, r.data[key])
     c.check_keys(list(names))
-    return {name: c.int_(name, 0) or 0 for name in names}
+    return {name: c.int_(name, 0, maximum=MAX_EVENTS) or 0 for name in names}
 
 
 def _parse_health_fault(r: _Reader, gpus: tuple[Gpu, ...], gpu: int | None) -> dict[str, Any]:
@@ -619,14 +645,14 @@ def _parse_health_fault(r: _Reader, gpus: tuple[Gpu, ...], gpu: int | None) -> d
             raise r.fail("remap", f"a {gpus[gpu].model} retires pages instead (row remapping came with Ampere)")
         m = r.child("remap", r.data["remap"])
         m.check_keys(["correctable", "uncorrectable", "pending", "failure"])
-        uncorrectable = m.int_("uncorrectable", 0) or 0
+        uncorrectable = m.int_("uncorrectable", 0, maximum=MAX_EVENTS) or 0
         flags = {}
         for flag, default in (("pending", uncorrectable > 0), ("failure", False)):
             value = m.data.get(flag, default)
             if not isinstance(value, bool):
                 raise m.fail(flag, f"expected true or false, got {value!r}")
             flags[flag] = value
-        found["remap"] = RowRemap(m.int_("correctable", 0) or 0, uncorrectable, **flags)
+        found["remap"] = RowRemap(m.int_("correctable", 0, maximum=MAX_EVENTS) or 0, uncorrectable, **flags)
     throttle = r.str_("throttle")
     if throttle is not None:
         if throttle not in THROTTLE_KINDS:
@@ -653,7 +679,7 @@ def _parse_health_fault(r: _Reader, gpus: tuple[Gpu, ...], gpu: int | None) -> d
             for link in links:
                 if isinstance(link, bool) or not isinstance(link, int) or not 0 <= link < gpus[gpu].nvlink_links:
                     raise n.fail("links", f"GPU {gpu} has no NVLink link {link!r}")
-        counts = {name: n.int_(name, 0) or 0 for name in ("crc", "replay", "recovery")}
+        counts = {name: n.int_(name, 0, maximum=MAX_EVENTS) or 0 for name in ("crc", "replay", "recovery")}
         found["nvlink_errors"] = NvLinkErrors(links, **counts)
     return found
 
