@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -34,6 +35,10 @@ def read_yaml(path: Path, what: str) -> object:
     settings file is a mistake, and left in it would surface as a TypeError far from the file.
     """
     try:
+        if path.exists() and not path.is_file() and not path.is_dir() and str(path) != os.devnull:
+            # A FIFO or a device would be read until it ends: never, for /dev/zero or a pipe
+            # nobody writes to. /dev/null, the usual empty file, ends at once.
+            raise YamlFileError(f"{path}: not a regular file, not a {what} file")
         data = _parse(path.read_text())
     except FileNotFoundError:
         raise YamlFileError(f"{path}: no such {what} file") from None
@@ -48,7 +53,17 @@ def read_yaml(path: Path, what: str) -> object:
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise YamlFileError(f"{path}:{where}: {problem}") from None
-    bad = _non_string_key(data, ())
+    except RecursionError:
+        raise YamlFileError(f"{path}: nested too deeply") from None
+    if _expanded_size(data) > MAX_VALUES:
+        raise YamlFileError(
+            f"{path}: holds more than {MAX_VALUES:,} values once its aliases are expanded; "
+            "a settings or scenario file is far smaller"
+        )
+    try:
+        bad = _non_string_key(data, ())
+    except RecursionError:
+        raise YamlFileError(f"{path}: nested too deeply") from None
     if bad is not None:
         keys, key = bad
         at = f" {'.'.join(keys)}:" if keys else ""
@@ -56,6 +71,33 @@ def read_yaml(path: Path, what: str) -> object:
         message = f"{path}:{at} keys must be text, got {key!r} ({type(key).__name__}); quote it"
         raise YamlFileError(escape_control(message))
     return data
+
+
+# How many values (scalars, lists and mappings) a document may hold with its aliases expanded.
+# An alias is the one object the anchor made, so a few lines of anchors to anchors (the "billion
+# laughs") stand for billions of values, which whatever walks the document then visits.
+MAX_VALUES = 2_000_000
+
+
+def _expanded_size(data: object) -> int:
+    """How many values `data` holds counting each alias as often as it is used: each list and
+    mapping is sized once, from its children's sizes, so this runs in the document's own size."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[object, bool]] = [(data, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if not isinstance(node, dict | list) or id(node) in sizes:
+            continue
+        children = list(node.values()) if isinstance(node, dict) else node
+        if not children_done:
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if isinstance(child, dict | list))
+            continue
+        total = 1
+        for child in children:
+            total += sizes.get(id(child), 1) if isinstance(child, dict | list) else 1
+        sizes[id(node)] = min(total, MAX_VALUES + 1)
+    return sizes.get(id(data), 1)
 
 
 def _non_string_key(node: object, where: tuple[str, ...]) -> tuple[tuple[str, ...], object] | None:

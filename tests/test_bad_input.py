@@ -5,6 +5,7 @@ throw random documents at every reader of user input."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,49 @@ def test_a_price_that_is_not_a_finite_sane_number_is_refused(tmp_path: Path, doc
     assert len(problems) == 1
     assert problems[0].startswith(f"{config}: ")
     assert problem in problems[0]
+
+
+def test_yaml_that_would_hang_or_overflow_a_reader_is_one_line(tmp_path: Path) -> None:
+    # Nine levels of anchors, each alias used nine times: 9^9 values once expanded, which the
+    # key check (and then the loader) walked for ever. Nesting 5,000 deep overflowed the stack.
+    # A FIFO or a device is read until it ends: never.
+    laughs = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    for before, name in zip("abcdefgh", "bcdefghi", strict=True):
+        laughs.append(f"{name}: &{name} [" + ", ".join([f"*{before}"] * 9) + "]")
+    files = {
+        "laughs.yaml": "\n".join(laughs) + "\n",
+        "deep.yaml": "x: " + "[" * 5000 + "]" * 5000 + "\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    os.mkfifo(tmp_path / "fifo.yaml")
+    expected = {
+        "laughs.yaml": "holds more than 2,000,000 values once its aliases are expanded; a settings or scenario "
+        "file is far smaller",
+        "deep.yaml": "nested too deeply",
+        "fifo.yaml": "not a regular file, not a config file",
+    }
+    for name, problem in expected.items():
+        result = gpuledger("check-config", str(tmp_path / name), timeout=20)
+        assert (result.returncode, result.stderr.strip()) == (2, f"{tmp_path / name}: {problem}")
+    result = gpuledger("simulate", str(tmp_path / "laughs.yaml"), "--for", "1m", timeout=20)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(f"gpuledger: scenario {tmp_path / 'laughs.yaml'}: holds more than")
+
+
+def test_run_refuses_a_ledger_path_that_can_never_hold_a_ledger(tmp_path: Path) -> None:
+    # It used to start, keep every charge in memory while retrying, and lose them all at the stop.
+    garbage = tmp_path / "notes.db"
+    garbage.write_text("my notes\n")
+    os.mkfifo(tmp_path / "pipe.db")
+    for path, why in (
+        (garbage, "is not a ledger (not an SQLite database)"),
+        (tmp_path / "pipe.db", "is not a regular file"),
+    ):
+        result = gpuledger("run", "--fake", "--listen", "127.0.0.1:0", "--ledger", str(path), timeout=30)
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines()[-1] == f"gpuledger: ledger {path}: {why}"
+    assert garbage.read_text() == "my notes\n"
 
 
 # -- fuzzing: every reader of user input fails with its own one-line error, or succeeds --------

@@ -369,6 +369,7 @@ def _costing(
 ) -> Costing:
     """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger
     (which records `hostname`, the node name the charges carry)."""
+    from agent.ledger.files import unusable
     from agent.ledger.sink import LedgerSink
 
     catalogue = load_catalogue()
@@ -412,6 +413,12 @@ def _costing(
                 log.warning("pricing: %s; add the instance type to pricing.spot_hourly", p.source.split(":")[0])
         return found
 
+    # A path that can never hold a ledger is refused now: the daemon would keep every charge in
+    # memory, retrying, and lose them all when it stops. (One that cannot be opened yet, its
+    # directory missing or its disk read-only, is retried: that can mend.)
+    why = unusable(Path(ledger_path)) if ledger_path else None
+    if why is not None:
+        raise BadInputError(f"gpuledger: ledger {ledger_path}: {why}")
     sink = (
         LedgerSink(
             ledger_path,

@@ -50,6 +50,21 @@ def is_corruption(exc: sqlite3.Error) -> bool:
     return errorcode(exc) & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
 
 
+def unusable(path: Path) -> str | None:
+    """Why `path` can never be a ledger, or None: a directory, something that is not a regular
+    file (SQLite would wait on a FIFO for a writer that never comes), or a file with content that
+    is not SQLite's (a mistyped path). A missing or empty file becomes a new ledger."""
+    if not path.exists():
+        return None
+    if path.is_dir():
+        return "is a directory"
+    if not path.is_file():
+        return "is not a regular file"
+    if path.stat().st_size and not _is_sqlite_file(path):
+        return "is not a ledger (not an SQLite database)"
+    return None
+
+
 def _is_sqlite_file(path: Path) -> bool:
     """Whether `path` starts with SQLite's header: only such a file is ever moved aside as corrupt;
     anything else at the ledger's path (a mistyped --ledger README.md) is refused and left alone."""
@@ -102,6 +117,8 @@ def open_file(path: Path, busy_timeout_s: float, node: str | None) -> sqlite3.Co
     """Open or create the ledger for writing: checked with quick_check, WAL, synchronous=FULL,
     schema migrated to SCHEMA_VERSION, and the node recorded, in one write transaction (so an
     unwritable file fails here, not at the first flush). `CorruptLedger` for damaged pages."""
+    if path.exists() and not path.is_file():
+        raise LedgerError(f"ledger {path}: {unusable(path)}")
     existing = _is_sqlite_file(path)
     try:
         # isolation_level=None: transactions are the explicit BEGIN/COMMIT in this module only.
