@@ -57,6 +57,16 @@ ARGUMENT_CASES = [
     (("snapshot", "--fake", "--at", "9" * 40 + "d"), "--at"),
     (("report", "--ledger", "pyproject.toml", "--since", "99999999d"), "100 years"),
     (("report", "--ledger", "pyproject.toml", "--until", "9999-12-31T23:59:59"), "out of range"),
+    # A file that is not a ledger is bad input (it was exit 1), and a path with control characters
+    # in it is quoted escaped, not written to the terminal.
+    (("report", "--ledger", "pyproject.toml"), "ledger pyproject.toml: cannot open: file is not a database"),
+    (("report", "--ledger", "a\x1b[31mb.db"), "no such ledger file a\\x1b[31mb.db"),
+    # 2.6 billion polls were accepted and would have run for days; a fake node faster than a year
+    # a minute overflowed the clock at every poll, with a traceback each.
+    (("simulate", "demo", "--for", "30d", "--step", "1ms"), "2,592,000,000 polls; at most 6,307,200"),
+    (("run", "--fake", "--fake-speed", "1e15"), "--fake-speed: at most 525,600 (a year a minute)"),
+    # A directory as --metrics-out failed with exit 1 after the whole simulation ran.
+    (("simulate", "demo", "--for", "10m", "--metrics-out", "/tmp"), "--metrics-out: /tmp is a directory"),
 ]
 
 

@@ -30,6 +30,7 @@ from agent.cli.systemd import notify, watchdog_interval_s
 from agent.config import Settings, check_config, host_problems, load_config
 from agent.devices.backend import DriverLibraryMissing
 from agent.errors import BadInputError, ConfigError, GpuledgerError
+from agent.ledger.files import LedgerError
 from agent.ledger.report import (
     DEFAULT_BY,
     GROUP_KEYS,
@@ -39,9 +40,12 @@ from agent.ledger.report import (
     render,
     report_from_ledgers,
 )
+from agent.scrub import escape_control
 from agent.units import format_duration
 
 log = logging.getLogger("gpuledger")
+
+MAX_FAKE_SPEED = 525_600.0  # scenario seconds per real second: a year of the fake node a minute
 
 # snapshot --at polls each scenario minute up to that moment: a year is half a million polls
 # (minutes of work); beyond that the question is not one a snapshot answers.
@@ -182,6 +186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(
             f"gpuledger: cannot load {exc.detail} (use --fake to run on a simulated node)", EXIT_FAILURE, debug
         )
+    except LedgerError as exc:
+        # A ledger given to read (report, export) that is not one, or cannot be read: like a
+        # config file that cannot be, the input is what is wrong. (A ledger the agent cannot
+        # write while it runs is retried, and reported as a failure when it stops.)
+        return _fail(f"gpuledger: {exc}", EXIT_BAD_INPUT, debug)
     except GpuledgerError as exc:
         return _fail(f"gpuledger: {exc}", EXIT_FAILURE, debug)
     except _scenario_error() as exc:
@@ -189,8 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return EXIT_FAILURE
     except OSError as exc:
-        where = f" {exc.filename}" if exc.filename else ""
-        return _fail(f"gpuledger:{where}: {exc.strerror or exc}", EXIT_FAILURE, debug)
+        where = f"gpuledger: {exc.filename}" if exc.filename else "gpuledger"
+        return _fail(f"{where}: {exc.strerror or exc}", EXIT_FAILURE, debug)
 
 
 def _scenario_error() -> type[Exception]:
@@ -209,7 +218,8 @@ class _NoScenarioError(Exception):
 def _fail(message: str, code: int, debug: bool) -> int:
     if debug:
         logging.getLogger("gpuledger").exception(message)
-    print(message.splitlines()[0] if message else "gpuledger: failed", file=sys.stderr)
+    # One line, whatever the message quotes (a path given with a NUL or an escape sequence in it).
+    print(escape_control(message.splitlines()[0]) if message else "gpuledger: failed", file=sys.stderr)
     return code
 
 
@@ -222,6 +232,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.fake is None and args.fake_speed != 1.0:
         raise BadInputError("gpuledger: --fake-speed: only meaningful with --fake")
     positive_finite(args.fake_speed, "--fake-speed")
+    if args.fake_speed > MAX_FAKE_SPEED:
+        # Beyond it a poll interval of real time spans more scenario time than a clock can count.
+        raise BadInputError(
+            f"gpuledger: --fake-speed: at most {MAX_FAKE_SPEED:,.0f} (a year a minute), got {args.fake_speed:g}"
+        )
     host, port = parse_listen(args.listen or settings.listen, "--listen" if args.listen else "listen")
     web_config_file = args.web_config or settings.web_config_file
     web = load_web_config(web_config_file) if web_config_file else None  # ConfigError: exit 2

@@ -35,6 +35,8 @@ from agent.units import format_duration, iso_time
 
 log = logging.getLogger("gpuledger")
 
+MAX_POLLS = 6_307_200  # a year of polls 5 s apart: hours at the speed simulate runs
+
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     settings = load_config(args.config)
@@ -49,11 +51,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"gpuledger: --step: {format_duration(step)} is longer than --for {format_duration(duration)}: "
             "no interval would be simulated"
         )
+    if duration / step > MAX_POLLS:
+        raise BadInputError(
+            f"gpuledger: --step: {format_duration(step)} over --for {format_duration(duration)} is "
+            f"{duration / step:,.0f} polls; at most {MAX_POLLS:,} (a year at 5 s steps): take a longer --step"
+        )
     if args.append and not args.ledger:
         raise BadInputError("gpuledger: --append: only meaningful with --ledger")
     for option, target in (("--metrics-out", args.metrics_out), ("--ledger", args.ledger)):
         if target and target != "-" and not Path(target).parent.is_dir():
             raise BadInputError(f"gpuledger: {option}: no such directory {Path(target).parent}")
+    if args.metrics_out and Path(args.metrics_out).is_dir():
+        raise BadInputError(f"gpuledger: --metrics-out: {args.metrics_out} is a directory: name a file to write")
     from fake_nvml import load_scenario  # here: `run` on a real driver never loads the fake
 
     scenario = load_scenario(args.scenario)
@@ -87,7 +96,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sys.stdout.write(agent.exposition(state).decode())
         return EXIT_OK
     if args.metrics_out:
-        Path(args.metrics_out).write_bytes(agent.exposition(state))
+        try:
+            Path(args.metrics_out).write_bytes(agent.exposition(state))
+        except OSError as exc:  # the ledger is written: only the metrics are missing
+            raise GpuledgerError(f"--metrics-out: {args.metrics_out}: {exc.strerror or exc}") from None
     print(summary(state, node.scenario.name, duration, args.ledger, args.metrics_out))
     return EXIT_OK
 
