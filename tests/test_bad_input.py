@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from agent.config import check_config, parse_listen
 from agent.errors import ConfigError
 from agent.ledger.report import parse_time
+from agent.ledger.store import Ledger
 from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
 from exporters.webconfig import load_web_config
@@ -59,7 +60,7 @@ ARGUMENT_CASES = [
     (("report", "--ledger", "pyproject.toml", "--until", "9999-12-31T23:59:59"), "out of range"),
     # A file that is not a ledger is bad input (it was exit 1), and a path with control characters
     # in it is quoted escaped, not written to the terminal.
-    (("report", "--ledger", "pyproject.toml"), "ledger pyproject.toml: cannot open: file is not a database"),
+    (("report", "--ledger", "pyproject.toml"), "ledger pyproject.toml: is not a ledger (not an SQLite database)"),
     (("report", "--ledger", "a\x1b[31mb.db"), "no such ledger file a\\x1b[31mb.db"),
     # 2.6 billion polls were accepted and would have run for days; a fake node faster than a year
     # a minute overflowed the clock at every poll, with a traceback each.
@@ -141,17 +142,27 @@ def test_yaml_that_would_hang_or_overflow_a_reader_is_one_line(tmp_path: Path) -
 
 def test_run_refuses_a_ledger_path_that_can_never_hold_a_ledger(tmp_path: Path) -> None:
     # It used to start, keep every charge in memory while retrying, and lose them all at the stop.
+    # A ledger whose first bytes were overwritten while the agent was down is such a file too
+    # (never moved aside: it may be someone else's); the agent says so and leaves it alone.
     garbage = tmp_path / "notes.db"
     garbage.write_text("my notes\n")
     os.mkfifo(tmp_path / "pipe.db")
-    for path, why in (
+    garbled = tmp_path / "garbled.db"
+    Ledger(garbled, node="n1", retention_s=None).close()
+    with garbled.open("r+b") as f:
+        f.write(b"\xa5" * 100)
+    before = garbled.read_bytes()
+    cases = (
         (garbage, "is not a ledger (not an SQLite database)"),
         (tmp_path / "pipe.db", "is not a regular file"),
-    ):
+        (garbled, "is not a ledger (not an SQLite database)"),
+    )
+    for path, why in cases:
         result = gpuledger("run", "--fake", "--listen", "127.0.0.1:0", "--ledger", str(path), timeout=30)
         assert result.returncode == 2
         assert result.stderr.strip().splitlines()[-1] == f"gpuledger: ledger {path}: {why}"
     assert garbage.read_text() == "my notes\n"
+    assert garbled.read_bytes() == before
 
 
 # -- fuzzing: every reader of user input fails with its own one-line error, or succeeds --------

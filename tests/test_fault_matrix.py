@@ -1173,28 +1173,6 @@ def corrupt_at_start() -> Case:
     return Case("ledger corrupt at start/transient", prepare=prepare, flush_s=LEDGER_FLUSH_S, check=check)
 
 
-def header_garbled() -> Case:
-    """The ledger's first bytes were overwritten while the agent was down: it no longer reads as
-    SQLite, so it is refused (never moved aside: it may be someone else's file)."""
-
-    def prepare(context: Context) -> Path:
-        path = context.tmp / "ledger.db"
-        with store.Ledger(path, node="fault-node", retention_s=None):
-            pass
-        with path.open("r+b") as f:
-            f.write(b"\xa5" * 100)
-        return path
-
-    def check(run: Run) -> None:
-        ledger_up_check((BEFORE_S, DURING_S, RUN_S), ())(run)
-        assert lost_line(run) == pytest.approx((5, 0.36))  # the whole run: 3 x $0.12
-
-    return Case(
-        "ledger header garbled/sticky", transient=False, prepare=prepare, flush_s=LEDGER_FLUSH_S,
-        ledger_holds=False, written=False, check=check,
-    )  # fmt: skip
-
-
 def removed_while_open(what: str) -> Case:
     """At 0:30 the ledger's directory (or the file and its WAL) is deleted under the agent."""
 
@@ -1256,7 +1234,6 @@ def ledger_cases() -> list[Case]:
         tiny_filesystem(False),
         corrupt_mid_run(),
         corrupt_at_start(),
-        header_garbled(),
         removed_while_open("directory"),
         removed_while_open("file"),
     ]

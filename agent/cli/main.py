@@ -30,7 +30,7 @@ from agent.cli.systemd import notify, watchdog_interval_s
 from agent.config import Settings, check_config, host_problems, load_config
 from agent.devices.backend import DriverLibraryMissing
 from agent.errors import BadInputError, ConfigError, GpuledgerError
-from agent.ledger.files import LedgerError
+from agent.ledger.files import NotALedger
 from agent.ledger.report import (
     DEFAULT_BY,
     GROUP_KEYS,
@@ -186,10 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(
             f"gpuledger: cannot load {exc.detail} (use --fake to run on a simulated node)", EXIT_FAILURE, debug
         )
-    except LedgerError as exc:
-        # A ledger given to read (report, export) that is not one, or cannot be read: like a
-        # config file that cannot be, the input is what is wrong. (A ledger the agent cannot
-        # write while it runs is retried, and reported as a failure when it stops.)
+    except NotALedger as exc:
+        # A file given as a ledger (report, export) that is not one is bad input; a ledger that
+        # is damaged, unreadable to this user or newer than this gpuledger is a failure.
         return _fail(f"gpuledger: {exc}", EXIT_BAD_INPUT, debug)
     except GpuledgerError as exc:
         return _fail(f"gpuledger: {exc}", EXIT_FAILURE, debug)

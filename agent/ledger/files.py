@@ -23,6 +23,11 @@ class LedgerError(GpuledgerError):
     """The ledger file cannot be opened or read (or is closed); the message names the file."""
 
 
+class NotALedger(LedgerError):
+    """The file given as a ledger is not one (not SQLite, another program's database, empty):
+    bad input, where the other LedgerErrors (damage, permissions, a newer schema) are failures."""
+
+
 # --- opening, and corruption ---------------------------------------------------------------------
 
 # SQLite's result codes (sqlite3.h); an extended code keeps its primary code in the low byte.
@@ -172,11 +177,11 @@ def stored_version(conn: sqlite3.Connection, path: Path) -> int:
     tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
     if "schema_version" not in tables:
         if tables:
-            raise LedgerError(f"ledger {path}: not a gpuledger ledger (tables {', '.join(sorted(tables))})")
+            raise NotALedger(f"ledger {path}: not a gpuledger ledger (tables {', '.join(sorted(tables))})")
         return 0
     (version,) = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
     if version is None:
-        raise LedgerError(f"ledger {path}: not a gpuledger ledger (no schema version recorded)")
+        raise NotALedger(f"ledger {path}: not a gpuledger ledger (no schema version recorded)")
     if version > SCHEMA_VERSION:
         raise LedgerError(
             f"ledger {path}: schema version {version} is newer than this gpuledger reads "

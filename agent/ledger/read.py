@@ -18,9 +18,11 @@ from agent.ledger.files import (
     SQLITE_CANTOPEN,
     SQLITE_READONLY_DIRECTORY,
     LedgerError,
+    NotALedger,
     errorcode,
     migrate,
     stored_version,
+    unusable,
 )
 from agent.ledger.pending import hour_start
 from agent.ledger.schema import SCHEMA_VERSION
@@ -203,11 +205,14 @@ def current_schema(path: Path) -> Iterator[sqlite3.Connection]:
     while the caller reads."""
     if not path.is_file():
         raise LedgerError(f"ledger {path}: no such file")
+    why = unusable(path)
+    if why is not None:
+        raise NotALedger(f"ledger {path}: {why}")
     try:
         with closing(open_read_only(path)) as conn:
             version = stored_version(conn, path)
             if version == 0:
-                raise LedgerError(f"ledger {path}: empty, not a gpuledger ledger")
+                raise NotALedger(f"ledger {path}: empty, not a gpuledger ledger")
             if version < SCHEMA_VERSION:
                 with closing(_migrated_copy(conn, path)) as copy:
                     yield copy
@@ -269,7 +274,7 @@ def _read(
     idle = conn.execute(f"SELECT * FROM idle_hours{where} ORDER BY hour", params).fetchall() if rows else []
     conn.execute("COMMIT")
     if meta is None:
-        raise LedgerError(f"ledger {path}: not a gpuledger ledger (no ledger_meta row)")
+        raise NotALedger(f"ledger {path}: not a gpuledger ledger (no ledger_meta row)")
     info = LedgerInfo(
         path=path,
         ledger_id=meta["ledger_id"],
