@@ -9,11 +9,12 @@ from __future__ import annotations
 import datetime
 import functools
 import itertools
+import json
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -483,6 +484,26 @@ def _problems(exc: ValidationError, source: str) -> list[str]:
     return lines
 
 
+def _bad_nested_json(section: str) -> str | None:
+    """The GPULEDGER_<SECTION>__<KEY> variable, if any, whose key takes a mapping or a list and
+    whose value is not JSON: what a SettingsError about <section> was about."""
+    info = Settings.model_fields.get(section)
+    model = info.annotation if info is not None else None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return None
+    prefix = f"{ENV_PREFIX}{section.upper()}__"
+    for name, value in sorted(os.environ.items()):
+        key = name[len(prefix) :].lower() if name.startswith(prefix) else ""
+        sub = model.model_fields.get(key)
+        if sub is None or get_origin(sub.annotation) not in (dict, list):
+            continue
+        try:
+            json.loads(value)
+        except ValueError:
+            return name
+    return None
+
+
 def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
     """The settings and every problem found, one line each (empty when the config is good)."""
     source = str(path) if path is not None else "environment"
@@ -498,6 +519,9 @@ def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
         # A whole section set as one variable (GPULEDGER_PRICING) must hold a JSON object.
         field = re.search(r'field "([^"]+)"', str(exc))
         name = ENV_PREFIX + (field.group(1).upper() if field else "*")
+        nested = _bad_nested_json(field.group(1)) if field else None
+        if nested is not None:
+            return None, [f"environment: {nested}: not JSON (a mapping or list is given as JSON)"]
         return None, [f"environment: {name}: not a JSON object (or set its keys as {name}__KEY)"]
     problems = action_problems(settings.actions, rule_conditions(settings.rules), source)
     return (None, problems) if problems else (settings, [])

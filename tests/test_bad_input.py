@@ -88,6 +88,15 @@ def test_a_section_variable_that_is_not_json_is_named() -> None:
     )
 
 
+def test_a_key_variable_that_is_not_json_is_named_not_its_section() -> None:
+    # It named GPULEDGER_PRICING, which was not set.
+    result = gpuledger("check-config", "/dev/null", env={"GPULEDGER_PRICING__BY_MODEL": "notjson"}, timeout=20)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "environment: GPULEDGER_PRICING__BY_MODEL: not JSON (a mapping or list is given as JSON)"
+    )
+
+
 @pytest.mark.parametrize(
     ("document", "problem"),
     [
