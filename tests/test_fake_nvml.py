@@ -1658,6 +1658,11 @@ BAD_SCENARIOS = [
         {"gpus": [{"memory_total_mib": 10**23}]}, "gpus[0].memory_total_mib: must be at most 16777216,", id="memory"
     ),
     pytest.param(
+        {"gpus": ONE_GPU, "processes": [process(cmdline="x" * 5_000_000)]},
+        "processes[0].cmdline: at most 131072 characters, got 5000000",
+        id="a 5 MB command line",
+    ),
+    pytest.param(
         {"gpus": ONE_GPU, "faults": [{"call": "*", "latency_ms": 1e300}]},
         "faults[0].latency_ms: must be 0..8.64e+07, got 1e+300",
         id="latency",

@@ -60,6 +60,7 @@ MAX_MIB = 2**24  # 16 TiB of GPU memory
 MAX_PID = 4_194_304  # Linux's PID_MAX_LIMIT
 MAX_EVENTS = 1_000_000  # errors one fault adds to a counter
 MAX_LATENCY_MS = 86_400_000.0  # a call that hangs for a day
+MAX_CMDLINE = 131_072  # Linux's MAX_ARG_STRLEN
 MAX_WATTS = 10_000.0  # a board's power in milliwatts stays within NVML's unsigned int
 
 
@@ -150,6 +151,15 @@ def _kind(value: object) -> str:
 def _uuid(hostname: str, *parts: object) -> str:
     digest = hashlib.sha256("/".join([hostname, *map(str, parts)]).encode()).hexdigest()
     return f"{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+
+def _cmdline(r: _Reader) -> str:
+    """A process's command line: at most MAX_ARG_STRLEN characters, the kernel's limit on one
+    argument (splitting one of megabytes into /proc's arguments took minutes)."""
+    cmdline = r.str_("cmdline", "python") or "python"
+    if len(cmdline) > MAX_CMDLINE:
+        raise r.fail("cmdline", f"at most {MAX_CMDLINE} characters, got {len(cmdline)}")
+    return cmdline
 
 
 def _short(value: object) -> str:
@@ -506,7 +516,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
             memory_mib=r.int_("memory_mib", 0, maximum=MAX_MIB) or 0,
             uid=r.int_("uid", 0) or 0,
             user=r.str_("user"),
-            cmdline=r.str_("cmdline", "python") or "python",
+            cmdline=_cmdline(r),
             environ={str(k): str(v) for k, v in environ_raw.items()},
             cgroup=r.str_("cgroup"),
             pod=_parse_pod(r, "pod"),
