@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -34,9 +35,35 @@ def gpuledger(*args: str, env: dict[str, str] | None = None, timeout: float = 60
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on, for a daemon that must be told its port before it binds it.
+
+    Taken from below the kernel's ephemeral range, where bind(("", 0)) never lands: a port that
+    bind(0) handed out and this closed could be handed out again, to a server binding port 0
+    meanwhile (the tests' fake engines and agents do), before the daemon binds it (a store's URL
+    then answered with a fake vLLM's metrics). Random, so that parallel workers seldom pick the
+    same one, and checked free."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _PORTS.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
+
+
+_PORTS = random.Random()  # seeded from the OS: each xdist worker its own sequence
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux's default 32768)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > 11_000 else 32768
 
 
 def fetch(url: str) -> tuple[int, str]:

@@ -24,6 +24,7 @@ import pytest
 from agent.cli.wiring import build_agent
 from agent.config import Settings, WatchdogConfig
 from agent.pipeline import DriverHung
+from tests.test_cli import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,12 +105,6 @@ def test_past_the_hard_deadline_the_poll_gives_up_for_good(scenario: Path) -> No
 
 
 # -- the daemon -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def healthz(port: int) -> int:

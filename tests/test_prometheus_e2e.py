@@ -19,7 +19,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import pytest
 import yaml
 
 from tests import engines
+from tests.test_cli import free_port
 from tests.test_grafana import (
     label_values_query,
     load_dashboards,
@@ -93,12 +93,6 @@ AGENT_ENV = {
 
 
 # --- processes ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
