@@ -61,6 +61,8 @@ ARGUMENT_CASES = [
     # A file that is not a ledger is bad input (it was exit 1), and a path with control characters
     # in it is quoted escaped, not written to the terminal.
     (("report", "--ledger", "pyproject.toml"), "ledger pyproject.toml: is not a ledger (not an SQLite database)"),
+    (("report", "--ledger", "/dev/null"), "ledger /dev/null: is not a regular file"),  # it said "no such file"
+    (("report", "--ledger", "pyproject.toml", "--since", "2026-13-45"), "gpuledger: --since: expected a time"),
     (("report", "--ledger", "a\x1b[31mb.db"), "no such ledger file a\\x1b[31mb.db"),
     # 2.6 billion polls were accepted and would have run for days; a fake node faster than a year
     # a minute overflowed the clock at every poll, with a traceback each.

@@ -6,6 +6,7 @@ import math
 
 from agent.config import parse_listen as parse_listen_value
 from agent.errors import BadInputError
+from agent.ledger.report import parse_time
 from agent.units import parse_duration
 
 EXIT_OK = 0
@@ -32,3 +33,13 @@ def positive_finite(value: float, option: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise BadInputError(f"gpuledger: {option}: must be a finite number above 0, got {value:g}")
     return value
+
+
+def time_arg(text: str | None, option: str, now: float) -> float | None:
+    """--since / --until as unix seconds (None where not given); bad input names the option."""
+    if not text:
+        return None
+    try:
+        return parse_time(text, now)
+    except ValueError as exc:
+        raise BadInputError(f"gpuledger: {option}: {exc}") from None

@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.cli.args import EXIT_OK
+from agent.cli.args import EXIT_OK, time_arg
 from agent.config import load_config
 from agent.errors import BadInputError
 from agent.ledger.export import FORMATS, read_records, write
-from agent.ledger.report import ledger_files, parse_time
+from agent.ledger.report import ledger_files
 
 
 def add_export_command(sub: argparse._SubParsersAction[Any]) -> None:
@@ -41,8 +41,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise BadInputError("gpuledger: export: Parquet is binary: give --out FILE")
     now = time.time()
     try:
-        since = parse_time(args.since, now) if args.since else None
-        until = parse_time(args.until, now) if args.until else None
+        since = time_arg(args.since, "--since", now)
+        until = time_arg(args.until, "--until", now)
         rows = read_records(paths, since=since, until=until)
     except ValueError as exc:
         raise BadInputError(f"gpuledger: export: {exc}") from None

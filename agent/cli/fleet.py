@@ -7,11 +7,11 @@ import argparse
 import logging
 import time
 
-from agent.cli.args import EXIT_OK, duration_arg
+from agent.cli.args import EXIT_OK, duration_arg, time_arg
 from agent.cli.reportpage import write_output
 from agent.errors import BadInputError
 from agent.fleet import DEFAULT_NODE_LABEL, DEFAULT_TIMEOUT_S
-from agent.ledger.report import parse_by, parse_time, render
+from agent.ledger.report import parse_by, render
 from agent.units import format_duration
 
 # A store has no beginning the query API tells: without --since, the last 30 days (a month's
@@ -80,8 +80,9 @@ def cmd_report_prometheus(args: argparse.Namespace) -> int:
     now = time.time()
     try:
         by = parse_by(args.by)
-        until = parse_time(args.until, now) if args.until else now
-        since = parse_time(args.since, now) if args.since else until - DEFAULT_SPAN_S
+        until_at, since_at = time_arg(args.until, "--until", now), time_arg(args.since, "--since", now)
+        until = until_at if until_at is not None else now
+        since = since_at if since_at is not None else until - DEFAULT_SPAN_S
     except ValueError as exc:
         raise BadInputError(f"gpuledger: report: {exc}") from None
     options = StoreOptions(

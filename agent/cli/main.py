@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import NoReturn
 
 from agent import __version__
-from agent.cli.args import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, duration_arg, parse_listen, positive_finite
+from agent.cli.args import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_OK,
+    duration_arg,
+    parse_listen,
+    positive_finite,
+    time_arg,
+)
 from agent.cli.export import add_export_command, cmd_export
 from agent.cli.fleet import add_store_options, cmd_report_prometheus
 from agent.cli.logs import setup_logging
@@ -36,7 +44,6 @@ from agent.ledger.report import (
     GROUP_KEYS,
     ledger_files,
     parse_by,
-    parse_time,
     render,
     report_from_ledgers,
 )
@@ -383,8 +390,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     now = time.time()
     try:
         by = parse_by(args.by)
-        since = parse_time(args.since, now) if args.since else None
-        until = parse_time(args.until, now) if args.until else None
+        since = time_arg(args.since, "--since", now)
+        until = time_arg(args.until, "--until", now)
         if args.format == "html":
             return _report_html(args, paths, settings, by=by, since=since, until=until)
         if args.recommend:

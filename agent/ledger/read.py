@@ -203,7 +203,7 @@ def current_schema(path: Path) -> Iterator[sqlite3.Connection]:
     read-only, or where it is at an earlier version a copy migrated in memory. LedgerError
     (naming the file) where it is missing, empty or unreadable, also for sqlite3 errors raised
     while the caller reads."""
-    if not path.is_file():
+    if not path.exists():
         raise LedgerError(f"ledger {path}: no such file")
     why = unusable(path)
     if why is not None:
