@@ -25,7 +25,7 @@ from agent.cli.args import EXIT_OK, duration_arg
 from agent.cli.wiring import build_agent
 from agent.config import load_config
 from agent.errors import BadInputError, GpuledgerError
-from agent.ledger.files import LedgerError, unusable
+from agent.ledger.files import LedgerError
 from agent.ledger.read import recorded_period
 from agent.ledger.store import Ledger
 from agent.model import AgentState
@@ -146,8 +146,6 @@ def check_ledger(path: Path, *, append: bool, start: float) -> None:
     record ends after `start` (the simulation's first instant, epoch seconds), and one that
     cannot be opened for writing: opened and closed here, before anything is simulated."""
     try:
-        if path.exists() and not path.is_file():
-            raise LedgerError(f"ledger {path}: {unusable(path)}")
         period = recorded_period(path)
         if period is not None and not append:
             raise BadInputError(

@@ -194,7 +194,7 @@ def replacing(target: Path, option: str = "--out") -> Iterator[IO[bytes]]:
 
     A symlink is written through (its target is replaced; the link stays). Anything else that
     is not a regular file is refused (BadInputError, naming `option`) before anything is
-    written: renaming over a device, a FIFO or a socket would destroy it (`--out /dev/null`
+    written: renaming over a device, a FIFO or a socket would destroy it (`--out /dev/full`
     once replaced the device with a file), and its reader would never see the output."""
     real = Path(os.path.realpath(target))
     if real.exists() and not real.is_file():

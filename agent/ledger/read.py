@@ -235,10 +235,13 @@ def read_info(path: str | Path) -> LedgerInfo:
 def recorded_period(path: str | Path) -> tuple[float, float] | None:
     """The period a ledger file records (`LedgerInfo.first_at`, `last_at`); None where it records
     nothing: no file, an empty one, a SQLite file with no tables yet, a ledger with no charges.
-    LedgerError for a file that is not a ledger."""
+    LedgerError for a file that is not a ledger; NotALedger, before anything opens it, for a
+    directory or what is not a regular file (SQLite would wait on a FIFO for ever)."""
     path = Path(path)
     if not path.exists() or (path.is_file() and path.stat().st_size == 0):
         return None
+    if not path.is_file():
+        raise NotALedger(f"ledger {path}: {unusable(path)}")
     try:
         with closing(open_read_only(path)) as conn:
             if stored_version(conn, path) == 0:
