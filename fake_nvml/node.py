@@ -384,6 +384,12 @@ class FakeNode:
 
     # -- faults -------------------------------------------------------------------------------
 
+    @property
+    def calls_can_block(self) -> bool:
+        """Whether a call into this node can take real time: only a latency fault makes one (a
+        hang, as a GPU falling off the bus makes); every other call returns at once."""
+        return any(fault.latency_ms for faults in self._faults_by_gpu.values() for fault in faults)
+
     def faults_for(self, call: str, family: str, gpu: int | None) -> tuple[tuple[Fault, ...], tuple[Fault, ...]]:
         """(error faults, latency faults) that name this call on this GPU, in scenario order.
 

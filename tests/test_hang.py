@@ -13,6 +13,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -85,6 +86,43 @@ def test_a_stuck_gpu_reads_as_down_while_the_other_keeps_being_polled(scenario: 
         gpu1_ids = (("gpu", "1"), ("uuid", gpu1.uuid))
         assert samples[("gpuledger_gpu_up", gpu1_ids)] == 0.0
         assert samples[("gpuledger_gpu_down_reason", tuple(sorted((*gpu1_ids, ("reason", "TIMEOUT")))))] == 1.0
+    finally:
+        agent.close()
+
+
+def _poll_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("gpuledger-poll")}
+
+
+@pytest.mark.parametrize(
+    ("faults", "wrapped", "blocking"),
+    [
+        pytest.param("", False, False, id="no latency fault: read in-line"),
+        pytest.param("faults:\n  - {at: 1m, gpu: 1, latency_ms: 3600000}\n", False, True, id="a latency fault"),
+        pytest.param("faults:\n  - {at: 1m, call: '*', latency_ms: 5}\n", False, True, id="node-wide latency"),
+        pytest.param("", True, True, id="a wrapped backend"),
+    ],
+)
+def test_only_calls_that_can_block_go_through_the_watchdog_thread(
+    tmp_path: Path, faults: str, wrapped: bool, blocking: bool
+) -> None:
+    """The watchdog's thread guards calls that can hang. A fake node whose scenario has no
+    latency fault cannot block (its calls are Python that returns), so its polls read the
+    devices on their own thread: the hand-off cost simulate a tenth of its time. A latency
+    fault anywhere, or a backend someone wrapped (which may do anything), keeps the guard."""
+    path = tmp_path / "node.yaml"
+    path.write_text(HUNG_SCENARIO.split("faults:")[0] + faults)
+    before = _poll_threads()
+    agent = build_agent(
+        Settings(node_name="rig"), fake=path, costing=False, rules=(), wrap_backend=(lambda b: b) if wrapped else None
+    )
+    assert agent.node is not None
+    try:
+        assert agent.node.calls_can_block is (bool(faults))
+        assert agent.pipeline.calls_block is blocking
+        state = agent.pipeline.poll_once()
+        assert state.snapshot is not None and [d.up for d in state.snapshot.devices] == [True, True]
+        assert (_poll_threads() - before != set()) is blocking  # a worker started only to guard calls
     finally:
         agent.close()
 

@@ -71,8 +71,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
     # Scenario time is not the host's: actions are only logged as dry runs.
     agent = build_agent(
-        settings, fake=scenario, ledger_path=args.ledger, poll_interval_s=step, actions="dry_run",
-        ledger_write_behind=True,
+        settings, fake=scenario, ledger_path=args.ledger, poll_interval_s=step, actions="dry_run"
     )  # fmt: skip
     node = agent.node
     assert node is not None

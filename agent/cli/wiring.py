@@ -137,7 +137,6 @@ def build_agent(
     costing: Costing | bool = True,
     rules: Sequence[RuleSpec] | None = None,
     actions: Literal["on", "dry_run", "off"] = "on",
-    ledger_write_behind: bool = False,
     wrap_backend: Callable[[DeviceBackend], DeviceBackend] | None = None,
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
@@ -155,9 +154,6 @@ def build_agent(
     actions        "on": the configured actions, as configured; "dry_run": every one a dry run,
                    with no state file (`simulate`); "off": none. On a fake node the state file
                    is never used (a demo must not mark the host's real episodes as acted on).
-    ledger_write_behind  let each ledger flush's fsync overlap the next poll (`LedgerSink`); for
-                   `simulate`, whose polls would otherwise wait on the disk every minute of
-                   scenario time
     wrap_backend   wraps the device backend before anything uses it (`record` keeps what it says)
     """
     problems = host_problems(settings, "gpuledger")
@@ -193,6 +189,9 @@ def build_agent(
             rules=specs,
             call_timeout_s=settings.watchdog.call_timeout,
             exit_after_s=settings.watchdog.exit_after,
+            # The watchdog's thread is for a driver that can hang. A fake node's calls return at
+            # once unless its scenario makes them slow, or something wraps the backend.
+            calls_block=node is None or wrap_backend is not None or node.calls_can_block,
         )
         pipeline.open_devices()
         if settings.events.enabled and isinstance(backend, EventBackend):
@@ -202,9 +201,7 @@ def build_agent(
         if isinstance(costing, Costing):
             priced = costing
         elif costing:
-            priced = _costing(
-                settings, node, ledger_path, clock or backend.clock, sampler.hostname, ledger_write_behind
-            )
+            priced = _costing(settings, node, ledger_path, clock or backend.clock, sampler.hostname)
             if node is not None:
                 # On a fake node one poll interval spans `fake_speed` times as much scenario time
                 # (or, in `simulate`, one step): that is the run's normal rhythm, not a gap to
@@ -365,7 +362,6 @@ def _costing(
     ledger_path: str | Path | None,
     clock: Callable[[], float],
     hostname: str,
-    write_behind: bool = False,
 ) -> Costing:
     """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger
     (which records `hostname`, the node name the charges carry)."""
@@ -426,7 +422,6 @@ def _costing(
             clock=clock,
             node=hostname,
             max_pending_rows=settings.ledger.max_pending_rows,
-            write_behind=write_behind,
         )
         if ledger_path
         else None

@@ -6,13 +6,6 @@ and retried at the next flush. Charges wait in memory meanwhile, summed per hour
 most `max_pending_rows` rows (the oldest hours are dropped beyond that, counted in
 `gpuledger_ledger_dropped_rows_total` and `_dollars_total`). `close()` says whether every
 charge reached the file; where some did not, one error line says how many rows and dollars.
-
-With `write_behind` (what `simulate` uses), a flush's transaction and fsync run on a worker
-thread while the caller goes on; the next `health`, `flush` or `close` waits for it first, and
-charges added meanwhile wait in order and reach the ledger once it is done. The ledger
-therefore sees exactly the calls, in exactly the order, that it would see without it (the
-flush even reads the clock at the moment it was asked for), so the file and every published
-health are the same: only the wait for the disk overlaps other work.
 """
 
 from __future__ import annotations
@@ -20,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from agent.ledger.files import LedgerError
@@ -42,7 +34,6 @@ class LedgerSink:
         clock: Callable[[], float] = time.time,
         node: str | None = None,
         max_pending_rows: int = DEFAULT_MAX_PENDING_ROWS,
-        write_behind: bool = False,
     ) -> None:
         self.path = Path(path)
         self.retention_s = retention_s
@@ -61,28 +52,7 @@ class LedgerSink:
         # Where the ledger's record ended before this run: the time up to this run's first poll
         # went unwatched, and is booked as unobserved (agent_down).
         self.recorded_until: float | None = period[1] if period is not None else None
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-flush") if write_behind else None
-        self._in_flight: Future[bool] | None = None
-        self._asked_at: float | None = None  # the clock when the flush in flight was asked for
-        self._queued: list[Charges] = []  # added while that flush was writing, for after it
         self._open()
-
-    def _ledger_clock(self) -> float:
-        asked_at = self._asked_at
-        return self.clock() if asked_at is None else asked_at
-
-    def _settle(self) -> None:
-        """Wait for the flush in flight, if any (its outcome is in the ledger's health), then
-        hand the ledger the charges added meanwhile."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            try:
-                in_flight.result()
-            finally:
-                self._asked_at = None
-        queued, self._queued = self._queued, []
-        for charges in queued:
-            self._add(charges)
 
     def _open(self) -> Ledger | None:
         if self._ledger is not None:
@@ -90,7 +60,7 @@ class LedgerSink:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._ledger = Ledger(
-                self.path, node=self.node, retention_s=self.retention_s, clock=self._ledger_clock, pending=self._pending
+                self.path, node=self.node, retention_s=self.retention_s, clock=self.clock, pending=self._pending
             )
         except (OSError, LedgerError) as exc:
             if not self._open_failed:
@@ -103,16 +73,6 @@ class LedgerSink:
         return self._ledger
 
     def add(self, charges: Charges) -> None:
-        in_flight = self._in_flight
-        if in_flight is not None and not in_flight.done():
-            # After the flush, as without write-behind; and the poll need not wait for the disk
-            # here, only at the health it publishes at its end, by when the flush is often done.
-            self._queued.append(charges)
-            return
-        self._settle()
-        self._add(charges)
-
-    def _add(self, charges: Charges) -> None:
         ledger = self._ledger
         if ledger is None:
             self._pending.add(charges)
@@ -120,20 +80,11 @@ class LedgerSink:
             ledger.add(charges)
 
     def flush(self) -> bool:
-        """True when the pending charges were committed; with `write_behind`, when the flush is
-        under way (whether it committed shows in `health()`, which waits for it)."""
-        self._settle()
+        """True when the pending charges were committed."""
         ledger = self._open()
-        if ledger is None:
-            return False
-        if self._writer is None:
-            return ledger.flush()
-        self._asked_at = self.clock()
-        self._in_flight = self._writer.submit(ledger.flush)
-        return True
+        return ledger.flush() if ledger is not None else False
 
     def health(self) -> LedgerHealth:
-        self._settle()
         ledger = self._ledger
         pending = self._pending
         return LedgerHealth(
@@ -148,11 +99,6 @@ class LedgerSink:
     def close(self) -> bool:
         """Flush and close. True when every charge reached the file; otherwise one error line
         says how many hourly rows and dollars are lost."""
-        try:
-            self._settle()
-        finally:
-            if self._writer is not None:
-                self._writer.shutdown(wait=True)
         ledger = self._open()
         if ledger is not None:
             return ledger.close()
