@@ -1,11 +1,15 @@
 """How fast `simulate` runs, and how big the ledger it writes gets.
 
-    python bench/simulate.py [--scenario demo] [--for 7d] [--step 15s]
+    python bench/simulate.py [--scenario demo] [--for 7d] [--step 15s] [--against DIR --rounds N]
 
 Runs `gpuledger simulate SCENARIO --for D --step S --ledger FILE` as a subprocess (the real
 command, start-up included), then prints polls per second of wall time against its target, how
 much faster than real time the scenario ran, and the ledger's size on disk (database plus WAL)
 with its rows.
+
+With --against DIR (another checkout, e.g. `git worktree add /tmp/base v0.1.0`), the two take
+turns, N rounds each, and the ratio of their median rates is printed: on a noisy machine a
+ratio measured in one run says more than two figures measured an hour apart.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from agent.units import parse_duration
 from fake_nvml.scenario import load_scenario
 
+REPO = Path(__file__).resolve().parent.parent
+
 # A week of the demo node at 15 s steps in about a minute: fast enough that the test suite and
 # every user's what-if simulation stay cheap.
 TARGET_POLLS_PER_S = 600
@@ -34,20 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", default="demo")
     parser.add_argument("--for", dest="duration", default="7d")
     parser.add_argument("--step", default="15s")
+    parser.add_argument("--against", type=Path, help="another checkout to run in turn with this one")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each checkout with --against")
     args = parser.parse_args(argv)
     duration_s, step_s = parse_duration(args.duration), parse_duration(args.step)
     polls = math.ceil(duration_s / step_s - 1e-9) + 1  # a last, shorter step ends at --for
+    if args.against is not None:
+        return compare(args, polls)
     with tempfile.TemporaryDirectory() as tmp:
         ledger = Path(tmp) / "ledger.db"
-        command = [
-            sys.executable, "-m", "agent", "simulate", args.scenario, "--for", args.duration, "--step", args.step,
-            "--ledger", str(ledger), "--metrics-out", str(Path(tmp) / "metrics.prom"),
-        ]  # fmt: skip
-        started = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        elapsed = time.perf_counter() - started
-        if result.returncode != 0:
-            print(result.stderr[-2000:], file=sys.stderr)
+        elapsed = simulate(args, REPO, Path(tmp))
+        if elapsed is None:
             return 1
         size = sum(p.stat().st_size for p in Path(tmp).glob("ledger.db*"))
         with sqlite3.connect(ledger) as conn:
@@ -64,6 +68,41 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ledger on disk        {size / 1024:.0f} KiB")
     print(f"  ledger rows           {workload_rows} workload-hours, {gpu_rows} GPU-hours")
     print(f"  ledger per GPU-day    {size / 1024 / (gpus * duration_s / 86400):.1f} KiB ({gpus} GPUs)")
+    return 0
+
+
+def simulate(args: argparse.Namespace, checkout: Path, tmp: Path) -> float | None:
+    """Seconds one `simulate` of `checkout` took (run from there, so its own code is imported),
+    or None after printing why it failed."""
+    command = [
+        sys.executable, "-m", "agent", "simulate", args.scenario, "--for", args.duration, "--step", args.step,
+        "--ledger", str(tmp / "ledger.db"), "--metrics-out", str(tmp / "metrics.prom"),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=checkout)
+    elapsed = time.perf_counter() - started
+    if result.returncode != 0:
+        print(f"{checkout}: {result.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return elapsed
+
+
+def compare(args: argparse.Namespace, polls: int) -> int:
+    """This checkout and --against in turn, --rounds times each; their median rates and ratio."""
+    checkouts = {"this": REPO, "against": args.against.resolve()}
+    rates: dict[str, list[float]] = {name: [] for name in checkouts}
+    for _ in range(args.rounds):
+        for name, checkout in checkouts.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                elapsed = simulate(args, checkout, Path(tmp))
+            if elapsed is None:
+                return 1
+            rates[name].append(polls / elapsed)
+    print(f"gpuledger simulate {args.scenario} --for {args.duration} --step {args.step}, {args.rounds} rounds each")
+    for name, checkout in checkouts.items():
+        print(f"  {name:8s} {checkout}: {', '.join(f'{r:.0f}' for r in rates[name])} polls/s")
+    ratio = statistics.median(rates["this"]) / statistics.median(rates["against"])
+    print(f"  this / against (medians)   {ratio:.2f}x")
     return 0
 
 
