@@ -111,7 +111,7 @@ def test_only_calls_that_can_block_go_through_the_watchdog_thread(
     devices on their own thread: the hand-off cost simulate a tenth of its time. A latency
     fault anywhere, or a backend someone wrapped (which may do anything), keeps the guard."""
     path = tmp_path / "node.yaml"
-    path.write_text(HUNG_SCENARIO.split("faults:")[0] + faults)
+    path.write_text(HUNG_SCENARIO.split("faults:", maxsplit=1)[0] + faults)
     before = _poll_threads()
     agent = build_agent(
         Settings(node_name="rig"), fake=path, costing=False, rules=(), wrap_backend=(lambda b: b) if wrapped else None
@@ -121,7 +121,8 @@ def test_only_calls_that_can_block_go_through_the_watchdog_thread(
         assert agent.node.calls_can_block is (bool(faults))
         assert agent.pipeline.calls_block is blocking
         state = agent.pipeline.poll_once()
-        assert state.snapshot is not None and [d.up for d in state.snapshot.devices] == [True, True]
+        assert state.snapshot is not None
+        assert [d.up for d in state.snapshot.devices] == [True, True]
         assert (_poll_threads() - before != set()) is blocking  # a worker started only to guard calls
     finally:
         agent.close()
