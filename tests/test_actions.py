@@ -368,6 +368,76 @@ def test_a_protected_namespace_is_never_acted_on(
     assert line.startswith("action scale-to-zero denied: prod-serving/api-0 on act-node")
 
 
+# Mallory (uid 1012) runs an idle process outside any Slurm job and claims Bob's job 4242 in
+# her own environment: nothing trusted (cgroup, map file) names a job on GPU 0.
+CLAIMED_JOB = {
+    "start": "2026-11-20T18:00:00Z",
+    "node": {"hostname": "act-node"},
+    "gpus": [{"model": "A100-SXM4-80GB", "count": 1}],
+    "processes": [
+        {
+            "pid": 920,
+            "gpus": [0],
+            "sm_util": 0,
+            "memory_mib": 2048,
+            "uid": 1012,
+            "user": "mallory",
+            "environ": {"SLURM_JOB_ID": "4242"},
+        }
+    ],
+}
+
+
+def test_a_job_only_a_processs_environment_names_is_never_acted_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # scancel-idle-job.sh as the examples wire it (workload scope, allowed for every job): the
+    # job id it would cancel must come from a trusted source, not from what Mallory's process
+    # says, or any local user could have another user's job cancelled.
+    caplog.set_level(logging.INFO, logger="gpuledger.actions")
+    record = script(tmp_path / "record.sh", 'echo "$GPULEDGER_HPC_JOB" > "$OUT/ran"\n')
+    rig = Rig(
+        CLAIMED_JOB,
+        settings=settings(
+            dry_run=False,
+            triggers={
+                "scancel-idle": {
+                    "flag": "allocated_idle",
+                    "scope": "workload",
+                    "after": "1h",
+                    "command": [str(record)],
+                    "env": {"OUT": str(tmp_path)},
+                    "allow": {"hpc_jobs": ["*"]},
+                }
+            },
+        ),
+    )
+    actions = rig.agent.actions
+    assert actions is not None
+    try:
+        rig.poll()
+        state = run(rig, 3 * HOUR)
+        settle(actions)
+    finally:
+        rig.close()
+    (holding,) = state.attribution.holdings
+    assert holding.workload.hpc_job == "4242"
+    assert holding.workload.user == "mallory"
+    assert holding.self_reported
+    assert not (tmp_path / "ran").exists()
+    assert counts(state, "scancel-idle") == {"denied": 1}
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "gpuledger.actions"]
+    assert line.startswith("action scancel-idle denied: job 4242 on act-node")
+    assert line.endswith("its job is named only by its own processes' environment (self-reported)")
+    # Her process held the GPU the whole 3h, so all of it is charged to her claim, none idle or
+    # unobserved: $2/GPU-hour x 1 GPU x 3h = $6.00.
+    charged = sum(w.dollars for w in state.costs.workloads.values())
+    idle = sum(g.idle_dollars for g in state.costs.gpus.values())
+    unobserved = sum(g.unobserved_dollars for g in state.costs.gpus.values())
+    assert charged == pytest.approx(6.0)
+    assert charged + idle + unobserved == pytest.approx(2.0 * 1 * 3)
+
+
 def test_a_hanging_command_is_killed_at_its_timeout_and_polls_go_on(tmp_path: Path) -> None:
     hang = script(tmp_path / "hang.sh", 'echo $$ > "$OUT/pid"\nsleep 60 &\necho $! > "$OUT/child"\nwait\n')
     rig = Rig(

@@ -3,6 +3,8 @@ queue, restarts, and the lists, decided on hand-built states."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from agent.actions.policy import (
     COOLDOWN,
     DEFERRED,
@@ -128,6 +130,24 @@ def test_lists_deny_and_allow_by_any_name() -> None:
     assert sorted(results(d)) == [DENIED, RUN]
     (ran,) = [x for x in d if x.result == RUN]
     assert ran.target.workloads == (POD,)
+
+
+def test_a_job_claimed_in_a_processs_environment_admits_nothing() -> None:
+    # GPU 0's holder names job 77 only in its own environment (self-reported): an allowlist of
+    # jobs does not admit the GPU, and the claimed job is never a workload target itself. GPU 1's
+    # holder is the same job as the map file names it: that one is acted on.
+    claimed = replace(
+        state(3600, {0: 3600.0}, gpus=1), attribution=Attribution((Holding("GPU-0", JOB, self_reported=True),))
+    )
+    on_jobs = trigger(scope="gpu", allow=(Selector(hpc_jobs=("*",)),))
+    _, d = decide(PolicyState(), claimed, [on_jobs], capacity=4)
+    assert results(d) == [DENIED]
+    assert d[0].reason == "no allowlist entry names it"
+    _, d = decide(PolicyState(), claimed, [trigger()], capacity=4)
+    assert results(d) == [DENIED]
+    assert d[0].reason == "its job is named only by its own processes' environment (self-reported)"
+    _, d = decide(PolicyState(), state(3600, {0: 3600.0}, {0: JOB}), [on_jobs, trigger()], capacity=4)
+    assert results(d) == [RUN, RUN]
 
 
 def test_dry_run_is_decided_once_like_a_run() -> None:

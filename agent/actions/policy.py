@@ -52,13 +52,16 @@ class Selector:
     def empty(self) -> bool:
         return not (self.namespaces or self.hpc_jobs or self.users or self.nodes)
 
-    def matches(self, target: Target) -> str | None:
+    def matches(self, target: Target, claims: bool = True) -> str | None:
         """The first pattern that names the target or one of its workloads ("namespaces=kube-*"),
-        or None. Empty names never match: a Slurm job has no namespace to be listed by."""
+        or None. Empty names never match: a Slurm job has no namespace to be listed by. With
+        `claims` False, a job only its own processes' environment names (`Target.claimed`) is
+        not a name to match: what a process says of itself must not put it on an allowlist."""
+        jobs = tuple(w.hpc_job for w in target.workloads if claims or w not in target.claimed)
         for kind, patterns, values in (
             ("nodes", self.nodes, (target.node,)),
             ("namespaces", self.namespaces, tuple(w.namespace for w in target.workloads)),
-            ("hpc_jobs", self.hpc_jobs, tuple(w.hpc_job for w in target.workloads)),
+            ("hpc_jobs", self.hpc_jobs, jobs),
             ("users", self.users, tuple(w.user for w in target.workloads)),
         ):
             for pattern in patterns:
@@ -105,6 +108,10 @@ class Target:
     workloads: tuple[Workload, ...]  # the workload (scope workload) or the GPUs' holders
     held_s: float  # how long the flag has held on all of them (the shortest)
     dollars: float  # what the flagged GPUs cost while the flag held
+    # Those of `workloads` that only their own processes name (SLURM_JOB_ID in their environment,
+    # which any local user can set; `Holding.self_reported` on every GPU they hold): never acted
+    # on as themselves, and no allowlist entry for their job admits them.
+    claimed: frozenset[Workload] = frozenset()
 
     def describe(self) -> str:
         if self.scope == "node":
@@ -156,10 +163,14 @@ def targets(state: AgentState, rule: str, scope: str) -> list[Target]:
     index = {g.uuid: g.index for g in gpus}
     parent = {d.uuid: d.parent_uuid or d.uuid for d in snapshot.devices}
     holders: dict[str, set[Workload]] = {}
+    trusted: set[Workload] = set()  # named by a trusted source on at least one device
     for h in state.attribution.holdings:
         gpu_uuid = parent.get(h.device_uuid)
         if gpu_uuid is not None and h.workload != Workload():
             holders.setdefault(gpu_uuid, set()).add(h.workload)
+            if not h.self_reported:
+                trusted.add(h.workload)
+    claimed = frozenset(w for held in holders.values() for w in held if w not in trusted)
     found: list[Target] = []
     if scope == "node":
         if gpus and all(g.uuid in raised for g in gpus):
@@ -174,6 +185,7 @@ def targets(state: AgentState, rule: str, scope: str) -> list[Target]:
                     workloads=tuple(sorted({w for g in gpus for w in holders.get(g.uuid, ())})),
                     held_s=min(f.held_s for f in flags),
                     dollars=sum(f.dollars for f in flags),
+                    claimed=claimed,
                 )
             )
     elif scope == "gpu":
@@ -190,6 +202,7 @@ def targets(state: AgentState, rule: str, scope: str) -> list[Target]:
                         workloads=tuple(sorted(holders.get(g.uuid, ()))),
                         held_s=flag.held_s,
                         dollars=flag.dollars,
+                        claimed=claimed,
                     )
                 )
     elif scope == "workload":
@@ -210,6 +223,7 @@ def targets(state: AgentState, rule: str, scope: str) -> list[Target]:
                         workloads=(w,),
                         held_s=min(f.held_s for f in flags),
                         dollars=sum(f.dollars for f in flags),
+                        claimed=claimed,
                     )
                 )
     else:
@@ -218,12 +232,16 @@ def targets(state: AgentState, rule: str, scope: str) -> list[Target]:
 
 
 def _denied(trigger: Trigger, target: Target) -> str | None:
+    if target.scope == "workload" and target.workloads[0] in target.claimed:
+        # Its job id is what its own processes' environment says: any local user can name
+        # another user's job there, and a command given it (scancel) would act on the victim.
+        return "its job is named only by its own processes' environment (self-reported)"
     for deny in trigger.deny:
         hit = deny.matches(target)
         if hit is not None:
             return f"denylist {hit}"
     for allow in trigger.allow:
-        if not allow.empty() and allow.matches(target) is None:
+        if not allow.empty() and allow.matches(target, claims=False) is None:
             return "no allowlist entry names it"
     return None
 
