@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.attribution.labels import apply_rules, compile_rules, rule_env_keys
 from agent.attribution.recognise import recognise_model
 from agent.attribution.sources.procfs import ProcessUnreadable, ProcFS
+from agent.config import Settings
 from agent.model import WORKLOAD_LABELS, AgentState, Workload
 from tests.helpers import Rig
 from tests.test_cli import gpuledger
@@ -289,6 +290,84 @@ def write_proc(root: Path, pid: int, comm: str, start_ticks: int, cgroup: str, e
     (proc / "cmdline").write_bytes(b"python\0train.py\0")
     (proc / "cgroup").write_text(cgroup)
     (proc / "environ").write_bytes(environ)
+
+
+# Mallory (uid 1012) owns the subtree systemd delegates to her (user@1012.service): she can mkdir
+# any name there and move her processes in. She names Bob's Slurm job (GPU 1), Bob's user slice
+# (GPU 2) and the serving pod's uid (GPU 4) in it; Bob's job really runs on GPU 0, the pod on 3.
+VICTIM_POD_UID = "0b6c2f4e-1111-4222-8333-944445555666"
+MALLORY_TREE = "0::/user.slice/user-1012.slice/user@1012.service"
+DELEGATED_CLAIMS = {
+    "start": "2026-11-20T18:00:00Z",
+    "node": {"hostname": "spoof-node"},
+    "gpus": [{"model": "A100-SXM4-80GB", "count": 5}],
+    "processes": [
+        {"pid": 700, "gpus": [0], "sm_util": 50, "uid": 1010, "user": "bob", "slurm_job": "4242"},
+        {
+            "pid": 720,
+            "gpus": [1],
+            "sm_util": 90,
+            "uid": 1012,
+            "user": "mallory",
+            "cgroup": f"{MALLORY_TREE}/slurmstepd.scope/job_4242/step_0/user/task_0",
+        },
+        {
+            "pid": 721,
+            "gpus": [2],
+            "sm_util": 90,
+            "uid": 1012,
+            "user": "mallory",
+            "cgroup": f"{MALLORY_TREE}/app.slice/user-1010.slice/user@1010.service/run.scope",
+        },
+        {
+            "pid": 730,
+            "gpus": [3],
+            "sm_util": 40,
+            "uid": 1000,
+            "user": "svc",
+            "pod": {"namespace": "serving", "name": "api-0", "container": "api", "uid": VICTIM_POD_UID},
+        },
+        {
+            "pid": 722,
+            "gpus": [4],
+            "sm_util": 90,
+            "uid": 1012,
+            "user": "mallory",
+            "cgroup": f"{MALLORY_TREE}/kubepods.slice/kubepods-pod{VICTIM_POD_UID.replace('-', '_')}.slice/run.scope",
+        },
+    ],
+    "allocations": [{"gpus": [0], "slurm_job": "4242", "user": "bob"}],
+}
+
+
+def test_a_cgroup_a_user_made_in_her_own_delegated_tree_bills_nobody_else() -> None:
+    r = Rig(DELEGATED_CLAIMS, settings=Settings(node_name="spoof-node", pricing={"gpu_hourly": 2.0}))
+    try:
+        state = r.run(3600.0, 60.0)
+    finally:
+        r.close()
+    held = owners(state)
+    assert held["0"] == [Workload(hpc_job="4242", user="bob")]
+    assert held["3"] == [Workload(namespace="serving", pod="api-0", container="api")]
+    # Each of Mallory's processes is hers, whatever her cgroup's names say.
+    for gpu in ("1", "2", "4"):
+        assert held[gpu] == [Workload(user="mallory")], gpu
+    dollars: dict[Workload, float] = {}
+    for (_gpu, _uuid, workload), totals in state.costs.workloads.items():
+        dollars[workload] = dollars.get(workload, 0.0) + totals.dollars
+    # $2/GPU-hour for 1h: Bob's job pays for GPU 0 alone ($2), the pod for GPU 3 ($2), Mallory
+    # for GPUs 1, 2 and 4 (3 x $2 = $6); every GPU was held all hour, so nothing is idle or
+    # unobserved, and the $10 of 5 GPUs x 1h x $2 are all charged.
+    assert dollars == pytest.approx(
+        {
+            Workload(hpc_job="4242", user="bob"): 2.0,
+            Workload(namespace="serving", pod="api-0", container="api"): 2.0,
+            Workload(user="mallory"): 6.0,
+        }
+    )
+    idle = sum(g.idle_dollars for g in state.costs.gpus.values())
+    unobserved = sum(g.unobserved_dollars for g in state.costs.gpus.values())
+    assert sum(dollars.values()) + idle + unobserved == pytest.approx(5 * 1 * 2.0)
 
 
 def test_the_environment_allowlist_keeps_secrets_out(tmp_path: Path) -> None:

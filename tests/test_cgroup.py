@@ -297,6 +297,33 @@ SHAPES = [
         CgroupOwner("container", container_id=CTR, runtime="podman", uid=1000),
         id="podman_rootless",
     ),
+    # Below user@<uid>.service the tree is delegated to the user, who can make any directory
+    # there: a pod, a Slurm job or another user named in it is her claim, not the owner.
+    pytest.param(
+        f"0::/user.slice/user-1000.slice/user@1000.service/kubepods.slice/kubepods-pod{POD_}.slice/x.scope\n",
+        CgroupOwner("user", uid=1000),
+        id="pod_slice_made_in_a_users_own_tree",
+    ),
+    pytest.param(
+        "0::/user.slice/user-1000.slice/user@1000.service/kubepods/burstable/pod" + POD + "/x\n",
+        CgroupOwner("user", uid=1000),
+        id="pod_dir_made_in_a_users_own_tree",
+    ),
+    pytest.param(
+        "0::/user.slice/user-1000.slice/user@1000.service/slurmstepd.scope/job_4242/step_0/user/task_0\n",
+        CgroupOwner("user", uid=1000),
+        id="slurm_job_made_in_a_users_own_tree",
+    ),
+    pytest.param(
+        "0::/user.slice/user-1000.slice/user@1000.service/app.slice/user-0.slice/user@0.service/x.scope\n",
+        CgroupOwner("user", uid=1000),
+        id="other_user_made_in_a_users_own_tree",
+    ),
+    pytest.param(
+        "0::/user.slice/user-1000.slice/user@1000.service/app.slice/user@0.service\n",
+        CgroupOwner("user", uid=1000),
+        id="other_manager_made_in_a_users_own_tree",
+    ),
     # conmon watches a container from a scope of its own: outside a pod that names no container,
     # only the user whose tree it is.
     pytest.param(

@@ -21,7 +21,9 @@ Several of these nest (a kind node is a Docker container holding pods; Slinky ru
 pod; rootless Podman lives under a user's systemd manager), so every marker on a line is
 read, and the owner is the most specific one: pod > slurm > container > service > user. A pod
 beats the container because the container belongs to the pod. Between lines of a v1 file the
-same order decides, then the deeper path.
+same order decides, then the deeper path. Below a user's own manager (user@<uid>.service, a tree
+systemd delegates to the user, who can make any directory there) only containers and services
+count: a pod, Slurm job or other user named there is the user's claim, not the owner.
 
 Nothing is guessed: every id returned is taken from the text (a pod uid has systemd's '_'
 turned back into '-' and is lower-cased). Text that names no workload gives None, and no text
@@ -152,12 +154,22 @@ def _owner_of(segments: list[str]) -> CgroupOwner | None:
     unit: str | None = None
     uid: int | None = None
     under_kubepods = False
+    # Below user@<uid>.service the tree is the user's own: systemd delegates it (Delegate=yes),
+    # so the user can mkdir any name there and move processes in. Only what a user may run as
+    # themselves counts below it: their containers (rootless Podman) and their services. A
+    # kubepods-pod<uid>.slice, slurmstepd.scope/job_<id> or user-<uid>.slice written there is
+    # a claim on someone else's pod, job or name, and is not read.
+    delegated = False
 
     for i, segment in enumerate(segments):
         parent = segments[i - 1] if i else ""
         found = _container_of(segment, parent)
         if found is not None:
             container = found  # the deepest one: Docker-in-Docker's inner container
+            continue
+        if delegated:
+            if _SERVICE.fullmatch(segment) and not _USER_MANAGER.fullmatch(segment):
+                unit = segment
             continue
 
         pod = _pod_uid_of(segment, under_kubepods)
@@ -178,11 +190,13 @@ def _owner_of(segments: list[str]) -> CgroupOwner | None:
                 uid = slurm_uid
             continue
 
-        user_tree = _USER_MANAGER.fullmatch(segment) or _USER_SLICE.fullmatch(segment)
+        manager = _USER_MANAGER.fullmatch(segment)
+        user_tree = manager or _USER_SLICE.fullmatch(segment)
         if user_tree is not None:
             tree_uid = _uid(user_tree.group(1))
             if tree_uid is not None:
                 uid = tree_uid
+            delegated = manager is not None
             continue
         if _SERVICE.fullmatch(segment):
             unit = segment
