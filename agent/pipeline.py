@@ -61,7 +61,7 @@ from agent.model import (
     StageHealth,
     Workload,
 )
-from agent.scrub import scrub_label
+from agent.scrub import bound_label
 from agent.units import format_duration, iso_time
 from rules.engine import GpuObservation, RuleSpec, RuleState, Transition, evaluate
 
@@ -417,9 +417,10 @@ class Pipeline:
 
     def _scrubbed(self, attribution: Attribution) -> Attribution:
         """`attribution` with every workload label and Slurm account scrubbed of credentials and
-        control characters. Here, once, because every output (metrics, textfile, ledger, flags and their
-        log lines, snapshot) is built from this stage's result: a model given as
-        https://user:pass@host/m?token=... leaves the agent as https://host/m."""
+        control characters, and cut to `agent.scrub.LABEL_MAX_CHARS` (a process's own cmdline or
+        environment can make one 128 KiB long). Here, once, because every output (metrics,
+        textfile, ledger, flags and their log lines, snapshot) is built from this stage's result:
+        a model given as https://user:pass@host/m?token=... leaves the agent as https://host/m."""
         last = self._scrubbed_last
         if last is not None and last[0] is attribution:
             return last[1]
@@ -432,13 +433,13 @@ class Pipeline:
             workload = holding.workload
             scrubbed = clean.get(workload, workload)
             if scrubbed is workload:  # not seen yet
-                values = {name: scrub_label(value) for name, value in workload.label_dict().items()}
+                values = {name: bound_label(value) for name, value in workload.label_dict().items()}
                 # None: nothing to scrub. Each poll's attribution may build its workloads anew,
                 # so "the same" means equal, not the object first remembered.
                 scrubbed = clean[workload] = None if values == workload.label_dict() else Workload.from_labels(values)
             # The Slurm account is no label but reaches the ledger and `report --by account`; the
             # process's own SLURM_JOB_ACCOUNT can hold anything.
-            account = scrub_label(holding.account) if holding.account else ""
+            account = bound_label(holding.account) if holding.account else ""
             if scrubbed is not None or account != holding.account:
                 changed = True
                 clean_workload = scrubbed if scrubbed is not None else workload

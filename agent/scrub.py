@@ -20,6 +20,7 @@ patterns lean towards removing.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from functools import lru_cache
 
@@ -95,3 +96,23 @@ def _keep_redacted(value: str) -> str:
 def scrub_label(text: str) -> str:
     """A label value, ledger field or table cell: no credential, no control character."""
     return escape_control(scrub(text))
+
+
+# The longest workload label value that leaves the agent. Every name a trusted source gives fits
+# (a Kubernetes pod name is at most 253 characters, a systemd unit name 255, a Slurm job id a few
+# digits), but a process's own command line and environment hold up to 128 KiB a value
+# (MAX_ARG_STRLEN): a `--model` or SLURM_JOB_ID that long would be copied into every series of its
+# workload, and a Prometheus with `label_value_length_limit` set fails the whole node's scrape.
+LABEL_MAX_CHARS = 256
+# A value cut short keeps a digest of the whole, so that two long values stay two workloads.
+_DIGEST_CHARS = 16
+
+
+def bound_label(text: str) -> str:
+    """`scrub_label(text)`, cut to `LABEL_MAX_CHARS`: a longer value keeps its start and ends in
+    "..." and a digest of the whole (scrubbed) value, so it stays distinct from other values."""
+    clean = scrub_label(text)
+    if len(clean) <= LABEL_MAX_CHARS:
+        return clean
+    digest = hashlib.sha256(clean.encode(errors="surrogatepass")).hexdigest()[:_DIGEST_CHARS]
+    return f"{clean[: LABEL_MAX_CHARS - _DIGEST_CHARS - 3]}...{digest}"

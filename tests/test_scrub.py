@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
-from agent.scrub import REDACTED, escape_control, scrub, scrub_label
+from agent.config import Settings
+from agent.scrub import LABEL_MAX_CHARS, REDACTED, bound_label, escape_control, scrub, scrub_label
+from tests.helpers import Rig
 
 CANARY = "canary7Q2x9"
 
@@ -206,3 +210,66 @@ def test_a_credential_in_the_model_argument_reaches_no_output(tmp_path: Path) ->
     # The model keeps what identifies it: the URL without its userinfo and query string.
     for name in ("metrics", "report", "snapshot", "ledger rows"):
         assert "https://hub.example/org/m" in outputs[name], name
+
+
+# Two processes claiming job ids 100,000 characters long that differ only in their last digit, and
+# a --model as long: a process's own environment and command line hold up to 128 KiB a value.
+LONG_JOB = "7" * 99_999
+LONG_VALUES = {
+    "start": "2026-11-20T18:00:00Z",
+    "node": {"hostname": "long-node"},
+    "gpus": [{"model": "A100-SXM4-80GB", "count": 2}],
+    "processes": [
+        {
+            "pid": 610 + gpu,
+            "gpus": [gpu],
+            "sm_util": 50,
+            "uid": 1012,
+            "user": "mallory",
+            "cmdline": "python train.py --model " + "m" * 100_000,
+            "environ": {"SLURM_JOB_ID": f"{LONG_JOB}{gpu}"},
+        }
+        for gpu in (0, 1)
+    ],
+}
+
+
+def test_a_label_value_a_process_makes_enormous_is_cut_short_and_stays_distinct(tmp_path: Path) -> None:
+    rig = Rig(LONG_VALUES, settings=Settings(node_name="long-node", pricing={"gpu_hourly": 2.0}))
+    try:
+        state = rig.run(3600.0, 60.0)
+        text = rig.metrics(state)
+    finally:
+        rig.close()
+    values = {
+        (s.name, key): value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        for key, value in s.labels.items()
+    }
+    assert max(len(v) for v in values.values()) <= LABEL_MAX_CHARS
+    jobs = {
+        s.labels["hpc_job"] for f in text_string_to_metric_families(text) for s in f.samples if s.labels.get("hpc_job")
+    }
+    assert len(jobs) == 2  # cut short, the two claims are still two workloads
+    assert all(job.startswith("7" * 200) for job in jobs)
+    if shutil.which("promtool"):
+        check = subprocess.run(
+            ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+    # $2/GPU-hour: each process held its GPU the whole hour, $2 each, nothing idle or unobserved;
+    # 2 GPUs x 1h x $2 = $4 in all.
+    charged = sorted(t.dollars for t in state.costs.workloads.values())
+    assert charged == pytest.approx([2.0, 2.0])
+    idle = sum(g.idle_dollars for g in state.costs.gpus.values())
+    unobserved = sum(g.unobserved_dollars for g in state.costs.gpus.values())
+    assert sum(charged) + idle + unobserved == pytest.approx(2 * 1 * 2.0)
+
+
+@given(st.text(max_size=600))
+def test_a_bounded_label_is_short_clean_and_idempotent(text: str) -> None:
+    bounded = bound_label(text)
+    assert len(bounded) <= LABEL_MAX_CHARS
+    assert bound_label(bounded) == bounded
+    assert bounded == scrub_label(text) or len(scrub_label(text)) > LABEL_MAX_CHARS
