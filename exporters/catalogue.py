@@ -399,7 +399,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gpuledger_actions_total",
         Kind.COUNTER,
         "Decisions and outcomes of the configured actions (config actions.triggers), by result: executed, "
-        "failed, timeout, dry_run, denied, cooldown, deferred.",
+        "failed, timeout, dry_run, denied, cooldown, deferred, cancelled.",
         ("action", "result"),
     ),
     MetricSpec("gpuledger_ledger_up", Kind.GAUGE, "1 while the ledger's last flush succeeded, 0 while failing.", ()),

@@ -484,6 +484,50 @@ def test_a_hanging_command_is_killed_at_its_timeout_and_polls_go_on(tmp_path: Pa
         assert not _alive(pid), f"{name} {pid} still running"
 
 
+def test_a_run_whose_node_got_busy_while_it_waited_is_cancelled(tmp_path: Path) -> None:
+    # One worker. Two node actions fire on the idle node at 1h: the first takes the worker and
+    # holds it until the test lets go; the stop waits in the queue. A job starts on GPU 0 at 3h
+    # and the idle flags clear: by the time the worker is free the node is no longer idle, and
+    # stopping it would kill the job.
+    hold = script(tmp_path / "hold.sh", 'while [ ! -e "$OUT/release" ]; do sleep 0.05; done\n')
+    stop = script(tmp_path / "stop.sh", 'touch "$OUT/stopped"\n')
+    node_idle = {"flag": "idle", "scope": "node", "after": "1h", "env": {"OUT": str(tmp_path)}}
+    rig = Rig(
+        IDLE_NODE,
+        settings=settings(
+            dry_run=False,
+            workers=1,
+            triggers={
+                "hold": {**node_idle, "command": [str(hold)]},
+                "stop-node": {**node_idle, "command": [str(stop)]},
+            },
+        ),
+    )
+    actions = rig.agent.actions
+    assert actions is not None
+    try:
+        rig.poll()
+        run(rig, HOUR)
+        state = run(rig, 3 * HOUR + STEP_S)
+        assert state.snapshot is not None
+        assert not [f for f in state.flags if f.rule == "idle" and f.uuid == state.snapshot.gpus[0].uuid and f.raised]
+        (tmp_path / "release").touch()
+        settle(actions)
+        state = rig.poll(STEP_S)
+    finally:
+        rig.close()
+    assert not (tmp_path / "stopped").exists()
+    assert counts(state, "hold") == {"executed": 1}
+    assert counts(state, "stop-node") == {"cancelled": 1}
+    # Up to 3h02m: the job has held GPU 0 for its last 2 minutes ($2/GPU-hour x 2/60 h), every
+    # other GPU-second was idle; 2 GPUs x (3h + 2/60 h) x $2 in all.
+    charged = sum(t.dollars for t in state.costs.workloads.values())
+    idle = sum(g.idle_dollars for g in state.costs.gpus.values())
+    unobserved = sum(g.unobserved_dollars for g in state.costs.gpus.values())
+    assert charged == pytest.approx(2.0 * 2 / 60)
+    assert charged + idle + unobserved == pytest.approx(2 * (3 + 2 / 60) * 2.0)
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie waiting for a reaper does not)."""
     try:

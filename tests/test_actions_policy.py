@@ -14,6 +14,7 @@ from agent.actions.policy import (
     PolicyState,
     Selector,
     Trigger,
+    changed,
     decide,
     dump_state,
     load_state,
@@ -148,6 +149,27 @@ def test_a_job_claimed_in_a_processs_environment_admits_nothing() -> None:
     assert d[0].reason == "its job is named only by its own processes' environment (self-reported)"
     _, d = decide(PolicyState(), state(3600, {0: 3600.0}, {0: JOB}), [on_jobs, trigger()], capacity=4)
     assert results(d) == [RUN, RUN]
+
+
+def test_a_decided_run_is_checked_against_the_latest_poll() -> None:
+    # Decided at 3600 on GPU 0 held by JOB; then the GPU changes hands (still flagged), the flag
+    # clears, or it clears and raises again: each a reason not to run. Unchanged: still due.
+    t = trigger(scope="gpu")
+    s, d = decide(PolicyState(), state(3600, {0: 3600.0}, {0: JOB}), [t], capacity=4)
+    (run,) = d
+    assert run.result == RUN
+    assert changed(run, 3600, state(3600, {0: 3600.0}, {0: JOB}), s) is None
+    same = state(3660, {0: 3660.0}, {0: JOB})
+    assert changed(run, 3600, same, decide(s, same, [t], 4)[0]) is None
+    swapped = state(3660, {0: 3660.0}, {0: POD})
+    assert changed(run, 3600, swapped, decide(s, swapped, [t], 4)[0]) == (
+        "who holds its GPUs has changed since it was decided"
+    )
+    cleared = state(3660, {}, {0: JOB})
+    s2 = decide(s, cleared, [t], 4)[0]
+    assert changed(run, 3600, cleared, s2) == "its flag has cleared since it was decided"
+    again = state(3720, {0: 0.0}, {0: JOB})
+    assert changed(run, 3600, again, decide(s2, again, [t], 4)[0]) == "its flag has cleared since it was decided"
 
 
 def test_dry_run_is_decided_once_like_a_run() -> None:

@@ -11,6 +11,8 @@ Results counted in `gpuledger_actions_total{action,result}`:
     denied     the target is on a denylist or on no allowlist: never acted on
     cooldown   the action ran on this target less than its cooldown ago (logged once per episode)
     deferred   the action queue is full; tried again at the next poll (logged once per episode)
+    cancelled  decided, but by the time a worker was free its flag had cleared or its GPUs had
+               changed hands (a job started on the idle node): not run
 """
 
 from __future__ import annotations
@@ -33,17 +35,18 @@ from agent.actions.policy import (
     Decision,
     PolicyState,
     Trigger,
+    changed,
     decide,
     dump_state,
     load_state,
 )
-from agent.actions.runner import EXECUTED, FAILED, TIMEOUT, Job, Outcome, Runner, describe_how
+from agent.actions.runner import CANCELLED, EXECUTED, FAILED, TIMEOUT, Job, Outcome, Runner, describe_how
 from agent.model import AgentState
 from agent.units import format_duration
 
 log = logging.getLogger("gpuledger.actions")
 
-RESULTS = (EXECUTED, FAILED, TIMEOUT, DRY_RUN, DENIED, COOLDOWN, DEFERRED)
+RESULTS = (EXECUTED, FAILED, TIMEOUT, DRY_RUN, DENIED, COOLDOWN, DEFERRED, CANCELLED)
 
 
 class StateFile:
@@ -150,13 +153,17 @@ class Actions:
         self._state = self._file.load(self.triggers) if self._file is not None else PolicyState()
         self._saved = dump_state(self._state)
         self._saver = _Saver(self._file) if self._file is not None else None
-        self._runner = Runner(workers, queue_size, self._done, environ)
+        # The latest poll and the policy's state after it, replaced together (one assignment):
+        # what a worker checks a job against just before running it.
+        self._latest: tuple[AgentState, PolicyState] | None = None
+        self._runner = Runner(workers, queue_size, self._done, environ, self._changed)
 
     def observe(self, state: AgentState) -> None:
         """Decide on the latest poll's state; never waits for an action to run."""
         if state.snapshot is None or not self.triggers:
             return
         self._state, decisions = decide(self._state, state, self.triggers, self._runner.capacity())
+        self._latest = (state, self._state)
         for decision in decisions:
             if decision.result == RUN:
                 if not self._runner.submit(Job(decision, state.snapshot.taken_at)):
@@ -188,6 +195,10 @@ class Actions:
         self._runner.close(wait_s)
         if self._saver is not None:
             self._saver.close(wait_s)
+
+    def _changed(self, job: Job) -> str | None:
+        latest = self._latest
+        return changed(job.decision, job.now, *latest) if latest is not None else None
 
     def _done(self, job: Job, outcome: Outcome) -> None:
         self._record(job.decision, outcome.result, outcome.detail)

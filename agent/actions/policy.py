@@ -312,6 +312,26 @@ def _decide(
     return replace(episode, decided=RUN), Decision(trigger, RUN, target, since)
 
 
+def changed(decision: Decision, decided_at: float, agent: AgentState, state: PolicyState) -> str | None:
+    """Why a run decided at the poll of `decided_at` no longer fits `agent`, the latest poll (with
+    `state`, the policy's state after it), or None when it still does. A run waits in the
+    runner's queue while others run (a command may take its whole timeout), and meanwhile a job
+    may start on an idle node or a GPU change hands: stopping the node or cancelling the new
+    holder's job would hit the wrong target."""
+    target = decision.target
+    if agent.snapshot is None or agent.snapshot.taken_at <= decided_at:
+        return None  # nothing newer than what it was decided on
+    episode = state.episodes.get((decision.trigger.name, target.key))
+    if episode is None or episode.since != decision.episode_since:
+        return "its flag has cleared since it was decided"
+    now = next((t for t in targets(agent, target.rule, target.scope) if t.key == target.key), None)
+    if now is None:
+        return "its flag has cleared since it was decided"
+    if now.workloads != target.workloads or now.gpus != target.gpus:
+        return "who holds its GPUs has changed since it was decided"
+    return None
+
+
 def _wait(episode: Episode, decision: Decision) -> tuple[Episode, Decision | None]:
     """Still waiting: the decision is reported the first time in the episode only."""
     if decision.result in episode.noted:

@@ -7,6 +7,9 @@ the flag's context as JSON on stdin and an environment built from nothing: `BASE
 names the trigger passes through from the agent's environment, the trigger's fixed variables,
 then the `GPULEDGER_*` context. Past its timeout its process group gets SIGTERM, then SIGKILL
 `KILL_GRACE_S` later. A webhook is one POST, with the timeout on connecting and on each read.
+Just before a job runs, the runner asks whether the latest poll still shows its target as it
+was decided (`changed`); a job whose flag cleared or whose GPUs changed hands meanwhile is
+`cancelled`, not run.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 EXECUTED = "executed"
 FAILED = "failed"
 TIMEOUT = "timeout"
+CANCELLED = "cancelled"  # its target changed while it waited for a worker: not run
 KILL_GRACE_S = 2.0
 # What a log line keeps of a command's output: its last line, this long at most.
 OUTPUT_KEPT = 200
@@ -168,9 +172,11 @@ class Runner:
         queue_size: int,
         on_done: Callable[[Job, Outcome], None],
         environ: Mapping[str, str] | None = None,
+        changed: Callable[[Job], str | None] = lambda job: None,
     ) -> None:
         self.limit = workers + queue_size
         self._on_done = on_done
+        self._changed = changed  # why a job no longer fits the latest poll, asked just before it runs
         self._environ = dict(os.environ if environ is None else environ)
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -202,7 +208,8 @@ class Runner:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                outcome = execute(job, self._environ)
+                why = self._changed(job)
+                outcome = Outcome(CANCELLED, why, 0.0) if why is not None else execute(job, self._environ)
             except Exception as exc:  # a bug here must not kill the worker
                 log.exception("action %s: failed to run", job.decision.trigger.name)
                 outcome = Outcome(FAILED, scrub(repr(exc)), 0.0)
