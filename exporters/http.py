@@ -248,7 +248,14 @@ class _HeadThenSocket(io.RawIOBase):
         return self._sock.recv_into(buffer)
 
 
+# What the Server header says: the product, not the Python build it runs on (wsgiref would send
+# "WSGIServer/0.2 CPython/3.11.7", telling anyone who connects which interpreter's bugs to try).
+SERVER_HEADER = "gpuledger"
+
+
 class _ResponseHandler(ServerHandler):
+    server_software = SERVER_HEADER
+
     def log_exception(self, exc_info: Any) -> None:
         # wsgiref prints the traceback to stderr; the daemon's log is the place for it.
         if isinstance(exc_info[1], OSError):
@@ -259,6 +266,9 @@ class _ResponseHandler(ServerHandler):
 
 class _RequestHandler(WSGIRequestHandler):
     """wsgiref's request handler, fed the head the serving thread already read."""
+
+    def version_string(self) -> str:  # the Server header of the errors http.server answers itself
+        return SERVER_HEADER
 
     def setup(self) -> None:
         conn: _Connection = self.request

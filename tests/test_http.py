@@ -274,6 +274,31 @@ def test_a_request_line_cannot_forge_a_log_line(serve: Serve, caplog: pytest.Log
     assert all("\r" not in m and "\n" not in m for m in messages)
 
 
+def test_no_answer_names_the_python_build_it_runs_on(serve: Serve) -> None:
+    # wsgiref's default Server header is "WSGIServer/0.2 CPython/3.11.7": a free fingerprint.
+    # Every kind of answer: the app's (200, 404, 405), and http.server's own errors (431).
+    server, _source = serve()
+    requests = (
+        b"GET /metrics HTTP/1.1\r\n\r\n",
+        b"GET /nowhere HTTP/1.1\r\n\r\n",
+        b"DELETE /metrics HTTP/1.1\r\n\r\n",
+        b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(200)) + b"\r\n",
+    )
+    statuses = []
+    for request in requests:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(request)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head = answer.split(b"\r\n\r\n", 1)[0].decode("latin-1")
+        statuses.append(int(head.split()[1]))
+        assert "Python" not in head, head
+        assert "WSGIServer" not in head, head
+        assert "\r\nServer: gpuledger\r\n" in head + "\r\n", head
+    assert statuses == [200, 404, 405, 431]
+
+
 # --- rendering once per poll --------------------------------------------------------------
 
 
