@@ -45,3 +45,32 @@ def test_a_ledger_that_cannot_open_keeps_charges_until_it_can(tmp_path: Path, ca
     with sqlite3.connect(blocker / "ledger.db") as conn:
         (dollars,) = conn.execute("SELECT sum(dollars) FROM workload_hours").fetchone()
     assert dollars == pytest.approx(600 * 3.6 / 3600)  # ann held the GPU for all ten minutes
+
+
+def test_only_simulate_leaves_the_fsync_of_each_flush_to_the_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's flushes survive a power cut (synchronous=FULL, 2); `simulate` flushes every
+    scenario minute, many times a second, and waits for the disk only at checkpoints
+    (synchronous=NORMAL, 1), yet its ledger holds every flush once it has closed."""
+    import agent.ledger.store
+    from agent.cli.main import main
+    from agent.cli.wiring import build_agent
+    from agent.config import load_config
+
+    levels: dict[str, int] = {}
+    real_open = agent.ledger.store.open_file
+
+    def noting_open(path: Path, *args: object, **kwargs: bool) -> sqlite3.Connection:
+        conn = real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+        levels[path.name] = conn.execute("PRAGMA synchronous").fetchone()[0]
+        return conn
+
+    monkeypatch.setattr(agent.ledger.store, "open_file", noting_open)
+    assert main(["simulate", "demo", "--for", "2h", "--ledger", str(tmp_path / "simulated.db")]) == 0
+    daemon = build_agent(load_config(None), fake="demo", ledger_path=tmp_path / "daemon.db")
+    daemon.close()
+    assert levels == {"simulated.db": 1, "daemon.db": 2}
+    with sqlite3.connect(tmp_path / "simulated.db") as conn:
+        hours = conn.execute("SELECT count(DISTINCT hour) FROM gpu_hours").fetchone()[0]
+    assert hours == 2  # both scenario hours reached the file

@@ -70,8 +70,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         check_ledger(Path(args.ledger), append=args.append, start=scenario.start_epoch)
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
     # Scenario time is not the host's: actions are only logged as dry runs.
+    # A flush every scenario minute is many a second here: each commits atomically, but waiting
+    # for the disk at each would take as long as the polls (the file is synced as it closes).
     agent = build_agent(
-        settings, fake=scenario, ledger_path=args.ledger, poll_interval_s=step, actions="dry_run"
+        settings, fake=scenario, ledger_path=args.ledger, poll_interval_s=step, actions="dry_run", ledger_fsync=False
     )  # fmt: skip
     node = agent.node
     assert node is not None

@@ -138,6 +138,7 @@ def build_agent(
     rules: Sequence[RuleSpec] | None = None,
     actions: Literal["on", "dry_run", "off"] = "on",
     wrap_backend: Callable[[DeviceBackend], DeviceBackend] | None = None,
+    ledger_fsync: bool = True,
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
 
@@ -155,6 +156,8 @@ def build_agent(
                    with no state file (`simulate`); "off": none. On a fake node the state file
                    is never used (a demo must not mark the host's real episodes as acted on).
     wrap_backend   wraps the device backend before anything uses it (`record` keeps what it says)
+    ledger_fsync   sync the ledger to disk at every flush (False for `simulate`, whose flushes
+                   come many times a second: still atomic, synced at checkpoints and at close)
     """
     problems = host_problems(settings, "gpuledger")
     if problems:
@@ -201,7 +204,9 @@ def build_agent(
         if isinstance(costing, Costing):
             priced = costing
         elif costing:
-            priced = _costing(settings, node, ledger_path, clock or backend.clock, sampler.hostname)
+            priced = _costing(
+                settings, node, ledger_path, clock or backend.clock, sampler.hostname, fsync_each_flush=ledger_fsync
+            )
             if node is not None:
                 # On a fake node one poll interval spans `fake_speed` times as much scenario time
                 # (or, in `simulate`, one step): that is the run's normal rhythm, not a gap to
@@ -362,6 +367,8 @@ def _costing(
     ledger_path: str | Path | None,
     clock: Callable[[], float],
     hostname: str,
+    *,
+    fsync_each_flush: bool = True,
 ) -> Costing:
     """Prices per GPU (config, instance type, catalogue), the charge limits, and the ledger
     (which records `hostname`, the node name the charges carry)."""
@@ -422,6 +429,7 @@ def _costing(
             clock=clock,
             node=hostname,
             max_pending_rows=settings.ledger.max_pending_rows,
+            fsync_each_flush=fsync_each_flush,
         )
         if ledger_path
         else None

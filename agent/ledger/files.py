@@ -118,10 +118,13 @@ def _quick_check(conn: sqlite3.Connection) -> None:
         raise CorruptLedger(f"quick_check: {problems[0] if problems else 'no answer'}{more}")
 
 
-def open_file(path: Path, busy_timeout_s: float, node: str | None) -> sqlite3.Connection:
-    """Open or create the ledger for writing: checked with quick_check, WAL, synchronous=FULL,
-    schema migrated to SCHEMA_VERSION, and the node recorded, in one write transaction (so an
-    unwritable file fails here, not at the first flush). `CorruptLedger` for damaged pages."""
+def open_file(
+    path: Path, busy_timeout_s: float, node: str | None, *, fsync_each_flush: bool = True
+) -> sqlite3.Connection:
+    """Open or create the ledger for writing: checked with quick_check, WAL, synchronous=FULL
+    (NORMAL without `fsync_each_flush`), schema migrated to SCHEMA_VERSION, and the node
+    recorded, in one write transaction (so an unwritable file fails here, not at the first
+    flush). `CorruptLedger` for damaged pages."""
     if path.exists() and not path.is_file():
         raise LedgerError(f"ledger {path}: {unusable(path)}")
     existing = _is_sqlite_file(path)
@@ -136,7 +139,7 @@ def open_file(path: Path, busy_timeout_s: float, node: str | None) -> sqlite3.Co
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode != "wal":
             raise LedgerError(f"ledger {path}: the filesystem does not support a WAL journal (got {mode})")
-        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute(f"PRAGMA synchronous={'FULL' if fsync_each_flush else 'NORMAL'}")
         conn.execute("BEGIN IMMEDIATE")
         try:
             # Read under the write lock: another process may have migrated meanwhile.

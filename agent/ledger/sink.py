@@ -34,8 +34,10 @@ class LedgerSink:
         clock: Callable[[], float] = time.time,
         node: str | None = None,
         max_pending_rows: int = DEFAULT_MAX_PENDING_ROWS,
+        fsync_each_flush: bool = True,
     ) -> None:
         self.path = Path(path)
+        self.fsync_each_flush = fsync_each_flush
         self.retention_s = retention_s
         self.clock = clock
         self.node = node
@@ -60,7 +62,12 @@ class LedgerSink:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._ledger = Ledger(
-                self.path, node=self.node, retention_s=self.retention_s, clock=self.clock, pending=self._pending
+                self.path,
+                node=self.node,
+                retention_s=self.retention_s,
+                clock=self.clock,
+                pending=self._pending,
+                fsync_each_flush=self.fsync_each_flush,
             )
         except (OSError, LedgerError) as exc:
             if not self._open_failed:

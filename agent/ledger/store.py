@@ -12,6 +12,10 @@ read while the agent writes; FULL makes each commit fsync the WAL, so a flush th
 survives a power cut or a kernel panic too (GPU nodes do hang hard: Xid 79). With NORMAL the WAL
 is synced only at checkpoints, which at a few pages a minute come every few hours: a panic could
 take hours of committed costs with it. One fsync per flush interval (60 s) costs nothing.
+`simulate` is the exception (`fsync_each_flush=False`): it flushes every scenario minute, many
+times a second, and an fsync there can take as long as a poll; its flushes stay atomic, and the
+checkpoint at close syncs the file, but a power cut mid-run may lose its last flushes, which a
+rerun rebuilds.
 
 Failure, bounded: while the file cannot be written, pending rows stay in memory, at most
 `max_pending_rows` of them (`PendingCharges`); past that the oldest hours are dropped whole,
@@ -65,7 +69,8 @@ class Ledger:
 
     `node` (the agent's node name) is recorded in the file the first time a ledger that knows
     it opens the file; `pending` lets a caller that collected charges before the file could be
-    opened hand them over.
+    opened hand them over. `fsync_each_flush=False` (for `simulate`) leaves syncing to the
+    checkpoints; each flush still commits atomically.
     """
 
     def __init__(
@@ -78,8 +83,10 @@ class Ledger:
         busy_timeout_s: float = 5.0,
         max_pending_rows: int = DEFAULT_MAX_PENDING_ROWS,
         pending: PendingCharges | None = None,
+        fsync_each_flush: bool = True,
     ) -> None:
         self._path = Path(path)
+        self._fsync_each_flush = fsync_each_flush
         self._node = node
         self._retention_s = retention_s
         self._clock = clock
@@ -192,10 +199,10 @@ class Ledger:
         if not self._path.parent.is_dir():
             raise LedgerError(f"ledger {self._path}: directory {self._path.parent} does not exist")
         try:
-            conn = open_file(self._path, self._busy_timeout_s, self._node)
+            conn = open_file(self._path, self._busy_timeout_s, self._node, fsync_each_flush=self._fsync_each_flush)
         except CorruptLedger as corrupt:
             self._move_aside(corrupt.detail)
-            conn = open_file(self._path, self._busy_timeout_s, self._node)
+            conn = open_file(self._path, self._busy_timeout_s, self._node, fsync_each_flush=self._fsync_each_flush)
         self.file_id = file_id(self._path)
         return conn
 
