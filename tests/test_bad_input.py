@@ -176,6 +176,32 @@ def test_run_refuses_a_ledger_path_that_can_never_hold_a_ledger(tmp_path: Path) 
     assert garbled.read_bytes() == before
 
 
+def test_a_reader_that_goes_away_is_no_error(tmp_path: Path) -> None:
+    # `gpuledger snapshot --fake | head -1`: the pipe closes before gpuledger writes. It used
+    # to end with "gpuledger: Broken pipe" on stderr, an error that is not one; now it stops
+    # quietly, as cat does (exit 1: it did not write everything).
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "agent", "snapshot", "--fake"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1
+    assert "Broken pipe" not in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "Exception ignored" not in result.stderr
+
+
 # -- fuzzing: every reader of user input fails with its own one-line error, or succeeds --------
 
 keys = st.one_of(

@@ -203,6 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"gpuledger: scenario {exc}", EXIT_BAD_INPUT, debug)
     except KeyboardInterrupt:
         return EXIT_FAILURE
+    except BrokenPipeError:
+        # The reader went away (`gpuledger export | head`): stop quietly, as cat does, and keep
+        # Python from complaining when it flushes stdout on the way out.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
     except OSError as exc:
         where = f"gpuledger: {exc.filename}" if exc.filename else "gpuledger"
         return _fail(f"{where}: {exc.strerror or exc}", EXIT_FAILURE, debug)
