@@ -18,8 +18,9 @@ How a connection is served, and why:
 
 The exposition changes once per poll, so it is rendered once per poll and format (plain text,
 OpenMetrics when the Accept header asks for it), gzipped once, and those bytes are served to
-every scraper (`Exposition`). Methods other than GET and `?name[]=` filters go to
-prometheus_client's own WSGI app, rendered per request as before.
+every scraper (`Exposition`); HEAD gets GET's headers and no body, OPTIONS the methods
+allowed, any other method a 405. `?name[]=` filters go to prometheus_client's own WSGI app,
+rendered per request as before.
 
 TLS (exporters/webconfig.py): a plain-HTTP request on the TLS port gets a 400 saying so, as Go's
 servers answer, and no handshake; a client certificate must name one of `client_allowed_sans`
@@ -131,6 +132,10 @@ class Exposition:
             self._rendering.release()
 
 
+_ALLOW_HEALTHZ = [("Allow", "GET, HEAD")]
+_ALLOW_METRICS = [("Allow", "GET, HEAD, OPTIONS")]
+
+
 def _text(start_response: StartResponse, status: str, body: bytes, extra: list[tuple[str, str]]) -> list[bytes]:
     headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body))), *extra]
     start_response(status, headers)
@@ -157,10 +162,19 @@ def make_app(
     extra_headers = list(headers)
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method == "HEAD":
+            # What GET would answer, headers only (Content-Length included): as Go's servers do,
+            # so a probe that asks with HEAD (curl -I, some load balancers) sees the status.
+            for _chunk in app({**environ, "REQUEST_METHOD": "GET"}, start_response):
+                pass
+            return []
         if extra_headers:
             start_response = _with_headers(start_response, extra_headers)
         path = environ.get("PATH_INFO", "/")
         if path == "/healthz":
+            if method != "GET":
+                return _text(start_response, "405 Method Not Allowed", b"use GET or HEAD\n", _ALLOW_HEALTHZ)
             if not healthy():
                 body = b"no successful poll within 3 poll intervals\n"
                 return _text(start_response, "503 Service Unavailable", body, [])
@@ -175,7 +189,11 @@ def make_app(
                 return _text(start_response, "401 Unauthorized", b"Unauthorized\n", challenge)
         if path not in ("/metrics", "/"):
             return _text(start_response, "404 Not Found", b"not found: try /metrics or /healthz\n", [])
-        if environ.get("REQUEST_METHOD") != "GET" or "name[]" in parse_qs(environ.get("QUERY_STRING", "")):
+        if method == "OPTIONS":
+            return _text(start_response, "200 OK", b"", _ALLOW_METRICS)
+        if method != "GET":
+            return _text(start_response, "405 Method Not Allowed", b"use GET, HEAD or OPTIONS\n", _ALLOW_METRICS)
+        if "name[]" in parse_qs(environ.get("QUERY_STRING", "")):
             result: Iterable[bytes] = per_request_app(environ, start_response)
             return result
         rendered = exposition.get(environ.get("HTTP_ACCEPT"))

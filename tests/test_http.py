@@ -350,18 +350,55 @@ def test_openmetrics_when_the_accept_header_asks_for_it(serve: Serve, demo_state
     assert source.renders == 2  # one per format
 
 
-def test_other_methods_get_prometheus_clients_answers(serve: Serve) -> None:
+def test_options_names_the_methods_and_others_are_refused(serve: Serve) -> None:
     server, _source = serve()
-    for method, status in (("POST", 405), ("OPTIONS", 200)):
+    for path, method, status, allow in (
+        ("/metrics", "OPTIONS", 200, "GET, HEAD, OPTIONS"),
+        ("/metrics", "POST", 405, "GET, HEAD, OPTIONS"),
+        ("/", "PUT", 405, "GET, HEAD, OPTIONS"),
+        ("/healthz", "POST", 405, "GET, HEAD"),  # it once answered 200 to anything
+    ):
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         try:
-            conn.request(method, "/metrics", body=b"x" if method == "POST" else None)
+            conn.request(method, path, body=b"x" if method in ("POST", "PUT") else None)
             response = conn.getresponse()
-            assert response.status == status
-            assert response.getheader("Allow") == "OPTIONS,GET"
+            assert response.status == status, (path, method)
+            assert response.getheader("Allow") == allow
             assert b"gpuledger_" not in response.read()
         finally:
             conn.close()
+
+
+def raw_answer(port: int, request: bytes) -> tuple[str, bytes]:
+    """The response head and every byte after it, read off the socket (http.client drops what
+    follows a HEAD response's head, which is what this looks for)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    return head.decode("latin-1"), rest
+
+
+def test_head_answers_what_get_would_without_the_body(serve: Serve) -> None:
+    # It was a 405 on /metrics (prometheus_client's app allows GET and OPTIONS only) and a 200
+    # with the body on /healthz; Go's servers, node_exporter's among them, answer HEAD as GET.
+    healthy = [True]
+    server, source = serve(healthy=lambda: healthy[0])
+    for path, accept_encoding in (("/metrics", "identity"), ("/metrics", "gzip"), ("/healthz", "identity")):
+        status, _headers, body = get(server.port, path, headers={"Accept-Encoding": accept_encoding})
+        request = f"HEAD {path} HTTP/1.1\r\nHost: x\r\nAccept-Encoding: {accept_encoding}\r\n\r\n"
+        head, rest = raw_answer(server.port, request.encode())
+        assert head.split()[1] == str(status) == "200"
+        assert f"\r\nContent-Length: {len(body)}" in head
+        assert ("Content-Encoding: gzip" in head) == (accept_encoding == "gzip")
+        assert rest == b""
+    assert source.renders == 1  # HEAD and GET share the poll's rendering
+    healthy[0] = False
+    head, rest = raw_answer(server.port, b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert head.split()[1] == "503"
+    assert rest == b""
 
 
 def test_healthz_is_200_while_healthy_and_503_when_not(serve: Serve) -> None:
