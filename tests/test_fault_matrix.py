@@ -1046,8 +1046,8 @@ def disk_full_connection(transient: bool) -> Case:
         real = store.open_file
         disk_full = context.scratch["disk full"] = threading.Event()
 
-        def open_file(*args: Any) -> Any:
-            return _FullConnection(real(*args), disk_full)
+        def open_file(*args: Any, **kwargs: Any) -> Any:
+            return _FullConnection(real(*args, **kwargs), disk_full)
 
         context.monkeypatch.setattr(store, "open_file", open_file)
         return context.tmp / "ledger.db"
