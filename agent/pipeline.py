@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from agent.accounting.cost import LastEnergy, account, accumulate, cost_units, downtime
+from agent.accounting.cost import LastEnergy, account, accumulate, cost_units, downtime, split_at_price_changes
 from agent.accounting.unpriced import Unplaced, Unpriced
 from agent.accounting.usage import unit_usage
 from agent.attribution.gather import Attributor
@@ -528,7 +528,9 @@ class Pipeline:
         for booked in (kept, *self._unpriced.release(snapshot, self._prices, costing.energy_per_kwh)):
             totals = accumulate(self._totals, booked, forget_after_s=costing.forget_after_s)
             if costing.sink is not None:
-                costing.sink.add(booked)
+                # The ledger splits a charge over its hours by time: cut where the price changes.
+                for piece in split_at_price_changes(booked, self._prices):
+                    costing.sink.add(piece)
             self._totals = totals  # only once the ledger has them too: counters and ledger agree
 
     def _remember_holders(self, attribution: Attribution) -> None:

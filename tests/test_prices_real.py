@@ -260,6 +260,67 @@ def test_a_change_between_two_polls_is_charged_at_its_instant(tmp_path: Path) ->
     assert dict(state.prices)[next(iter(dict(state.prices)))] == Price(1.0, "config pricing.gpu_hourly")
 
 
+def hourly_dollars(path: Path) -> dict[float, float]:
+    """TOTAL's dollars of each hour, as `report --since H --until H+1h` gives them, by hours after START."""
+    got = {}
+    for hour in sorted({r.hour for r in read_usage(path)}):
+        report = report_from_ledger(path, by=["hpc_job"], since=hour, until=hour + HOUR)
+        got[(hour - START) / HOUR] = report.total.dollars
+    return got
+
+
+def test_an_interval_across_a_change_and_an_hour_puts_each_price_in_its_hour(tmp_path: Path) -> None:
+    # As above, the interval 18:56 to 19:03 straddles both the hour and the change to $1 at 19:00:
+    # its 4 minutes before 19:00 cost $2/h, its 3 after $1/h, and each hour gets its own, not a
+    # 4/7 and 3/7 share of the interval's $11/60.
+    rig = Rig(
+        {"gpus": [{"count": 1}], "start": "2026-11-20T18:00:00Z"},
+        settings=Settings(
+            pricing={"gpu_hourly": 2.0, "changes": [{"at": "2026-11-20T19:00:00Z", "gpu_hourly": 1.0}]},
+            accounting={"max_interval": "10m"},
+        ),
+        ledger_path=tmp_path / "ledger.db",
+    )
+    try:
+        rig.run(2 * HOUR, 7 * 60)
+    finally:
+        rig.close()
+    # 18:00-19:00 at $2/h: $2; 19:00-19:59 at $1/h: 59/60 = $0.98333 (not $1.97143 and $1.01190)
+    assert hourly_dollars(tmp_path / "ledger.db") == {
+        0.0: pytest.approx(2.0, rel=1e-12),
+        1.0: pytest.approx(59 / 60, rel=1e-12),
+    }
+    conservation(tmp_path / "ledger.db", 2.0 + 59 / 60)
+    by_hour = {(r.hour - START) // HOUR: r.dollars_per_hour for r in read_usage(tmp_path / "ledger.db")}
+    assert by_hour == {0: 2.0, 1: 1.0}
+
+
+def test_downtime_across_a_change_puts_each_price_in_its_hour(tmp_path: Path) -> None:
+    # One idle GPU at $2/h, $1/h from 20:30. The agent runs 18:00-19:00, is down until 22:00,
+    # then runs an hour more: its first poll books 19:00-22:00 as unobserved, one charge.
+    settings = Settings(pricing={"gpu_hourly": 2.0, "changes": [{"at": "2026-11-20T20:30:00Z", "gpu_hourly": 1.0}]})
+    for start in ("2026-11-20T18:00:00Z", "2026-11-20T22:00:00Z"):
+        rig = Rig({"gpus": [{"count": 1}], "start": start}, settings=settings, ledger_path=tmp_path / "ledger.db")
+        try:
+            rig.run(HOUR, 60)
+        finally:
+            rig.close()
+    # 18h: $2 idle. Down: 19h $2; 20h 30 min at $2 + 30 min at $1 = $1.50; 21h $1 (not $1.50
+    # each: the downtime's $4.50 over its 3 hours). 22h: $1 idle.
+    assert hourly_dollars(tmp_path / "ledger.db") == {
+        0.0: pytest.approx(2.0, rel=1e-12),
+        1.0: pytest.approx(2.0, rel=1e-12),
+        2.0: pytest.approx(1.5, rel=1e-12),
+        3.0: pytest.approx(1.0, rel=1e-12),
+        4.0: pytest.approx(1.0, rel=1e-12),
+    }
+    # 2.5 h at $2 + 2.5 h at $1 = $7.50, $4.50 of it unobserved
+    conservation(tmp_path / "ledger.db", 2.5 * 2.0 + 2.5 * 1.0)
+    report = report_from_ledger(tmp_path / "ledger.db", by=["hpc_job"])
+    assert report.unobserved.dollars == pytest.approx(4.5, rel=1e-12)
+    assert report.unobserved.gpu_hours_charged == pytest.approx(3.0, rel=1e-12)
+
+
 def test_a_mismatched_instance_type_is_priced_by_the_gpu(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="gpuledger")
     # The shipped scenarios' old mistake: 80 GB A100s on a p4d.24xlarge, the 40 GB instance.

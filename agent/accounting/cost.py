@@ -35,9 +35,10 @@ poll (read at the later one), its holders those seen at its two ends.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agent.accounting.boundaries import Part, stretches
 from agent.model import (
@@ -503,6 +504,97 @@ def downtime(
         for gpu in snapshot.gpus
     )
     return Charges(start=start, end=end, node=snapshot.node.hostname, energy_per_kwh=energy_per_kwh, gpus=gpus)
+
+
+def split_at_price_changes(charges: Charges, prices: Mapping[str, Price | None]) -> tuple[Charges, ...]:
+    """`charges` cut at each price change that falls inside their interval: one piece per price.
+
+    The ledger splits a charge over the hours it spans in proportion to time, which is right
+    only while the price holds: an interval a change falls in (downtime booked at a start, a
+    gap between polls, two polls that straddle both an hour and a change) would spread its
+    dollars evenly over its hours, the later price's in the earlier hours. Each piece keeps the
+    interval's split among holders; its seconds and joules are its share of the interval's
+    time, its dollars its share of what the GPU cost (`Price.dollars`), its price the one in
+    force within it. The pieces add up to `charges`, to rounding."""
+    start, end = charges.start, charges.end
+    by_gpu = {g.gpu: p for g in charges.gpus if (p := prices.get(g.uuid)) is not None}
+    cuts = sorted({at for p in by_gpu.values() for at, _ in p.changes if start < at < end})
+    if not cuts:
+        return (charges,)
+    whole = {gpu: p.dollars(start, end) for gpu, p in by_gpu.items()}
+    pieces = []
+    for a, b in itertools.pairwise([start, *cuts, end]):
+        time_part = (b - a) / (end - start)
+        dollar_part = {gpu: p.dollars(a, b) / whole[gpu] if whole[gpu] > 0 else time_part for gpu, p in by_gpu.items()}
+        pieces.append(_price_piece(charges, a, b, time_part, dollar_part, by_gpu))
+    return tuple(pieces)
+
+
+def _price_piece(
+    charges: Charges,
+    start: float,
+    end: float,
+    time_part: float,
+    dollar_part: Mapping[int, float],
+    prices: Mapping[int, Price],
+) -> Charges:
+    """The part of `charges` from `start` to `end`: seconds and joules x `time_part`, each GPU's
+    dollars x its `dollar_part`."""
+
+    def timed(value: float | None) -> float | None:
+        return None if value is None else value * time_part
+
+    workloads = tuple(
+        replace(
+            w,
+            held_s=w.held_s * time_part,
+            busy_s=w.busy_s * time_part,
+            charged_s=w.charged_s * time_part,
+            dollars=w.dollars * dollar_part.get(w.gpu, time_part),
+            joules=w.joules * time_part,
+            energy_dollars=timed(w.energy_dollars),
+        )
+        for w in charges.workloads
+    )
+    gpus = []
+    for g in charges.gpus:
+        part = dollar_part.get(g.gpu, time_part)
+        in_force = prices[g.gpu].during(start, end) if g.gpu in prices else None
+        price = (
+            (in_force.dollars_per_hour, in_force.purchase, in_force.origin)
+            if in_force is not None
+            else (g.dollars_per_hour, g.purchase, g.price_source)
+        )
+        gpus.append(
+            replace(
+                g,
+                observed_s=g.observed_s * time_part,
+                dollars=g.dollars * part,
+                idle_s=g.idle_s * time_part,
+                idle_dollars=g.idle_dollars * part,
+                unobserved_s=g.unobserved_s * time_part,
+                unobserved_dollars=g.unobserved_dollars * part,
+                joules=g.joules * time_part,
+                idle_joules=g.idle_joules * time_part,
+                energy_dollars=timed(g.energy_dollars),
+                idle_energy_dollars=timed(g.idle_energy_dollars),
+                busy_s=timed(g.busy_s),
+                idle_by=tuple(
+                    replace(
+                        i,
+                        idle_s=i.idle_s * time_part,
+                        idle_dollars=i.idle_dollars * part,
+                        idle_joules=i.idle_joules * time_part,
+                        idle_energy_dollars=timed(i.idle_energy_dollars),
+                    )
+                    for i in g.idle_by
+                ),
+                dollars_per_hour=price[0],
+                purchase=price[1],
+                price_source=price[2],
+            )
+        )
+    return replace(charges, start=start, end=end, workloads=workloads, gpus=tuple(gpus))
 
 
 _NO_WORKLOAD_TOTALS = WorkloadTotals()
