@@ -231,6 +231,29 @@ def test_pending_rows_are_capped_by_dropping_the_oldest_hours_whole(
     assert ledger.close()
 
 
+def test_downtime_longer_than_the_pending_rows_is_written_whole(tmp_path: Path) -> None:
+    # Two GPUs at $2/h unobserved for 30 hours, one charge (downtime booked at a start): 60 GPU-hour
+    # rows, more than the 7 that may wait; the file takes writes, so none is dropped.
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path, retention_s=None, max_pending_rows=7)
+    down = 30 * H
+    gpus = tuple(
+        GpuCharge(g, f"GPU-{g}", "A100-SXM4-80GB", 2.0, 0.0, 0.0, 0.0, 0.0, down, 0.0, 0.0, unobserved_dollars=60.0)
+        for g in range(2)
+    )
+    ledger.add(Charges(T0 + 0.5 * H, T0 + 0.5 * H + down, "node-a", gpus=gpus))
+    assert (ledger.dropped_rows, ledger.dropped_dollars) == (0, 0.0)
+    assert ledger.close()
+    report = report_from_ledger(path, by=["user"])
+    # 2 GPUs x 30 h x $2/h = $120, all of it unobserved: 60 GPU-hours (not 3 hours' 6, the rest dropped)
+    assert report.unobserved.dollars == pytest.approx(120.0, rel=1e-12)
+    assert report.unobserved.gpu_hours_charged == pytest.approx(60.0, rel=1e-12)
+    assert report.total.dollars == pytest.approx(120.0, rel=1e-12)
+    assert len({row.hour for row in read_usage(path)}) == 31  # 18:30 on the first day to 00:30 on the third
+    with closing(open_read_only(path)) as conn:
+        assert conn.execute("SELECT first_at, last_at FROM ledger_meta").fetchone() == (T0 + 0.5 * H, T0 + 30.5 * H)
+
+
 def test_a_month_without_a_ledger_stays_under_four_megabytes(tmp_path: Path) -> None:
     """30 days of an 8-GPU node whose ledger never opens: eight jobs, one per GPU, each hour."""
     import tracemalloc

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from agent.accounting import sketch
 from agent.ledger.schema import GPU_MEASURES, IDLE_MEASURES, PRICE_ATTRIBUTES, PRICED_MEASURES, WORKLOAD_MEASURES
-from agent.model import Charges, GpuCharge, IdleCharge, UnitUsage, Workload
+from agent.model import Charges, GpuCharge, IdleCharge, UnitUsage, Workload, WorkloadCharge
 from agent.units import iso_time
 
 log = logging.getLogger("gpuledger.ledger")
@@ -377,28 +377,55 @@ class PendingCharges:
         with self._lock:
             return self._batch.rows, self._batch.dollars()
 
-    def add(self, charges: Charges) -> None:
-        """Sum one interval's charges into the pending rows of the hours it covers, pro rata."""
+    def add(self, charges: Charges, make_room: Callable[[], object] | None = None) -> None:
+        """Sum one interval's charges into the pending rows of the hours it covers, pro rata.
+
+        With `make_room` (the ledger's flush), a charge over more hours than `max_rows` leaves
+        room for (weeks of downtime, booked at the agent's first poll) is summed a part at a
+        time, `make_room` called before each part that would not fit: its oldest hours are
+        written, not dropped as an outage's are."""
         if not (_finite((charges.start, charges.end)) and charges.end - charges.start <= MAX_INTERVAL_S):
             self._reject(f"interval {charges.start!r} to {charges.end!r}")
             return
+        workloads: list[tuple[WorkloadCharge, tuple[float | None, ...]]] = []
+        for wc in charges.workloads:
+            measures: tuple[float | None, ...] = _workload_measures(wc)
+            if _finite(measures):
+                workloads.append((wc, measures))
+            else:
+                self._reject(f"workload charge {wc.workload.describe()} on {wc.uuid}: {measures}")
+        gpus: list[tuple[GpuCharge, tuple[float | None, ...]]] = []
+        for gc in charges.gpus:
+            gpu_measures: tuple[float | None, ...] = _gpu_measures(gc)
+            if _finite((*gpu_measures, gc.dollars_per_hour)):
+                gpus.append((gc, gpu_measures))
+            else:
+                self._reject(f"GPU charge on {gc.uuid}: {gpu_measures}")
         shares = hour_shares(charges.start, charges.end)
+        rows_per_hour = max(1, len(workloads) + len(gpus))
+        step = len(shares) if make_room is None else max(1, self.max_rows // (2 * rows_per_hour))
+        for i in range(0, len(shares), step):
+            part = shares[i : i + step]
+            if make_room is not None and self.rows + len(part) * rows_per_hour > self.max_rows:
+                make_room()
+            self._add_hours(charges, workloads, gpus, part)
+
+    def _add_hours(
+        self,
+        charges: Charges,
+        workloads: Sequence[tuple[WorkloadCharge, tuple[float | None, ...]]],
+        gpus: Sequence[tuple[GpuCharge, tuple[float | None, ...]]],
+        shares: Sequence[tuple[int, float]],
+    ) -> None:
+        """`add`'s work for the hours of `shares`, a run of the interval's hours."""
         node = charges.node
         with self._lock:
             batch = self._batch
-            for wc in charges.workloads:
-                measures: tuple[float | None, ...] = _workload_measures(wc)
-                if not _finite(measures):
-                    self._reject(f"workload charge {wc.workload.describe()} on {wc.uuid}: {measures}")
-                    continue
+            for wc, measures in workloads:
                 for hour, share in shares:
                     key = _WorkloadHour(hour, node, wc.gpu, wc.uuid, wc.workload, wc.account)
                     _add_sums(batch.workload_rows.setdefault(key, {}), WORKLOAD_MEASURES, measures, share)
-            for gc in charges.gpus:
-                gpu_measures: tuple[float | None, ...] = _gpu_measures(gc)
-                if not _finite((*gpu_measures, gc.dollars_per_hour)):
-                    self._reject(f"GPU charge on {gc.uuid}: {gpu_measures}")
-                    continue
+            for gc, gpu_measures in gpus:
                 for hour, share in shares:
                     gpu_key = _GpuHour(hour, node, gc.uuid)
                     pending = batch.gpu_rows.get(gpu_key)
@@ -414,7 +441,8 @@ class PendingCharges:
                         _add_sums(sums, IDLE_MEASURES, _idle_measures(idle), share)
             _add_usage(batch, charges, shares)
             if charges.workloads or charges.gpus:
-                batch.cover(charges.start, charges.end)
+                first, last = shares[0][0], shares[-1][0]
+                batch.cover(max(charges.start, first), min(charges.end, last + HOUR_S))
             self._cap()
 
     def take(self) -> Batch:

@@ -145,7 +145,9 @@ class Ledger:
         """Sum one interval's charges into the pending rows of the hours it covers, pro rata."""
         if self._closed:
             raise LedgerError(f"ledger {self._path}: closed")
-        self._pending.add(charges)
+        # A charge over more hours than may wait in memory is written as it is summed, while
+        # the file takes writes (past that, the oldest hours go, as in any outage).
+        self._pending.add(charges, make_room=self.flush if self._healthy else None)
 
     def flush(self) -> bool:
         """Write every pending row and apply retention in one transaction.
