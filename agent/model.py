@@ -515,7 +515,7 @@ class LedgerHealth:
     pending_rows: int
     last_flush_at: float | None  # wall clock of the last successful flush
     dropped_rows: int = 0  # pending rows dropped, oldest hours first, past ledger.max_pending_rows
-    dropped_dollars: float = 0.0  # what they held (workload plus idle dollars)
+    dropped_dollars: float = 0.0  # what they held (workload, idle and unobserved dollars)
     corrupt_files: int = 0  # corrupt ledger files moved aside for a fresh one
 
 

@@ -414,7 +414,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuledger_ledger_dropped_dollars_total",
         Kind.COUNTER,
-        "What the dropped ledger rows held (workload plus idle dollars): cost the ledger will never show.",
+        "What the dropped ledger rows held (workload, idle and unobserved dollars): cost the ledger will never show.",
         (),
         "dollars",
     ),

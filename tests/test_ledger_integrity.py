@@ -231,6 +231,25 @@ def test_pending_rows_are_capped_by_dropping_the_oldest_hours_whole(
     assert ledger.close()
 
 
+def test_dropped_unobserved_hours_count_in_the_dropped_dollars(tmp_path: Path) -> None:
+    # The dropped dollars are what report's TOTAL misses, and TOTAL counts unobserved time: they
+    # used to count workload and idle dollars only, so dropping hours nobody observed read $0.
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path, retention_s=None, busy_timeout_s=0.01, max_pending_rows=2)
+    holder = held_lock(path)
+    for hour in range(4):  # one GPU at $2/h, unobserved for the whole hour: one row of $2.00
+        gpu = GpuCharge(0, "GPU-0", "A100-SXM4-80GB", 2.0, 0.0, 0.0, 0.0, 0.0, H, 0.0, 0.0, unobserved_dollars=2.0)
+        ledger.add(Charges(T0 + hour * H, T0 + (hour + 1) * H, "node-a", gpus=(gpu,)))
+        assert ledger.flush() is False
+    # Hours 2 and 3 each made a third row: hours 0 and 1 went, 2 rows x $2.00 = $4.00.
+    assert (ledger.pending_rows, ledger.dropped_rows, ledger.dropped_dollars) == (2, 2, 4.0)
+    holder.rollback()
+    holder.close()
+    assert ledger.close()
+    # What the file holds plus what was dropped is the 4 hours x $2/h = $8.00 the GPU cost.
+    assert report_from_ledger(path, by=["user"]).total.dollars + ledger.dropped_dollars == 8.0
+
+
 def test_downtime_longer_than_the_pending_rows_is_written_whole(tmp_path: Path) -> None:
     # Two GPUs at $2/h unobserved for 30 hours, one charge (downtime booked at a start): 60 GPU-hour
     # rows, more than the 7 that may wait; the file takes writes, so none is dropped.

@@ -250,10 +250,13 @@ class Batch:
         return [key.columns() | p.columns() for key, p in self.sizing_rows.items()]
 
     def dollars(self) -> float:
-        """What these rows would add to `report`'s TOTAL: workload dollars plus idle dollars."""
+        """What these rows would add to `report`'s TOTAL: workload, idle and unobserved dollars."""
         return math.fsum(
             [s.get("dollars") or 0.0 for s in self.workload_rows.values()]
-            + [p.sums.get("idle_dollars") or 0.0 for p in self.gpu_rows.values()]
+            + [
+                (p.sums.get("idle_dollars") or 0.0) + (p.sums.get("unobserved_dollars") or 0.0)
+                for p in self.gpu_rows.values()
+            ]
         )
 
     def workload_prices(self) -> dict[_WorkloadHour, dict[str, object]]:
