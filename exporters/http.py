@@ -19,8 +19,8 @@ How a connection is served, and why:
 The exposition changes once per poll, so it is rendered once per poll and format (plain text,
 OpenMetrics when the Accept header asks for it), gzipped once, and those bytes are served to
 every scraper (`Exposition`); HEAD gets GET's headers and no body, OPTIONS the methods
-allowed, any other method a 405. `?name[]=` filters go to prometheus_client's own WSGI app,
-rendered per request as before.
+allowed, any other method a 405. `?name[]=NAME` (repeatable) keeps the samples so named, as
+prometheus_client's own server does, rendered per request.
 
 TLS (exporters/webconfig.py): a plain-HTTP request on the TLS port gets a 400 saying so, as Go's
 servers answer, and no handshake; a client certificate must name one of `client_allowed_sans`
@@ -46,9 +46,9 @@ from typing import IO, Any, cast
 from urllib.parse import parse_qs
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler
 
-from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import choose_encoder, gzip_accepted
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent.model import AgentState
 from exporters.webconfig import REALM, BasicAuth, Login, WebConfig, peer_san_allowed
@@ -132,6 +132,24 @@ class Exposition:
             self._rendering.release()
 
 
+class _Only(Collector):
+    """The registry's families cut down to the samples named (`?name[]=`): matched by sample
+    name, as prometheus_client's restricted registry matches them. The collector has no
+    describe(), so that registry would find nothing to restrict; this asks it for everything."""
+
+    def __init__(self, registry: CollectorRegistry, names: frozenset[str]) -> None:
+        self._registry = registry
+        self._names = names
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._registry.collect():
+            samples = [s for s in family.samples if s.name in self._names]
+            if samples:
+                kept = Metric(family.name, family.documentation, family.type, family.unit)
+                kept.samples = samples
+                yield kept
+
+
 _ALLOW_HEALTHZ = [("Allow", "GET, HEAD")]
 _ALLOW_METRICS = [("Allow", "GET, HEAD, OPTIONS")]
 
@@ -158,7 +176,6 @@ def make_app(
 ) -> App:
     """The WSGI app: /healthz, then credentials, then /metrics (or /) from `Exposition`."""
     exposition = Exposition(registry, state)
-    per_request_app = make_wsgi_app(registry)
     extra_headers = list(headers)
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -193,10 +210,15 @@ def make_app(
             return _text(start_response, "200 OK", b"", _ALLOW_METRICS)
         if method != "GET":
             return _text(start_response, "405 Method Not Allowed", b"use GET, HEAD or OPTIONS\n", _ALLOW_METRICS)
-        if "name[]" in parse_qs(environ.get("QUERY_STRING", "")):
-            result: Iterable[bytes] = per_request_app(environ, start_response)
-            return result
-        rendered = exposition.get(environ.get("HTTP_ACCEPT"))
+        names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
+        if names:
+            encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT") or "")
+            only = CollectorRegistry(auto_describe=False)
+            only.register(_Only(registry, frozenset(names)))
+            body = encoder(only)
+            rendered = Rendered(content_type, body, gzip.compress(body, mtime=0))
+        else:
+            rendered = exposition.get(environ.get("HTTP_ACCEPT"))
         response_headers = [("Content-Type", rendered.content_type)]
         if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):
             body = rendered.gzipped

@@ -401,6 +401,36 @@ def test_head_answers_what_get_would_without_the_body(serve: Serve) -> None:
     assert rest == b""
 
 
+def test_name_filters_keep_the_samples_named_and_nothing_else(serve: Serve) -> None:
+    # `?name[]=` used to answer an empty page: prometheus_client's restricted registry finds
+    # collectors by describe(), which gpuledger's collector does not have.
+    server, _source = serve()
+    full = get(server.port)[2].decode().splitlines()
+    wanted = ("gpuledger_polls_total", "gpuledger_gpu_temperature_celsius")
+    status, headers, body = get(
+        server.port, "/metrics?name[]=gpuledger_polls_total&name[]=gpuledger_gpu_temperature_celsius"
+    )
+    assert status == 200
+    assert headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    samples = [line for line in body.decode().splitlines() if not line.startswith("#")]
+    expected = [line for line in full if line.split("{")[0].split(" ")[0] in wanted]
+    assert len(expected) == 1 + 8  # one poll counter, one temperature per demo GPU
+    assert sorted(samples) == sorted(expected)
+    assert "# TYPE gpuledger_polls_total counter" in body.decode()
+    status, headers, zipped = get(
+        server.port,
+        "/metrics?name[]=gpuledger_polls_total",
+        headers={"Accept": "application/openmetrics-text;version=1.0.0", "Accept-Encoding": "gzip"},
+    )
+    assert headers["content-encoding"] == "gzip"
+    text = gzip.decompress(zipped).decode()
+    assert text.endswith("# EOF\n")
+    assert [line for line in text.splitlines() if not line.startswith("#")] == [
+        line for line in full if line.startswith("gpuledger_polls_total ")
+    ]
+    assert get(server.port, "/metrics?name[]=no_such_metric")[::2] == (200, b"")
+
+
 def test_healthz_is_200_while_healthy_and_503_when_not(serve: Serve) -> None:
     healthy = [True]
     server, _source = serve(healthy=lambda: healthy[0])
