@@ -74,3 +74,45 @@ def test_only_simulate_leaves_the_fsync_of_each_flush_to_the_checkpoints(
     with sqlite3.connect(tmp_path / "simulated.db") as conn:
         hours = conn.execute("SELECT count(DISTINCT hour) FROM gpu_hours").fetchone()[0]
     assert hours == 2  # both scenario hours reached the file
+
+
+def test_a_second_agent_on_a_ledger_being_written_is_refused(tmp_path: Path) -> None:
+    """Two agents writing one ledger would each charge every second of the node: the second
+    (a `run` by hand beside the service, `simulate --append` into its ledger) is refused with
+    one line, exit 1, and the ledger holds each second once."""
+    from agent.ledger.files import LedgerInUse
+    from agent.ledger.report import report_from_ledger
+    from tests.test_cli import gpuledger
+
+    path = tmp_path / "ledger.db"
+    ann = {"pid": 1, "gpus": [0], "sm_util": 50, "user": "ann", "uid": 1001}
+    scenario = {"gpus": [{"count": 1}], "processes": [ann]}
+
+    def priced(sink: LedgerSink) -> Costing:
+        return Costing(prices=lambda s: {g.uuid: Price(3.6, "test") for g in s.gpus}, sink=sink)
+
+    first = LedgerSink(path, retention_s=None)
+    rig = Rig(scenario, costing=priced(first))
+    try:
+        rig.run(600, 60)
+        with pytest.raises(LedgerInUse, match=r"another gpuledger is writing it \(pid \d+"):
+            LedgerSink(path, retention_s=None)
+        # Another process: the simulation's scenario starts after the record ends (2026-11-20),
+        # so only the lock stops it.
+        later = tmp_path / "later.yaml"
+        later.write_text("start: 2027-01-01T00:00:00Z\ngpus: [{count: 1}]\n")
+        result = gpuledger("simulate", str(later), "--for", "1h", "--ledger", str(path), "--append")
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.splitlines()[-1].startswith(f"gpuledger: ledger {path}: another gpuledger is writing it")
+        assert "Traceback" not in result.stderr
+    finally:
+        rig.close()
+        assert first.close()
+    # ann held the GPU for the ten minutes: 600 s x $3.60/h = $0.60, once; TOTAL = 1 GPU x 600 s.
+    report = report_from_ledger(path, by=["user"])
+    assert report.total.dollars == pytest.approx(0.60)
+    assert report.total.gpu_hours_charged == pytest.approx(600 / 3600)
+    # Stopped, it lets go: the next agent writes on.
+    second = LedgerSink(path, retention_s=None)
+    assert second.recorded_until is not None
+    assert second.close()

@@ -1,12 +1,15 @@
-"""Opening a ledger file for writing: schema migration, the integrity check, and what happens to a
-corrupt file. A file whose pages are corrupt (`PRAGMA quick_check` at open, or a flush that meets
-a corrupt page) is renamed `<name>.corrupt-<UTC time>` with its WAL, and a fresh ledger started in
-its place; nothing is deleted.
+"""Opening a ledger file for writing: schema migration, the integrity check, what happens to a
+corrupt file, and the lock that keeps a ledger to one writing agent. A file whose pages are corrupt
+(`PRAGMA quick_check` at open, or a flush that meets a corrupt page) is renamed
+`<name>.corrupt-<UTC time>` with its WAL, and a fresh ledger started in its place; nothing is
+deleted.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import sqlite3
 import time
 from datetime import UTC, datetime
@@ -23,9 +26,54 @@ class LedgerError(GpuledgerError):
     """The ledger file cannot be opened or read (or is closed); the message names the file."""
 
 
+class LedgerInUse(LedgerError):
+    """Another process writes the ledger (it holds the ledger's `WriterLock`)."""
+
+
 class NotALedger(LedgerError):
     """The file given as a ledger is not one (not SQLite, another program's database, empty):
     bad input, where the other LedgerErrors (damage, permissions, a newer schema) are failures."""
+
+
+# --- one writer ---------------------------------------------------------------------------------
+
+
+class WriterLock:
+    """An exclusive `flock` on `<ledger>.lock` beside the ledger, held while one agent writes it.
+
+    Each agent charges every second it polls, so two agents writing one ledger (a second `run`
+    started by hand beside the service, `simulate --append` into a running agent's ledger) would
+    charge each second twice: TOTAL's GPU-hours past the GPUs x the hours. SQLite's own locks
+    cannot say this (both take turns at the file, and `report` must read while one writes).
+    The lock file stays when the lock is let go (unlinking it could let two writers lock two
+    files); it holds the pid of the last holder, for the refusal's message. The kernel drops the
+    lock with the process, however it ends, so a SIGKILLed agent never blocks its restart.
+    LedgerInUse where another process holds it; OSError where the file cannot be made.
+    """
+
+    def __init__(self, ledger: Path) -> None:
+        self.path = ledger.with_name(f"{ledger.name}.lock")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise LedgerInUse(
+                f"ledger {ledger}: another gpuledger is writing it (pid {holder}, holding {self.path}); "
+                "stop that one first, or choose another ledger"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 # --- opening, and corruption ---------------------------------------------------------------------

@@ -6,6 +6,9 @@ and retried at the next flush. Charges wait in memory meanwhile, summed per hour
 most `max_pending_rows` rows (the oldest hours are dropped beyond that, counted in
 `gpuledger_ledger_dropped_rows_total` and `_dollars_total`). `close()` says whether every
 charge reached the file; where some did not, one error line says how many rows and dollars.
+
+One agent writes a ledger at a time (`WriterLock`): a sink on a ledger another process writes
+is refused at once (`LedgerInUse`, from the constructor), since both would charge the same seconds.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 
-from agent.ledger.files import LedgerError
+from agent.ledger.files import LedgerError, WriterLock
 from agent.ledger.known import recorded_gpus
 from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS, PendingCharges
 from agent.ledger.read import recorded_period
@@ -44,6 +48,7 @@ class LedgerSink:
         self._pending = PendingCharges(self.path, max_pending_rows)  # handed to the ledger once it opens
         self._ledger: Ledger | None = None
         self._open_failed = False
+        self._lock: WriterLock | None = None
         try:
             period = recorded_period(self.path)
             # The GPUs it recorded last: what the node's GPUs go by while the driver cannot say.
@@ -54,6 +59,10 @@ class LedgerSink:
         # Where the ledger's record ended before this run: the time up to this run's first poll
         # went unwatched, and is booked as unobserved (agent_down).
         self.recorded_until: float | None = period[1] if period is not None else None
+        # LedgerInUse: refused now, before any poll. OSError (no directory yet, or not writable):
+        # taken with the file, when it opens.
+        with suppress(OSError):
+            self._lock = WriterLock(self.path)
         self._open()
 
     def _open(self) -> Ledger | None:
@@ -61,6 +70,8 @@ class LedgerSink:
             return self._ledger
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._lock is None:
+                self._lock = WriterLock(self.path)
             self._ledger = Ledger(
                 self.path,
                 node=self.node,
@@ -106,6 +117,14 @@ class LedgerSink:
     def close(self) -> bool:
         """Flush and close. True when every charge reached the file; otherwise one error line
         says how many hourly rows and dollars are lost."""
+        try:
+            return self._close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def _close(self) -> bool:
         ledger = self._open()
         if ledger is not None:
             return ledger.close()
