@@ -275,6 +275,32 @@ def test_a_notebook_holding_an_idle_gpu_pays_for_it_all(simulate: Any) -> None:
     assert totals.charged_s == pytest.approx(7200)  # the sole holder: its share is the whole GPU
 
 
+def test_a_job_whose_process_ran_between_polls_used_what_the_gpu_did(simulate: Any) -> None:
+    job = {"slurm_job": "9911", "user": "erin"}
+    state = simulate(
+        {
+            "gpus": [{"count": 1}],
+            "processes": [{"pid": 1, "gpus": [0], "sm_util": 100, "uid": 1005, "start": "610s", "end": "640s", **job}],
+            "allocations": [{"gpus": [0], **job}],
+        },
+        duration_s=3600,
+        step_s=60,
+    )
+    # Job 9911 holds GPU 0 by its allocation all hour: 1 h x $3.60 = $3.60, nothing idle. Its one
+    # process ran at 100% from 610 s to 640 s, between the polls at 600 s and 660 s, so no poll
+    # saw it; the GPU's own samples did: 30 busy seconds. The job, the sole holder, used them
+    # (it read 0 busy seconds, all $3.60 waste, when its allocation's 0 at the poll stood for
+    # the interval): waste = 3.60 x (1 - 30/3600) = $3.57.
+    (totals,) = state.costs.workloads.values()
+    assert totals.dollars == pytest.approx(3.60)
+    assert idle_dollars(state) == pytest.approx(0.0)
+    (gpu,) = state.costs.gpus.values()
+    assert gpu.busy_s == pytest.approx(30.0)
+    assert totals.busy_s == pytest.approx(30.0)
+    assert totals.dollars * (1 - totals.busy_s / totals.charged_s) == pytest.approx(3.57)
+    assert gpu.dollars + gpu.unobserved_dollars == pytest.approx(3.60)  # price x time, all of it
+
+
 def test_mig_3g_3g_instances_pay_their_sm_share(simulate: Any) -> None:
     state = simulate(
         {

@@ -218,6 +218,30 @@ def test_a_sole_holder_without_its_own_samples_uses_the_devices_interval_mean_no
     conserved(charges, 60)
 
 
+def test_an_allocation_running_nothing_uses_the_devices_time_only_where_it_held_it_alone_throughout() -> None:
+    # Job A's allocation, no process at either poll (sm_util 0), holds G all minute. Alone, the
+    # device's 25% is its own (its processes ran between the polls): 0.25 x 60 = 15 busy
+    # seconds. With B's process, started at T0 + 40 and reading 1/3 over the minute (100% over
+    # its 20 s), the device's 1/3 (20 s) is B's: A 0 busy seconds, B 20. Dollars: A all of the
+    # first minute, $0.060; in the second, A alone 40 s ($0.040), then B's measured use takes
+    # the last 20 s whole ($0.020, A's 0 splitting nothing).
+    job = Holding("G", A, sm_util=0.0, allocated=True)
+    alone = account(
+        one_gpu(T0), one_gpu(T0 + 60, interval_utilization=0.25), Attribution((job,)), PRICES,
+        max_interval_s=MAX_INTERVAL_S, earlier=Attribution((job,)),
+    )  # fmt: skip
+    assert [(w.busy_s, w.dollars) for w in alone.workloads] == [(pytest.approx(15.0), pytest.approx(0.060))]
+    conserved(alone, 60)
+    b = Holding("G", B, pids=(7,), sm_util=1 / 3, started_at=T0 + 100)
+    shared = account(
+        one_gpu(T0 + 60), one_gpu(T0 + 120, interval_utilization=1 / 3), Attribution((job, b)), PRICES,
+        max_interval_s=MAX_INTERVAL_S, earlier=Attribution((job,)),
+    )  # fmt: skip
+    by = {w.workload: (w.busy_s, w.dollars) for w in shared.workloads}
+    assert by == {A: (0.0, pytest.approx(0.040)), B: (pytest.approx(20.0), pytest.approx(0.020))}
+    conserved(shared, 60)
+
+
 holders = st.lists(st.sampled_from([A, B, C]), max_size=3, unique=True)
 
 

@@ -105,9 +105,15 @@ def device_busy_ratio(device: DeviceReading | None) -> float | None:
     return device.interval_utilization if device.interval_utilization is not None else device.utilization
 
 
-def holder_utilization(holding: Holding, unit: CostUnit, holders: int) -> float | None:
-    """The holder's measured share of the unit's SMs; None when the device cannot tell."""
-    if holding.sm_util is not None:
+def holder_utilization(holding: Holding, unit: CostUnit, holders: int, *, whole: bool = True) -> float | None:
+    """The holder's measured share of the unit's SMs; None when the device cannot tell.
+
+    An allocation with no process at the poll reads 0 (`agent.attribution.resolve`): what it
+    uses at that moment, not over the interval, as its job's processes may have run and ended
+    between the polls. Where it held the unit alone all the interval (`whole`: the stretch is
+    the whole interval), the unit's use is its own, as any sole holder's without samples."""
+    runs_nothing = holding.allocated and not holding.pids
+    if holding.sm_util is not None and not (runs_nothing and holders == 1 and whole):
         return holding.sm_util
     if holders == 1:
         return device_busy_ratio(unit.device)  # a sole holder of a GPU that measures only as a whole
@@ -153,10 +159,13 @@ def _charge(
     held: float,
     dollars: float,
     joules: float,
+    *,
+    whole: bool,
 ) -> None:
-    """`held` unit-seconds costing `dollars` and `joules`, split among the holders of `parts`."""
+    """`held` unit-seconds costing `dollars` and `joules`, split among the holders of `parts`;
+    `whole`: they held the unit all the interval."""
     holders = tuple(p.holding for p in parts)
-    utils = [holder_utilization(h, unit, len(holders)) for h in holders]
+    utils = [holder_utilization(h, unit, len(holders), whole=whole) for h in holders]
     # Each holder's utilization over its own part of the interval (see Part.util_scale).
     utils = [None if u is None else min(u * p.util_scale, 1.0) for u, p in zip(utils, parts, strict=True)]
     seen: dict[Workload, float] = {}
@@ -343,7 +352,7 @@ def account(
                     continue
                 _charge(
                     charged, gpu.index, unit, stretch.parts, dt * unit.weight * part, unit_dollars * part,
-                    unit_joules * part,
+                    unit_joules * part, whole=whole,
                 )  # fmt: skip
             _cap_busy(charged, device_busy_ratio(unit.device), dt * unit.weight)
             workloads.update(charged)
