@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -299,6 +300,46 @@ def test_a_job_whose_process_ran_between_polls_used_what_the_gpu_did(simulate: A
     assert totals.busy_s == pytest.approx(30.0)
     assert totals.dollars * (1 - totals.busy_s / totals.charged_s) == pytest.approx(3.57)
     assert gpu.dollars + gpu.unobserved_dollars == pytest.approx(3.60)  # price x time, all of it
+
+
+@pytest.mark.parametrize("per_pid", [False, True])
+def test_per_pid_series_split_and_measure_as_one_holding_per_workload(per_pid: bool) -> None:
+    def hour(scenario: dict[str, Any]) -> dict[str, tuple[float, float]]:
+        """Each workload's (dollars, busy seconds) over an hour polled every minute."""
+        prices = Costing(prices=lambda snapshot: {g.uuid: Price(PRICE, "test") for g in snapshot.gpus})
+        rig = Rig(scenario, per_pid=per_pid, costing=prices)
+        try:
+            state = rig.run(3600, 60)
+        finally:
+            rig.close()
+        assert math.fsum(t.dollars for t in state.costs.workloads.values()) + idle_dollars(state) == pytest.approx(
+            PRICE * len(state.costs.gpus)
+        )  # an hour of each GPU, all of it
+        found: dict[str, tuple[float, float]] = {}
+        for (_g, _u, w), t in state.costs.workloads.items():
+            dollars, busy = found.get(w.user, (0.0, 0.0))
+            found[w.user] = (dollars + t.dollars, busy + t.busy_s)
+        return found
+
+    def proc(pid: int, user: str, uid: int, sm_util: int, memory_mib: int) -> dict[str, Any]:
+        return {"pid": pid, "gpus": [0], "sm_util": sm_util, "memory_mib": memory_mib, "user": user, "uid": uid}
+
+    # Nothing measured (0% leaves no samples) and no memory held: equal shares per workload,
+    # whatever its processes: ann (two processes) and bob (one) $3.60 / 2 = $1.80 each, not
+    # $2.40 and $1.20 as with one share per process.
+    idle = hour({"gpus": [{"count": 1}], "processes": [proc(1, "ann", 1001, 0, 0), proc(2, "ann", 1001, 0, 0),
+                                                       proc(3, "bob", 1002, 0, 0)]})  # fmt: skip
+    assert idle == {"ann": (pytest.approx(1.80), 0.0), "bob": (pytest.approx(1.80), 0.0)}
+    # No per-process utilization: ann, the sole holder, is as busy as the GPU (30% + 20% = 50%
+    # of 3600 s = 1800 busy seconds) however many processes she runs, and pays the $3.60.
+    unmeasured = hour(
+        {
+            "gpus": [{"count": 1}],
+            "processes": [proc(1, "ann", 1001, 30, 100), proc(2, "ann", 1001, 20, 300)],
+            "faults": [{"gpu": 0, "call": "nvmlDeviceGetProcessUtilization", "error": "NOT_SUPPORTED"}],
+        }
+    )
+    assert unmeasured == {"ann": (pytest.approx(3.60), pytest.approx(1800.0))}
 
 
 def test_mig_3g_3g_instances_pay_their_sm_share(simulate: Any) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -105,8 +106,13 @@ def device_busy_ratio(device: DeviceReading | None) -> float | None:
     return device.interval_utilization if device.interval_utilization is not None else device.utilization
 
 
-def holder_utilization(holding: Holding, unit: CostUnit, holders: int, *, whole: bool = True) -> float | None:
+def holder_utilization(
+    holding: Holding, unit: CostUnit, holders: int, *, whole: bool = True, together: int = 1
+) -> float | None:
     """The holder's measured share of the unit's SMs; None when the device cannot tell.
+
+    `holders` counts the workloads holding the unit; `together`, a sole workload's holdings (one
+    per process with per-pid series), which share what the unit measured of it.
 
     An allocation with no process at the poll reads 0 (`agent.attribution.resolve`): what it
     uses at that moment, not over the interval, as its job's processes may have run and ended
@@ -116,7 +122,8 @@ def holder_utilization(holding: Holding, unit: CostUnit, holders: int, *, whole:
     if holding.sm_util is not None and not (runs_nothing and holders == 1 and whole):
         return holding.sm_util
     if holders == 1:
-        return device_busy_ratio(unit.device)  # a sole holder of a GPU that measures only as a whole
+        ratio = device_busy_ratio(unit.device)  # a sole holder of a GPU that measures only as a whole
+        return None if ratio is None else ratio / together
     return None
 
 
@@ -135,7 +142,8 @@ def holder_busy(unit: CostUnit, util: float | None, share: float) -> float:
 
 
 def split_shares(holdings: tuple[Holding, ...], utils: list[float | None]) -> list[float]:
-    """Fractions summing to 1: by measured SM use, else by memory held, else equally."""
+    """Fractions summing to 1: by measured SM use, else by memory held, else equally among the
+    workloads (a workload's holdings, one per process with per-pid series, share its part)."""
     measured = sum(u for u in utils if u is not None)
     if measured > 0:
         return [(u or 0.0) / measured for u in utils]
@@ -143,7 +151,8 @@ def split_shares(holdings: tuple[Holding, ...], utils: list[float | None]) -> li
     total_memory = sum(memory)
     if total_memory > 0:
         return [m / total_memory for m in memory]
-    return [1.0 / len(holdings)] * len(holdings)
+    per_workload = Counter(h.workload for h in holdings)
+    return [1.0 / len(per_workload) / per_workload[h.workload] for h in holdings]
 
 
 def energy_dollars(joules: float, per_kwh: float | None) -> float | None:
@@ -165,7 +174,8 @@ def _charge(
     """`held` unit-seconds costing `dollars` and `joules`, split among the holders of `parts`;
     `whole`: they held the unit all the interval."""
     holders = tuple(p.holding for p in parts)
-    utils = [holder_utilization(h, unit, len(holders), whole=whole) for h in holders]
+    count = len({h.workload for h in holders})
+    utils = [holder_utilization(h, unit, count, whole=whole, together=len(holders)) for h in holders]
     # Each holder's utilization over its own part of the interval (see Part.util_scale).
     utils = [None if u is None else min(u * p.util_scale, 1.0) for u, p in zip(utils, parts, strict=True)]
     seen: dict[Workload, float] = {}
