@@ -230,10 +230,13 @@ class Ledger:
         committed = False
         try:
             if self._conn is not None and self.file_id != file_id(self._path):
-                # Deleted or replaced under us (an rm -rf of the state directory): writing on
-                # would go to a file nobody can read. Start a fresh one at the path.
+                # Deleted or replaced under us (an rm -rf of the state directory, a restored copy):
+                # writing on would go to a file nobody can read. Write to what is at the path now,
+                # a fresh ledger where nothing is.
                 log.error(
-                    "ledger %s: the file was deleted or replaced while open; starting a new one there", self._path
+                    "ledger %s: the file was deleted or replaced while open; writing to the file at that path now"
+                    " (a new ledger if there is none)",
+                    self._path,
                 )
                 self._conn.close()
                 self._conn = None
