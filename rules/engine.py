@@ -10,12 +10,16 @@ utilization (MIG), holds no condition.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 
 from agent.model import Flag, Workload
 
 CONDITIONS = ("idle", "allocated_idle", "underused", "stranded_memory")
+# Conditions that are their holders' doing: a workload that arrives while one holds (a GPU
+# handed to the next job between two polls) starts an episode of its own, so a flag never
+# says that a job which has just started left its GPU idle for hours.
+HELD_CONDITIONS = frozenset({"allocated_idle", "underused", "stranded_memory"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,7 @@ class RuleState:
     window: tuple[tuple[float, float, float], ...] = ()  # underused: (end, seconds, utilization)
     window_seconds: float = 0.0  # sums over `window`, kept so the mean costs O(1) per poll
     window_weighted: float = 0.0
+    holders: tuple[Workload, ...] = ()  # HELD_CONDITIONS: who held the GPU at the last poll
 
 
 _CLEAR = RuleState()  # a condition that does not hold, with nothing in its window
@@ -137,6 +142,16 @@ def _condition(spec: RuleSpec, obs: GpuObservation, window_mean: float | None) -
     raise ValueError(f"unknown condition {spec.condition!r}")
 
 
+def _arrived(holders: Sequence[Workload], old: RuleState) -> bool:
+    """Whether a workload holds the GPU now that did not at the last poll. Workloads are told
+    apart by what they are (the pod, the job), not by every label: a job's labels grow a
+    `model` once its process starts, and it is the same job."""
+    if tuple(holders) == old.holders:
+        return False
+    before = {w.describe() for w in old.holders}
+    return any(w.describe() not in before for w in holders)
+
+
 def evaluate(
     states: Mapping[tuple[str, str], RuleState],
     observations: Sequence[GpuObservation],
@@ -163,6 +178,12 @@ def evaluate(
                     sample = (now, obs.interval_s, obs.utilization)
                 window, w_seconds, w_weighted, mean = _slide(old, sample, now, spec.window_s)
             holds = _condition(spec, obs, mean)
+            if holds and old.since is not None and spec.condition in HELD_CONDITIONS and _arrived(obs.holders, old):
+                if old.raised:  # the flag of those who held it clears, naming them
+                    transitions.append(
+                        Transition(obs.gpu, obs.uuid, spec.name, False, now, now - old.since, old.holders, old.dollars)
+                    )
+                old = replace(old, since=None, raised=False, dollars=0.0)
             if holds:
                 # The condition counts from the first poll that saw it: a flag never raises early.
                 since = old.since if old.since is not None else now
@@ -170,7 +191,7 @@ def evaluate(
                 dollars = old.dollars + cost if old.since is not None else 0.0
                 held_s = now - since
                 raised = held_s >= spec.for_s
-                state = RuleState(since, raised, dollars, window, w_seconds, w_weighted)
+                state = RuleState(since, raised, dollars, window, w_seconds, w_weighted, obs.holders)
             else:
                 held_s = now - old.since if old.since is not None else 0.0
                 # Most rules hold on most GPUs at no poll: one shared cleared state for them all.

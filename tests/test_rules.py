@@ -178,3 +178,26 @@ def test_a_lowered_flag_names_its_holders_as_they_change() -> None:
     # A lowered flag that names its holders follows them.
     stranded = {f.rule: f for f in third.flags}["stranded_memory"]
     assert stranded == Flag(0, "GPU-0", "stranded_memory", False, 0.0, (other,), 0.0)
+
+
+@pytest.mark.parametrize("spec", [ALLOCATED_IDLE, STRANDED, UNDERUSED], ids=lambda s: s.name)
+def test_a_gpu_handed_to_another_job_between_polls_starts_a_flag_of_its_own(spec: RuleSpec) -> None:
+    first, second = Workload(hpc_job="100", user="alice"), Workload(hpc_job="200", user="bob")
+    before = [obs(0.0, holders=[first], memory=30 * 2**30)] * (polls(spec.for_s) + 10)
+    after = [obs(0.0, holders=[second], memory=30 * 2**30)] * (polls(spec.for_s) + 1)
+    history = run(before + after, [spec])
+    handed_at = history[len(before)][0]
+    # The flag on the first job's idling clears when the next job takes the GPU: the next job
+    # has left it idle for no time at all, and an action on its flag would hit it at once.
+    assert raised(history[len(before) - 1][1], spec.name)
+    assert not raised(history[len(before)][1], spec.name)
+    assert first_raise(history[len(before) :], spec.name) == handed_at + spec.for_s
+    transitions = [(t.raised, t.holders, t.at) for _, r in history for t in r.transitions]
+    assert transitions[1:] == [(False, (first,), handed_at), (True, (second,), handed_at + spec.for_s)]
+
+
+def test_a_job_whose_labels_grow_is_the_same_holder() -> None:
+    # Its allocation alone, then its process, whose command line names a model: the same job.
+    allocation, process = Workload(hpc_job="100"), Workload(hpc_job="100", model="llama")
+    timeline = [obs(0.0, holders=[allocation])] * 60 + [obs(0.0, holders=[process])] * (polls(1800) - 60 + 1)
+    assert first_raise(run(timeline, [ALLOCATED_IDLE]), "allocated_idle") == 1000.0 + 1800
