@@ -60,11 +60,12 @@ from agent.cli.wiring import build_agent  # noqa: E402
 from agent.config import Settings  # noqa: E402
 from agent.fleet.promapi import PrometheusAPI  # noqa: E402
 from agent.fleet.report import ALL_COUNTERS, PROBE_COUNTER, StoreQuery, report_from_prometheus  # noqa: E402
+from agent.fleet.source import RESTART_COUNTER  # noqa: E402
 from agent.pipeline import run_on_scenario_time  # noqa: E402
 from agent.units import parse_duration  # noqa: E402
 
 SCENARIOS = ("demo", "weekend-idle", "mig", "old-driver", "gpu-lost")
-READ = frozenset((PROBE_COUNTER, *ALL_COUNTERS))
+READ = frozenset((PROBE_COUNTER, RESTART_COUNTER, *ALL_COUNTERS))
 PROMETHEUS = shutil.which("prometheus")
 VICTORIA_METRICS = shutil.which("victoria-metrics")
 DAY_S = 86400.0

@@ -7,6 +7,7 @@ backfilled with promtool, so a window of the store is a window of the ledger to 
     gpu-node-01  demo           0-3h, agent down 3h-4h, restarted 4h-8h (every counter resets)
     gpu-node-07  weekend-idle   0-8h; its job ends at 4h and its series end an hour later
     gpu-node-03  demo           0-8h, in a store of its own, scraped every 35 minutes
+    gpu-node-02  demo           0-3h, down 3h-4h, 4h-5h, down 5h-7h, 7h-8h, in a store of its own
 
 Where samples fall on the hour (every 5 minutes, from the hour) the two reports are the same to
 float rounding; where they do not (gpu-node-03), they differ by at most what a counter grows in
@@ -35,6 +36,7 @@ from agent.cli.wiring import build_agent
 from agent.config import Settings
 from agent.fleet.promapi import EmptyStore, PrometheusAPI
 from agent.fleet.report import ALL_COUNTERS, PROBE_COUNTER, StoreQuery, report_from_prometheus
+from agent.fleet.source import RESTART_COUNTER
 from agent.ledger.report import Report, ReportLine, render, report_from_ledgers
 from agent.model import Workload
 from tests import promstore
@@ -76,7 +78,7 @@ SETTINGS = Settings.model_validate(
 )
 # The series `report --prometheus` reads: the store is given these only (the rest of a scrape is
 # hundreds of series it never asks for, and would only slow the backfill down).
-READ = frozenset((PROBE_COUNTER, *ALL_COUNTERS))
+READ = frozenset((PROBE_COUNTER, RESTART_COUNTER, *ALL_COUNTERS))
 FIGURES = ("dollars", "charged_s", "busy_s", "joules", "energy_dollars", "waste_dollars")
 
 
@@ -133,6 +135,18 @@ def sparse(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     promstore.backfill_prometheus(metrics, work / "data", work)
     with promstore.prometheus(work / "data", work) as server, PrometheusAPI(server.url) as api:
         yield Store(api, [work / "node-03.db"])
+
+
+@pytest.fixture(scope="module")
+def restarted_twice(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    """gpu-node-02, whose agent was down 3h-4h and again, longer, 5h-7h."""
+    work = tmp_path_factory.mktemp("restarted-twice")
+    spans = [(0.0, 3 * H), (4 * H, 5 * H), (7 * H, 8 * H)]
+    scrapes = run_node("demo", "gpu-node-02", work / "node-02.db", spans)
+    metrics = promstore.with_target(scrapes, {"instance": "gpu-node-02"}, READ)
+    promstore.backfill_prometheus(metrics, work / "data", work)
+    with promstore.prometheus(work / "data", work) as server, PrometheusAPI(server.url) as api:
+        yield Store(api, [work / "node-02.db"])
 
 
 def both(store: Store, since_h: float, until_h: float, by: Sequence[str]) -> tuple[Report, Report]:
@@ -212,6 +226,23 @@ def test_downtime_is_counted_when_the_agent_books_it(fleet: Store) -> None:
     assert prometheus.unobserved.dollars - ledger.unobserved.dollars == pytest.approx(20.0, rel=1e-9)
     assert prometheus.total.dollars - ledger.total.dollars == pytest.approx(20.0, rel=1e-9)
     assert_same(replace(prometheus, unobserved=ledger.unobserved, total=ledger.total), ledger)
+
+
+def test_a_longer_downtime_after_a_restart_is_counted_whole(restarted_twice: Store) -> None:
+    """Each restart books the time its agent was down as it starts (unobserved, agent_down): $2.50
+    a GPU for 3h-4h, then $5.00 a GPU for 5h-7h. The second counter never falls below the first,
+    yet it counted from 0: it is $5.00 a GPU of growth, not $5.00 - $2.50."""
+    prometheus, ledger = both(restarted_twice, 0, 8, ("namespace", "hpc_job"))
+    assert_same(prometheus, ledger)
+    # Down 1 h + 2 h: 8 GPUs x 3 h x $2.50 = $60.00 unobserved, of 8 x 8 h x $2.50 = $160.00.
+    assert prometheus.unobserved.dollars == pytest.approx(60.0, rel=1e-9)
+    assert prometheus.total.dollars == pytest.approx(160.0, rel=1e-9)
+    # From 4:30: 8 GPUs x 1.5 h observed (4:30-5:00, 7:00-8:00) x $2.50 = $30.00, and the 5h-7h
+    # downtime booked at 7h, 8 x 2 h x $2.50 = $40.00.
+    since, until = T0 + 4.5 * H, T0 + 8 * H
+    late = report_from_prometheus(restarted_twice.api, StoreQuery(since, until), by=("node",))
+    assert late.unobserved.dollars == pytest.approx(40.0, rel=1e-9)
+    assert late.total.dollars == pytest.approx(70.0, rel=1e-9)
 
 
 def test_idle_is_broken_down_by_who_left_it(fleet: Store) -> None:

@@ -24,10 +24,13 @@ from typing import NamedTuple
 
 class Stretch(NamedTuple):
     """Consecutive samples of one series with no reset among them: the first and the last value
-    (a single sample is a stretch with first == last)."""
+    (a single sample is a stretch with first == last). `restarted`: the agent restarted between
+    the series' sample before and this stretch, so the counter counted from 0 again whether or
+    not it fell (time an agent was down, booked as it starts, can outgrow the last run's)."""
 
     first: float
     last: float
+    restarted: bool = False
 
 
 # A store that keeps fewer digits than a float (VictoriaMetrics: about 12 significant ones) can
@@ -41,13 +44,14 @@ def growth(earlier: float | None, later: float) -> float:
     """What a counter grew by between two consecutive samples: the difference, or (the counter
     fell: it was reset and counted from 0 again) all of `later`; from no sample at all (the
     series started), all of `later` too."""
-    if earlier is None:
+    if earlier is None or was_reset(earlier, later):
         return later
-    if later >= earlier:
-        return later - earlier
-    if earlier - later <= ROUNDING * abs(earlier):
-        return 0.0
-    return later
+    return max(0.0, later - earlier)
+
+
+def was_reset(earlier: float, later: float) -> bool:
+    """Whether a counter was reset between two consecutive samples (by more than rounding)."""
+    return earlier - later > ROUNDING * abs(earlier)
 
 
 def increase(baseline: float | None, stretches: Iterable[Stretch]) -> float:
@@ -59,6 +63,7 @@ def increase(baseline: float | None, stretches: Iterable[Stretch]) -> float:
     for stretch in stretches:
         if math.isnan(stretch.first) or math.isnan(stretch.last):
             continue
-        total += growth(previous, stretch.first) + (stretch.last - stretch.first)
+        start = None if stretch.restarted else previous
+        total += growth(start, stretch.first) + (stretch.last - stretch.first)
         previous = stretch.last
     return total

@@ -8,11 +8,18 @@ Per counter, three instant queries answer for every series without a reset:
     resets(m[until - since + lookback]) > 0    at until: the series that fell somewhere
 
 A series that never fell grew by last - baseline. The few that fell (an agent restart, a
-workload that came back after it was forgotten) are narrowed down: the window is cut into
+workload that came back after it was forgotten), and every series of a node whose agent
+restarted, are narrowed down: the window is cut into
 parts, and for each part the store gives the last value, the smallest (which, in a part
 without a reset, is its first) and the resets; a part with a reset is cut again until it is
 short enough (RAW_WINDOW_S) to read its raw samples. So the work is three queries per counter
 plus a few per restart, whatever the window's length, and no sample is read twice over HTTP.
+
+A restart resets every counter of its node, but not every counter falls: the time the agent was
+down, booked as unobserved (agent_down) as it starts, can exceed what the last run booked. So
+restarts are read from a counter that does fall at each one, the polls since the agent started
+(RESTART_COUNTER, narrowed down the same way), and a counter's samples after a restart count
+from 0 whatever their value.
 
 Both halves of a window's edges follow the store's own convention: Prometheus 2 counts a sample
 exactly at a range's start in the range, VictoriaMetrics and Prometheus 3 do not; either way a
@@ -28,10 +35,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
-from agent.fleet.counters import Stretch, increase
+from agent.fleet.counters import Stretch, increase, was_reset
 from agent.fleet.promapi import LabelSet, PrometheusAPI, Series, selector
 
 DEFAULT_LOOKBACK_S = 3600.0
@@ -40,6 +47,12 @@ DEFAULT_LOOKBACK_S = 3600.0
 RAW_WINDOW_S = 6 * 3600.0
 MAX_PARTS = 200  # a part with a reset is cut into at most this many (a range query's points)
 NODES_PER_QUERY = 40  # series to narrow down are selected by node, this many nodes per query
+# Counts from 0 at every start of an agent, by one a poll: it falls at each restart.
+RESTART_COUNTER = "gpuledger_polls_total"
+
+Restarts = Mapping[str, Sequence[float]]  # node -> when its agent restarted (see agent_restarts)
+# A part of a series' samples: all of them after `after` and at or before `upto`, and their stretch.
+_Timed = tuple[float, float, Stretch]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +78,37 @@ def has_series(api: PrometheusAPI, metric: str, window: Window) -> bool:
     return bool(api.instant(f"count(last_over_time({metric}[{_ms(window.until - window.since)}ms]))", window.until))
 
 
-def counter_growth(api: PrometheusAPI, metric: str, window: Window, *, node_label: str) -> dict[LabelSet, float]:
-    """Every series of `metric` with a sample in the window -> its exact growth over it."""
+def agent_restarts(api: PrometheusAPI, window: Window, *, node_label: str) -> dict[str, tuple[float, ...]]:
+    """Node -> each restart of its agent in the window, as the time of the node's last sample
+    before it (`since` where that lies before the window): a sample after that time and at or
+    before the next sample is the new run's."""
+    reach = _ms(window.until - window.since + window.lookback_s)
+    fell_somewhere = {s.labels for s in api.instant(f"resets({RESTART_COUNTER}[{reach}ms]) > 0", window.until)}
+    if not fell_somewhere:
+        return {}
+    baseline = {
+        s.labels: s.value
+        for s in api.instant(f"last_over_time({RESTART_COUNTER}[{_ms(window.lookback_s)}ms])", window.since)
+    }
+    parts = _Narrowing(api, RESTART_COUNTER, node_label).timed(fell_somewhere, window.since, window.until)
+    found: dict[str, list[float]] = {}
+    for labels, timed in parts.items():
+        previous, previous_upto = baseline.get(labels), window.since
+        for _, upto, stretch in timed:
+            if math.isnan(stretch.first):
+                continue
+            if previous is not None and was_reset(previous, stretch.first):
+                found.setdefault(dict(labels).get(node_label, ""), []).append(previous_upto)
+            previous, previous_upto = stretch.last, upto
+    return {node: tuple(sorted(times)) for node, times in found.items()}
+
+
+def counter_growth(
+    api: PrometheusAPI, metric: str, window: Window, *, node_label: str, restarts: Restarts | None = None
+) -> dict[LabelSet, float]:
+    """Every series of `metric` with a sample in the window -> its exact growth over it, where
+    the agents of the nodes in `restarts` restarted then (agent_restarts)."""
+    restarts = restarts or {}
     span = _ms(window.until - window.since)
     last = {s.labels: s.value for s in api.instant(f"last_over_time({metric}[{span}ms])", window.until)}
     if not last:
@@ -76,12 +118,26 @@ def counter_growth(api: PrometheusAPI, metric: str, window: Window, *, node_labe
     }
     reach = _ms(window.until - window.since + window.lookback_s)
     fell = {s.labels for s in api.instant(f"resets({metric}[{reach}ms]) > 0", window.until)} & last.keys()
+    fell |= {labels for labels in last if restarts.get(dict(labels).get(node_label, ""))}
     growth = {labels: increase(baseline.get(labels), [Stretch(value, value)]) for labels, value in last.items()}
     if fell:
-        parts = _Narrowing(api, metric, node_label).stretches(fell, window.since, window.until)
+        parts = _Narrowing(api, metric, node_label, restarts).timed(fell, window.since, window.until)
         for labels in fell:
-            growth[labels] = increase(baseline.get(labels), parts.get(labels, ()))
+            node_restarts = restarts.get(dict(labels).get(node_label, ""), ())
+            stretches = _after_restarts(parts.get(labels, []), node_restarts, window.since)
+            growth[labels] = increase(baseline.get(labels), stretches)
     return growth
+
+
+def _after_restarts(timed: Sequence[_Timed], restarts: Sequence[float], since: float) -> list[Stretch]:
+    """The stretches of one series, each marked where its node's agent restarted between the
+    series' sample before it (the baseline: at or before `since`) and its first."""
+    out = []
+    previous_upto = since
+    for after, upto, stretch in timed:
+        out.append(stretch._replace(restarted=any(previous_upto <= r <= after for r in restarts)))
+        previous_upto = upto
+    return out
 
 
 @dataclass
@@ -91,13 +147,15 @@ class _Narrowing:
     api: PrometheusAPI
     metric: str
     node_label: str
+    restarts: Restarts = field(default_factory=dict)  # a part holding one is read down to its samples
 
-    def stretches(self, wanted: set[LabelSet], start: float, end: float) -> dict[LabelSet, list[Stretch]]:
-        """Each series of `wanted` -> its stretches within (start, end], in time order."""
-        found: dict[LabelSet, list[tuple[float, Stretch]]] = {labels: [] for labels in wanted}
+    def timed(self, wanted: set[LabelSet], start: float, end: float) -> dict[LabelSet, list[_Timed]]:
+        """Each series of `wanted` -> its stretches within (start, end], in time order, each with
+        the span its samples lie in."""
+        found: dict[LabelSet, list[_Timed]] = {labels: [] for labels in wanted}
         for matchers in self._groups(wanted):
             self._narrow(matchers, wanted, start, end, found)
-        return {labels: [stretch for _, stretch in sorted(timed)] for labels, timed in found.items()}
+        return {labels: sorted(timed, key=lambda part: part[1]) for labels, timed in found.items()}
 
     def _narrow(
         self,
@@ -105,16 +163,16 @@ class _Narrowing:
         wanted: set[LabelSet],
         start: float,
         end: float,
-        found: dict[LabelSet, list[tuple[float, Stretch]]],
+        found: dict[LabelSet, list[_Timed]],
     ) -> None:
-        """Add the stretches of `wanted` within (start, end] to `found`, each keyed by a time
-        inside it (stretches of different parts never share one)."""
+        """Add the stretches of `wanted` within (start, end] to `found`, each with the span its
+        samples lie in (a raw sample at t: the millisecond ending at t)."""
         if end - start <= RAW_WINDOW_S:
             for series in self.api.instant(f"{self.metric}{matchers}[{_ms(end - start)}ms]", end):
                 if series.labels in wanted:
                     # A sample at `start` belongs to the part before (Prometheus 2 counts a range's
                     # start in the range, VictoriaMetrics does not: this keeps the two alike).
-                    found[series.labels].extend((t, Stretch(v, v)) for t, v in series.samples if t > start)
+                    found[series.labels].extend((t - 0.001, t, Stretch(v, v)) for t, v in series.samples if t > start)
             return
         # Parts of whole seconds whose edges are multiples of their length: query frontends
         # (VictoriaMetrics, Thanos, Mimir) may align a range query's steps that way anyway. The
@@ -135,13 +193,14 @@ class _Narrowing:
         again: dict[tuple[float, float], set[LabelSet]] = {}
         for labels in wanted:
             by_edge = summaries.get(labels, {})
+            restarts = self.restarts.get(dict(labels).get(self.node_label, ""), ())
             for part_start, part_end in bounds:
                 figures = by_edge.get(_key(part_end))
                 if figures is None:
                     continue  # no sample in this part
                 last, low, resets = figures
-                if resets == 0:
-                    found[labels].append((part_end, Stretch(low, last)))
+                if resets == 0 and not any(part_start < r < part_end for r in restarts):
+                    found[labels].append((part_start, part_end, Stretch(low, last)))
                 else:
                     again.setdefault((part_start, part_end), set()).add(labels)
         for (part_start, part_end), fell in sorted(again.items()):
