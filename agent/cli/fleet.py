@@ -85,6 +85,10 @@ def cmd_report_prometheus(args: argparse.Namespace) -> int:
         since = since_at if since_at is not None else until - DEFAULT_SPAN_S
     except ValueError as exc:
         raise BadInputError(f"gpuledger: report: {exc}") from None
+    if "account" in by:
+        # The Slurm account is no metric label (only the ledger keeps it): every row would be
+        # grouped under an empty account.
+        raise BadInputError("gpuledger: report: --by account reads ledgers, not a --prometheus store")
     options = StoreOptions(
         headers=headers,
         bearer_token_file=args.bearer_token_file,
