@@ -48,7 +48,7 @@ def write_ledger(
     *,
     hours: int,
     memory_bytes: int,
-    busy: float,
+    busy: float | None,
     units: int = 1,
     mig_profile: str = "",
 ) -> None:
@@ -63,7 +63,7 @@ def write_ledger(
                 Charges(
                     start, start + 60.0, "node-a",
                     workloads=tuple(
-                        WorkloadCharge(i, u, workload, 60.0, 60.0 * busy, dollars, 0.0, charged_s=60.0)
+                        WorkloadCharge(i, u, workload, 60.0, 60.0 * (busy or 0.0), dollars, 0.0, charged_s=60.0)
                         for i, u in enumerate(uuids)
                     ),
                     gpus=tuple(
@@ -140,6 +140,19 @@ def test_an_allocation_idle_for_days_is_told_to_stop(tmp_path: Path) -> None:
     assert advice.unused_days == 3.0
     # All of it saved: $3.430881 x 730 h = $2,504.54313 a month
     assert advice.saving_per_month == pytest.approx(2504.54313)
+
+
+def test_a_mig_instance_with_no_busy_reading_is_not_told_to_stop(tmp_path: Path) -> None:
+    # An A100's MIG instance has no utilization reading without GPM: three days unmeasured show
+    # no idleness, so it cannot be sized, not "stop it: unused for 3.0 days" ($1,073.38 a month).
+    path = tmp_path / "ledger.db"
+    serving = Workload(namespace="serving", pod="mig-0", container="server")
+    write_ledger(path, serving, hours=72, memory_bytes=20 * GIB, busy=None, mig_profile="3g.40gb")
+    usage = sizing_of(path)
+    assert (usage.measured_s, usage.last_used_hour) == (0.0, T0 + 71 * H)
+    advice = recommend(usage, SPECS, price_of, end=T0 + 72 * H)
+    assert (advice.action, advice.saving_per_month) == (ACTION_NONE, 0.0)
+    assert advice.basis == "cannot size: no busy readings"
 
 
 def test_four_lightly_used_gpus_are_told_to_use_fewer(tmp_path: Path) -> None:

@@ -119,8 +119,9 @@ def workload_sizing(
         per_hour: dict[int, int] = {}
         for row in group:
             per_hour[row.hour] = per_hour.get(row.hour, 0) + row.max_units
-        # Hours in which it did measurable work (busy over 1% of what it held).
-        used_hours = [row.hour for row in group if row.measured_s > 0 and row.busy_s > 0.01 * row.measured_s]
+        # Hours in which it did measurable work (busy over 1% of what it held), or may have: an hour
+        # with no busy reading at all (a MIG instance without GPM) does not show it idle.
+        used_hours = [row.hour for row in group if not row.measured_s > 0 or row.busy_s > 0.01 * row.measured_s]
         peaks = [row.peak_memory_bytes for row in group if row.peak_memory_bytes is not None]
         totals = [row.memory_total_bytes for row in group if row.memory_total_bytes is not None]
         rate = rates.get((workload, gpu_model)) if not mig_profile else None
