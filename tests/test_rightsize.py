@@ -155,6 +155,33 @@ def test_a_mig_instance_with_no_busy_reading_is_not_told_to_stop(tmp_path: Path)
     assert advice.basis == "cannot size: no busy readings"
 
 
+def test_a_held_mig_instance_costs_its_gpu_price_as_the_ledger_charged_it(tmp_path: Path) -> None:
+    # A 3g.40gb of an A100 charged at the config's $2/GPU-hour (not the catalogue's $3.430881),
+    # weighted by its 42 of 108 SMs, idle for three days under GPM.
+    path = tmp_path / "ledger.db"
+    notebook = Workload(namespace="research", pod="nb-0", container="jupyter")
+    weight = 42 / 108
+    with Ledger(path, node="node-a", retention_s=None) as ledger:
+        for minute in range(72 * 60):
+            start = T0 + minute * 60.0
+            dollars = 2.0 / 60 * weight
+            ledger.add(
+                Charges(
+                    start, start + 60.0, "node-a",
+                    workloads=(WorkloadCharge(0, "MIG-0", notebook, 60.0 * weight, 0.0, dollars, 0.0,
+                                              charged_s=60.0 * weight),),
+                    gpus=(GpuCharge(0, "GPU-0", A100, 2.0, 60.0, 2.0 / 60, 60.0 * (1 - weight),
+                                    2.0 / 60 - dollars, 0.0, 0.0, 0.0),),
+                    usage=(UnitUsage(notebook, "MIG-0", A100, "3g.40gb", 5 * GIB, 40 * GIB, 0.0, "gpm"),),
+                )
+            )  # fmt: skip
+    advice = recommend(sizing_of(path), SPECS, price_of, end=T0 + 72 * H)
+    assert advice.action == ACTION_STOP
+    # $2 x 3/7 = $0.857143 an hour, x 730 h = $625.714286 a month (not $3.430881 x 3/7 x 730 = $1,073.38)
+    assert advice.dollars_per_hour == pytest.approx(2.0 * 3 / 7)
+    assert advice.saving_per_month == pytest.approx(625.714286)
+
+
 def test_four_lightly_used_gpus_are_told_to_use_fewer(tmp_path: Path) -> None:
     path = tmp_path / "ledger.db"
     trainer = Workload(hpc_job="777", user="bob")

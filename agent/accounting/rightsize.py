@@ -293,10 +293,12 @@ def recommend(
 def _unit_price(
     usage: WorkloadSizing, price_of: Callable[[str], float | None], shape: tuple[int, float] | None
 ) -> float | None:
-    """What one held unit costs an hour: as the ledger charged it, else at the prices in force."""
+    """What one held unit costs an hour: its GPU's price as the ledger charged it, else at the
+    prices in force; a MIG instance that x slices / 7, as its options are priced."""
     if usage.charged_dollars is not None and usage.charged_s and usage.charged_s > 0:
-        return usage.charged_dollars / (usage.charged_s / 3600)
-    price = price_of(usage.gpu_model)
+        price: float | None = usage.charged_dollars / (usage.charged_s / 3600)
+    else:
+        price = price_of(usage.gpu_model)
     if price is None:
         return None
     return price * (shape[0] / MIG_SLICES if shape is not None else 1.0)

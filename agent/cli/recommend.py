@@ -23,8 +23,7 @@ from agent.accounting.rightsize import (
 )
 from agent.config import SHIPPED_CATALOGUE, Settings, load_catalogue
 from agent.ledger.pending import HOUR_S
-from agent.ledger.sizing import ChargedRate, SizingRow, read_sizing, workload_sizing
-from agent.model import Workload
+from agent.ledger.sizing import ChargedRate, RateKey, SizingRow, read_sizing, workload_sizing
 from agent.yamlfile import read_yaml
 
 
@@ -45,7 +44,7 @@ def recommendations(
 ) -> list[Recommendation]:
     """Advice for every workload the ledgers record over [since, until), biggest saving first."""
     rows: list[SizingRow] = []
-    rates: dict[tuple[Workload, str], ChargedRate] = {}
+    rates: dict[RateKey, ChargedRate] = {}
     for path in paths:
         more_rows, more_rates = read_sizing(path, since=since, until=until)
         rows.extend(more_rows)

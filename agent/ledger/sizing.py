@@ -38,17 +38,23 @@ class SizingRow:
 
 @dataclass(frozen=True, slots=True)
 class ChargedRate:
-    """What a workload paid for one kind of unit over the window: dollars and charged seconds."""
+    """What a workload paid for one kind of unit over the window: dollars and charged seconds.
+    Their ratio is the GPU's $/hour, for a MIG instance too (its charged seconds are weighted by
+    its share of the GPU, as its dollars are)."""
 
     dollars: float
     charged_s: float
 
 
+# A workload, the GPU model it held and whether it held MIG instances of it (True) or whole GPUs.
+RateKey = tuple[Workload, str, bool]
+
+
 def read_sizing(
     path: str | Path, *, since: float | None = None, until: float | None = None
-) -> tuple[list[SizingRow], dict[tuple[Workload, str], ChargedRate]]:
-    """The sizing rows of the hours overlapping [since, until), and per (workload, GPU model)
-    what it was charged for whole GPUs (dollars, charged seconds), for the price it pays."""
+) -> tuple[list[SizingRow], dict[RateKey, ChargedRate]]:
+    """The sizing rows of the hours overlapping [since, until), and per (workload, GPU model,
+    MIG or not) what it was charged (dollars, charged seconds), for the price it pays."""
     where, params = _bounds(since, until)
     with current_schema(Path(path)) as conn:
         return _read(conn, where, params)
@@ -56,17 +62,20 @@ def read_sizing(
 
 def _read(
     conn: sqlite3.Connection, where: str, params: Sequence[int | float]
-) -> tuple[list[SizingRow], dict[tuple[Workload, str], ChargedRate]]:
+) -> tuple[list[SizingRow], dict[RateKey, ChargedRate]]:
     conn.row_factory = sqlite3.Row
     conn.execute("BEGIN")
     rows = conn.execute(f"SELECT * FROM sizing_hours{where} ORDER BY hour", params).fetchall()
-    # What a workload paid for whole GPUs: its rows whose uuid is a GPU's (a MIG instance's row
-    # names the instance, whose profile the row does not record: MIG units are priced from the
-    # catalogue instead).
+    # What a workload paid, by its rows' GPU: found by the row's uuid (a whole GPU's), else by
+    # its GPU index (a MIG instance's row names the instance; the first uuid where a GPU was
+    # swapped within the hour), as schema.py's version 4 finds it.
     qualified = where.replace("hour", "w.hour")
     charged = conn.execute(
-        "SELECT w.*, g.model AS gpu_model FROM workload_hours AS w JOIN gpu_hours AS g"
-        f" ON g.hour = w.hour AND g.node = w.node AND g.uuid = w.uuid{qualified}",
+        "SELECT w.*, g.model AS gpu_model, g.uuid != w.uuid AS mig FROM workload_hours AS w JOIN gpu_hours AS g"
+        " ON g.hour = w.hour AND g.node = w.node AND g.uuid = coalesce("
+        "(SELECT uuid FROM gpu_hours WHERE hour = w.hour AND node = w.node AND uuid = w.uuid),"
+        " (SELECT uuid FROM gpu_hours WHERE hour = w.hour AND node = w.node AND gpu = w.gpu ORDER BY uuid LIMIT 1))"
+        f"{qualified}",
         params,
     ).fetchall()
     conn.execute("COMMIT")
@@ -90,10 +99,10 @@ def _read(
         )
         for r in rows
     ]
-    dollars: dict[tuple[Workload, str], list[float]] = {}
-    seconds: dict[tuple[Workload, str], list[float]] = {}
+    dollars: dict[RateKey, list[float]] = {}
+    seconds: dict[RateKey, list[float]] = {}
     for r in charged:
-        key = (Workload.from_labels(r), r["gpu_model"])
+        key = (Workload.from_labels(r), r["gpu_model"], bool(r["mig"]))
         dollars.setdefault(key, []).append(r["dollars"])
         seconds.setdefault(key, []).append(r["charged_s"])
     rates = {key: ChargedRate(math.fsum(dollars[key]), math.fsum(seconds[key])) for key in dollars}
@@ -101,7 +110,7 @@ def _read(
 
 
 def workload_sizing(
-    rows: Sequence[SizingRow], rates: dict[tuple[Workload, str], ChargedRate], *, until: float | None = None
+    rows: Sequence[SizingRow], rates: dict[RateKey, ChargedRate], *, until: float | None = None
 ) -> list[WorkloadSizing]:
     """The rows summed per workload and kind of unit over the window (every node alike: a job on
     two nodes holds the sum of its units there; its peaks are the larger)."""
@@ -124,7 +133,7 @@ def workload_sizing(
         used_hours = [row.hour for row in group if not row.measured_s > 0 or row.busy_s > 0.01 * row.measured_s]
         peaks = [row.peak_memory_bytes for row in group if row.peak_memory_bytes is not None]
         totals = [row.memory_total_bytes for row in group if row.memory_total_bytes is not None]
-        rate = rates.get((workload, gpu_model)) if not mig_profile else None
+        rate = rates.get((workload, gpu_model, bool(mig_profile)))
         out.append(
             WorkloadSizing(
                 workload=workload,
