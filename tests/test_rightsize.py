@@ -195,6 +195,18 @@ def test_four_lightly_used_gpus_are_told_to_use_fewer(tmp_path: Path) -> None:
     assert advice.saving_per_month == pytest.approx(7513.62939)
 
 
+def test_four_memory_bound_gpus_are_told_to_use_as_many_as_their_memory_needs(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    trainer = Workload(hpc_job="778", user="bob")
+    write_ledger(path, trainer, hours=2, memory_bytes=48 * GIB, busy=0.1, units=4)
+    advice = recommend(sizing_of(path), {A100: SPECS[A100]}, price_of, end=T0 + 2 * H)
+    # Needs 4 x 0.1 x 312 x 1.2 = 149.76 TFLOPS (one A100) but 4 x 48 x 1.2 = 230.4 GiB: three
+    # A100s (240 GiB), not one (80 GiB) and so nothing.
+    assert (advice.action, advice.option) == (ACTION_FEWER, f"3 x {A100}")
+    # One GPU fewer: $3.430881 x 730 = $2,504.54313 a month
+    assert advice.saving_per_month == pytest.approx(2504.54313)
+
+
 def test_the_sketch_reports_the_bucket_edge_above_the_95th_percentile() -> None:
     busy: sketch.Sketch = {}
     sketch.add(busy, sketch.busy_bucket(0.10), 90.0)

@@ -250,8 +250,13 @@ def recommend(
         price = gpu_price if same else price_of(name)
         if price is None:
             continue
-        count = max(1, math.ceil(round(need_tflops / spec.dense_tflops, 9)))
-        if count > usage.units or need_memory_gib / count > spec.memory_gib:
+        # As many units as its compute or its memory needs, whichever needs more.
+        count = max(
+            1,
+            math.ceil(round(need_tflops / spec.dense_tflops, 9)),
+            math.ceil(round(need_memory_gib / spec.memory_gib, 9)),
+        )
+        if count > usage.units:
             continue
         if same and count == usage.units and shape is None:
             continue  # what it holds now
