@@ -51,12 +51,13 @@ def write_ledger(
     busy: float | None,
     units: int = 1,
     mig_profile: str = "",
+    from_hour: int = 0,
 ) -> None:
-    """`hours` hours of `workload` holding `units` A100s at the catalogue price, every poll
-    (one a minute) reading the same memory and busy figures."""
+    """`hours` hours of `workload` holding `units` A100s at the catalogue price from `from_hour`
+    hours after T0, every poll (one a minute) reading the same memory and busy figures."""
     with Ledger(path, node="node-a", retention_s=None) as ledger:
         for minute in range(hours * 60):
-            start = T0 + minute * 60.0
+            start = T0 + from_hour * H + minute * 60.0
             uuids = [f"GPU-{i}" for i in range(units)]
             dollars = A100_PRICE / 60
             ledger.add(
@@ -140,6 +141,23 @@ def test_an_allocation_idle_for_days_is_told_to_stop(tmp_path: Path) -> None:
     assert advice.unused_days == 3.0
     # All of it saved: $3.430881 x 730 h = $2,504.54313 a month
     assert advice.saving_per_month == pytest.approx(2504.54313)
+
+
+def test_stopping_saves_what_is_held_now_not_the_most_held_at_once(tmp_path: Path) -> None:
+    # An hour on 4 idle A100s, then 71 hours on 1: the most held at once is 4, but stopping it
+    # now frees 1 GPU. It was told it would save 4 x $3.430881 x 730 = $10,018.17 a month.
+    path = tmp_path / "ledger.db"
+    forgotten = Workload(namespace="research", pod="notebook-9", container="jupyter")
+    write_ledger(path, forgotten, hours=1, memory_bytes=0, busy=0.0, units=4)
+    write_ledger(path, forgotten, hours=71, memory_bytes=0, busy=0.0, from_hour=1)
+    usage = sizing_of(path)
+    assert (usage.units, usage.units_at_end) == (4, 1)
+    advice = recommend(usage, SPECS, price_of, end=T0 + 72 * H)
+    assert (advice.action, advice.option) == (ACTION_STOP, "stop it: unused for 3.0 days")
+    # 1 x $3.430881 x 730 h = $2,504.54313 a month
+    assert advice.dollars_per_hour == pytest.approx(A100_PRICE)
+    assert advice.saving_per_month == pytest.approx(2504.54313)
+    assert f"1 x {A100} at $3.43" in advice.basis
 
 
 def test_a_mig_instance_with_no_busy_reading_is_not_told_to_stop(tmp_path: Path) -> None:

@@ -92,6 +92,7 @@ class WorkloadSizing:
     busy_source: str = ""
     charged_dollars: float | None = None  # what it paid for these units over the window
     charged_s: float | None = None
+    units_at_end: int | None = None  # held at once in the last hour it held any (None: `units`)
 
     @property
     def mean_busy(self) -> float | None:
@@ -213,7 +214,12 @@ def recommend(
     unused_since = usage.last_used_hour + 3600 if usage.last_used_hour is not None else usage.first_hour
     unused_s = end - unused_since
     if still_held and unused_s >= stop_after_s:
+        # Stopping saves what it holds now, not the most it held at once in the window (a job
+        # that ran on 4 GPUs for an hour and has sat on 1 since saves 1 GPU's price).
         days = unused_s / 86400
+        held_now = usage.units_at_end if usage.units_at_end is not None else usage.units
+        now_per_hour = unit_price * held_now if unit_price is not None else None
+        holds = f"{held_now} x {usage.gpu_model}" + (f" MIG {usage.mig_profile}" if usage.mig_profile else "")
         basis = f"estimate: no measurable work (busy over {_pct(USED_BUSY_FRACTION)} of held time) for {days:.1f} days"
         if now_per_hour is not None:
             basis += f"; {holds} at {_money(now_per_hour)} x {HOURS_PER_MONTH:.0f} h/month"

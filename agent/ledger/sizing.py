@@ -155,6 +155,7 @@ def workload_sizing(
                 busy_source=next((row.busy_source for row in reversed(group) if row.busy_source), ""),
                 charged_dollars=rate.dollars if rate is not None else None,
                 charged_s=rate.charged_s if rate is not None else None,
+                units_at_end=per_hour[max(per_hour)],
             )
         )
     return out
