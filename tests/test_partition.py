@@ -196,6 +196,44 @@ def _ledger_time(ledger: Path) -> tuple[float, float, float, float]:
     return found
 
 
+def test_energy_counted_while_a_gpu_was_lost_is_unobserved_not_dropped(tmp_path: Path) -> None:
+    # ann keeps one GPU 50% busy for 2h: 50 W idle + 50% of the 400 W up to its 450 W limit =
+    # 250 W throughout, 250 W x 7200 s = 1,800,000 J = 0.5 kWh on its counter. The GPU is lost
+    # from 30m to 60m (and found again at the sampler's next probe): its time from the poll before
+    # the loss to the one after is unobserved, and so is the energy its counter counted then,
+    # 250 W x those seconds. Before, the interval that ended the outage was charged no joules: the
+    # outage's energy was nobody's and nowhere, and TOTAL fell short of the counter by it.
+    # At $0.12/kWh: 0.5 kWh = $0.06 in all.
+    scenario = tmp_path / "lost.yaml"
+    scenario.write_text(
+        "node: {hostname: n1}\n"
+        "gpus: [{count: 1, power_limit_w: 450, idle_power_w: 50}]\n"
+        "processes: [{pid: 1, gpus: [0], sm_util: 50, memory_mib: 1000, uid: 1000, user: ann}]\n"
+        "faults: [{at: 30m, until: 60m, gpu: 0, error: GPU_IS_LOST}]\n"
+    )
+    config = tmp_path / "config.yaml"
+    config.write_text(f"pricing: {{gpu_hourly: {PRICE}, energy_per_kwh: 0.12}}\n")
+    ledger = tmp_path / "ledger.db"
+    result = gpuledger(
+        "simulate", str(scenario), "--for", "2h", "--step", "60s", "--config", str(config), "--ledger", str(ledger)
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = gpuledger("report", "--ledger", str(ledger), "--by", "user", "--format", "json")
+    assert report.returncode == 0, report.stderr
+    document = json.loads(report.stdout)
+    [ann] = document["rows"]
+    unobserved = document["unobserved"]
+    unobserved_h = unobserved["gpu_hours_charged"]
+    assert unobserved_h >= 0.5  # 30m lost, and the polls around it
+    # 0.25 kW x the hours each: ann's observed hours, and the lost ones, nobody's.
+    assert ann["energy_kwh"] == pytest.approx(0.25 * (2 - unobserved_h))
+    assert unobserved["energy_kwh"] == pytest.approx(0.25 * unobserved_h)
+    assert unobserved["energy_dollars"] == pytest.approx(0.25 * unobserved_h * 0.12)
+    total = document["total"]
+    assert total["energy_kwh"] == pytest.approx(0.5)  # 1,800,000 J: all the counter counted
+    assert total["energy_dollars"] == pytest.approx(0.06)
+
+
 def test_a_clock_set_back_never_charges_the_same_time_twice(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Polls every 15 s of scenario time for 20 minutes. At 10:00 the host's clock is set back 5
     # minutes (NTP stepping a clock that ran fast): the polls from then on read 5:15, 5:30, ...

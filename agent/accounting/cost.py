@@ -313,12 +313,14 @@ def account(
         in_force = price.during(prev.taken_at, curr.taken_at) if price is not None else None
         was_gpu = previous.get(gpu.uuid) or previous.get(_by_index(gpu.index))
         reason = _unobserved(was_gpu, gpu, dt, max_interval_s)
-        if reason is not None:
-            gpus.append(_unobserved_charge(gpu, in_force, gpu_dollars, dt, reason, energy_per_kwh))
-            continue
         gpu_joules, interval_joules = _energy_delta(
             previous.get(gpu.uuid), gpu, prev.taken_at, curr.taken_at, (energy_before or {}).get(gpu.uuid)
         )
+        if reason is not None:
+            # What the counter counted meanwhile (polls too far apart, the gap of an outage this
+            # interval ends) is the GPU's, and no holder's: its unobserved energy.
+            gpus.append(_unobserved_charge(gpu, in_force, gpu_dollars, dt, reason, energy_per_kwh, gpu_joules))
+            continue
         idle_s = idle_dollars = idle_joules = 0.0
         unobserved_s = unobserved_dollars = 0.0
         unobserved_reason = ""
@@ -475,10 +477,16 @@ def _by_reason(old: Mapping[str, tuple[float, float]], g: GpuCharge) -> Mapping[
 
 
 def _unobserved_charge(
-    gpu: DeviceReading, price: Price | None, dollars: float, seconds: float, reason: str, energy_per_kwh: float | None
+    gpu: DeviceReading,
+    price: Price | None,
+    dollars: float,
+    seconds: float,
+    reason: str,
+    energy_per_kwh: float | None,
+    joules: float = 0.0,
 ) -> GpuCharge:
     """A GPU nobody could see for `seconds`, costing `dollars` at `price` (the one in force at its
-    end): all of it unobserved, for `reason`."""
+    end) and using `joules` (where its counter says): all of it unobserved, for `reason`."""
     return GpuCharge(
         gpu=gpu.index,
         uuid=gpu.uuid,
@@ -489,10 +497,10 @@ def _unobserved_charge(
         idle_s=0.0,
         idle_dollars=0.0,
         unobserved_s=seconds,
-        joules=0.0,
+        joules=joules,
         idle_joules=0.0,
         unobserved_dollars=dollars,
-        energy_dollars=energy_dollars(0.0, energy_per_kwh),
+        energy_dollars=energy_dollars(joules, energy_per_kwh),
         idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
         unobserved_reason=reason,
         purchase=price.purchase if price is not None else "",
