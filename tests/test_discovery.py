@@ -326,6 +326,56 @@ def test_the_ledger_names_the_gpus_while_the_driver_is_absent_after_a_restart(tm
     assert {gpu: ledger_uuids(ledger, gpu) for gpu in (0, 1, 2)} == {i: {uuid} for i, uuid in enumerate(uuids)}
 
 
+def test_gpus_that_swapped_indexes_across_a_restart_never_share_a_uuid(tmp_path: Path) -> None:
+    """Run 1 (18:00-18:01) records GPUs A, B, C at indexes 0, 1, 2; run 2 starts at 18:02 with A
+    and B swapped (B at 0 with ann's job, A at 1 with bob's) and GPU 1's uuid unreadable until
+    1:15, discovered at 1:45 (retried at 0:15, 0:30, 1:00, 1:45). Until then GPU 1 goes by its
+    provisional uuid, not by B, the uuid the ledger recorded at index 1: B is GPU 0's now, and
+    sharing it GPU 0 would start each interval at GPU 1's down reading, its readable time
+    unobserved and ann's job charged nothing, and the two GPUs' hours would be one ledger row."""
+    ledger = tmp_path / "ledger.db"
+    settings = Settings(poll_interval=STEP_S, pricing=PricingConfig(gpu_hourly=PRICE))
+    first = Rig(NODE, settings=settings, ledger_path=ledger)
+    try:
+        a, b, c = [g.uuid for g in poll_every(first, STEP_S, 60.0)[60.0].snapshot.gpus]  # type: ignore[union-attr]
+    finally:
+        assert first.agent.close()
+    swapped = {
+        **NODE,
+        "start": "2026-11-20T18:02:00Z",
+        "gpus": [{"model": "A100-SXM4-80GB", "nvlink_links": 2, "uuid": uuid} for uuid in (b, a, c)],
+        "faults": [{"at": "0s", "until": "75s", "gpu": 1, "call": "nvmlDeviceGetUUID", "error": "CORRUPTED_INFOROM"}],
+    }
+    second = Rig(swapped, settings=settings, ledger_path=ledger)
+    try:
+        states = poll_every(second, STEP_S, 120.0)
+    finally:
+        assert second.agent.close()
+    assert [g.uuid for g in states[90.0].snapshot.gpus] == [b, "unidentified-1", c]  # type: ignore[union-attr]
+    # Run 2, $0.001 a GPU-second: ann pays for GPU 0 all 120 s, $0.120; GPU 1 is unobserved to
+    # 1:45, $0.105, and bob pays for 1:45-2:00, $0.015; GPU 2 idles, $0.120.
+    assert by_gpu(states[120.0]) == {
+        0: (pytest.approx(0.120), 0.0, {"agent_down": (pytest.approx(60.0), pytest.approx(0.060))}),
+        1: (pytest.approx(0.015), 0.0, {
+            "agent_down": (pytest.approx(60.0), pytest.approx(0.060)),
+            "CORRUPTED_INFOROM": (pytest.approx(105.0), pytest.approx(0.105)),
+        }),
+        2: (0.0, pytest.approx(0.120), {"agent_down": (pytest.approx(60.0), pytest.approx(0.060))}),
+    }  # fmt: skip
+    # The ledger, 18:00-18:04, 240 s a GPU, $0.240: GPU 0, ann $0.060 + $0.120 and the minute
+    # stopped $0.060; GPU 1, bob $0.060 + $0.015, unobserved $0.060 + $0.105; GPU 2 idle
+    # $0.060 + $0.120, unobserved $0.060.
+    assert ledger_by_gpu(ledger) == {
+        0: (pytest.approx(0.180), 0.0, pytest.approx(0.060)),
+        1: (pytest.approx(0.075), 0.0, pytest.approx(0.165)),
+        2: (0.0, pytest.approx(0.180), pytest.approx(0.060)),
+    }
+    with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as conn:
+        # No hour of one uuid holds more than the hour's 3600 s.
+        [(most,)] = conn.execute("SELECT max(observed_s + unobserved_s) FROM gpu_hours").fetchall()
+    assert most == pytest.approx(240.0)
+
+
 def test_recorded_gpus_reads_the_latest_hour_of_a_first_release_ledger(tmp_path: Path) -> None:
     """The ledger's GPUs as the sampler is told them: (index, uuid, NVML name), from its latest
     hour, in a file of the first schema as much as the latest (the columns are there since)."""

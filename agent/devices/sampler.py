@@ -293,6 +293,7 @@ class Sampler:
             self._device_count = self.backend.device_count()
             earlier = {g.index: g for g in self._gpus}
             gpus = [self._discover(i, now, earlier.get(i)) for i in range(self._device_count)]
+            self._unshare(gpus)
         except DeviceError:
             # Half a discovery is no discovery: the next attempt starts from scratch (what it
             # identified is remembered, and names the GPUs while the driver is down).
@@ -351,6 +352,20 @@ class Sampler:
         gpu.lost_reason = exc.error
         self._back_off(gpu, now)
         return gpu
+
+    def _unshare(self, gpus: Sequence[_Gpu]) -> None:
+        """Two GPUs never go by one uuid. A GPU not identified yet goes by the uuid its index had
+        (an earlier discovery's, the ledger's); where another index's GPU is identified under
+        it, the GPUs have moved since (renumbered, a board pulled or swapped across a restart),
+        that memory is stale, and the GPU goes by its provisional uuid: sharing the uuid, the two
+        would share one GPU's interval, price and ledger rows."""
+        identified = {g.uuid: g.index for g in gpus if g.discovered}
+        for index, uuid in list(self._known_uuids.items()):
+            if identified.get(uuid, index) != index:
+                del self._known_uuids[index]
+        for gpu in gpus:
+            if not gpu.discovered and identified.get(gpu.uuid, gpu.index) != gpu.index:
+                gpu.uuid = provisional_uuid(gpu.index)
 
     def _placeholder(self, index: int, pci_bus_id: str = "") -> _Gpu:
         """GPU `index` before discovery has completed for it: as remembered, else provisional."""
@@ -621,6 +636,7 @@ class Sampler:
             if not gpu.discovered:
                 # Not discovered yet (lost, or unidentifiable, at discovery): look it up again.
                 self._gpus[position] = gpu = self._discover(gpu.index, now, gpu)
+                self._unshare(self._gpus)
                 if not gpu.discovered:
                     return [_down(gpu, gpu.lost_reason or "UNKNOWN")]
         try:
