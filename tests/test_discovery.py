@@ -326,6 +326,41 @@ def test_the_ledger_names_the_gpus_while_the_driver_is_absent_after_a_restart(tm
     assert {gpu: ledger_uuids(ledger, gpu) for gpu in (0, 1, 2)} == {i: {uuid} for i, uuid in enumerate(uuids)}
 
 
+def test_a_gpu_unidentified_at_a_restart_goes_by_the_ledgers_uuid_from_the_first_poll(tmp_path: Path) -> None:
+    """Run 1 (18:00-18:01) records the node; run 2 starts at 18:02 with GPU 1's handle call
+    failing for good, and only pricing.by_model set. The devices are opened before the ledger,
+    but from the first poll GPU 1 goes by the uuid and model the ledger recorded: the minute
+    the agent was stopped is booked under that uuid at its model's price, not at $0 under
+    unidentified-1 as a GPU whose model is unknown."""
+    ledger = tmp_path / "ledger.db"
+    settings = Settings(poll_interval=STEP_S, pricing=BY_MODEL)
+    first = Rig(NODE, settings=settings, ledger_path=ledger)
+    try:
+        uuid = [g.uuid for g in poll_every(first, STEP_S, 60.0)[60.0].snapshot.gpus][1]  # type: ignore[union-attr]
+    finally:
+        assert first.agent.close()
+    lost = {
+        **NODE,
+        "start": "2026-11-20T18:02:00Z",
+        "faults": [{"at": "0s", "gpu": 1, "call": "nvmlDeviceGetHandleByIndex", "error": "GPU_IS_LOST"}],
+    }
+    second = Rig(lost, settings=settings, ledger_path=ledger)
+    try:
+        states = poll_every(second, STEP_S, 60.0)
+    finally:
+        assert second.agent.close()
+    assert [(g.uuid, g.model) for g in states[0.0].snapshot.gpus][1] == (uuid, "A100-SXM4-80GB")  # type: ignore[union-attr]
+    # GPU 1 in run 2, $0.001 a second: the minute stopped, $0.060, and the minute lost, $0.060.
+    assert by_gpu(states[60.0])[1] == (0.0, 0.0, {
+        "agent_down": (pytest.approx(60.0), pytest.approx(0.060)),
+        "GPU_IS_LOST": (pytest.approx(60.0), pytest.approx(0.060)),
+    })  # fmt: skip
+    # The ledger, 18:00-18:03: bob's minute $0.060, then 2 minutes unobserved $0.120, all of
+    # it under GPU 1's own uuid: $0.18 = 180 s x $0.001.
+    assert ledger_by_gpu(ledger)[1] == (pytest.approx(0.060), 0.0, pytest.approx(0.120))
+    assert ledger_uuids(ledger, 1) == {uuid}
+
+
 def test_gpus_that_swapped_indexes_across_a_restart_never_share_a_uuid(tmp_path: Path) -> None:
     """Run 1 (18:00-18:01) records GPUs A, B, C at indexes 0, 1, 2; run 2 starts at 18:02 with A
     and B swapped (B at 0 with ann's job, A at 1 with bob's) and GPU 1's uuid unreadable until

@@ -283,6 +283,14 @@ class Sampler:
             self._known_uuids.setdefault(index, uuid)
             if name:
                 self._known_names.setdefault(index, name)
+        # The devices are opened before the ledger: a GPU discovery could not identify then goes
+        # by what is remembered from now on, not from its next retry (the time before this
+        # start, booked at the first poll, is its time too, at its model's price).
+        for gpu in self._gpus:
+            if not gpu.discovered:
+                gpu.uuid = self._known_uuids.get(gpu.index) or gpu.uuid
+                gpu.name = gpu.name or self._known_names.get(gpu.index, "")
+        self._unshare(self._gpus)
 
     def _init(self, now: float) -> None:
         self.backend.init()
