@@ -166,6 +166,36 @@ def test_a_node_wide_price_prices_an_unidentified_gpu_at_once() -> None:
     assert_partition(states[120.0], 120.0)
 
 
+def test_an_instance_types_price_prices_an_unidentified_gpu_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a p4de.24xlarge (the catalogue's $27.44705/h for 8 x A100-SXM4-80GB) every GPU costs
+    $27.44705 / 8 = $3.43088125/h, its model unknown or not: GPU 1, never identified, has its
+    unobserved time booked at that price as it passes, not at $0 when the agent stops."""
+    scenario = {
+        **NODE,
+        "node": {**NODE["node"], "instance_type": "p4de.24xlarge"},
+        "faults": [{"at": "0s", "gpu": 1, "call": "nvmlDeviceGetHandleByIndex", "error": "NOT_READY"}],
+    }
+    ledger = tmp_path / "ledger.db"
+    rig = Rig(scenario, settings=Settings(poll_interval=STEP_S), ledger_path=ledger)
+    try:
+        states = poll_every(rig, STEP_S, 120.0)
+    finally:
+        with caplog.at_level(logging.WARNING):
+            assert rig.agent.close()
+    each = 27.44705 / 8
+    # By 1:30: 90 s x $3.43088125/h = $0.0857720..., under unidentified-1.
+    assert states[90.0].costs.gpus[(1, "unidentified-1")].unobserved_by_reason == {
+        "NOT_READY": (pytest.approx(90.0), pytest.approx(each * 90 / 3600))
+    }
+    assert not any("never identified" in r.getMessage() for r in caplog.records)
+    # At the stop: 120 s x $3.43088125/h = $0.1143627..., the same as GPU 2 idled for.
+    assert ledger_uuids(ledger, 1) == {"unidentified-1"}
+    assert ledger_by_gpu(ledger)[1] == (0.0, 0.0, pytest.approx(each * 120 / 3600))
+    assert ledger_by_gpu(ledger)[2] == (0.0, pytest.approx(each * 120 / 3600), 0.0)
+
+
 def test_discovery_is_retried_with_backoff_until_the_gpu_answers() -> None:
     """GPU 2's uuid call fails with a corrupted inforom for good, polled every second: it is
     asked again at 0:05, 0:15 and 0:35 (5 s, doubling), not at every poll; the other GPUs are

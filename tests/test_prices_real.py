@@ -96,6 +96,13 @@ def test_a_matching_instance_type_reports_no_mismatch(catalogue: Catalogue) -> N
     assert (got.mismatch, got.origin, got.dollars_per_hour) == ("", "instance", 3.0)
 
 
+def test_a_gpu_whose_model_is_unknown_yet_is_priced_by_its_instance_type(catalogue: Catalogue) -> None:
+    # Not identified yet (model ""): nothing says it is not the p4d.24xlarge's A100, so $24/h / 8 = $3.
+    got = price(catalogue, model="", detected="p4d.24xlarge")
+    assert got is not None
+    assert (got.mismatch, got.origin, got.dollars_per_hour) == ("", "instance", 3.0)
+
+
 def test_one_part_under_two_names_is_one_model() -> None:
     assert same_model("H100-SXM5-80GB", "NVIDIA H100 80GB HBM3")
     assert same_model("a100-sxm4-80gb", "A100 SXM4 80GB")

@@ -104,14 +104,15 @@ def resolve_price(
     """One GPU's price per hour and the rule that gave it, or None when nothing prices it.
 
     `gpu_count` is the number of GPUs this node has; `instance_type` the detected (or
-    scenario's) one, which `pricing.instance_type` overrides.
+    scenario's) one, which `pricing.instance_type` overrides. `model` is "" for a GPU not
+    identified yet: nothing says it differs from the instance's, whose price then prices it.
     """
     if gpu_count < 1:
         raise ValueError(f"gpu_count must be at least 1, got {gpu_count}")
     it = pricing.instance_type or instance_type
     listed = _lookup(catalogue.instance_types, it, fuzzy=False) if it else None
     mismatch = ""
-    if it and listed is not None and not same_model(listed[1].gpu_model, model):
+    if it and listed is not None and model and not same_model(listed[1].gpu_model, model):
         mismatch = (
             f"instance type {listed[0]} comes with {listed[1].gpu_model} GPUs but NVML reports {model}: "
             f"priced as {model}"
