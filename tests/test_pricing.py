@@ -294,6 +294,18 @@ def test_config_model_overrides_match_loosely_too(catalogue: Catalogue) -> None:
     assert price(catalogue, model="Tesla T4", by_model={"T4": 0.25}) == Price(0.25, "config pricing.by_model[T4]")
 
 
+@pytest.mark.parametrize(
+    ("key", "model"),
+    [("H100-SXM5-80GB", "H100 80GB HBM3"), ("NVIDIA H100 80GB HBM3", "H100-SXM5-80GB")],
+)
+def test_a_config_model_override_prices_its_part_under_its_other_name(
+    catalogue: Catalogue, key: str, model: str
+) -> None:
+    # PRODUCT.md's `by_model: {H100-SXM5-80GB: 4.0}` on a real SXM5 H100, which NVML names
+    # "NVIDIA H100 80GB HBM3": $4/h from the config, not the catalogue's price (here: none).
+    assert price(catalogue, model=model, by_model={key: 4.0}) == Price(4.0, f"config pricing.by_model[{key}]")
+
+
 def test_an_exact_spelling_wins_over_a_looser_one(catalogue: Catalogue) -> None:
     got = price(catalogue, model="Tesla T4", by_model={"T4": 0.25, "Tesla T4": 0.75})
     assert got == Price(0.75, "config pricing.by_model[Tesla T4]")

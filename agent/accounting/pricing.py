@@ -152,8 +152,7 @@ def price_schedule(
 
 def same_model(a: str, b: str) -> bool:
     """Whether two model names name one GPU part, however spelt."""
-    ka, kb = _model_key(a), _model_key(b)
-    return _SAME_PART.get(ka, ka) == _SAME_PART.get(kb, kb)
+    return _part_key(a) == _part_key(b)
 
 
 def _on_demand(
@@ -242,12 +241,14 @@ def _instance_price(it: str, gpu_count: int, pricing: PricingLike, catalogue: Ca
 
 def _lookup(table: Mapping[str, _T], name: str, *, fuzzy: bool = True) -> tuple[str, _T] | None:
     """`table[name]` under its own key: exact first, then ignoring case, then (if `fuzzy`)
-    ignoring "NVIDIA "/"Tesla " prefixes and space/hyphen/underscore differences."""
+    ignoring "NVIDIA "/"Tesla " prefixes and space/hyphen/underscore differences, then as the
+    same part under its other name (`by_model: {H100-SXM5-80GB: ...}` prices what NVML calls
+    "H100 80GB HBM3")."""
     if name in table:
         return name, table[name]
     matchers: list[Callable[[str], str]] = [str.casefold]
     if fuzzy:
-        matchers.append(_model_key)
+        matchers += [_model_key, _part_key]
     for normal in matchers:
         wanted = normal(name)
         for key, value in table.items():
@@ -262,6 +263,12 @@ def _model_key(name: str) -> str:
     for prefix in ("nvidia ", "tesla "):
         key = key.removeprefix(prefix)
     return key
+
+
+def _part_key(name: str) -> str:
+    """`_model_key`, one name for each part `_SAME_PART` knows under two."""
+    key = _model_key(name)
+    return _SAME_PART.get(key, key)
 
 
 def _money(dollars: float) -> str:
