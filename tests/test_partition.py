@@ -127,6 +127,22 @@ def test_a_driver_outage_is_unobserved_not_idle(run: Any) -> None:
     assert charged + idle + sum(unobserved.values()) == pytest.approx(1800 * PRICE / 3600)  # $1.80
 
 
+def report_by_user(tmp_path: Path, scenario: str, *simulate_args: str) -> dict[str, Any]:
+    """`report --by user --format json` of the scenario simulated (`simulate_args`: --for, ...)
+    into a fresh ledger at PRICE a GPU-hour and $0.12 a kWh."""
+    path = tmp_path / "scenario.yaml"
+    path.write_text(scenario)
+    config = tmp_path / "config.yaml"
+    config.write_text(f"pricing: {{gpu_hourly: {PRICE}, energy_per_kwh: 0.12}}\n")
+    ledger = tmp_path / "ledger.db"
+    result = gpuledger("simulate", str(path), *simulate_args, "--config", str(config), "--ledger", str(ledger))
+    assert result.returncode == 0, result.stderr
+    report = gpuledger("report", "--ledger", str(ledger), "--by", "user", "--format", "json")
+    assert report.returncode == 0, report.stderr
+    document: dict[str, Any] = json.loads(report.stdout)
+    return document
+
+
 def test_energy_counted_while_nobody_could_see_the_gpu_is_unobserved_not_the_next_holders(tmp_path: Path) -> None:
     # ann runs at 50% on one GPU for 30 minutes: 50 W idle + 50% of the 350 W up to its 400 W
     # limit = 225 W throughout, 225 W x 1800 s = 405,000 J on its counter. From 10:00 to 20:00
@@ -137,23 +153,14 @@ def test_energy_counted_while_nobody_could_see_the_gpu_is_unobserved_not_the_nex
     # (135,000 J). Before, all 138,375 J were charged to ann.
     # ann: 225 W x 1200 s observed = 270,000 J; unobserved: 135,000 J; 270,000 + 135,000 = 405,000.
     # At $0.12/kWh: 270,000 J = 0.075 kWh = $0.009; 135,000 J = 0.0375 kWh = $0.0045.
-    scenario = tmp_path / "outage.yaml"
-    scenario.write_text(
+    document = report_by_user(
+        tmp_path,
         "node: {hostname: n1}\n"
         "gpus: [{count: 1, power_limit_w: 400, idle_power_w: 50}]\n"
         "processes: [{pid: 1, gpus: [0], sm_util: 50, memory_mib: 1000, uid: 1000, user: ann}]\n"
-        'faults: [{at: 10m, until: 20m, gpu: 0, call: "*", error: TIMEOUT}]\n'
-    )
-    config = tmp_path / "config.yaml"
-    config.write_text(f"pricing: {{gpu_hourly: {PRICE}, energy_per_kwh: 0.12}}\n")
-    ledger = tmp_path / "ledger.db"
-    result = gpuledger(
-        "simulate", str(scenario), "--for", "30m", "--config", str(config), "--ledger", str(ledger)
+        'faults: [{at: 10m, until: 20m, gpu: 0, call: "*", error: TIMEOUT}]\n',
+        "--for", "30m",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    report = gpuledger("report", "--ledger", str(ledger), "--by", "user", "--format", "json")
-    assert report.returncode == 0, report.stderr
-    document = json.loads(report.stdout)
     [ann] = document["rows"]
     assert ann["user"] == "ann"
     assert ann["energy_kwh"] == pytest.approx(0.075)
@@ -204,23 +211,14 @@ def test_energy_counted_while_a_gpu_was_lost_is_unobserved_not_dropped(tmp_path:
     # 250 W x those seconds. Before, the interval that ended the outage was charged no joules: the
     # outage's energy was nobody's and nowhere, and TOTAL fell short of the counter by it.
     # At $0.12/kWh: 0.5 kWh = $0.06 in all.
-    scenario = tmp_path / "lost.yaml"
-    scenario.write_text(
+    document = report_by_user(
+        tmp_path,
         "node: {hostname: n1}\n"
         "gpus: [{count: 1, power_limit_w: 450, idle_power_w: 50}]\n"
         "processes: [{pid: 1, gpus: [0], sm_util: 50, memory_mib: 1000, uid: 1000, user: ann}]\n"
-        "faults: [{at: 30m, until: 60m, gpu: 0, error: GPU_IS_LOST}]\n"
-    )
-    config = tmp_path / "config.yaml"
-    config.write_text(f"pricing: {{gpu_hourly: {PRICE}, energy_per_kwh: 0.12}}\n")
-    ledger = tmp_path / "ledger.db"
-    result = gpuledger(
-        "simulate", str(scenario), "--for", "2h", "--step", "60s", "--config", str(config), "--ledger", str(ledger)
+        "faults: [{at: 30m, until: 60m, gpu: 0, error: GPU_IS_LOST}]\n",
+        "--for", "2h", "--step", "60s",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    report = gpuledger("report", "--ledger", str(ledger), "--by", "user", "--format", "json")
-    assert report.returncode == 0, report.stderr
-    document = json.loads(report.stdout)
     [ann] = document["rows"]
     unobserved = document["unobserved"]
     unobserved_h = unobserved["gpu_hours_charged"]
