@@ -166,6 +166,8 @@ class DeviceReading:
     utilization: float | None = None  # the driver's latest sample (one sampling period)
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
+    # What the driver reports free: not `total - used` where it reserves memory for itself.
+    memory_free_bytes: int | None = None
     temperature_c: float | None = None
     power_w: float | None = None
     power_limit_w: float | None = None

@@ -38,7 +38,9 @@ Decisions where gpuledger and dcgm-exporter differ:
   count a board twice.
 - `DCGM_FI_DEV_XID_ERRORS` is the last Xid's code, as dcgm-exporter's gauge ("Value of the last
   XID error encountered."), 0 for a GPU the agent watches that has had none since it started;
-  absent for a GPU whose events the agent cannot read.
+  absent for a GPU whose events the agent cannot read. Like dcgm-exporter's, it carries the
+  code as `err_code` (`internal/pkg/collector/gpu_collector.go`, toMetric); dcgm-exporter's
+  `err_msg`, its own text for each code, is left out.
 - The DCP profiling fields (`DCGM_FI_PROF_GR_ENGINE_ACTIVE`, `_SM_ACTIVE`, `_SM_OCCUPANCY`,
   `_PIPE_TENSOR_ACTIVE`, `_DRAM_ACTIVE`; names and HELP from `etc/dcp-metrics-included.csv`, the
   two it leaves commented out in its words) come from NVML's GPM where the GPU has it (Hopper and
@@ -93,7 +95,7 @@ DCGM_CATALOGUE: tuple[MetricSpec, ...] = (
         "DCGM_FI_DEV_XID_ERRORS",
         Kind.GAUGE,
         "Value of the last XID error encountered.",
-        IDENTITY,
+        (*IDENTITY, "err_code"),
         "",
         WORKLOAD_ATTRIBUTES,
     ),
@@ -157,7 +159,8 @@ class DcgmCollector(Collector):
                     _add(families, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", board, round(gpu.energy_j * 1000))
                 seen = events.get(gpu.uuid)
                 if seen is not None and (seen.watched or seen.last_xid is not None):
-                    _add(families, "DCGM_FI_DEV_XID_ERRORS", board, seen.last_xid or 0)
+                    xid = seen.last_xid or 0
+                    _add(families, "DCGM_FI_DEV_XID_ERRORS", {**board, "err_code": str(xid)}, xid)
                 if gpu.telemetry is not None:
                     for name, value in health_samples(gpu.telemetry):
                         _add(families, name, board, value)
@@ -219,12 +222,14 @@ def _job_rank(holding: Holding) -> tuple[bool, str]:
 
 
 def _framebuffer(families: dict[str, Metric], labels: dict[str, str], device: DeviceReading) -> None:
-    # DCGM reports whole MiB (the driver's bytes divided down), so these are integers too.
-    used, total = device.memory_used_bytes, device.memory_total_bytes
+    # DCGM reports whole MiB (the driver's bytes divided down), so these are integers too. Free
+    # is NVML's `free`, not total - used: the driver's reservation is in neither
+    # (DcgmCacheManager::ReadAndCacheFBMemoryInfo, nvmlDeviceGetMemoryInfo_v2).
+    used, free = device.memory_used_bytes, device.memory_free_bytes
     if used is not None:
         _add(families, "DCGM_FI_DEV_FB_USED", labels, used // MIB)
-        if total is not None:
-            _add(families, "DCGM_FI_DEV_FB_FREE", labels, max(0, total - used) // MIB)
+    if free is not None:
+        _add(families, "DCGM_FI_DEV_FB_FREE", labels, free // MIB)
 
 
 def _profiling(families: dict[str, Metric], labels: dict[str, str], device: DeviceReading) -> None:

@@ -17,7 +17,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import fake_nvml
 from agent.config import Settings
-from agent.model import AgentState, Attribution, DeviceReading, Holding, NodeInfo, Snapshot, Workload
+from agent.model import (
+    AgentState,
+    Attribution,
+    DeviceEvents,
+    DeviceReading,
+    GpuEvents,
+    Holding,
+    NodeInfo,
+    Snapshot,
+    Workload,
+)
 from exporters.dcgm import DCGM_BY_NAME, DCGM_CATALOGUE
 from exporters.prometheus import make_registry
 from tests.helpers import Rig
@@ -211,7 +221,8 @@ def test_every_series_carries_the_dcgm_label_set_and_one_series_per_gpu(demo: Sa
         series = find(demo, name)
         assert sorted(labels["gpu"] for labels, _ in series) == [str(i) for i in range(8)], name
         for labels, _ in series:
-            assert IDENTITY <= set(labels) <= IDENTITY | WORKLOAD, (name, labels)
+            xid = {"err_code"} if name == "DCGM_FI_DEV_XID_ERRORS" else set()
+            assert IDENTITY | xid <= set(labels) <= IDENTITY | WORKLOAD | xid, (name, labels)
 
 
 def gpu(index: int, uuid: str, **readings: Any) -> DeviceReading:
@@ -240,6 +251,42 @@ def test_a_shared_gpu_is_one_series_named_for_the_allocated_pod_then_by_name() -
     assert (b_labels["namespace"], b_labels["pod"], b_util) == ("ml", "a-pod", 25)
     assert a_labels["Hostname"] == "node-9"
     assert a_labels["modelName"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_fb_free_is_what_the_driver_reports_free_not_total_less_used() -> None:
+    # DCGM's FB_FREE is nvmlDeviceGetMemoryInfo_v2's `free` in MiB; the driver's reservation is
+    # neither used nor free (DCGM dcgmlib/src/DcgmCacheManager.cpp, ReadAndCacheFBMemoryInfo).
+    # An H100 80GB: 81559 MiB total, 531 MiB reserved, 1000 used, 80028 free.
+    reading = gpu(
+        0, "GPU-a", memory_used_bytes=1000 * MIB, memory_total_bytes=81559 * MIB, memory_free_bytes=80028 * MIB
+    )
+    samples = parse(exposition(AgentState(snapshot=Snapshot(1.0, NodeInfo("node-9", "560.35.03"), (reading,)))))
+    assert one(samples, "DCGM_FI_DEV_FB_USED", gpu="0")[1] == 1000
+    assert one(samples, "DCGM_FI_DEV_FB_FREE", gpu="0")[1] == 80028
+    # Where the driver gives no free figure, there is no series (not total - used).
+    reading = gpu(0, "GPU-a", memory_used_bytes=1000 * MIB, memory_total_bytes=81559 * MIB)
+    samples = parse(exposition(AgentState(snapshot=Snapshot(1.0, NodeInfo("node-9", "560.35.03"), (reading,)))))
+    assert find(samples, "DCGM_FI_DEV_FB_FREE") == []
+
+
+def test_the_xid_gauge_carries_its_code_as_dcgm_exporters_err_code_label() -> None:
+    # dcgm-exporter's toMetric (internal/pkg/collector/gpu_collector.go) adds the value as the
+    # `err_code` label (0 on a GPU without one), so alerts select {err_code="79"}. Its `err_msg`
+    # text table is dcgm-exporter's own prose, not copied here: that label is left out.
+    gpus = (gpu(0, "GPU-a"), gpu(1, "GPU-b"), gpu(2, "GPU-c"))
+    events = DeviceEvents(
+        (
+            GpuEvents(0, "GPU-a", True),
+            GpuEvents(1, "GPU-b", True, last_xid=79),
+            GpuEvents(2, "GPU-c", True, last_xid=999),
+        ),
+        reading=True,
+    )
+    state = AgentState(snapshot=Snapshot(1.0, NodeInfo("node-9", "560.35.03"), gpus), events=events)
+    found = {
+        labels["gpu"]: (labels["err_code"], v) for labels, v in find(parse(exposition(state)), "DCGM_FI_DEV_XID_ERRORS")
+    }
+    assert found == {"0": ("0", 0), "1": ("79", 79), "2": ("999", 999)}
 
 
 def test_mig_framebuffer_is_per_instance_and_board_readings_are_per_gpu() -> None:

@@ -77,6 +77,9 @@ class Quantity(enum.StrEnum):
     UTILIZATION = "utilization"  # fraction of time the device was busy, 0-1
     MEMORY_USED = "memory used"  # bytes
     MEMORY_TOTAL = "memory total"  # bytes
+    # bytes the driver reports free: the total less what is used and (since R510's v2 call) its
+    # own reservation, which counts as neither
+    MEMORY_FREE = "memory free"
     TEMPERATURE = "temperature"  # degrees Celsius
     POWER = "power"  # watts, instantaneous
     ENERGY = "energy"  # joules since the driver loaded

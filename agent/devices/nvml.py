@@ -124,7 +124,7 @@ def _field_ids(key: ReadingKey) -> tuple[tuple[int, int], ...]:
     return tuple(found)
 
 
-_MEMORY = (Quantity.MEMORY_USED, Quantity.MEMORY_TOTAL)
+_MEMORY = (Quantity.MEMORY_USED, Quantity.MEMORY_TOTAL, Quantity.MEMORY_FREE)
 _NOT_AVAILABLE_U64 = 0xFFFFFFFFFFFFFFFF  # usedGpuMemory where the driver cannot tell (WDDM)
 _NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a process outside MIG
 _SENSOR_GPU = pynvml.NVML_TEMPERATURE_GPU
@@ -136,6 +136,7 @@ _PSTATE_UNKNOWN = getattr(pynvml, "NVML_PSTATE_UNKNOWN", 32)
 _SHARED: dict[Quantity, str] = {
     Q.MEMORY_USED: "memory",
     Q.MEMORY_TOTAL: "memory",
+    Q.MEMORY_FREE: "memory",
     Q.UTILIZATION: "utilization",
     Q.MEMORY_UTILIZATION: "utilization",
     Q.REMAPPED_ROWS_CORRECTABLE: "remapped rows",
@@ -782,8 +783,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
 
     def _read_shared(self, handle: _Device, group: str) -> dict[Quantity, float]:
         if group == "memory":
-            used, total = self._memory(handle)
-            return {Q.MEMORY_USED: float(used), Q.MEMORY_TOTAL: float(total)}
+            used, total, free = self._memory(handle)
+            return {Q.MEMORY_USED: float(used), Q.MEMORY_TOTAL: float(total), Q.MEMORY_FREE: float(free)}
         if group == "utilization":
             rates = handle.utilization
             self._struct_call("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetUtilizationRates", handle, rates)
@@ -988,20 +989,21 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         Python-level hooks, and these calls are made for every GPU every poll."""
         _check(call, _function(call, name)(handle.handle, ctypes.byref(out)))
 
-    def _memory(self, handle: _Device) -> tuple[int, int]:
-        """(used, total) bytes. The v2 call counts driver-reserved memory apart, as `used` should."""
+    def _memory(self, handle: _Device) -> tuple[int, int, int]:
+        """(used, total, free) bytes. The v2 call counts driver-reserved memory apart, as `used`
+        should: it is then in neither `used` nor `free`."""
         call = "nvmlDeviceGetMemoryInfo"
 
-        def v2() -> tuple[int, int]:
+        def v2() -> tuple[int, int, int]:
             info_v2 = handle.memory_v2
             info_v2.version = pynvml.nvmlMemory_v2
             self._struct_call(call, "nvmlDeviceGetMemoryInfo_v2", handle, info_v2)
-            return int(info_v2.used), int(info_v2.total)
+            return int(info_v2.used), int(info_v2.total), int(info_v2.free)
 
-        def v1() -> tuple[int, int]:
+        def v1() -> tuple[int, int, int]:
             info = handle.memory
             self._struct_call(call, "nvmlDeviceGetMemoryInfo", handle, info)
-            return int(info.used), int(info.total)
+            return int(info.used), int(info.total), int(info.free)
 
         return self._versioned(handle, "nvmlDeviceGetMemoryInfo_v2", v2, v1)
 

@@ -66,10 +66,11 @@ BUSY_POLICIES = ("auto", "nvml", "gpm")
 _UTILIZATION = ReadingKey(Quantity.UTILIZATION)
 _MEMORY_USED = ReadingKey(Quantity.MEMORY_USED)
 _MEMORY_TOTAL = ReadingKey(Quantity.MEMORY_TOTAL)
+_MEMORY_FREE = ReadingKey(Quantity.MEMORY_FREE)
 _TEMPERATURE = ReadingKey(Quantity.TEMPERATURE)
 _POWER = ReadingKey(Quantity.POWER)
 _ENERGY = ReadingKey(Quantity.ENERGY)
-_MEMORY = (_MEMORY_USED, _MEMORY_TOTAL)
+_MEMORY = (_MEMORY_USED, _MEMORY_TOTAL, _MEMORY_FREE)
 
 
 # Lists of reading keys whose wanted part Unsupported keeps (a GPU's poll asks two or three).
@@ -734,6 +735,7 @@ class Sampler:
             return self._read_mig_gpu(gpu, where, values, links, telemetry)
         memory_used = values.get(_MEMORY_USED)
         memory_total = values.get(_MEMORY_TOTAL)
+        memory_free = values.get(_MEMORY_FREE)
         processes = self._whole_gpu_processes(gpu, where)
         activity = self._activity(where, gpu.unsupported, gpu.activity, gpu.poll_at)
         busy_source = self._busy_source(gpu.unsupported, gpu.activity, nvml=True)
@@ -756,6 +758,7 @@ class Sampler:
                 utilization=values.get(_UTILIZATION),
                 memory_used_bytes=None if memory_used is None else int(memory_used),
                 memory_total_bytes=None if memory_total is None else int(memory_total),
+                memory_free_bytes=None if memory_free is None else int(memory_free),
                 temperature_c=values.get(_TEMPERATURE),
                 power_w=values.get(_POWER),
                 power_limit_w=gpu.power_limit_w,
@@ -857,6 +860,7 @@ class Sampler:
         for mig, mig_memory, mig_activity in zip(gpu.migs, memory, activity, strict=True):
             mig_used = mig_memory.get(_MEMORY_USED)
             mig_total = mig_memory.get(_MEMORY_TOTAL)
+            mig_free = mig_memory.get(_MEMORY_FREE)
             readings.append(
                 DeviceReading(
                     index=gpu.index,
@@ -871,6 +875,7 @@ class Sampler:
                     sm_count=mig.sm_count,
                     memory_used_bytes=None if mig_used is None else int(mig_used),
                     memory_total_bytes=None if mig_total is None else int(mig_total),
+                    memory_free_bytes=None if mig_free is None else int(mig_free),
                     processes=processes.get(mig.slot) or (),
                     processes_known=processes.get(mig.slot) is not None,
                     activity=mig_activity,
