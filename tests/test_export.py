@@ -17,8 +17,10 @@ import yaml
 
 from agent.cli.wiring import build_agent
 from agent.config import Settings
-from agent.ledger.export import COLUMNS, read_records, write
+from agent.ledger.export import COLUMNS, read_records, records, write, write_csv
+from agent.ledger.read import UsageRow
 from agent.ledger.report import report_from_ledgers
+from agent.model import Workload
 from agent.pipeline import run_on_scenario_time
 from tests.test_cli import gpuledger
 
@@ -122,6 +124,27 @@ def test_csv_and_parquet_hold_the_same_rows(ledgers: list[Path], tmp_path: Path)
         assert from_csv["energy_dollars"] == (
             "" if from_parquet["energy_dollars"] is None else repr(from_parquet["energy_dollars"])
         )
+
+
+def test_csv_labels_never_become_spreadsheet_formulas() -> None:
+    # A model and a self-reported Slurm job are whatever a user wrote: = + - @ would start a formula.
+    job = Workload(hpc_job='=HYPERLINK("http://evil.example/","x")', user="ann", model="-2+3")
+    rows = [
+        UsageRow(0, "gpu-node-01", 0, "GPU-0", job, 3600.0, 1800.0, 2.5, 0.0, charged_s=3600.0),
+        UsageRow(0, "gpu-node-01", 1, "GPU-1", Workload(), 3600.0, 0.0, 2.5, 0.0, idle=True, charged_s=3600.0,
+                 left_by=Workload(model="@SUM(1)")),
+    ]  # fmt: skip
+    out = io.StringIO()
+    write_csv(records(rows), out)
+    written = list(csv.DictReader(io.StringIO(out.getvalue())))
+    assert (written[0]["hpc_job"], written[0]["model"], written[1]["left_by_model"]) == (
+        '\'=HYPERLINK("http://evil.example/","x")',
+        "'-2+3",
+        "'@SUM(1)",
+    )
+    assert (written[0]["user"], written[0]["dollars"], written[0]["gpu_hours_used"]) == ("ann", "2.5", "0.5")
+    # Parquet holds the labels as they are (its records are the CSV's before the cells are written).
+    assert records(rows)[0]["hpc_job"] == '=HYPERLINK("http://evil.example/","x")'
 
 
 def test_each_hour_of_a_node_costs_its_gpus_price(ledgers: list[Path], tmp_path: Path) -> None:

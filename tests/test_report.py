@@ -257,6 +257,24 @@ def test_efficiency_is_a_dash_when_nothing_was_charged() -> None:
     assert json.loads(render(report, "json"))["rows"][0]["efficiency_ratio"] is None
 
 
+def test_csv_labels_never_become_spreadsheet_formulas() -> None:
+    # Any user on a node names a model (--model) or a self-reported Slurm job (SLURM_JOB_ID): a cell
+    # starting with = + - @ is a live formula in Excel, quoted or not, so it starts with a '.
+    names = ['=HYPERLINK("http://evil.example/","x")', "+cmd|calc", "-2+3", "@SUM(1)", "llama-3-8b"]
+    lines = tuple(ReportLine((name,), 1.0, H, H) for name in names)
+    report = Report(("model",), lines, ReportLine((), 0, 0, 0), ReportLine((), 5.0, 5 * H, 5 * H))
+    rows = list(csv.DictReader(io.StringIO(render(report, "csv"))))
+    assert [r["model"] for r in rows[:5]] == [
+        '\'=HYPERLINK("http://evil.example/","x")',
+        "'+cmd|calc",
+        "'-2+3",
+        "'@SUM(1)",
+        "llama-3-8b",
+    ]
+    assert rows[0]["dollars"] == "1.0"  # figures are numbers, never prefixed
+    assert [r["model"] for r in json.loads(render(report, "json"))["rows"]] == names  # JSON: as they are
+
+
 def test_csv_reads_back_to_the_same_numbers(weekend_ledger: Path) -> None:
     report = report_from_ledger(weekend_ledger, by=["node", "pod"])
     rows = list(csv.DictReader(io.StringIO(render(report, "csv"))))

@@ -23,6 +23,7 @@ from agent.accounting.rightsize import (
 )
 from agent.config import SHIPPED_CATALOGUE, Settings, load_catalogue
 from agent.ledger.pending import HOUR_S
+from agent.ledger.report import csv_text
 from agent.ledger.sizing import ChargedRate, RateKey, SizingRow, read_sizing, workload_sizing
 from agent.yamlfile import read_yaml
 
@@ -142,7 +143,8 @@ def render_recommendations(advice: Sequence[Recommendation], fmt: str) -> str:
             + ["basis"]
         )
         for r in advice:
-            writer.writerow([*_cells(r), r.basis])
+            workload, *figures = _cells(r)
+            writer.writerow([csv_text(workload), *figures, r.basis])
         return out.getvalue()
     table = [list(HEADERS)] + [_cells(r) for r in advice]
     widths = [max(len(row[i]) for row in table) for i in range(len(HEADERS))]

@@ -24,6 +24,10 @@ by (hour, node, uuid, kind, the workload labels, the left_by labels).
                          an unobserved row without any (the counter was not read either)
     energy_dollars       energy_kwh at pricing.energy_per_kwh; empty (null) where none was set
 
+A CSV text cell that starts with `=`, `+`, `-`, `@`, a tab or a carriage return (a label users
+named so) starts with a `'`, as in `report --format csv`, so that a spreadsheet never runs it as a
+formula; Parquet holds it as it is.
+
 Like `report`, export opens ledgers read-only and refuses two files that record one node over
 overlapping periods (they would count that time twice).
 """
@@ -45,7 +49,7 @@ from typing import IO, Any
 from agent.errors import BadInputError
 from agent.ledger.pending import HOUR_S
 from agent.ledger.read import UsageRow, read_ledger
-from agent.ledger.report import check_overlaps
+from agent.ledger.report import check_overlaps, csv_text
 from agent.model import WORKLOAD_LABELS, Workload
 from agent.units import iso_time, joules_to_kwh
 
@@ -118,6 +122,8 @@ def _csv_cell(column: str, value: Any) -> str:
         return ""
     if column == "hour":
         return iso_time(value)
+    if isinstance(value, str):
+        return csv_text(value)
     if isinstance(value, float):
         return repr(value)  # the shortest text that reads back as the same float
     return str(value)

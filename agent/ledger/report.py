@@ -45,6 +45,9 @@ Choices a reader of the output should know:
   price. CSV and JSON always carry `energy_kwh` and `energy_dollars` (empty / null where
   nothing was priced); the table shows ENERGY KWH where energy was recorded and ENERGY $ where
   it was priced.
+- Labels are whatever users named their pods, jobs and models: a CSV cell of one that starts with
+  `=`, `+`, `-`, `@`, a tab or a carriage return starts with a `'` (`csv_text`), so that a
+  spreadsheet shows `=HYPERLINK(...)` as text instead of running it; JSON holds labels as they are.
 """
 
 from __future__ import annotations
@@ -554,6 +557,18 @@ def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | 
     }
 
 
+# A spreadsheet (Excel, LibreOffice, Google Sheets) runs a cell that starts with one of these as a
+# formula, quoted or not: a `--model =HYPERLINK(...)` or a self-reported SLURM_JOB_ID, which any
+# user on a node writes, would be a live formula in the copy of a report finance opens.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_text(value: str) -> str:
+    """A text cell for CSV: `value`, with a `'` before it where a spreadsheet would take it for a
+    formula (OWASP's advice for CSV injection). Numbers are not text cells: never prefixed."""
+    return f"'{value}" if value.startswith(_FORMULA_STARTS) else value
+
+
 def _render_csv(report: Report) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
@@ -567,7 +582,7 @@ def _render_csv(report: Report) -> str:
     blank = [""] * (len(report.by) + len(run_fields))
     for line in report.lines:
         run = [str(v) if v is not None else "" for v in _run_figures(line).values()] if report.runs else []
-        writer.writerow(["group", *line.key, *run, *numbers(line), ""])
+        writer.writerow(["group", *map(csv_text, line.key), *run, *numbers(line), ""])
     # One idle row per workload that left GPUs idle ({} where nobody is known), adding up to the
     # idle total; a report with no breakdown has its one idle row.
     for idle in report.idle_by or (report.idle,):
