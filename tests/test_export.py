@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from agent.cli.reportpage import write_output
 from agent.cli.wiring import build_agent
 from agent.config import Settings
 from agent.ledger.export import COLUMNS, read_records, records, write, write_csv
@@ -205,3 +206,17 @@ def test_an_out_that_is_a_symlink_is_written_through(ledgers: list[Path], tmp_pa
     assert result.returncode == 0, result.stderr
     assert link.is_symlink()  # still the link, now to the new export
     assert real.read_text().startswith("hour,node,gpu,uuid,kind,")
+
+
+def test_every_out_is_on_disk_before_it_replaces_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # report --out and rules --out write through the same replacing() as export: each must sync the
+    # new file before renaming it over the old, else a power cut can leave an empty file in its place.
+    events: list[str] = []
+    fsync, rename = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"), rename(a, b))[1])
+    out = tmp_path / "report.csv"
+    out.write_text("old\n")
+    write_output("kind,dollars\ntotal,1.0\n", str(out))
+    assert events == ["fsync", "replace"]
+    assert out.read_text() == "kind,dollars\ntotal,1.0\n"

@@ -189,14 +189,13 @@ def write(rows: Sequence[Record], fmt: str, path: str) -> None:
             text.detach()  # the binary file stays open for replacing to close
         else:
             write_parquet(rows, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 @contextmanager
 def replacing(target: Path, option: str = "--out") -> Iterator[IO[bytes]]:
-    """A temporary file beside `target`, renamed over it when the block succeeds and removed
-    when it fails, so that a reader sees the old file or the new one, never half of either.
+    """A temporary file beside `target`, synced and renamed over it when the block succeeds and
+    removed when it fails, so that a reader sees the old file or the new one, never half of either
+    (nor, after a power cut, an empty file where the old one was).
 
     A symlink is written through (its target is replaced; the link stays). Anything else that
     is not a regular file is refused (BadInputError, naming `option`) before anything is
@@ -213,6 +212,8 @@ def replacing(target: Path, option: str = "--out") -> Iterator[IO[bytes]]:
     try:
         with os.fdopen(fd, "wb") as handle:
             yield handle
+            handle.flush()
+            os.fsync(handle.fileno())  # the data on disk before the rename names it
         os.chmod(name, 0o644)
         os.replace(name, real)
     except BaseException:
