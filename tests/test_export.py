@@ -220,3 +220,20 @@ def test_every_out_is_on_disk_before_it_replaces_the_old_file(tmp_path: Path, mo
     write_output("kind,dollars\ntotal,1.0\n", str(out))
     assert events == ["fsync", "replace"]
     assert out.read_text() == "kind,dollars\ntotal,1.0\n"
+
+
+def test_an_out_keeps_the_mode_of_the_file_it_replaces_and_a_new_one_follows_the_umask(tmp_path: Path) -> None:
+    # Every --out was made rw-r--r--: a report kept private (0600) became readable by everyone
+    # on the host when it was written again, and a user's umask 077 was ignored.
+    kept = tmp_path / "private.csv"
+    kept.write_text("old\n")
+    kept.chmod(0o600)
+    write_output("kind,dollars\ntotal,1.0\n", str(kept))
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert kept.read_text() == "kind,dollars\ntotal,1.0\n"
+    before = os.umask(0o077)
+    try:
+        write_output("kind,dollars\n", str(tmp_path / "new.csv"))
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE((tmp_path / "new.csv").stat().st_mode) == 0o600  # 0666 less 077

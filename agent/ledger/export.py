@@ -38,6 +38,7 @@ import csv
 import importlib
 import io
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -205,6 +206,9 @@ def replacing(target: Path, option: str = "--out") -> Iterator[IO[bytes]]:
     if real.exists() and not real.is_file():
         kind = "a directory" if real.is_dir() else "not a regular file"
         raise BadInputError(f"gpuledger: {option}: {target} is {kind}: name a file to write")
+    # The file keeps the mode of the one it replaces (a report kept private stays private);
+    # a new one gets what the umask leaves of rw-rw-rw-, as any file the user creates.
+    mode = stat.S_IMODE(real.stat().st_mode) if real.exists() else 0o666 & ~_umask()
     try:
         fd, name = tempfile.mkstemp(prefix=f".{real.name}.", dir=real.parent)
     except OSError as exc:
@@ -214,9 +218,19 @@ def replacing(target: Path, option: str = "--out") -> Iterator[IO[bytes]]:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())  # the data on disk before the rename names it
-        os.chmod(name, 0o644)
+        os.chmod(name, mode)
         os.replace(name, real)
     except BaseException:
         with suppress(OSError):
             os.unlink(name)
         raise
+
+
+def _umask() -> int:
+    """The process's umask, read from /proc (os.umask can only read it by changing it, for every
+    thread at once); 0o022, the usual one, where /proc does not say."""
+    with suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
