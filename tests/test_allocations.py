@@ -121,3 +121,17 @@ def test_a_pod_allocation_named_by_gpu_index_lands_on_that_gpu() -> None:
         (gpu(0), gpu(1, 10)), {10: (1000, pod_cgroup(POD_A))}, pods=(PodAllocation("ml", "a", "main", "1"),)
     )
     assert found == [("GPU-1", Workload(namespace="ml", pod="a", container="main"), (10,), True)]
+
+
+def test_a_time_sliced_replica_of_a_gpu_is_that_gpu() -> None:
+    # Time-slicing and MPS advertise each GPU as replicas "<id>::<n>" (k8s-device-plugin's
+    # AnnotatedID), by UUID or by index; the kubelet reports each pod's replica.
+    found = holdings(
+        (gpu(0, 10), gpu(1)),
+        {10: (1000, pod_cgroup(POD_A))},
+        pods=(PodAllocation("ml", "a", "main", "GPU-0::0"), PodAllocation("ml", "b", "main", "1::3")),
+    )
+    assert found == [
+        ("GPU-0", Workload(namespace="ml", pod="a", container="main"), (10,), True),
+        ("GPU-1", Workload(namespace="ml", pod="b", container="main"), (), True),
+    ]

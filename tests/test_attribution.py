@@ -17,6 +17,7 @@ from agent.attribution.recognise import recognise_model
 from agent.attribution.sources.procfs import ProcessUnreadable, ProcFS
 from agent.config import Settings
 from agent.model import WORKLOAD_LABELS, AgentState, Workload
+from fake_nvml.podresources import FakePodResourcesServer
 from tests.helpers import Rig
 from tests.test_cli import gpuledger
 
@@ -213,6 +214,30 @@ def test_a_kubelet_that_never_answers_times_out_and_polling_goes_on(rig: Any) ->
     assert len(state.snapshot.gpus) == 8
     r.node.host.server.hang(False)
     assert r.poll(5).attribution.kubelet_up is True
+
+
+def test_pods_time_slicing_a_gpu_pay_for_it_rather_than_idle(rig: Any) -> None:
+    r = rig(
+        {"start": "2026-11-20T18:00:00Z", "gpus": [{"model": "A100-SXM4-80GB"}]},
+        settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
+    )
+    uuid = r.node.scenario.gpus[0].uuid
+    # A device plugin sharing the GPU by time-slicing hands each pod a replica of it.
+    rows = [
+        ("ml", "notebook-a", "jupyter", "nvidia.com/gpu", [f"{uuid}::0"]),
+        ("ml", "notebook-b", "jupyter", "nvidia.com/gpu", [f"{uuid}::1"]),
+    ]
+    r.node.host.server.stop()
+    with FakePodResourcesServer(lambda: rows, str(r.node.host.podresources_socket)):
+        state = r.run(3600.0, 30.0)
+    dollars = {w.pod: totals.dollars for (_gpu, _uuid, w), totals in state.costs.workloads.items()}
+    idle = sum(g.idle_dollars for g in state.costs.gpus.values())
+    unobserved = sum(g.unobserved_dollars for g in state.costs.gpus.values())
+    # $3.60/GPU-hour for 1h = $3.60; both notebooks hold the GPU all hour and use none of it
+    # (0% each, no memory): split equally, $1.80 each, and nothing of it is idle.
+    assert dollars == pytest.approx({"notebook-a": 1.8, "notebook-b": 1.8})
+    assert idle == pytest.approx(0.0)
+    assert sum(dollars.values()) + idle + unobserved == pytest.approx(3.6)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ class PodAllocation:
     namespace: str
     pod: str
     container: str
-    device_id: str  # a GPU or MIG UUID, or a GPU index, as the device plugin reports it
+    device_id: str  # a GPU or MIG UUID, or a GPU index ("::<n>" after it: a time-sliced replica), as the plugin says
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,6 +79,11 @@ def _device_index(snapshot: Snapshot) -> tuple[dict[str, DeviceReading], dict[tu
 def _pod_device_uuid(
     device_id: str, by_uuid: Mapping[str, DeviceReading], by_slot: Mapping[tuple[int, int | None], str]
 ) -> str | None:
+    # A GPU shared by time-slicing or MPS is advertised as replicas "<id>::<n>", one per pod
+    # sharing it (k8s-device-plugin's AnnotatedID); each replica is that device.
+    device, sep, replica = device_id.rpartition("::")
+    if sep and replica.isdigit():
+        device_id = device
     if device_id in by_uuid:
         return device_id
     if device_id.isdigit():  # device plugins run with deviceIDStrategy=index report indexes
