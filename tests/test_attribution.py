@@ -240,6 +240,28 @@ def test_pods_time_slicing_a_gpu_pay_for_it_rather_than_idle(rig: Any) -> None:
     assert sum(dollars.values()) + idle + unobserved == pytest.approx(3.6)
 
 
+def test_a_mig_instance_allocated_by_index_is_its_pods(rig: Any) -> None:
+    r = rig(
+        {"start": "2026-11-20T18:00:00Z", "gpus": [{"model": "A100-SXM4-80GB", "mig": ["3g.40gb", "3g.40gb"]}]},
+        settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
+    )
+    # A device plugin with deviceIDStrategy=index names a MIG device "<gpu>:<MIG device index>",
+    # the index NVML's nvmlDeviceGetMigDeviceHandleByIndex takes (go-nvlib's VisitMigDevices).
+    rows = [("ml", "notebook", "jupyter", "nvidia.com/mig-3g.40gb", ["0:1"])]
+    r.node.host.server.stop()
+    with FakePodResourcesServer(lambda: rows, str(r.node.host.podresources_socket)):
+        state = r.run(3600.0, 30.0)
+    dollars = {(uuid, w.pod): totals.dollars for (_gpu, uuid, w), totals in state.costs.workloads.items()}
+    idle = sum(g.idle_dollars for g in state.costs.gpus.values())
+    unobserved = sum(g.unobserved_dollars for g in state.costs.gpus.values())
+    # $3.60 for the GPU-hour; a 3g.40gb instance is 42 of the A100's 108 SMs: $3.60 x 42/108 =
+    # $1.40 to the notebook on instance 1; instance 0 ($1.40) and the 24 SMs no instance has
+    # ($0.80) are idle.
+    assert dollars == pytest.approx({(r.node.scenario.gpus[0].mig[1].uuid, "notebook"): 1.4})
+    assert idle == pytest.approx(2.2)
+    assert sum(dollars.values()) + idle + unobserved == pytest.approx(3.6)
+
+
 @pytest.mark.parametrize(
     ("cmdline", "model"),
     [

@@ -63,7 +63,16 @@ def attributed_readings(snapshot: Snapshot) -> tuple[tuple[object, ...], ...]:
     equal readings here attribute alike (given equal other inputs). Kept beside `attribute`, so
     that a reading it starts to use is added here too."""
     return tuple(
-        (d.uuid, d.index, d.parent_uuid is None, d.gpu_instance_id, d.up, d.utilization is None, d.processes)
+        (
+            d.uuid,
+            d.index,
+            d.parent_uuid is None,
+            d.gpu_instance_id,
+            d.mig_index,
+            d.up,
+            d.utilization is None,
+            d.processes,
+        )
         for d in snapshot.devices
     )
 
@@ -77,7 +86,10 @@ def _device_index(snapshot: Snapshot) -> tuple[dict[str, DeviceReading], dict[tu
 
 
 def _pod_device_uuid(
-    device_id: str, by_uuid: Mapping[str, DeviceReading], by_slot: Mapping[tuple[int, int | None], str]
+    device_id: str,
+    by_uuid: Mapping[str, DeviceReading],
+    by_slot: Mapping[tuple[int, int | None], str],
+    by_mig_label: Mapping[str, str],
 ) -> str | None:
     # A GPU shared by time-slicing or MPS is advertised as replicas "<id>::<n>", one per pod
     # sharing it (k8s-device-plugin's AnnotatedID); each replica is that device.
@@ -88,18 +100,21 @@ def _pod_device_uuid(
         return device_id
     if device_id.isdigit():  # device plugins run with deviceIDStrategy=index report indexes
         return by_slot.get((int(device_id), None))  # a whole GPU (or a MIG-enabled GPU itself)
-    return None
+    # A MIG device by index is "<gpu>:<n>", n the index nvmlDeviceGetMigDeviceHandleByIndex takes
+    # (go-nvlib's VisitMigDevices): the reading's `label`, not its GPU instance id.
+    return by_mig_label.get(device_id)
 
 
 def attribute(inputs: Inputs) -> Attribution:
     snapshot = inputs.snapshot
     by_uuid, by_slot = _device_index(snapshot)
+    by_mig_label = {d.label: d.uuid for d in snapshot.devices if d.is_mig}
 
     pods_on_device: dict[str, list[PodAllocation]] = {}
     # device uuid -> (namespace, pod) -> its containers: what a process in a pod looks up.
     pod_containers: dict[str, dict[tuple[str, str], set[str]]] = {}
     for alloc in inputs.pod_allocations:
-        uuid = _pod_device_uuid(alloc.device_id, by_uuid, by_slot)
+        uuid = _pod_device_uuid(alloc.device_id, by_uuid, by_slot, by_mig_label)
         if uuid is not None:
             pods_on_device.setdefault(uuid, []).append(alloc)
             pod_containers.setdefault(uuid, {}).setdefault((alloc.namespace, alloc.pod), set()).add(alloc.container)
