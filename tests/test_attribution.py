@@ -271,6 +271,12 @@ def test_a_mig_instance_allocated_by_index_is_its_pods(rig: Any) -> None:
             "mistralai/Mistral-7B-v0.3",
         ),
         ("text-generation-launcher --model-id bigscience/bloom-560m --port 8080", "bigscience/bloom-560m"),
+        # TGI's shards, which hold the GPUs its launcher only starts
+        (
+            "/opt/conda/bin/python3.11 /opt/conda/bin/text-generation-server serve bigscience/bloom-560m"
+            " --uds-path /tmp/text-generation-server-0 --logger-level INFO --json-output",
+            "bigscience/bloom-560m",
+        ),
         ("tritonserver --model-repository=/models/ensemble-llm", "ensemble-llm"),
         ("tritonserver --model-repository /models --load-model resnet50", "resnet50"),
         ("python3 -m sglang.launch_server --model-path Qwen/Qwen2-7B-Instruct --port 30000", "Qwen/Qwen2-7B-Instruct"),

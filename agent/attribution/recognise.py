@@ -24,6 +24,15 @@ _MODEL_FLAGS = (
     "--pretrained_model_name_or_path",
 )
 
+# Commands that take the model as the word after a subcommand: `<command> <subcommand> MODEL`.
+# text-generation-launcher holds no GPU itself: it starts one `text-generation-server serve
+# MODEL_ID --uds-path ...` per shard (TGI's launcher/src/main.rs, shard_manager), and those hold them.
+_POSITIONAL_MODEL = {
+    "vllm": ("serve",),
+    "ollama": ("run", "serve"),
+    "text-generation-server": ("serve",),
+}
+
 
 def _flag_value(argv: Sequence[str], flags: Sequence[str]) -> str | None:
     for i, arg in enumerate(argv):
@@ -48,16 +57,10 @@ def recognise_model(cmdline: Sequence[str]) -> str | None:
     if not argv:
         return None
     words = [os.path.basename(a) for a in argv[:4]]
-    # `vllm serve MODEL` and `sglang`/`ollama run MODEL` take the model as a positional argument.
+    # `vllm serve MODEL`, `ollama run MODEL` and TGI's shards take the model as a positional argument.
     for i, word in enumerate(words):
-        if word == "vllm" and i + 2 < len(argv) and argv[i + 1] == "serve" and not argv[i + 2].startswith("-"):
-            return argv[i + 2]
-        if (
-            word == "ollama"
-            and i + 2 < len(argv)
-            and argv[i + 1] in ("run", "serve")
-            and not argv[i + 2].startswith("-")
-        ):
+        commands = _POSITIONAL_MODEL.get(word, ())
+        if i + 2 < len(argv) and argv[i + 1] in commands and not argv[i + 2].startswith("-"):
             return argv[i + 2]
     # Triton serves a repository of models; name the repository when no model is explicit.
     if any(w in ("tritonserver", "triton") for w in words):
