@@ -270,6 +270,13 @@ def test_a_mig_instance_allocated_by_index_is_its_pods(rig: Any) -> None:
             "python3 -m vllm.entrypoints.openai.api_server --model mistralai/Mistral-7B-v0.3",
             "mistralai/Mistral-7B-v0.3",
         ),
+        # the weights, not the alias the server answers to, in either order
+        (
+            "python3 -m vllm.entrypoints.openai.api_server --served-model-name llama8b --model meta-llama/Llama-3.1-8B",
+            "meta-llama/Llama-3.1-8B",
+        ),
+        ("vllm serve meta-llama/Llama-3.1-8B --served-model-name llama8b", "meta-llama/Llama-3.1-8B"),
+        ("python3 -m vllm.entrypoints.openai.api_server --served-model-name llama8b", "llama8b"),
         ("text-generation-launcher --model-id bigscience/bloom-560m --port 8080", "bigscience/bloom-560m"),
         # TGI's shards, which hold the GPUs its launcher only starts
         (

@@ -20,9 +20,12 @@ _MODEL_FLAGS = (
     "--model_path",
     "--model_name_or_path",
     "--model-name-or-path",
-    "--served-model-name",
     "--pretrained_model_name_or_path",
 )
+# The name(s) a server answers to, an alias of the model it loads (vLLM, SGLang): the model only
+# where no flag above names the weights, so that one deployment gets one model whatever the order
+# of its flags (`vllm serve MODEL --served-model-name ALIAS` names MODEL).
+_SERVED_NAME_FLAGS = ("--served-model-name",)
 
 # Commands that take the model as the word after a subcommand: `<command> <subcommand> MODEL`.
 # text-generation-launcher holds no GPU itself: it starts one `text-generation-server serve
@@ -69,7 +72,4 @@ def recognise_model(cmdline: Sequence[str]) -> str | None:
             return explicit
         repo = _flag_value(argv, ("--model-repository", "--model-store"))
         return os.path.basename(repo.rstrip("/")) if repo else None
-    value = _flag_value(argv, _MODEL_FLAGS)
-    if value:
-        return value
-    return None
+    return _flag_value(argv, _MODEL_FLAGS) or _flag_value(argv, _SERVED_NAME_FLAGS)
