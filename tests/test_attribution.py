@@ -262,6 +262,40 @@ def test_a_mig_instance_allocated_by_index_is_its_pods(rig: Any) -> None:
     assert sum(dollars.values()) + idle + unobserved == pytest.approx(3.6)
 
 
+def test_a_jobs_processes_and_gpus_that_name_no_model_are_its_models(rig: Any) -> None:
+    pod = {
+        "namespace": "serving",
+        "name": "vllm-tp",
+        "container": "vllm",
+        "uid": "0b6c2f4e-3c1d-4e8a-9f11-2a7d5c9e0b01",
+    }
+    server = {"sm_util": 50, "memory_mib": 1000, "uid": 1000, "pod": pod}
+    r = rig(
+        {
+            "start": "2026-11-20T18:00:00Z",
+            "gpus": [{"model": "A100-SXM4-80GB", "count": 4}],
+            "processes": [
+                # vLLM with tensor parallelism 2: rank 0 has the flags, the worker it spawns none.
+                {**server, "pid": 600, "gpus": [0], "cmdline": "python3 -m vllm.entrypoints.openai.api_server"
+                 " --model mistralai/Mistral-7B-v0.3 --tensor-parallel-size 2"},
+                {**server, "pid": 601, "gpus": [1], "cmdline": "python3 -c 'from multiprocessing.spawn import"
+                 " spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)' --multiprocessing-fork"},
+                # A Slurm job on GPUs 2 and 3 that runs on GPU 2 only.
+                {"pid": 700, "gpus": [2], "sm_util": 50, "uid": 1001, "user": "bob", "slurm_job": "77",
+                 "cmdline": "python train.py --model llama-3-8b"},
+            ],
+            "allocations": [{"gpus": [2, 3], "slurm_job": "77", "user": "bob"}],
+        },
+        settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
+    )  # fmt: skip
+    state = r.run(3600.0, 30.0)
+    dollars: dict[str, float] = {}
+    for (_gpu, _uuid, w), totals in state.costs.workloads.items():
+        dollars[w.model] = dollars.get(w.model, 0.0) + totals.dollars
+    # $3.60 a GPU-hour: each job's two GPUs are its model's, none of it is model ''.
+    assert dollars == pytest.approx({"mistralai/Mistral-7B-v0.3": 7.2, "llama-3-8b": 7.2})
+
+
 @pytest.mark.parametrize(
     ("cmdline", "model"),
     [

@@ -9,14 +9,14 @@ are switched on.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from agent.attribution.cgroup import CgroupOwner, parse_cgroup
 from agent.attribution.facts import PodAllocation, SlurmAllocation
 from agent.attribution.labels import LabelRule, apply_rules
-from agent.model import Attribution, DeviceReading, Holding, ProcessFacts, Snapshot, Workload
+from agent.model import Attribution, DeviceReading, Holding, ProcessFacts, ProcessReading, Snapshot, Workload
 
 # Pure, and sees the same few texts every poll: remember its answers.
 _owner_of = lru_cache(maxsize=8192)(parse_cgroup)
@@ -124,8 +124,8 @@ def attribute(inputs: Inputs) -> Attribution:
         if uuid is not None:
             slurm_on_device[uuid] = s
 
-    holdings: dict[_HoldingKey, _Acc] = {}
     unresolved: dict[str, int] = {}
+    placed: list[tuple[str, ProcessReading, ProcessFacts | None, Workload, bool, str]] = []
     for device in snapshot.devices:
         if not device.up:
             continue
@@ -133,23 +133,28 @@ def attribute(inputs: Inputs) -> Attribution:
             facts = inputs.processes.get(proc.pid)
             if facts is None:
                 unresolved[device.uuid] = unresolved.get(device.uuid, 0) + 1
-                workload = Workload()
+                placed.append((device.uuid, proc, None, Workload(), False, ""))
             else:
                 workload, claimed, account = _process_workload(
                     facts, device.uuid, inputs, pod_containers, slurm_on_device
                 )
-            key = (device.uuid, workload, proc.pid if inputs.per_pid else None)
-            acc = holdings.setdefault(key, _Acc())
-            if facts is not None and account and not acc.account:
-                acc.account = account
-            acc.self_reported = acc.self_reported or (facts is not None and claimed)
-            acc.pids.append(proc.pid)
-            if facts is not None:
-                acc.began(facts.started_at)
-            if proc.sm_util is not None:
-                acc.sm_util = (acc.sm_util or 0.0) + proc.sm_util
-            if proc.used_memory_bytes is not None:
-                acc.memory_bytes = (acc.memory_bytes or 0) + proc.used_memory_bytes
+                placed.append((device.uuid, proc, facts, workload, claimed, account))
+    owner_models = _owner_models(workload for *_, workload, _claimed, _account in placed)
+
+    holdings: dict[_HoldingKey, _Acc] = {}
+    for uuid, proc, facts, workload, claimed, account in placed:
+        key = (uuid, _with_owner_model(workload, owner_models), proc.pid if inputs.per_pid else None)
+        acc = holdings.setdefault(key, _Acc())
+        if facts is not None and account and not acc.account:
+            acc.account = account
+        acc.self_reported = acc.self_reported or (facts is not None and claimed)
+        acc.pids.append(proc.pid)
+        if facts is not None:
+            acc.began(facts.started_at)
+        if proc.sm_util is not None:
+            acc.sm_util = (acc.sm_util or 0.0) + proc.sm_util
+        if proc.used_memory_bytes is not None:
+            acc.memory_bytes = (acc.memory_bytes or 0) + proc.used_memory_bytes
 
     # Each allocation marks only its owner's holdings on its device, found through this index:
     # attribution costs processes + allocations, not their product.
@@ -160,10 +165,12 @@ def attribute(inputs: Inputs) -> Attribution:
     for uuid, allocs in pods_on_device.items():
         for alloc in allocs:
             base = Workload(namespace=alloc.namespace, pod=alloc.pod, container=alloc.container)
-            _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], base, inputs, None)
+            _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], base, inputs, owner_models, None)
     for uuid, s in slurm_on_device.items():
         job = Workload(hpc_job=s.job, user=s.user or "")
-        _mark_allocated(holdings, by_owner, measures, by_uuid[uuid], job, inputs, s.started_at, s.account or "")
+        _mark_allocated(
+            holdings, by_owner, measures, by_uuid[uuid], job, inputs, owner_models, s.started_at, s.account or ""
+        )
 
     order = {d.uuid: i for i, d in enumerate(snapshot.devices)}
     return Attribution(
@@ -189,6 +196,27 @@ def attribute(inputs: Inputs) -> Attribution:
     )
 
 
+def _owner_models(workloads: Iterable[Workload]) -> dict[Workload, str]:
+    """The one model each pod, job, container or unit names, keyed by its workload without it.
+
+    One job's processes do not all say what they run: the ranks a server spawns (vLLM's
+    tensor-parallel workers, `multiprocessing` children, Ray actors) carry none of its flags. Left
+    alone, one job's dollars would split between its model and ''. A process of such an owner that
+    names no model takes the model its other processes name, where they name exactly one; a user's
+    unscheduled processes are separate work and take nothing from each other."""
+    named: dict[Workload, set[str]] = {}
+    for w in workloads:
+        if w.model and (w.pod or w.hpc_job or w.container or w.unit):
+            named.setdefault(replace(w, model=""), set()).add(w.model)
+    return {owner: next(iter(models)) for owner, models in named.items() if len(models) == 1}
+
+
+def _with_owner_model(w: Workload, owner_models: Mapping[Workload, str]) -> Workload:
+    """`w`, with its owner's model (`_owner_models`) where it names none itself."""
+    model = "" if w.model else owner_models.get(w, "")
+    return replace(w, model=model) if model else w
+
+
 def _owner_of_allocation(allocated: Workload) -> _Owner:
     """A pod's allocation belongs to the pod (any of its containers), a job's to the job."""
     return ("pod", allocated.namespace, allocated.pod) if allocated.pod else ("job", allocated.hpc_job)
@@ -209,6 +237,7 @@ def _mark_allocated(
     device: DeviceReading,
     base: Workload,
     inputs: Inputs,
+    owner_models: Mapping[Workload, str],
     started_at: float | None,
     account: str = "",
 ) -> None:
@@ -224,7 +253,9 @@ def _mark_allocated(
             acc.began(started_at)
             acc.account = account or acc.account  # the prolog's account wins over the environment's
         return
-    workload = apply_rules(base, (), None, inputs.rules, account or None, inputs.team_from_account)
+    # A job's GPUs that run nothing are still its model's.
+    labelled = apply_rules(base, (), None, inputs.rules, account or None, inputs.team_from_account)
+    workload = _with_owner_model(labelled, owner_models)
     acc = holdings.setdefault((device.uuid, workload, None), _Acc())
     acc.account = account
     _index_holding(by_owner, device.uuid, workload, acc)  # a later allocation of the same owner shares it
