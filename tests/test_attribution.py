@@ -322,6 +322,9 @@ def test_a_jobs_processes_and_gpus_that_name_no_model_are_its_models(rig: Any) -
         ("tritonserver --model-repository /models --load-model resnet50", "resnet50"),
         ("python3 -m sglang.launch_server --model-path Qwen/Qwen2-7B-Instruct --port 30000", "Qwen/Qwen2-7B-Instruct"),
         ("ollama run llama3.1:8b", "llama3.1:8b"),
+        # A local directory, with or without its trailing slash, is one model (it was two rows).
+        ("vllm serve /models/llama-3-8b/ --port 8000", "/models/llama-3-8b"),
+        ("python3 -m vllm.entrypoints.openai.api_server --model=/models/llama-3-8b/", "/models/llama-3-8b"),
         ("torchrun --nproc_per_node 8 train.py --model llama-3-8b --lr 2e-5", "llama-3-8b"),
         ("accelerate launch finetune.py --model_name_or_path google/gemma-2-9b", "google/gemma-2-9b"),
         ("deepspeed --num_gpus 8 train.py --model-id tiiuae/falcon-7b", "tiiuae/falcon-7b"),

@@ -56,7 +56,12 @@ def _split(cmdline: Sequence[str]) -> list[str]:
 
 
 def recognise_model(cmdline: Sequence[str]) -> str | None:
-    argv = _split(cmdline)
+    # A directory names the same model with or without its trailing slash: one model, one row.
+    model = _recognised(_split(cmdline))
+    return (model.rstrip("/") or model) if model else None
+
+
+def _recognised(argv: list[str]) -> str | None:
     if not argv:
         return None
     words = [os.path.basename(a) for a in argv[:4]]
