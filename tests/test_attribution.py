@@ -467,6 +467,45 @@ def test_a_cgroup_a_user_made_in_her_own_delegated_tree_bills_nobody_else() -> N
     assert sum(dollars.values()) + idle + unobserved == pytest.approx(5 * 1 * 2.0)
 
 
+def test_another_users_process_on_a_mapped_gpu_is_not_billed_to_the_job() -> None:
+    # Bob's job 4242 is allocated GPUs 0 and 1 (the prolog's map files) and runs on GPU 1 alone.
+    # Mallory, logged in outside Slurm (her session's cgroup), runs on GPU 0 at 90%, her
+    # environment claiming the job too. No cgroup puts her process in the job: it is hers.
+    scenario = {
+        "start": "2026-11-20T18:00:00Z",
+        "gpus": [{"model": "A100-SXM4-80GB", "count": 2}],
+        "processes": [
+            {
+                "pid": 720,
+                "gpus": [0],
+                "sm_util": 90,
+                "uid": 1012,
+                "user": "mallory",
+                "environ": {"SLURM_JOB_ID": "4242"},
+            },
+            {"pid": 700, "gpus": [1], "sm_util": 50, "uid": 1010, "user": "bob", "slurm_job": "4242"},
+        ],
+        "allocations": [{"gpus": [0, 1], "slurm_job": "4242", "user": "bob", "account": "physics"}],
+    }
+    r = Rig(scenario, settings=Settings(pricing={"gpu_hourly": 3.6}))
+    try:
+        state = r.run(3600.0, 60.0)
+    finally:
+        r.close()
+    job, mallory = Workload(hpc_job="4242", user="bob", team="physics"), Workload(user="mallory")
+    assert owners(state)["0"] == [mallory, job]
+    dollars: dict[Workload, float] = {}
+    for (_gpu, _uuid, workload), totals in state.costs.workloads.items():
+        dollars[workload] = dollars.get(workload, 0.0) + totals.dollars
+    # $3.60/GPU-hour for 1h. GPU 0: Mallory at 90%, the job's allocation using none of it, split
+    # by utilization: 0.9/0.9 x $3.60 = $3.60 hers, $0 the job's. GPU 1: the job alone, $3.60.
+    # (It was $7.20 to Bob's job, Mallory's hour included.) 2 GPUs x 1h x $3.60 = $7.20 in all.
+    assert dollars == pytest.approx({job: 3.6, mallory: 3.6})
+    idle = sum(g.idle_dollars for g in state.costs.gpus.values())
+    unobserved = sum(g.unobserved_dollars for g in state.costs.gpus.values())
+    assert sum(dollars.values()) + idle + unobserved == pytest.approx(2 * 1 * 3.6)
+
+
 def test_the_environment_allowlist_keeps_secrets_out(tmp_path: Path) -> None:
     environ = b"SLURM_JOB_ID=77\0HF_TOKEN=hf_secret\0AWS_SECRET_ACCESS_KEY=abc\0PATH=/bin\0"
     write_proc(tmp_path, 42, "python (x)", 12345, "0::/user.slice/user-1000.slice/session-1.scope\n", environ)

@@ -142,10 +142,11 @@ def test_a_systemd_service_sets_unit_not_hpc_job() -> None:
 def test_a_slurm_job_sets_hpc_job_from_each_source() -> None:
     # Its cgroup (the slurmstepd tree), the prolog's map file for the GPU, or, with neither,
     # the SLURM_JOB_ID the process's environment claims (its user stays the uid's: the claim
-    # names a job, never who ran it; test_attribution.py has the spoofing cases).
+    # names a job, never who ran it; test_attribution.py has the spoofing cases, and another
+    # user's process on a GPU the map file gives a job).
     assert holder(SLURM_CGROUP) == Workload(hpc_job="8812", user="ann")
-    mapped = (SlurmAllocation(gpu_index=0, gpu_instance_id=None, job="9911", user="bob"),)
-    assert holder(LOGIN, slurm=mapped) == Workload(hpc_job="9911", user="bob")
+    mapped = (SlurmAllocation(gpu_index=0, gpu_instance_id=None, job="9911", user="ann"),)
+    assert holder(LOGIN, slurm=mapped) == Workload(hpc_job="9911", user="ann")
     assert holder(LOGIN, env={"SLURM_JOB_ID": "4242", "SLURM_JOB_USER": "cat"}) == Workload(hpc_job="4242", user="ann")
     assert holder(LOGIN) == Workload(user="ann")  # none of them: a user's process
 
@@ -227,8 +228,11 @@ def test_an_environment_claim_cannot_take_a_job_the_map_file_names() -> None:
     theirs = (SlurmAllocation(gpu_index=0, gpu_instance_id=None, job="5000", user="bob"),)
     claim = {"SLURM_JOB_ID": "9911", "SLURM_JOB_USER": "bob"}
     held = holding(LOGIN, claim, theirs)
-    assert held.workload == Workload(hpc_job="5000", user="bob")  # the map file decides
+    # Neither the claim nor the map file's job: bob's job holds the GPU, not ann's process.
+    assert held.workload == Workload(user="ann")
     assert not held.self_reported
+    mine = (SlurmAllocation(gpu_index=0, gpu_instance_id=None, job="5000", user="ann"),)
+    assert holding(LOGIN, claim, mine).workload == Workload(hpc_job="5000", user="ann")  # her own job's
 
 
 def test_an_environment_claim_cannot_change_the_job_or_user_a_cgroup_names() -> None:

@@ -311,9 +311,12 @@ def _process_workload(
             w = Workload(container=owner.container_id[:12], user=user)
         elif owner is not None and owner.kind == "service" and owner.unit:
             w = Workload(unit=owner.unit, user=user)
-        elif mapped is not None:
+        elif mapped is not None and (not mapped.user or mapped.user == user):
+            # The map file's job holds this GPU; a process no cgroup places is that job's only
+            # when it runs as the job's user: another user's stays their own, and may not claim
+            # the job (or another) through its environment either.
             w = Workload(hpc_job=mapped.job, user=mapped.user or user)
-        elif env_job:
+        elif env_job and mapped is None:
             w = Workload(hpc_job=env_job, user=user)
             claimed = True
         else:
