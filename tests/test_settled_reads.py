@@ -7,6 +7,7 @@ has settled."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -123,6 +124,19 @@ def test_a_file_without_a_job_id_is_skipped_and_named_once_it_has_one(slurm_dir:
     assert 2 not in jobs(reader.read())
     write(slurm_dir / "2", "4300 fay\n")
     assert jobs(reader.read())[2] == ("4300", "fay")
+
+
+def test_only_regular_map_files_are_read_and_only_their_start(slurm_dir: Path, tmp_path: Path) -> None:
+    os.mkfifo(slurm_dir / "2")  # opened for reading, a FIFO blocks until someone writes
+    write(tmp_path / "elsewhere", "4400 mallory\n")
+    (slurm_dir / "3").symlink_to(tmp_path / "elsewhere")  # might as well be /dev/zero
+    write(slurm_dir / "4", "4500 gil\n" + "x" * (1 << 20))  # its first line is all that counts
+    found: list[dict[int, tuple[str, str | None]]] = []
+    reader = threading.Thread(target=lambda: found.append(jobs(read_slurm_map(slurm_dir))), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "the poll hangs on a FIFO in the map directory"
+    assert found == [{0: ("4242", "bob"), 1: ("4243", "carol"), 4: ("4500", "gil")}]
 
 
 def test_a_directory_is_listed_again_only_when_an_entry_changed(tmp_path: Path) -> None:

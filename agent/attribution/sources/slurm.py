@@ -13,6 +13,7 @@ import locale
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -30,6 +31,8 @@ _MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
 _ACCOUNT = re.compile(r"[A-Za-z0-9_.@+-]{1,128}")
 _JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a job id, or an array task's (`1234_7`)
 _MapFile = tuple[str, str, re.Match[str]]  # name, path, the name's match of _MAP_NAME
+# "JOBID USER ACCOUNT" is a few dozen bytes: a map file is read no further than this.
+_MAP_FILE_MAX_BYTES = 4096
 
 
 def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
@@ -132,13 +135,19 @@ def _read_text(path: str, encoding: str) -> tuple[str, os.stat_result]:
     the read: a write after it changes the stat, and the file is read again), through os.open,
     os.read and os.fstat: a buffered text file costs more than the read. The modification time
     is when the prolog wrote the file: the job's start on this GPU, which accounting charges it
-    from."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    from. Only a regular file is read, and only its first `_MAP_FILE_MAX_BYTES`: a FIFO would
+    block the poll for good, a symlink may lead anywhere (/dev/zero: a read without end); either
+    raises OSError, as a file the epilog removed does, and is passed over."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path}: not a regular file")
         chunks = []
-        while chunk := os.read(fd, 4096):
+        left = _MAP_FILE_MAX_BYTES
+        while left > 0 and (chunk := os.read(fd, left)):
             chunks.append(chunk)
+            left -= len(chunk)
     finally:
         os.close(fd)
     return b"".join(chunks).decode(encoding, errors="replace"), st
