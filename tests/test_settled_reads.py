@@ -139,6 +139,25 @@ def test_only_regular_map_files_are_read_and_only_their_start(slurm_dir: Path, t
     assert found == [{0: ("4242", "bob"), 1: ("4243", "carol"), 4: ("4500", "gil")}]
 
 
+def test_a_map_file_a_user_could_write_is_not_trusted(slurm_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A map file names who pays for a GPU. One owned by another user, or writable by everyone,
+    # was read like the prolog's: a user able to write there could bill their GPUs to any job.
+    write(slurm_dir / "2", "4400 mallory\n")
+    (slurm_dir / "2").chmod(0o666)
+    write(slurm_dir / "3", "4401 mallory\n")
+    if os.geteuid() == 0:
+        os.chown(slurm_dir / "3", 4321, 4321)  # another user's file
+    else:
+        (slurm_dir / "3").chmod(0o646)  # a non-root run cannot give a file away: everyone's, then
+    reader = SlurmMap(slurm_dir, now_ns=lambda: LATER_NS)
+    assert jobs(reader.read()) == {0: ("4242", "bob"), 1: ("4243", "carol")}
+    assert jobs(reader.read()) == {0: ("4242", "bob"), 1: ("4243", "carol")}
+    refused = [r.getMessage() for r in caplog.records if "ignoring Slurm map file" in r.getMessage()]
+    assert len(refused) == 2  # once per file, not once per poll
+    (slurm_dir / "2").chmod(0o644)  # the operator fixes it: trusted again
+    assert jobs(reader.read()) == {0: ("4242", "bob"), 1: ("4243", "carol"), 2: ("4400", "mallory")}
+
+
 def test_a_directory_is_listed_again_only_when_an_entry_changed(tmp_path: Path) -> None:
     listing = Listing(tmp_path, now_ns=lambda: LATER_NS)
     (tmp_path / "a").mkdir()

@@ -58,6 +58,7 @@ class SlurmMap:
         # Map file name -> the stat it was read under and what it said (None: no job id in it).
         self._files: dict[str, tuple[StatKey, SlurmAllocation | None]] = {}
         self.file_reads = 0  # map files opened and parsed (tests and benchmarks count them)
+        self._refused: set[str] = set()  # map files not trusted, said once each
 
     def read(self) -> list[SlurmAllocation]:
         before = settled_before(self._now_ns)
@@ -73,7 +74,7 @@ class SlurmMap:
                 else:
                     text, st = _read_text(path, encoding)
                     self.file_reads += 1
-                    allocation = _parse(path, match, text, st.st_mtime)
+                    allocation = _parse(path, match, text, st.st_mtime) if self._trusted(path, st) else None
                     if st.st_ctime_ns <= before:
                         kept[name] = (stat_key(st), allocation)
             except OSError:
@@ -82,6 +83,23 @@ class SlurmMap:
                 found.append(allocation)
         self._files = kept  # files gone from the directory are forgotten
         return found
+
+    def _trusted(self, path: str, st: os.stat_result) -> bool:
+        """Whether a map file is the prolog's: owned by root (or the agent's own user) and not
+        writable by everyone. A map file names who pays for a GPU: one a user could write would
+        let them bill their GPU time to anyone's job."""
+        if st.st_uid in (0, os.geteuid()) and not st.st_mode & stat.S_IWOTH:
+            self._refused.discard(path)
+            return True
+        if path not in self._refused:
+            self._refused.add(path)
+            log.warning(
+                "ignoring Slurm map file %s: owned by uid %d, mode %o; only root's, not writable by all, are trusted",
+                path,
+                st.st_uid,
+                stat.S_IMODE(st.st_mode),
+            )
+        return False
 
     def _files_listed(self) -> list[_MapFile]:
         """The directory's map files, by name, matched once per listing."""
