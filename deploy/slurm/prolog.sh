@@ -1,0 +1,27 @@
+#!/bin/bash
+# gpuledger's Slurm prolog: one map file per GPU the job was allocated on this node, holding
+# "JOBID USER ACCOUNT", so the agent charges the job for its GPUs even while nothing runs on
+# them (attribution.slurm_map_dir; see the README's Attribution section).
+#
+# slurm.conf:  Prolog=/etc/slurm/prolog.d/gpuledger.sh   (run by slurmd as root; with
+#              PrologFlags=Alloc it runs at allocation, so idle allocations are charged too)
+#
+# A prolog that fails drains the node: this one never fails. Each file is written under a
+# temporary name and renamed into place, so the agent never reads half of one; its
+# modification time is the job's start on that GPU. Whole GPUs only: SLURM_JOB_GPUS holds the
+# GPU indexes Slurm allocated.
+map_dir=${GPULEDGER_ATTRIBUTION__SLURM_MAP_DIR:-/run/gpuledger/jobs}
+[ -n "${SLURM_JOB_GPUS:-}" ] && [ -n "${SLURM_JOB_ID:-}" ] || exit 0
+umask 022
+mkdir -p "$map_dir" 2>/dev/null || exit 0
+IFS=, read -ra gpus <<< "$SLURM_JOB_GPUS"
+for gpu in "${gpus[@]}"; do
+    case $gpu in *[!0-9]* | '') continue ;; esac
+    tmp=$(mktemp "$map_dir/.gpu$gpu.XXXXXX" 2>/dev/null) || continue
+    if printf '%s %s %s\n' "$SLURM_JOB_ID" "${SLURM_JOB_USER:-}" "${SLURM_JOB_ACCOUNT:-}" > "$tmp" \
+        && chmod 0644 "$tmp" && mv -f "$tmp" "$map_dir/$gpu"; then
+        continue
+    fi
+    rm -f "$tmp"
+done
+exit 0

@@ -1,0 +1,54 @@
+"""deploy/slurm's prolog and epilog, run with bash as slurmd would run them, read back by the
+agent's own map-file reader."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from agent.attribution.sources.slurm import read_slurm_map
+
+ROOT = Path(__file__).resolve().parent.parent
+PROLOG = ROOT / "deploy" / "slurm" / "prolog.sh"
+EPILOG = ROOT / "deploy" / "slurm" / "epilog.sh"
+
+
+def slurmd_runs(script: Path, map_dir: Path, **env: str) -> None:
+    """The script with the job's variables, as slurmd passes them; it must exit 0 whatever
+    happens, since a failing prolog or epilog drains the node."""
+    variables = {"PATH": os.environ["PATH"], "GPULEDGER_ATTRIBUTION__SLURM_MAP_DIR": str(map_dir), **env}
+    result = subprocess.run(
+        ["bash", str(script)], env=variables, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+
+
+def held(map_dir: Path) -> dict[int, tuple[str, str | None, str | None]]:
+    return {a.gpu_index: (a.job, a.user, a.account) for a in read_slurm_map(map_dir)}
+
+
+def test_the_prolog_maps_each_gpu_of_the_job_and_the_epilog_removes_only_its_own(tmp_path: Path) -> None:
+    map_dir = tmp_path / "jobs"
+    job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_USER": "bob", "SLURM_JOB_ACCOUNT": "physics"}
+    slurmd_runs(PROLOG, map_dir, SLURM_JOB_GPUS="0,2", **job)
+    assert held(map_dir) == {0: ("4242", "bob", "physics"), 2: ("4242", "bob", "physics")}
+    assert sorted(p.name for p in map_dir.iterdir()) == ["0", "2"]  # no temporary file left behind
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in map_dir.iterdir())  # what the agent trusts
+    # GPU 2 goes to the next job before this one's epilog has run.
+    slurmd_runs(PROLOG, map_dir, SLURM_JOB_GPUS="2", SLURM_JOB_ID="4300", SLURM_JOB_USER="carol")
+    slurmd_runs(EPILOG, map_dir, **job)
+    assert held(map_dir) == {2: ("4300", "carol", None)}
+    slurmd_runs(EPILOG, map_dir, SLURM_JOB_ID="4300")
+    assert held(map_dir) == {}
+
+
+def test_a_job_without_gpus_or_a_directory_that_cannot_be_made_fails_nothing(tmp_path: Path) -> None:
+    map_dir = tmp_path / "jobs"
+    slurmd_runs(PROLOG, map_dir, SLURM_JOB_ID="4242", SLURM_JOB_USER="bob")  # a CPU-only job
+    assert not map_dir.exists()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory\n")
+    slurmd_runs(PROLOG, blocked / "jobs", SLURM_JOB_ID="4242", SLURM_JOB_GPUS="0")  # cannot write: still exit 0
+    slurmd_runs(EPILOG, tmp_path / "missing", SLURM_JOB_ID="4242")
