@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agent.cli.reportpage import html_from_ledgers
 from agent.config import load_config
-from agent.ledger.page import bucket_size, bucket_start, spend_over_time
+from agent.ledger.page import bucket_size, bucket_start, cents_adding_up, spend_over_time
 from agent.ledger.read import UsageRow
 from agent.ledger.report import build_report, parse_by
 from agent.ledger.store import Ledger
@@ -241,6 +243,23 @@ def test_the_tiles_add_up_to_the_price_of_the_windows_gpu_time(made: Ledgers) ->
     assert tiles["waste_dollars"] == made.json["total"]["waste_dollars"]
     assert tiles["efficiency_ratio"] == made.json["total"]["efficiency_ratio"]
     assert "= $120.00, the price of 48.00 GPU-hours" in made.html
+
+
+def test_the_summary_sum_adds_up_to_the_cent() -> None:
+    # A lost GPU's ledger read "Charged to workloads $17.65 + idle $0.00 + unobserved $2.93 =
+    # $20.59": each part rounded alone. $17.654 + $0 + $2.934 = $20.588 -> $20.59; the parts'
+    # cents 1765.4, 0, 293.4 floor to 2058, one short: the largest remainder (a tie, the first)
+    # takes it: $17.66 + $0.00 + $2.93 = $20.59.
+    assert cents_adding_up([17.654, 0.0, 2.934], 20.588) == [17.66, 0.0, 2.93]
+    assert cents_adding_up([30.0, 45.020833, 0.0], 75.020833) == [30.0, 45.02, 0.0]  # already adds up
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e7, allow_nan=False), min_size=3, max_size=3))
+def test_shown_parts_always_add_up_and_stay_within_a_cent(parts: list[float]) -> None:
+    total = math.fsum(parts)
+    shown = cents_adding_up(parts, total)
+    assert round(sum(round(p * 100) for p in shown)) == round(total * 100)
+    assert all(abs(s - p) < 0.01 + 1e-9 for s, p in zip(shown, parts, strict=True))
 
 
 def test_spend_over_time_adds_up_hour_by_hour(made: Ledgers) -> None:

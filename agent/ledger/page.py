@@ -224,19 +224,34 @@ def _tile(figure: str, label: str, value: float | None, shown: str, sub: str) ->
     )
 
 
+def cents_adding_up(parts: Sequence[float], total: float) -> list[float]:
+    """`parts` in whole cents that add up to `total` in whole cents (largest remainder): shown
+    side by side as a sum, each rounded alone can miss the total by a cent ($17.654 + $2.934 =
+    $20.588 reads $17.65 + $2.93 = $20.59)."""
+    cents = [p * 100 for p in parts]
+    kept = [math.floor(c) for c in cents]
+    short = round(total * 100) - sum(kept)
+    by_remainder = sorted(range(len(parts)), key=lambda i: cents[i] - kept[i], reverse=True)
+    for i in by_remainder[: max(0, min(short, len(parts)))]:
+        kept[i] += 1
+    return [k / 100 for k in kept]
+
+
 def _summary(report: Report) -> list[str]:
     workloads = math.fsum(line.dollars for line in report.lines)
     workload_hours = math.fsum(line.charged_s for line in report.lines) / HOUR_S
     total = report.total
+    # The three parts of the time paid for, shown so that they add up to it to the cent.
+    shown = cents_adding_up([workloads, report.idle.dollars, report.unobserved.dollars], total.dollars)
     tiles = [
         _tile("total_dollars", "GPU time paid for", total.dollars, f"${_amount(total.dollars)}",
               f"{_amount(total.gpu_hours_charged)} GPU-hours"),
-        _tile("workload_dollars", "Charged to workloads", workloads, f"${_amount(workloads)}",
+        _tile("workload_dollars", "Charged to workloads", workloads, f"${_amount(shown[0])}",
               f"{_amount(workload_hours)} GPU-hours"),
-        _tile("idle_dollars", "Idle (held by nobody)", report.idle.dollars, f"${_amount(report.idle.dollars)}",
+        _tile("idle_dollars", "Idle (held by nobody)", report.idle.dollars, f"${_amount(shown[1])}",
               f"{_amount(report.idle.gpu_hours_charged)} GPU-hours"),
         _tile("unobserved_dollars", "Unobserved (seen by nobody)", report.unobserved.dollars,
-              f"${_amount(report.unobserved.dollars)}", f"{_amount(report.unobserved.gpu_hours_charged)} GPU-hours"),
+              f"${_amount(shown[2])}", f"{_amount(report.unobserved.gpu_hours_charged)} GPU-hours"),
         _tile("waste_dollars", "Waste (paid for, unused)", total.waste_dollars,
               f"${_shown('waste_dollars', total.waste_dollars)}", "workloads' unused share + idle"),
         _tile("efficiency_ratio", "Efficiency", total.efficiency, _percent(total.efficiency),
@@ -246,8 +261,8 @@ def _summary(report: Report) -> list[str]:
         '<div class="tiles">',
         *tiles,
         "</div>",
-        f'<p class="note">Charged to workloads ${_amount(workloads)} + idle ${_amount(report.idle.dollars)} + '
-        f"unobserved ${_amount(report.unobserved.dollars)} = ${_amount(total.dollars)}, the price of "
+        f'<p class="note">Charged to workloads ${_amount(shown[0])} + idle ${_amount(shown[1])} + '
+        f"unobserved ${_amount(shown[2])} = ${_amount(total.dollars)}, the price of "
         f"{_amount(total.gpu_hours_charged)} GPU-hours: every hour of every GPU in the window, once.</p>",
     ]
 
