@@ -281,6 +281,10 @@ class ProcessFacts:
     # When the process started, wall clock (unix seconds): boot time + its start ticks, as psutil's
     # create_time() computes it. None where procfs could not tell.
     started_at: float | None = None
+    # The model its nearest ancestor's command line names (same cgroup and uid, a few levels up),
+    # where its own names none: a server's renamed workers (`VLLM::Worker_TP0`). None: no such
+    # ancestor, or its own command line names a model.
+    inherited_model: str | None = None
 
     @property
     def pid(self) -> int:

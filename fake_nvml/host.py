@@ -2,7 +2,8 @@
 
 For the scenario time the node is at, it keeps up to date
   - a procfs-shaped tree (`proc/<pid>/{stat,status,cmdline,environ,cgroup}`) of the running
-    scenario processes, with the cgroup paths their pod / Slurm job / container implies,
+    scenario processes (those on no GPU too), with the cgroup paths their pod / Slurm job /
+    container implies and the parent pid their `parent:` names,
   - a passwd-format file naming the scenario's users,
   - Slurm's GPU mapping directory (one file per GPU index or MIG `gpu.gi`: job id, user, account),
   - the kubelet's `/var/log/pods/<namespace>_<pod>_<uid>` directories,
@@ -150,7 +151,9 @@ class FakeHost:
             argv = shlex.split(process.cmdline)
             comm = Path(argv[0]).name[:15] if argv else "python"
             # Fields 3..52 of proc(5); field 22 is the start time in clock ticks after boot.
-            fields = ["S", "1", str(pid), str(pid), "0", "-1", "4194304"] + ["0"] * 12 + [str(start_ticks)]
+            # Field 4 is the parent's pid.
+            ppid = str(process.parent or 1)
+            fields = ["S", ppid, str(pid), str(pid), "0", "-1", "4194304"] + ["0"] * 12 + [str(start_ticks)]
             fields += ["0"] * 30
             (directory / "status").write_text(
                 f"Name:\t{comm}\nState:\tS (sleeping)\nPid:\t{pid}\n"

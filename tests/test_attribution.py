@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import time
@@ -14,7 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.attribution.labels import apply_rules, compile_rules, rule_env_keys
 from agent.attribution.recognise import recognise_model
-from agent.attribution.sources.procfs import ProcessUnreadable, ProcFS
+from agent.attribution.sources.procfs import (
+    ANCESTOR_LEVELS,
+    Passwd,
+    ProcessSource,
+    ProcessUnreadable,
+    ProcFS,
+    parse_stat,
+)
 from agent.config import Settings
 from agent.model import WORKLOAD_LABELS, AgentState, Workload
 from fake_nvml.podresources import FakePodResourcesServer
@@ -294,6 +302,114 @@ def test_a_jobs_processes_and_gpus_that_name_no_model_are_its_models(rig: Any) -
         dollars[w.model] = dollars.get(w.model, 0.0) + totals.dollars
     # $3.60 a GPU-hour: each job's two GPUs are its model's, none of it is model ''.
     assert dollars == pytest.approx({"mistralai/Mistral-7B-v0.3": 7.2, "llama-3-8b": 7.2})
+
+
+def test_renamed_server_workers_take_the_model_their_server_names(rig: Any) -> None:
+    # vLLM's V1 engine and SGLang rename their GPU processes with setproctitle (`VLLM::EngineCore`,
+    # `VLLM::Worker_TP0`, `sglang::scheduler_TP0`); only the API server, on no GPU, names the model.
+    pod = {
+        "namespace": "serving",
+        "name": "llama-tp2",
+        "container": "vllm",
+        "uid": "1c2d3e4f-0000-4000-8000-00000000aa01",
+    }
+    sglang = {
+        "namespace": "serving",
+        "name": "qwen",
+        "container": "sglang",
+        "uid": "1c2d3e4f-0000-4000-8000-00000000aa02",
+    }
+    session = "0::/user.slice/user-1000.slice/session-3.scope"
+    r = rig(
+        {
+            "start": "2026-11-20T18:00:00Z",
+            "gpus": [{"model": "A100-SXM4-80GB", "count": 5}],
+            "processes": [
+                {"pid": 800, "gpus": [], "uid": 1000, "pod": pod,
+                 "cmdline": "vllm serve meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 2"},
+                {"pid": 801, "gpus": [], "uid": 1000, "pod": pod, "parent": 800, "cmdline": "VLLM::EngineCore"},
+                {"pid": 802, "gpus": [0], "sm_util": 50, "uid": 1000, "pod": pod, "parent": 801,
+                 "cmdline": "VLLM::Worker_TP0"},
+                {"pid": 803, "gpus": [1], "sm_util": 50, "uid": 1000, "pod": pod, "parent": 801,
+                 "cmdline": "VLLM::Worker_TP1"},
+                # A host shell whose arguments name a model, parent of a process in a container
+                # (another cgroup): it lends nothing.
+                {"pid": 900, "gpus": [], "uid": 1000, "user": "ann", "cgroup": session,
+                 "cmdline": "python launch.py --model host/model"},
+                {"pid": 901, "gpus": [2], "sm_util": 50, "uid": 1000, "container_id": "c0ffee" * 10 + "abcd",
+                 "parent": 900, "cmdline": "VLLM::EngineCore"},
+                # A process whose own command line names a model keeps it, whatever its parent's says.
+                {"pid": 950, "gpus": [], "uid": 1000, "cgroup": session, "cmdline": "vllm serve parent/model"},
+                {"pid": 951, "gpus": [3], "sm_util": 50, "uid": 1000, "cgroup": session, "parent": 950,
+                 "cmdline": "python serve.py --model own/model"},
+                # SGLang's scheduler under a server whose model is a URL with credentials: the
+                # inherited model is scrubbed like any other.
+                {"pid": 960, "gpus": [], "uid": 1000, "pod": sglang, "cmdline": "python3 -m sglang.launch_server"
+                 " --model-path https://ann:hunter2@hub.example/Qwen/Qwen2-7B?token=abc --tp 1"},
+                {"pid": 961, "gpus": [4], "sm_util": 50, "uid": 1000, "pod": sglang, "parent": 960,
+                 "cmdline": "sglang::scheduler_TP0"},
+            ],
+        },
+        settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
+    )  # fmt: skip
+    state = r.run(3600.0, 30.0)
+    dollars: dict[str, float] = {}
+    for (_gpu, _uuid, w), totals in state.costs.workloads.items():
+        dollars[w.model] = dollars.get(w.model, 0.0) + totals.dollars
+    # $3.60 a GPU-hour for 1h: both tensor-parallel GPUs are the server's model ($7.20; they were
+    # model ''), the container's GPU names no model ($3.60), the others one each.
+    assert dollars == pytest.approx(
+        {
+            "meta-llama/Llama-3.1-8B-Instruct": 7.2,
+            "": 3.6,
+            "own/model": 3.6,
+            "https://hub.example/Qwen/Qwen2-7B": 3.6,
+        }
+    )
+    assert "hunter2" not in r.metrics(state)
+    # The workers share the server and its engine: each ancestor was read once, the host shell
+    # (another cgroup) not at all, and steady polls read no ancestor again.
+    assert r.processes.ancestor_reads == 4  # 801, 800, 900 (read, then refused), 960
+    r.poll(30)
+    assert r.processes.ancestor_reads == 4
+
+
+def write_family(root: Path, pid: int, ppid: int, cmdline: str, cgroup: str, uid: int = 1000) -> None:
+    """One process with its parent's pid in its stat line (field 4)."""
+    proc = root / str(pid)
+    proc.mkdir(parents=True)
+    (proc / "stat").write_text(f"{pid} (x) S {ppid} {pid} {pid} 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {pid * 10} 0 0\n")
+    (proc / "status").write_text(f"Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+    (proc / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in cmdline.split()))
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "environ").write_bytes(b"")
+
+
+def test_the_stat_line_is_read_after_the_last_parenthesis() -> None:
+    # A command name may hold spaces and parentheses: setproctitle and prctl(PR_SET_NAME) write any.
+    stat = b"4242 (VLLM::W ) (x) S 4100 4242 4242 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 98765 0 0\n"
+    assert parse_stat(stat) == (4100, 98765)
+    with pytest.raises(ValueError, match="cut short"):
+        parse_stat(b"4242 (VLLM::W ) (x) S 4100")
+
+
+def test_a_model_is_inherited_within_the_cgroup_uid_and_level_bound(tmp_path: Path) -> None:
+    cgroup = "0::/system.slice/docker-abc.scope\n"
+    # Five levels of plain launchers above a worker: the server at the top is one too far.
+    write_family(tmp_path, 10, 1, "vllm serve far/model", cgroup)
+    chain = [10, *range(11, 11 + ANCESTOR_LEVELS)]
+    for parent, pid in itertools.pairwise(chain):
+        write_family(tmp_path, pid, parent, "bash run.sh", cgroup)
+    write_family(tmp_path, 20, chain[-1], "VLLM::Worker_TP0", cgroup)
+    # Another uid in the same cgroup (sudo, a runtime's helper) lends nothing either.
+    write_family(tmp_path, 30, 1, "vllm serve root/model", cgroup, uid=0)
+    write_family(tmp_path, 31, 30, "VLLM::EngineCore", cgroup)
+    # One level under the server: its model.
+    write_family(tmp_path, 40, 1, "vllm serve near/model", cgroup)
+    write_family(tmp_path, 41, 40, "VLLM::EngineCore", cgroup)
+    source = ProcessSource(ProcFS(tmp_path), Passwd(tmp_path / "passwd"))
+    inherited = {pid: f.inherited_model for pid in (20, 31, 41) if (f := source._facts(pid)) is not None}
+    assert inherited == {20: None, 31: None, 41: "near/model"}
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,9 @@
 Each rule matches fields of a workload (or its process's cmdline, Slurm account and allowlisted
 environment) against regular expressions and sets labels from templates that may use the
 match's groups (`$1`). The first rule that sets a label wins it; a model no rule names is
-recognised from the cmdline (`agent.attribution.recognise`). These are not the flag rules, which
-judge GPUs (`rules/`).
+recognised from the cmdline (`agent.attribution.recognise`), else is the one the process
+inherits from an ancestor's (`ProcessFacts.inherited_model`: a server's renamed workers). Rules
+match the process's own cmdline only. These are not the flag rules, which judge GPUs (`rules/`).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def apply_rules(
     `team_from_account`) the Slurm account as the team no rule named. `cmdline`, `facts` (for
     `env.` keys) and `account` are what a rule may match besides the workload's fields; an
     allocation without a process has only the account its map file names."""
+    inherited = facts.inherited_model if facts is not None else None
     if not rules:
-        return _recognised(w, tuple(cmdline), account if team_from_account and account else "")
+        return _recognised(w, tuple(cmdline), account if team_from_account and account else "", inherited)
     chosen: dict[str, str] = {}
     for rule in rules:
         if all(name in chosen for name, _ in rule.set):
@@ -95,8 +97,8 @@ def apply_rules(
             for name, template in rule.set:
                 if name not in chosen:
                     chosen[name] = _expand(template, groups)
-    if "model" not in chosen and cmdline:
-        recognised = _model_of(tuple(cmdline))
+    if "model" not in chosen:
+        recognised = (_model_of(tuple(cmdline)) if cmdline else None) or inherited
         if recognised:
             chosen["model"] = recognised
     if "team" not in chosen and team_from_account and account:
@@ -105,12 +107,13 @@ def apply_rules(
 
 
 @lru_cache(maxsize=8192)
-def _recognised(w: Workload, cmdline: tuple[str, ...], team: str) -> Workload:
+def _recognised(w: Workload, cmdline: tuple[str, ...], team: str, inherited: str | None = None) -> Workload:
     """`apply_rules` without configured rules: the model the built-in recognisers see in the
-    cmdline, and `team` (the account, where it names the team) where set. Remembered, as every
-    poll asks about the same few; answering with the same object each time also lets later
-    lookups find it by identity."""
-    chosen = {"model": model} if cmdline and (model := _model_of(cmdline)) else {}
+    cmdline, else the `inherited` one, and `team` (the account, where it names the team) where
+    set. Remembered, as every poll asks about the same few; answering with the same object each
+    time also lets later lookups find it by identity."""
+    model = (_model_of(cmdline) if cmdline else None) or inherited
+    chosen = {"model": model} if model else {}
     if team:
         chosen["team"] = team
     return replace(w, **chosen) if chosen else w

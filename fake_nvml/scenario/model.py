@@ -164,6 +164,8 @@ class Process:
     # Percent of the GPU's video encoder / decoder the process keeps busy.
     encoder_util: float = 0.0
     decoder_util: float = 0.0
+    # Its parent's pid (procfs's ppid); None: init's (1). A server's workers name the server.
+    parent: int | None = None
 
     def running_at(self, t: float) -> bool:
         return self.start_s <= t and (self.end_s is None or t < self.end_s)

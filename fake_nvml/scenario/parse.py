@@ -407,11 +407,11 @@ def _parse_mig(
     return tuple(instances)
 
 
-def _parse_gpu_refs(r: _Reader, key: str, gpus: tuple[Gpu, ...]) -> tuple[GpuRef, ...]:
+def _parse_gpu_refs(r: _Reader, key: str, gpus: tuple[Gpu, ...], empty_ok: bool = False) -> tuple[GpuRef, ...]:
     items = r.data.get(key)
     if items is None:
         raise r.fail(key, "required: the GPUs it uses, e.g. [0, 1] or ['0:1']")
-    if not isinstance(items, list) or not items:
+    if not isinstance(items, list) or not (items or empty_ok):
         raise r.fail(key, f"expected a non-empty list of GPU indexes, got {_kind(items)}")
     refs: list[GpuRef] = []
     for item in items:
@@ -488,7 +488,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
             [
                 "pid", "gpus", "start", "end", "sm_util", "sm_active", "tensor", "memory_mib", "uid", "user",
                 "cmdline", "environ", "cgroup", "pod", "slurm_job", "container_id", "encoder_util",
-                "decoder_util",
+                "decoder_util", "parent",
             ]
         )  # fmt: skip
         pid = r.int_("pid", minimum=1, maximum=MAX_PID)
@@ -504,12 +504,16 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
                 "pid",
                 f"pid {pid} is already running then (a reused pid must start after the old one ends)",
             )
+        parent = r.int_("parent", minimum=1, maximum=MAX_PID)
+        if parent == pid:
+            raise r.fail("parent", "a process cannot be its own parent")
         environ_raw = r.data.get("environ") or {}
         if not isinstance(environ_raw, Mapping):
             raise r.fail("environ", f"expected a mapping of names to values, got {_kind(environ_raw)}")
         process = Process(
             pid=pid,
-            gpus=_parse_gpu_refs(r, "gpus", gpus),
+            # `gpus: []`: a process on no GPU, e.g. the API server whose workers hold them.
+            gpus=_parse_gpu_refs(r, "gpus", gpus, empty_ok=True),
             start_s=start,
             end_s=end,
             segments=_parse_segments(r),
@@ -524,6 +528,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
             container_id=r.str_("container_id"),
             encoder_util=r.num("encoder_util", 0.0, maximum=100) or 0.0,
             decoder_util=r.num("decoder_util", 0.0, maximum=100) or 0.0,
+            parent=parent,
         )
         seen[pid] = process
         processes.append(process)

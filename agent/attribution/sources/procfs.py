@@ -10,6 +10,13 @@ allowlisted keys leave this module; every other value is dropped with the buffer
 
 `ProcessSource` is the attribution source built on them: the facts of every process on a GPU,
 and its user's name.
+
+Servers that rename their GPU processes (vLLM's V1 engine: `VLLM::EngineCore`, `VLLM::Worker_TP0`;
+SGLang: `sglang::scheduler_TP0`, both through setproctitle) leave the model only on the command
+line of the API server that spawned them, which holds no GPU. So a GPU process whose own command
+line names no model inherits the model of its nearest ancestor that names one, within
+`ANCESTOR_LEVELS` and within its own cgroup and uid: a container runtime's shim, a host shell or
+init never lend their arguments.
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ import errno
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.attribution.facts import HostFacts
+from agent.attribution.recognise import recognise_model
 from agent.attribution.sources.base import AttributionSource, SourceOptions
 from agent.errors import GpuledgerError
 from agent.model import ProcessFacts, ProcessIdentity, Snapshot
@@ -35,6 +43,11 @@ try:
     CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
     CLOCK_TICKS_PER_S = 100
+
+# How far up the process tree a GPU process looks for a model: vLLM's workers are the API
+# server's grandchildren (server -> EngineCore -> Worker_TPn); a launcher or `tini` above it
+# leaves room to spare.
+ANCESTOR_LEVELS = 4
 
 
 class ProcessGone(GpuledgerError):
@@ -81,12 +94,13 @@ class ProcFS:
 
     def start_ticks(self, pid: int) -> int:
         """The process's start time in clock ticks since boot: `identity`'s reading, alone."""
-        stat = self._read(pid, "stat")
-        # The command name sits in parentheses and may itself hold spaces and ')'.
-        after_comm = stat[stat.rfind(b")") + 2 :].split()
+        return self.stat(pid)[1]
+
+    def stat(self, pid: int) -> tuple[int, int]:
+        """(parent pid, start time in clock ticks since boot), from one read of the stat file."""
         try:
-            return int(after_comm[19])  # field 22 of proc(5); fields after comm start at 3
-        except (IndexError, ValueError):
+            return parse_stat(self._read(pid, "stat"))
+        except ValueError:
             raise ProcessGone(f"pid {pid}: unreadable stat") from None
 
     def boot_time(self) -> float | None:
@@ -109,12 +123,14 @@ class ProcFS:
         boot = self.boot_time()
         return None if boot is None else boot + identity.start_ticks / CLOCK_TICKS_PER_S
 
-    def facts(self, identity: ProcessIdentity) -> ProcessFacts:
+    def facts(self, identity: ProcessIdentity, *, environ: bool = True) -> ProcessFacts:
+        """The process's facts; its allowlisted environment only with `environ` (an ancestor's
+        is never read: it is not the GPU process's, and reading it is what costs privilege)."""
         pid = identity.pid
         cmdline = tuple(part.decode(errors="replace") for part in self._read(pid, "cmdline").split(b"\0") if part)
         cgroup = self._read(pid, "cgroup").decode(errors="replace")
         uid = _status_uid(self._read(pid, "status"))
-        env = self._environ(pid) if self.env_allowlist else ()
+        env = self._environ(pid) if self.env_allowlist and environ else ()
         # The pid may have been reused while we read: only facts of the same process count.
         if self.identity(pid) != identity:
             raise ProcessGone(f"pid {pid}: exited while being read")
@@ -136,6 +152,17 @@ class ProcFS:
                 kept.append((key.decode(errors="replace"), value.decode(errors="replace")))
         del raw
         return tuple(sorted(kept))
+
+
+def parse_stat(stat: bytes) -> tuple[int, int]:
+    """(parent pid, start ticks) from a /proc/<pid>/stat line (proc(5) fields 4 and 22). The
+    command name before them sits in parentheses and may itself hold spaces, '(' and ')': the
+    fields after it start after the last ')'. ValueError where the line is cut short."""
+    after_comm = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(after_comm[1]), int(after_comm[19])  # fields after comm start at 3
+    except IndexError:
+        raise ValueError("stat line cut short") from None
 
 
 def _status_uid(status: bytes) -> int | None:
@@ -184,19 +211,38 @@ class Passwd:
         self._names, self._mtime = names, mtime
 
 
+@dataclass(frozen=True, slots=True)
+class _Ancestor:
+    """What a GPU process's ancestor lends it: no more than the model its command line names
+    (the command line itself is dropped once read), and what decides whether it may lend."""
+
+    start_ticks: int
+    parent_pid: int
+    uid: int | None
+    cgroup: str
+    model: str | None
+
+
 class ProcessSource(AttributionSource):
     """The facts of every process on a GPU (uid, cmdline, cgroup, allowlisted environment) and
     the names of their users.
 
     Facts are cached per identity (pid, start time): a process is read in full once, and each
-    later poll costs one small read of its stat file to notice an exit or a reused pid.
+    later poll costs one small read of its stat file to notice an exit or a reused pid. A
+    process whose own command line names no model is given its nearest ancestor's (see the
+    module docstring) when it is read in full; the ancestors read are cached per identity too,
+    so tensor-parallel workers starting together read their server once.
     """
 
     def __init__(self, procfs: ProcFS, passwd: Passwd) -> None:
         self.procfs = procfs
         self.passwd = passwd
         self._cache: dict[int, ProcessFacts] = {}
+        # Ancestors read for the cached processes, and the pids each cached process's walk read.
+        self._ancestors: dict[int, _Ancestor] = {}
+        self._lineage: dict[int, tuple[int, ...]] = {}
         self.full_reads = 0  # how many processes were read in full (for tests and benchmarks)
+        self.ancestor_reads = 0  # how many ancestors were read in full (for tests)
 
     @classmethod
     def from_options(cls, options: SourceOptions) -> ProcessSource:
@@ -207,6 +253,12 @@ class ProcessSource(AttributionSource):
         processes = {pid: self._facts(pid) for pid in sorted(pids)}
         for gone in set(self._cache) - pids:
             del self._cache[gone]
+        if self._lineage or self._ancestors:
+            for gone in set(self._lineage) - set(self._cache):
+                del self._lineage[gone]
+            kept = {a for lineage in self._lineage.values() for a in lineage}
+            for gone in set(self._ancestors) - kept:
+                del self._ancestors[gone]
         uids = {f.uid for f in processes.values() if f is not None and f.uid is not None}
         user_names = self.passwd.names(uids)
         return replace(found, processes={**found.processes, **processes}, user_names={**found.user_names, **user_names})
@@ -214,10 +266,12 @@ class ProcessSource(AttributionSource):
     def forget(self) -> None:
         """Drop every cached process, so the next poll reads each in full (a cold start)."""
         self._cache.clear()
+        self._ancestors.clear()
+        self._lineage.clear()
 
     def _facts(self, pid: int) -> ProcessFacts | None:
         try:
-            start_ticks = self.procfs.start_ticks(pid)
+            parent, start_ticks = self.procfs.stat(pid)
             cached = self._cache.get(pid)
             # The same process as last poll (cached under its pid): compared without building
             # its identity, which only a process read in full needs.
@@ -229,5 +283,48 @@ class ProcessSource(AttributionSource):
             self._cache.pop(pid, None)
             return None
         self.full_reads += 1
+        if recognise_model(facts.cmdline) is None:
+            inherited = self._inherited_model(facts, parent)
+            if inherited is not None:
+                facts = replace(facts, inherited_model=inherited)
         self._cache[pid] = facts
         return facts
+
+    def _inherited_model(self, facts: ProcessFacts, parent: int) -> str | None:
+        """The model the nearest ancestor's command line names, within `ANCESTOR_LEVELS`; the
+        walk stops at pid 1 (init, or a container's init seen from inside its namespace), at an
+        ancestor in another cgroup or of another uid (the runtime's shim, a host shell, sudo),
+        and at one that cannot be read."""
+        lineage: list[int] = []
+        pid = parent
+        model: str | None = None
+        while pid > 1 and len(lineage) < ANCESTOR_LEVELS:
+            ancestor = self._ancestor(pid)
+            if ancestor is None:
+                break
+            lineage.append(pid)  # kept while this process is: its siblings need not read it again
+            if ancestor.cgroup != facts.cgroup or ancestor.uid != facts.uid:
+                break
+            if ancestor.model is not None:
+                model = ancestor.model
+                break
+            pid = ancestor.parent_pid
+        if lineage:
+            self._lineage[facts.pid] = tuple(lineage)
+        return model
+
+    def _ancestor(self, pid: int) -> _Ancestor | None:
+        try:
+            parent, start_ticks = self.procfs.stat(pid)
+            cached = self._ancestors.get(pid)
+            if cached is not None and cached.start_ticks == start_ticks:
+                return cached
+            facts = self.procfs.facts(ProcessIdentity(pid, start_ticks), environ=False)
+        except GpuledgerError as exc:
+            log.debug("cannot read ancestor pid %d: %s", pid, exc)
+            self._ancestors.pop(pid, None)
+            return None
+        self.ancestor_reads += 1
+        ancestor = _Ancestor(start_ticks, parent, facts.uid, facts.cgroup, recognise_model(facts.cmdline))
+        self._ancestors[pid] = ancestor
+        return ancestor
