@@ -10,8 +10,10 @@ import random
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -332,6 +334,53 @@ def test_close_logs_what_it_could_not_write(tmp_path: Path, caplog: pytest.LogCa
     assert ledger.close() is False  # asked again, the answer stands
     assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]
     assert "closing with 3 hourly rows ($2.25) that could not be written" in caplog.records[1].getMessage()
+
+
+def test_a_flush_stuck_in_the_filesystem_reads_as_failing_and_never_blocks_a_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flush blocked in the filesystem (a hung NFS mount, a dead disk) never returns and never
+    fails: it must still read as failing (gpuledger_ledger_up 0, what the alert watches), and a
+    poll that adds past `max_pending_rows` meanwhile must drop the oldest hours, as in any
+    outage, not wait behind it for the flush lock. The hang is a write that waits on an event."""
+    caplog.set_level(logging.INFO, logger="gpuledger.ledger")
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path, max_pending_rows=4, stuck_after_s=0.2)
+    release = threading.Event()
+    real_write = ledger._write
+
+    def hung_write(*args: Any) -> None:
+        release.wait(10)  # bounded, so a failing test cannot hang the suite
+        real_write(*args)
+
+    monkeypatch.setattr(ledger, "_write", hung_write)
+    ledger.add(charges(T0, T0 + 60))
+    flushing = threading.Thread(target=ledger.flush, daemon=True)
+    flushing.start()
+    time.sleep(0.05)
+    assert ledger.healthy  # a flush under way is not yet a stuck one
+    time.sleep(0.3)
+    assert not ledger.healthy
+    stuck = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert stuck == [
+        f"ledger {path}: a flush has not returned in 0.2s (the filesystem does not answer); "
+        "charges are kept in memory, the oldest hours dropped past ledger.max_pending_rows"
+    ]
+    assert not ledger.healthy  # said once
+    # Six hours of charges while the flush hangs: more rows than may wait, so a poll would call
+    # for room (a flush) before each part. It returns at once, the oldest hours dropped.
+    adding = threading.Thread(target=ledger.add, args=(charges(T0 + H, T0 + 7 * H),), daemon=True)
+    adding.start()
+    adding.join(2.0)
+    assert not adding.is_alive()
+    assert ledger.dropped_rows > 0
+    release.set()  # the filesystem answers again
+    flushing.join(5.0)
+    assert not flushing.is_alive()
+    assert ledger.healthy
+    assert ledger.flush()
+    ledger.close()
+    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 2  # the stall, the drop
 
 
 def test_report_can_read_while_the_agent_holds_the_write_lock(tmp_path: Path) -> None:

@@ -56,6 +56,9 @@ log = logging.getLogger("gpuledger.ledger")
 
 
 DEFAULT_RETENTION_S = 400 * 86400
+# A flush waits at most its busy timeout for another writer; one still under way this long after
+# it began is blocked in the filesystem (a hung NFS mount, a dead disk) and may never return.
+FLUSH_STUCK_AFTER_S = 30.0
 
 
 class Ledger:
@@ -84,6 +87,7 @@ class Ledger:
         max_pending_rows: int = DEFAULT_MAX_PENDING_ROWS,
         pending: PendingCharges | None = None,
         fsync_each_flush: bool = True,
+        stuck_after_s: float = FLUSH_STUCK_AFTER_S,
     ) -> None:
         self._path = Path(path)
         self._fsync_each_flush = fsync_each_flush
@@ -92,6 +96,9 @@ class Ledger:
         self._clock = clock
         self._busy_timeout_s = busy_timeout_s
         self._flush_lock = threading.Lock()  # one writer at a time, and none after close
+        self._stuck_after_s = stuck_after_s
+        self._flushing_since: float | None = None  # monotonic start of the flush under way
+        self._said_stuck = False  # the flush under way has been logged as stuck
         self._pending = pending if pending is not None else PendingCharges(self._path, max_pending_rows)
         self._failed_flushes = 0
         self._last_flush_at: float | None = None
@@ -109,8 +116,24 @@ class Ledger:
 
     @property
     def healthy(self) -> bool:
-        """False from a failed flush (or a corrupt file moved aside) until the next flush that works."""
-        return self._healthy
+        """False from a failed flush (or a corrupt file moved aside) until the next flush that works,
+        and while a flush has been under way for over `stuck_after_s`: one that never returns
+        never fails either, and would otherwise read as healthy for good (logged once)."""
+        return self._healthy and not self._flush_stuck()
+
+    def _flush_stuck(self) -> bool:
+        since = self._flushing_since
+        if since is None or time.monotonic() - since <= self._stuck_after_s:
+            return False
+        if not self._said_stuck:
+            self._said_stuck = True
+            log.error(
+                "ledger %s: a flush has not returned in %gs (the filesystem does not answer); charges are kept "
+                "in memory, the oldest hours dropped past ledger.max_pending_rows",
+                self._path,
+                self._stuck_after_s,
+            )
+        return True
 
     @property
     def pending_rows(self) -> int:
@@ -146,8 +169,9 @@ class Ledger:
         if self._closed:
             raise LedgerError(f"ledger {self._path}: closed")
         # A charge over more hours than may wait in memory is written as it is summed, while
-        # the file takes writes (past that, the oldest hours go, as in any outage).
-        self._pending.add(charges, make_room=self.flush if self._healthy else None)
+        # the file takes writes (past that, the oldest hours go, as in any outage; a poll never
+        # waits behind a stuck flush for the lock).
+        self._pending.add(charges, make_room=self.flush if self.healthy else None)
 
     def flush(self) -> bool:
         """Write every pending row and apply retention in one transaction.
@@ -158,7 +182,15 @@ class Ledger:
         with self._flush_lock:
             if self._closed:
                 raise LedgerError(f"ledger {self._path}: closed")
-            return self._flush()
+            self._flushing_since = started = time.monotonic()
+            try:
+                return self._flush()
+            finally:
+                self._flushing_since = None
+                if self._said_stuck:
+                    self._said_stuck = False
+                    took_s = time.monotonic() - started
+                    log.warning("ledger %s: the stuck flush returned after %.0fs", self._path, took_s)
 
     def close(self) -> bool:
         """Flush, then close the file. True when every charge reached the file; otherwise the rows
