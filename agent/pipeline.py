@@ -217,6 +217,8 @@ class Pipeline:
         # cross-core wake-ups a poll, cost `simulate` a tenth of its time and buy nothing there.
         self.calls_block = calls_block
         self._stuck: dict[str, float] = {}  # GPU key ("" for the driver) -> when its call got stuck
+        # GPU key -> the thread still in its call: each key is read again once its own call returns.
+        self._stuck_calls: dict[str, threading.Thread | None] = {}
         self.attributor = attributor
         # The driver-event reader: on its own thread in the daemon, caught up at each poll
         # otherwise (`simulate`, `snapshot`), so its events land in the state either way.
@@ -282,9 +284,9 @@ class Pipeline:
             return
         try:
             self._worker.call(self.sampler.start, self.call_timeout_s)
-        except CallTimeout:
+        except CallTimeout as exc:
             self.sampler.abandon()
-            self._stuck[""] = self._monotonic()
+            self._stick("", exc)
             log.error(
                 "the GPU driver did not answer within %.1fs at start-up; serving /metrics as unhealthy until it does",
                 self.call_timeout_s,
@@ -371,10 +373,17 @@ class Pipeline:
 
     def _sample(self) -> Sampled:
         stuck = self._stuck
-        if stuck and self._worker.parked < len(stuck):
-            # A stuck call returned at last (its thread ended): read that GPU again.
-            log.warning("the stuck driver call returned; polling every GPU again")
-            stuck.clear()
+        for key, call in list(self._stuck_calls.items()):
+            if call is not None and not call.is_alive():
+                # That stuck call returned at last (its thread ended): read its GPU again. Only
+                # its own: another GPU's call may still be stuck, and asking it again would
+                # restart its clock towards exit_after.
+                log.warning(
+                    "%s: the stuck driver call returned; polling %s again",
+                    f"GPU {key}" if key else "the GPU driver", "it" if key else "every GPU",
+                    extra={"uuid": key},
+                )  # fmt: skip
+                del stuck[key], self._stuck_calls[key]
         if stuck:
             worst = self._monotonic() - min(stuck.values())
             if worst > self.exit_after_s:
@@ -387,10 +396,10 @@ class Pipeline:
             skip = dict.fromkeys(stuck, TIMEOUT)
             try:
                 snapshot = self._worker.call(lambda: self._read_devices(skip), self.call_timeout_s)
-            except CallTimeout:
+            except CallTimeout as exc:
                 key = self.sampler.reading or ""
                 self.sampler.abandon()
-                stuck[key] = self._monotonic()
+                self._stick(key, exc)
                 log.error(
                     "%s: a driver call has not returned in %.1fs; reading it as down (%s) and polling %s",
                     f"GPU {key}" if key else "the GPU driver", self.call_timeout_s, TIMEOUT,
@@ -402,6 +411,11 @@ class Pipeline:
         sampled = Sampled(snapshot, self._previous)
         self._previous = snapshot
         return sampled
+
+    def _stick(self, key: str, timeout: CallTimeout) -> None:
+        """`key`'s call did not return in time: it reads as stuck until that call's thread ends."""
+        self._stuck.setdefault(key, self._monotonic())
+        self._stuck_calls[key] = timeout.thread
 
     def _read_devices(self, skip: Mapping[str, str]) -> Snapshot:
         """The sampler's poll, then (when no thread reads them) the driver events up to now."""

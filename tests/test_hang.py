@@ -90,6 +90,39 @@ def test_a_stuck_gpu_reads_as_down_while_the_other_keeps_being_polled(scenario: 
         agent.close()
 
 
+def test_a_gpu_whose_call_returns_does_not_restart_another_stuck_gpus_clock(tmp_path: Path) -> None:
+    """GPU 0 hangs for good, GPU 1 for a moment. When GPU 1's call returns, GPU 1 is read again,
+    and only it: asking GPU 0 again would make another call into a hung GPU, read as healthy for
+    the budget that call waits, and restart GPU 0's clock towards exit_after (once per GPU that
+    recovers), putting off the exit."""
+    path = tmp_path / "two.yaml"
+    faults = "faults:\n  - {at: 1m, gpu: 0, latency_ms: 3600000}\n  - {at: 1m, until: 3m, gpu: 1, latency_ms: 800}\n"
+    path.write_text(HUNG_SCENARIO.split("faults:", maxsplit=1)[0] + faults)
+    settings = Settings(node_name="rig", watchdog=WatchdogConfig(call_timeout=0.3, exit_after=600))
+    agent = build_agent(settings, fake=path, costing=False, rules=())
+    assert agent.node is not None
+    pipeline, clock = agent.pipeline, agent.node.clock
+    try:
+        pipeline.poll_once()
+        clock.advance(90)
+        pipeline.poll_once()  # GPU 0 gets stuck
+        (gpu0, since), *_ = pipeline.stuck.items()
+        pipeline.poll_once()  # then GPU 1
+        assert len(pipeline.stuck) == 2
+        threads = len(_poll_threads())
+        clock.advance(120)  # GPU 1's fault is over: its call returns within 0.8 s, and its thread ends
+        assert wait_until(lambda: len(_poll_threads()) == threads - 1, 5)
+        started = time.monotonic()
+        state = pipeline.poll_once()
+        assert time.monotonic() - started < 0.3  # GPU 0 was not asked again
+        assert pipeline.stuck == {gpu0: since}  # still stuck since it first got stuck
+        assert not pipeline.healthy()
+        assert state.snapshot is not None
+        assert [(d.up, d.down_reason) for d in state.snapshot.devices] == [(False, "TIMEOUT"), (True, None)]
+    finally:
+        agent.close()
+
+
 def _poll_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("gpuledger-poll")}
 

@@ -23,11 +23,13 @@ MAX_PARKED = 32
 
 
 class CallTimeout(Exception):
-    """A call did not return within its budget; it may still be running."""
+    """A call did not return within its budget; it may still be running, on `thread` (None: it
+    was never started, too many threads being parked already)."""
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, thread: threading.Thread | None = None) -> None:
         super().__init__(f"no answer within {budget_s:g}s")
         self.budget_s = budget_s
+        self.thread = thread
 
 
 class _Thread:
@@ -97,7 +99,7 @@ class Worker:
             worker.abandoned = True
             self._parked.append(worker)
             self._current = None
-            raise CallTimeout(budget_s)
+            raise CallTimeout(budget_s, worker.thread)
         result, error = worker.outcome()
         if error is not None:
             raise error
