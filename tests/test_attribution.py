@@ -270,13 +270,21 @@ def test_a_mig_instance_allocated_by_index_is_its_pods(rig: Any) -> None:
     assert sum(dollars.values()) + idle + unobserved == pytest.approx(3.6)
 
 
+def dollars_by_model(state: AgentState) -> dict[str, float]:
+    """Every workload's dollars so far, summed per model."""
+    found: dict[str, float] = {}
+    for (_gpu, _uuid, w), totals in state.costs.workloads.items():
+        found[w.model] = found.get(w.model, 0.0) + totals.dollars
+    return found
+
+
+def serving_pod(name: str, container: str, uid: str) -> dict[str, str]:
+    """A scenario process's `pod:` in the serving namespace."""
+    return {"namespace": "serving", "name": name, "container": container, "uid": uid}
+
+
 def test_a_jobs_processes_and_gpus_that_name_no_model_are_its_models(rig: Any) -> None:
-    pod = {
-        "namespace": "serving",
-        "name": "vllm-tp",
-        "container": "vllm",
-        "uid": "0b6c2f4e-3c1d-4e8a-9f11-2a7d5c9e0b01",
-    }
+    pod = serving_pod("vllm-tp", "vllm", "0b6c2f4e-3c1d-4e8a-9f11-2a7d5c9e0b01")
     server = {"sm_util": 50, "memory_mib": 1000, "uid": 1000, "pod": pod}
     r = rig(
         {
@@ -297,9 +305,7 @@ def test_a_jobs_processes_and_gpus_that_name_no_model_are_its_models(rig: Any) -
         settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
     )  # fmt: skip
     state = r.run(3600.0, 30.0)
-    dollars: dict[str, float] = {}
-    for (_gpu, _uuid, w), totals in state.costs.workloads.items():
-        dollars[w.model] = dollars.get(w.model, 0.0) + totals.dollars
+    dollars = dollars_by_model(state)
     # $3.60 a GPU-hour: each job's two GPUs are its model's, none of it is model ''.
     assert dollars == pytest.approx({"mistralai/Mistral-7B-v0.3": 7.2, "llama-3-8b": 7.2})
 
@@ -307,18 +313,8 @@ def test_a_jobs_processes_and_gpus_that_name_no_model_are_its_models(rig: Any) -
 def test_renamed_server_workers_take_the_model_their_server_names(rig: Any) -> None:
     # vLLM's V1 engine and SGLang rename their GPU processes with setproctitle (`VLLM::EngineCore`,
     # `VLLM::Worker_TP0`, `sglang::scheduler_TP0`); only the API server, on no GPU, names the model.
-    pod = {
-        "namespace": "serving",
-        "name": "llama-tp2",
-        "container": "vllm",
-        "uid": "1c2d3e4f-0000-4000-8000-00000000aa01",
-    }
-    sglang = {
-        "namespace": "serving",
-        "name": "qwen",
-        "container": "sglang",
-        "uid": "1c2d3e4f-0000-4000-8000-00000000aa02",
-    }
+    pod = serving_pod("llama-tp2", "vllm", "1c2d3e4f-0000-4000-8000-00000000aa01")
+    sglang = serving_pod("qwen", "sglang", "1c2d3e4f-0000-4000-8000-00000000aa02")
     session = "0::/user.slice/user-1000.slice/session-3.scope"
     r = rig(
         {
@@ -353,9 +349,7 @@ def test_renamed_server_workers_take_the_model_their_server_names(rig: Any) -> N
         settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
     )  # fmt: skip
     state = r.run(3600.0, 30.0)
-    dollars: dict[str, float] = {}
-    for (_gpu, _uuid, w), totals in state.costs.workloads.items():
-        dollars[w.model] = dollars.get(w.model, 0.0) + totals.dollars
+    dollars = dollars_by_model(state)
     # $3.60 a GPU-hour for 1h: both tensor-parallel GPUs are the server's model ($7.20; they were
     # model ''), the container's GPU names no model ($3.60), the others one each.
     assert dollars == pytest.approx(
