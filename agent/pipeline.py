@@ -108,8 +108,9 @@ class ChargeSink(Protocol):
 
     def health(self) -> LedgerHealth: ...
 
-    def close(self) -> bool:
-        """Flush and close; False when some charges could not be written (the sink logs them)."""
+    def close(self, within_s: float | None = None) -> bool:
+        """Flush and close, waiting at most `within_s` on the file; False when some charges could
+        not be written (the sink logs them)."""
         ...
 
     @property

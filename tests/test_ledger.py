@@ -336,6 +336,60 @@ def test_close_logs_what_it_could_not_write(tmp_path: Path, caplog: pytest.LogCa
     assert "closing with 3 hourly rows ($2.25) that could not be written" in caplog.records[1].getMessage()
 
 
+def test_close_within_a_bound_waits_on_a_locked_file_no_longer_than_the_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The daemon's shutdown grace (4.5 s) is shorter than the busy timeout (5 s): a close bounded
+    by what the grace leaves gives up on the locked file in time to log the lost rows."""
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path)  # the default busy timeout, 5 s
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        ledger.add(charges(T0, T0 + 60, workloads=((0, VLLM, 1.25),), idle=((1, 1.0),)))
+        started = time.monotonic()
+        assert ledger.close(within_s=0.3) is False
+        assert time.monotonic() - started < 2.0
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"ledger {path}: closing with 3 hourly rows ($2.25) that could not be written"]
+
+
+def test_close_within_a_bound_does_not_wait_out_a_flush_already_waiting_on_a_locked_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The periodic flush may be waiting its 5 s busy timeout when SIGTERM comes: the close does
+    not queue behind it for the flush lock past its bound, and says the rows are lost."""
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    ledger.add(charges(T0, T0 + 60, workloads=((0, VLLM, 1.25),), idle=((1, 1.0),)))
+    flushed: list[bool] = []
+    flushing = threading.Thread(target=lambda: flushed.append(ledger.flush()))
+    flushing.start()
+    try:
+        until = time.monotonic() + 2.0
+        while ledger._flushing_since is None and time.monotonic() < until:  # the flush waits on the lock
+            time.sleep(0.01)
+        time.sleep(0.05)
+        ledger.add(charges(T0 + H, T0 + H + 60, workloads=((0, VLLM, 1.0),)))  # pending beside the flush's
+        started = time.monotonic()
+        assert ledger.close(within_s=0.3) is False
+        assert time.monotonic() - started < 2.0
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        flushing.join(10)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1
+    assert errors[0].startswith(f"ledger {path}: closing while a flush has not returned in 0.3s")
+    assert errors[0].endswith("2 more hourly rows ($1.00) could not be written")
+    assert flushed == [True]  # the lock went: the flush that waited wrote its rows
+
+
 def test_a_flush_stuck_in_the_filesystem_reads_as_failing_and_never_blocks_a_poll(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -207,8 +207,8 @@ class FlakySink:
     def health(self) -> LedgerHealth:
         return LedgerHealth(healthy=True, pending_rows=0, last_flush_at=None)
 
-    def close(self) -> None:
-        pass
+    def close(self, within_s: float | None = None) -> bool:
+        return True
 
 
 def test_a_failing_accounting_charges_nothing_for_its_interval_and_is_counted() -> None:

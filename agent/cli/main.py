@@ -311,10 +311,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     notify("STOPPING=1")
     # Whatever the driver is doing, the process ends within SHUTDOWN_GRACE_S: a thread stuck in
     # a driver call cannot be joined, and systemd's stop timeout would end in SIGKILL anyway.
-    deadline = threading.Timer(SHUTDOWN_GRACE_S, _exit_now, args=(EXIT_FAILURE,))
+    deadline = threading.Timer(SHUTDOWN_GRACE_S, _exit_now, args=(EXIT_FAILURE, lambda: agent.closing))
     deadline.daemon = True
     deadline.start()
-    written = agent.close()  # the ledger first: the last charges reach it, then the textfile
+    # The ledger first: the last charges reach it (or are logged as lost), then the textfile.
+    written = agent.close(SHUTDOWN_GRACE_S - SHUTDOWN_AFTER_LEDGER_S)
     server.stop()
     deadline.cancel()
     # Charges the ledger could not take are lost (logged with their dollars): not a clean exit.
@@ -323,6 +324,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 # SIGTERM to exit: at most this long, ledger flushed (it goes first).
 SHUTDOWN_GRACE_S = 4.5
+# Of the grace, what is kept for the rest of the shutdown: the ledger's close waits on its file
+# (the busy timeout, 5 s, is longer than the grace) only for what is left before this.
+SHUTDOWN_AFTER_LEDGER_S = 0.5
 
 
 def _watchdog(stop: threading.Event, every_s: float, healthy: Callable[[], bool]) -> None:
@@ -332,8 +336,10 @@ def _watchdog(stop: threading.Event, every_s: float, healthy: Callable[[], bool]
             notify("WATCHDOG=1")
 
 
-def _exit_now(code: int) -> None:
-    log.error("shutdown did not finish within %.1fs (a GPU driver call is stuck); exiting now", SHUTDOWN_GRACE_S)
+def _exit_now(code: int, waiting_on: Callable[[], str]) -> None:
+    log.error(
+        "shutdown did not finish within %.1fs (%s); exiting now", SHUTDOWN_GRACE_S, waiting_on() or "still closing"
+    )
     logging.shutdown()
     os._exit(code)
 

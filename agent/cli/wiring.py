@@ -66,6 +66,8 @@ class Agent:
     events: EventReader | None = None  # the driver-event reader (None: events off, or no event API)
     _closed: bool = False
     _ledger_written: bool = True
+    # What `close` waits on now, for the daemon's shutdown deadline to name ("" before close).
+    closing: str = ""
 
     def registry(
         self, state: Callable[[], AgentState] | None = None, only: Collection[str] | None = None
@@ -96,25 +98,37 @@ class Agent:
         if self.textfile is not None:
             self.textfile.start(self.pipeline.poll_interval_s)
 
-    def close(self) -> bool:
+    def close(self, within_s: float | None = None) -> bool:
         """Stop the schedules, flush and close the ledger, write the last state to the textfile,
         then let go of the attribution sources (the kubelet), NVML and the fake node. A driver
         call still stuck is left alone (shutting the library down under it could hang too).
         False when charges could not be written to the ledger (logged, with their rows and
-        dollars): `run` then exits 1."""
+        dollars): `run` then exits 1. With `within_s`, the ledger waits on its file only for
+        what is left of it once the poll has stopped, so that a locked file is reported as lost
+        rows before the daemon's shutdown deadline; `closing` says what is being waited on."""
         if self._closed:
             return self._ledger_written
         self._closed = True
+        deadline = None if within_s is None else time.monotonic() + within_s
+        if self.events is not None:
+            self.events.stop_soon()  # its last wait runs out while the ledger flushes
+        self.closing = "a GPU driver call is stuck"
         idle = self.pipeline.stop()
         self.pipeline.settle()  # time still waiting for a price is booked before the ledger closes
         if self.actions is not None:
+            self.closing = "an action is still running"
             self.actions.close()
         if self.costing is not None and self.costing.sink is not None:
             # The last charges reach the ledger before anything slower.
-            self._ledger_written = self.costing.sink.close()
+            self.closing = "the ledger's file is locked by another process or its filesystem does not answer"
+            left_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._ledger_written = self.costing.sink.close(left_s)
         if self.textfile is not None:
+            self.closing = "the textfile's filesystem does not answer"
             self.textfile.stop()  # the last poll reaches the file too
+        self.closing = "an attribution source (the kubelet) does not answer"
         self.attributor.close()
+        self.closing = "a GPU driver call is stuck"
         events_stopped = self.events.stop() if self.events is not None else True
         if idle and events_stopped:
             self.sampler.close()
@@ -122,6 +136,7 @@ class Agent:
             import fake_nvml
 
             fake_nvml.uninstall()
+        self.closing = ""
         return self._ledger_written
 
 

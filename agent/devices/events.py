@@ -148,6 +148,11 @@ class EventReader:
         self._thread = threading.Thread(target=self._run, name="gpuledger-events", daemon=True)
         self._thread.start()
 
+    def stop_soon(self) -> None:
+        """Ask the thread to end after the wait it is in, without waiting for it: a shutdown
+        that has other work (the ledger's flush) lets that wait run out meanwhile."""
+        self._stopping.set()
+
     def stop(self, timeout_s: float | None = None) -> bool:
         """Stop the thread (it ends within one wait) and let go of the event set and NVML.
         False when the thread is still in a driver call: then nothing is freed under it."""

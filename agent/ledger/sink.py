@@ -114,20 +114,21 @@ class LedgerSink:
             corrupt_files=len(ledger.moved_aside) if ledger is not None else 0,
         )
 
-    def close(self) -> bool:
-        """Flush and close. True when every charge reached the file; otherwise one error line
-        says how many hourly rows and dollars are lost."""
+    def close(self, within_s: float | None = None) -> bool:
+        """Flush and close, waiting at most `within_s` on the file (see `Ledger.close`). True when
+        every charge reached the file; otherwise one error line says how many hourly rows and
+        dollars are lost."""
         try:
-            return self._close()
+            return self._close(within_s)
         finally:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
 
-    def _close(self) -> bool:
+    def _close(self, within_s: float | None) -> bool:
         ledger = self._open()
         if ledger is not None:
-            return ledger.close()
+            return ledger.close(within_s)
         rows, dollars = self._pending.lost()
         if not rows:
             return True

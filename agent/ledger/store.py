@@ -192,33 +192,60 @@ class Ledger:
                     took_s = time.monotonic() - started
                     log.warning("ledger %s: the stuck flush returned after %.0fs", self._path, took_s)
 
-    def close(self) -> bool:
+    def close(self, within_s: float | None = None) -> bool:
         """Flush, then close the file. True when every charge reached the file; otherwise the rows
-        that still cannot be written are logged, with their dollars, as lost (one error line)."""
-        with self._flush_lock:
+        that still cannot be written are logged, with their dollars, as lost (one error line).
+
+        `within_s` bounds the wait for another writer (the busy timeout) and for a flush already
+        under way: the daemon's shutdown grace is shorter than the busy timeout, and a close that
+        outlived it would be cut off before the lost rows were logged."""
+        if not self._flush_lock.acquire(timeout=-1 if within_s is None else max(0.0, within_s)):
+            # A flush still waits on the file: its rows are not pending, so they are not counted.
+            rows, dollars = self._pending.lost()
+            log.error(
+                "ledger %s: closing while a flush has not returned in %.1fs (the file is locked by another "
+                "process or the filesystem does not answer); %d more hourly rows ($%.2f) could not be written",
+                self._path,
+                max(0.0, within_s or 0.0),
+                rows,
+                dollars,
+            )
+            return False
+        try:
             if self._closed:
                 return self._written_at_close
+            if within_s is not None:
+                self._bound_busy_timeout(within_s)
             written = self._flush()
             if not written:
-                rows, dollars = self._pending.lost()
-                dropped = self._pending.dropped_rows
-                earlier = (
-                    f", besides {dropped} rows (${self._pending.dropped_dollars:.2f}) dropped earlier"
-                    if dropped
-                    else ""
-                )
-                log.error(
-                    "ledger %s: closing with %d hourly rows ($%.2f) that could not be written%s",
-                    self._path,
-                    rows,
-                    dollars,
-                    earlier,
-                )
+                self._log_lost()
             self._closed = True
             self._written_at_close = written
             if self._conn is not None:
                 self._conn.close()
             return written
+        finally:
+            self._flush_lock.release()
+
+    def _bound_busy_timeout(self, within_s: float) -> None:
+        # Called with the flush lock held. The connection's busy handler reads the timeout at
+        # each retry, so lowering it here bounds the flush's BEGIN IMMEDIATE.
+        self._busy_timeout_s = min(self._busy_timeout_s, max(0.0, within_s))
+        if self._conn is not None:
+            with suppress(sqlite3.Error):
+                self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
+
+    def _log_lost(self) -> None:
+        rows, dollars = self._pending.lost()
+        dropped = self._pending.dropped_rows
+        earlier = f", besides {dropped} rows (${self._pending.dropped_dollars:.2f}) dropped earlier" if dropped else ""
+        log.error(
+            "ledger %s: closing with %d hourly rows ($%.2f) that could not be written%s",
+            self._path,
+            rows,
+            dollars,
+            earlier,
+        )
 
     def __enter__(self) -> Ledger:
         return self
