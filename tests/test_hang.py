@@ -7,6 +7,7 @@ any test, on one GPU, from one scenario moment on."""
 
 from __future__ import annotations
 
+import linecache
 import os
 import signal
 import socket
@@ -17,13 +18,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from agent.cli.wiring import build_agent
 from agent.config import Settings, WatchdogConfig
+from agent.devices import deadline
+from agent.devices.deadline import CallTimeout, Worker
 from agent.pipeline import DriverHung
 from tests.test_cli import free_port
 
@@ -159,6 +162,91 @@ def test_only_calls_that_can_block_go_through_the_watchdog_thread(
         assert (_poll_threads() - before != set()) is blocking  # a worker started only to guard calls
     finally:
         agent.close()
+
+
+# -- the worker that runs the calls: a call past its budget parks its thread until it returns ------
+
+
+def test_a_call_within_its_budget_returns_its_result_or_raises_its_error_on_the_same_thread() -> None:
+    worker = Worker("test-worker")
+    threads = [worker.call(threading.current_thread, 1.0) for _ in range(2)]
+    assert threads[0] is threads[1]
+    assert threads[0] is not threading.current_thread()
+    with pytest.raises(ZeroDivisionError):
+        worker.call(lambda: 1 / 0, 1.0)
+    assert worker.call(lambda: 42, 1.0) == 42
+    worker.close()
+
+
+def test_a_call_past_its_budget_parks_its_thread_until_it_returns() -> None:
+    gate = threading.Event()
+    worker = Worker("test-worker")
+    with pytest.raises(CallTimeout) as timeout:
+        worker.call(lambda: gate.wait(10), 0.05)
+    thread = timeout.value.thread
+    assert thread is not None
+    assert thread.is_alive()
+    assert worker.parked == 1
+    assert worker.call(lambda: 7, 1.0) == 7  # a fresh thread takes the next call
+    gate.set()
+    thread.join(2.0)
+    assert not thread.is_alive()  # its call returned: the thread ends, the GPU is read again
+    assert worker.parked == 0
+    worker.close()
+
+
+def test_a_call_that_returns_between_the_timeout_and_its_abandonment_ends_its_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The window: the caller's wait runs out, then the call returns and its thread goes back to
+    waiting for a job before the caller marks it abandoned. That thread waited for good, read as
+    a call that never returned (its GPU stuck until watchdog.exit_after). The caller's wait is
+    made to run out first, then the call let go, and only once its thread is back in
+    `jobs.get()` does the caller go on to abandon it."""
+    gate = threading.Event()
+
+    class LateLock:
+        """The worker's `done` lock; a wait that runs out lets the call finish before it says so."""
+
+        def __init__(self, lock: threading.Lock, thread: Callable[[], threading.Thread]) -> None:
+            self._lock = lock
+            self._thread = thread
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            if self._lock.acquire(blocking, timeout):
+                return True
+            gate.set()
+            assert _waits_for_a_job(self._thread(), 5.0)
+            return False
+
+        def release(self) -> None:
+            self._lock.release()
+
+    class Late(deadline._Thread):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            self.done = LateLock(self.done, lambda: self.thread)  # type: ignore[assignment]
+
+    monkeypatch.setattr(deadline, "_Thread", Late)
+    worker = Worker("test-worker")
+    with pytest.raises(CallTimeout) as timeout:
+        worker.call(lambda: gate.wait(10), 0.05)
+    thread = timeout.value.thread
+    assert thread is not None
+    thread.join(2.0)
+    assert not thread.is_alive()
+    assert worker.parked == 0
+
+
+def _waits_for_a_job(thread: threading.Thread, within_s: float) -> bool:
+    """Whether `thread` is back at the top of its loop, waiting for the next job."""
+    until = time.monotonic() + within_s
+    while time.monotonic() < until:
+        frame = sys._current_frames().get(thread.ident or 0)
+        if frame is not None and "self.jobs.get()" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+            return True
+        time.sleep(0.001)
+    return False
 
 
 def test_past_the_hard_deadline_the_poll_gives_up_for_good(scenario: Path) -> None:

@@ -97,6 +97,11 @@ class Worker:
         worker.jobs.put(work)
         if not worker.done.acquire(timeout=budget_s):
             worker.abandoned = True
+            # The call may have returned between the timeout and the line above, its thread
+            # already back waiting for the next job with `abandoned` read as False: without this
+            # it would wait there for good, read as a call that never returned (the GPU stuck
+            # until watchdog.exit_after). Still in the call, the thread ends at `abandoned`.
+            worker.jobs.put(None)
             self._parked.append(worker)
             self._current = None
             raise CallTimeout(budget_s, worker.thread)
