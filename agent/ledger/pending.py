@@ -380,6 +380,13 @@ class PendingCharges:
         with self._lock:
             return self._batch.rows, self._batch.dollars()
 
+    def lost_text(self) -> str:
+        """What `lost()` and the rows dropped before it come to, as the closing error line says it."""
+        rows, dollars = self.lost()
+        dropped = self.dropped_rows
+        earlier = f", besides {dropped} rows (${self.dropped_dollars:.2f}) dropped earlier" if dropped else ""
+        return f"{rows} hourly rows (${dollars:.2f}) that could not be written{earlier}"
+
     def add(self, charges: Charges, make_room: Callable[[], object] | None = None) -> None:
         """Sum one interval's charges into the pending rows of the hours it covers, pro rata.
 

@@ -129,16 +129,7 @@ class LedgerSink:
         ledger = self._open()
         if ledger is not None:
             return ledger.close(within_s)
-        rows, dollars = self._pending.lost()
-        if not rows:
+        if not self._pending.lost()[0]:
             return True
-        dropped = self._pending.dropped_rows
-        earlier = f", besides {dropped} rows (${self._pending.dropped_dollars:.2f}) dropped earlier" if dropped else ""
-        log.error(
-            "ledger %s: cannot be opened; exiting with %d hourly rows ($%.2f) that could not be written%s",
-            self.path,
-            rows,
-            dollars,
-            earlier,
-        )
+        log.error("ledger %s: cannot be opened; exiting with %s", self.path, self._pending.lost_text())
         return False

@@ -236,16 +236,7 @@ class Ledger:
                 self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
 
     def _log_lost(self) -> None:
-        rows, dollars = self._pending.lost()
-        dropped = self._pending.dropped_rows
-        earlier = f", besides {dropped} rows (${self._pending.dropped_dollars:.2f}) dropped earlier" if dropped else ""
-        log.error(
-            "ledger %s: closing with %d hourly rows ($%.2f) that could not be written%s",
-            self._path,
-            rows,
-            dollars,
-            earlier,
-        )
+        log.error("ledger %s: closing with %s", self._path, self._pending.lost_text())
 
     def __enter__(self) -> Ledger:
         return self
