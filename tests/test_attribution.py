@@ -24,7 +24,8 @@ from agent.attribution.sources.procfs import (
     parse_stat,
 )
 from agent.config import Settings
-from agent.model import WORKLOAD_LABELS, AgentState, Workload
+from agent.model import WORKLOAD_LABELS, AgentState, ProcessFacts, ProcessIdentity, Workload
+from agent.scrub import REDACTED
 from fake_nvml.podresources import FakePodResourcesServer
 from tests.helpers import Rig
 from tests.test_cli import gpuledger
@@ -466,6 +467,20 @@ def test_rules_first_match_wins_per_field_and_fill_groups() -> None:
     plain = apply_rules(Workload(user="ann"), ("python", "x.py", "--model", "bert-base"), None, rules)
     assert (plain.model, plain.team) == ("bert-base", "")  # no rule: the recogniser names it
     assert rule_env_keys(rules) == {"TEAM"}
+
+
+def test_a_rules_group_cannot_lift_a_secret_out_of_its_context() -> None:
+    # `--password=([^ ]+)` would capture a bare "hunter2" that no later scrub can tell from a team
+    # name: rules match the cmdline and environment already scrubbed.
+    rules = compile_rules(
+        [
+            ({"cmdline": "--password=([^ ]+)"}, {"team": "$1"}),
+            ({"env.DB": "password=(.+)"}, {"model": "$1"}),
+        ]
+    )
+    facts = ProcessFacts(ProcessIdentity(1, 1), 0, (), "", env=(("DB", "password=hunter3"),))
+    w = apply_rules(Workload(user="ann"), ("python", "x.py", "--password=hunter2"), facts, rules)
+    assert (w.team, w.model) == (REDACTED, REDACTED)
 
 
 @pytest.mark.parametrize("team_from_account", [True, False])

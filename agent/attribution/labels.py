@@ -18,6 +18,7 @@ from functools import lru_cache
 
 from agent.attribution.recognise import recognise_model
 from agent.model import ProcessFacts, Workload
+from agent.scrub import scrub
 
 # Pure, and sees the same few cmdlines every poll: remember its answers.
 _model_of = lru_cache(maxsize=8192)(recognise_model)
@@ -56,12 +57,16 @@ def rule_env_keys(rules: Sequence[LabelRule]) -> set[str]:
 def _field_value(
     key: str, w: Workload, cmdline: Sequence[str], facts: ProcessFacts | None, account: str | None
 ) -> str | None:
+    # The process's own cmdline and environment are matched scrubbed: a group (`$1`) would lift a
+    # secret out of the context that marks it (`--password=([^ ]+)` captures a bare "hunter2",
+    # which no later scrub can tell from a team name).
     if key == "cmdline":
-        return " ".join(cmdline) if cmdline else None
+        return scrub(" ".join(cmdline)) if cmdline else None
     if key == "account":
         return account
     if key.startswith("env."):
-        return facts.env_value(key[4:]) if facts is not None else None
+        value = facts.env_value(key[4:]) if facts is not None else None
+        return scrub(value) if value else value
     value = str(getattr(w, key))
     return value or None
 
