@@ -34,15 +34,24 @@ _SECRET_WORD = (
 )
 # The name's segments: any before the secret word, the word, any after; never inside a word.
 _NAME_BODY = rf"(?:[A-Za-z0-9]+[_.-])*{_SECRET_WORD}(?:[_.-][A-Za-z0-9]+)*(?![A-Za-z0-9])"
-_SECRET_NAME = rf"(?<![A-Za-z0-9]){_NAME_BODY}"
+# A name that ends in a strong secret word glued on, in any case: PGPASSWORD, HFTOKEN,
+# accessToken, clientSecret (max_tokens, --tokenizer and author still keep their values).
+_GLUED_BODY = r"[A-Za-z0-9]*(?:password|passwd|secret|token)"
+_SECRET_NAME = rf"(?<![A-Za-z0-9])(?:{_NAME_BODY}|{_GLUED_BODY}(?![A-Za-z0-9]))"
 
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@?#]*@")
 # A query string or fragment belongs to the URL it follows: from "?" or "#" to the next space.
 _URL_QUERY = re.compile(r"(?P<url>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s?#]*)[?#]\S*")
-# name=value or name: value (the value runs to whitespace, a quote, "&" or ";").
-_NAMED_VALUE = re.compile(rf"(?P<name>{_SECRET_NAME})(?P<sep>\s*[=:]\s*)(?P<value>[^\s&;'\"]+)", re.IGNORECASE)
+# name=value or name: value (the value runs to whitespace, a quote, "&" or ";"), the name and
+# the value each maybe quoted (`--password="x"`, JSON's `"api_key": "x"`).
+_NAMED_VALUE = re.compile(
+    rf"(?P<name>{_SECRET_NAME}['\"]?)(?P<sep>\s*[=:]\s*['\"]?)(?P<value>[^\s&;'\"]+)", re.IGNORECASE
+)
 # --name value (a command-line flag whose next word is the secret).
-_FLAG_VALUE = re.compile(rf"(?P<flag>--?{_NAME_BODY})(?P<sep>\s+)(?P<value>[^\s-][^\s]*)", re.IGNORECASE)
+_FLAG_VALUE = re.compile(
+    rf"(?P<flag>--?(?:{_NAME_BODY}|{_GLUED_BODY}(?![A-Za-z0-9])))(?P<sep>\s+['\"]?)(?P<value>[^\s'\"-][^\s'\"]*)",
+    re.IGNORECASE,
+)
 _AUTH_SCHEME = re.compile(
     r"\b(?P<scheme>Bearer|Basic|Token)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=-]{8,})", re.IGNORECASE
 )
@@ -53,6 +62,7 @@ _TOKEN_SHAPES = re.compile(
     r"|github_pat_[A-Za-z0-9_]{20,}"
     r"|sk-[A-Za-z0-9_-]{20,}"  # OpenAI and look-alikes
     r"|xox[abposr]-[A-Za-z0-9-]{10,}"  # Slack
+    r"|hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9/_-]+"  # Slack webhook URLs: the path is the key
     r"|(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids
     r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"  # JWT
     r")"

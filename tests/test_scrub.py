@@ -38,6 +38,16 @@ SECRET_SHAPES = [
     f"ghp_{CANARY}abcdefghijklmnopqrstuv",
     f"sk-{CANARY}abcdefghijklmnopqrstuv",
     "AKIA" + CANARY.upper()[:8] + "ABCDEFGH",
+    # These passed untouched: a secret word glued to the name, camelCase, quoted values, JSON,
+    # a Slack webhook's path.
+    f"PGPASSWORD={CANARY}",
+    f"HFTOKEN={CANARY}",
+    f"--accessToken {CANARY}",
+    f"clientSecret={CANARY}",
+    f'--password="{CANARY}"',
+    f"password='{CANARY}'",
+    f'{{"api_key": "{CANARY}"}}',
+    f"https://hooks.slack.com/services/T0001/B0001/{CANARY}",
 ]
 
 
@@ -72,6 +82,8 @@ def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
         "llama-3-8b",
         "--tokenizer bert-base-uncased",  # "token" inside a longer word is no secret name
         "max_tokens=512",
+        "maxTokens=512",
+        "--num-tokens 3",
         "author=alice",
         "https://hub.example.com/org/model",
         "/models/llama/7b",
