@@ -10,10 +10,13 @@ What is removed, and why each:
   - URL userinfo (``scheme://user:pass@host``): the classic leak through a model or repo URL.
   - URL query strings and fragments: signed URLs (S3, GCS, Azure SAS) carry their keys there.
   - ``name=value`` / ``name: value`` / ``--name value`` where the name says token, key, secret,
-    password, credential or auth: the value goes, the name stays so a reader knows why.
+    password, credential or auth (as a segment, or password/secret/token glued on at its end:
+    PGPASSWORD, accessToken), the value maybe quoted: the value goes, the name stays so a
+    reader knows why.
   - ``Bearer``/``Basic`` authorization values.
-  - Strings shaped like well-known token formats (Hugging Face, GitHub, OpenAI, Slack, AWS access
-    key ids, JWTs), wherever they appear: a bare token needs no name to be a secret.
+  - Strings shaped like well-known token formats (Hugging Face, GitHub, OpenAI, Slack tokens and
+    webhook paths, AWS access key ids, JWTs), wherever they appear: a bare token needs no name
+    to be a secret.
 A false positive costs a label its detail; a false negative costs a customer a key, so the
 patterns lean towards removing.
 """
