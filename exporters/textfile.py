@@ -53,12 +53,16 @@ def write_atomic(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
             os.unlink(tmp_name)
         raise
     # The rename itself reaches the disk only with the directory: without this a crash could
-    # bring back the previous version (or no file) after the poll that wrote the new one.
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    # bring back the previous version (or no file) after the poll that wrote the new one. Some
+    # filesystems cannot sync a directory (EINVAL), or the directory cannot be opened to read:
+    # the new version is in place all the same, so that is no failed write (one that the writer
+    # would log as "not written" and do again at each check, forever).
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 class TextfileWriter:

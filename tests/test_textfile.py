@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -246,3 +247,27 @@ def test_health_counters_alone_make_a_new_version(tmp_path: Path, demo_states: l
     assert writer.write_if_new()
     assert value(path.read_text(), "gpuledger_poll_failures_total") == 1
     assert os.path.getsize(path) == len(render(failed))
+
+
+def test_a_directory_that_cannot_be_synced_is_no_failed_write(
+    tmp_path: Path, demo_states: list[AgentState], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Some filesystems refuse fsync on a directory (EINVAL): the file is renamed into place all
+    # the same, so the writer must neither log it as not written nor rewrite it at every check.
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        real_fsync(fd)
+
+    monkeypatch.setattr(exporters.textfile.os, "fsync", fsync)
+    path = tmp_path / "gpuledger.prom"
+    writer = TextfileWriter(path, Source(demo_states[0]), render)
+    with caplog.at_level(logging.WARNING, logger="exporters.textfile"):
+        assert writer.write_if_new()
+        assert not writer.write_if_new()  # the same poll: written once, not again at each check
+    assert path.read_bytes() == render(demo_states[0])
+    assert (writer.writes, writer.failures) == (1, 0)
+    assert [r.getMessage() for r in caplog.records] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpuledger.prom"]
