@@ -102,7 +102,7 @@ class TextfileWriter:
             return True
 
     def start(self, poll_interval_s: float) -> None:
-        """Check for a new poll four times per poll interval (at most once a second)."""
+        """Check for a new poll four times per poll interval, and at least once a second."""
         from apscheduler.schedulers.background import BackgroundScheduler  # noqa: PLC0415 - run only
 
         check_s = min(1.0, poll_interval_s / 4)
