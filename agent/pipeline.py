@@ -217,9 +217,9 @@ class Pipeline:
         # are then read on the poll's own thread. The hand-off to the worker and back, two
         # cross-core wake-ups a poll, cost `simulate` a tenth of its time and buy nothing there.
         self.calls_block = calls_block
-        self._stuck: dict[str, float] = {}  # GPU key ("" for the driver) -> when its call got stuck
-        # GPU key -> the thread still in its call: each key is read again once its own call returns.
-        self._stuck_calls: dict[str, threading.Thread | None] = {}
+        # GPU key ("" for the driver) -> when its call got stuck, and the thread still in that
+        # call: each key is read again once its own call returns.
+        self._stuck: dict[str, tuple[float, threading.Thread | None]] = {}
         self.attributor = attributor
         # The driver-event reader: on its own thread in the daemon, caught up at each poll
         # otherwise (`simulate`, `snapshot`), so its events land in the state either way.
@@ -297,7 +297,7 @@ class Pipeline:
     def stuck(self) -> Mapping[str, float]:
         """GPUs (uuid; "" for the driver itself) whose call has not returned, and since when
         (monotonic seconds)."""
-        return dict(self._stuck)
+        return {key: since for key, (since, _call) in self._stuck.items()}
 
     # -- the poll -----------------------------------------------------------------------------
 
@@ -374,7 +374,7 @@ class Pipeline:
 
     def _sample(self) -> Sampled:
         stuck = self._stuck
-        for key, call in list(self._stuck_calls.items()):
+        for key, (_since, call) in list(stuck.items()):
             if call is not None and not call.is_alive():
                 # That stuck call returned at last (its thread ended): read its GPU again. Only
                 # its own: another GPU's call may still be stuck, and asking it again would
@@ -384,9 +384,9 @@ class Pipeline:
                     f"GPU {key}" if key else "the GPU driver", "it" if key else "every GPU",
                     extra={"uuid": key},
                 )  # fmt: skip
-                del stuck[key], self._stuck_calls[key]
+                del stuck[key]
         if stuck:
-            worst = self._monotonic() - min(stuck.values())
+            worst = self._monotonic() - min(since for since, _call in stuck.values())
             if worst > self.exit_after_s:
                 raise DriverHung(sorted(stuck), worst)
         if not self.calls_block:
@@ -415,8 +415,8 @@ class Pipeline:
 
     def _stick(self, key: str, timeout: CallTimeout) -> None:
         """`key`'s call did not return in time: it reads as stuck until that call's thread ends."""
-        self._stuck.setdefault(key, self._monotonic())
-        self._stuck_calls[key] = timeout.thread
+        since = self._stuck[key][0] if key in self._stuck else self._monotonic()
+        self._stuck[key] = (since, timeout.thread)
 
     def _read_devices(self, skip: Mapping[str, str]) -> Snapshot:
         """The sampler's poll, then (when no thread reads them) the driver events up to now."""
