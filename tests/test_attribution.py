@@ -421,6 +421,16 @@ def test_a_model_is_inherited_within_the_cgroup_uid_and_level_bound(tmp_path: Pa
             "meta-llama/Llama-3.1-8B",
         ),
         ("vllm serve meta-llama/Llama-3.1-8B --served-model-name llama8b", "meta-llama/Llama-3.1-8B"),
+        # the model positional after options: a value-taking option skips its value, a switch none
+        ("vllm serve --port 8000 meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B"),
+        ("vllm serve --tensor-parallel-size 2 --trust-remote-code --enforce-eager Qwen/Qwen2-7B", "Qwen/Qwen2-7B"),
+        ("vllm serve -tp 2 -O3 --no-enable-prefix-caching --dtype=bfloat16 Qwen/Qwen2-7B --port 8000", "Qwen/Qwen2-7B"),
+        ("vllm serve --served-model-name llama8b meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B"),
+        ("vllm serve --config serve.yaml --port 8000", None),
+        # llama.cpp: the GGUF path as given, from -m or --model; a hub repo from -hf
+        ("llama-server -m /models/qwen2-7b-q4_k_m.gguf -ngl 99 --port 8080", "/models/qwen2-7b-q4_k_m.gguf"),
+        ("/opt/llama.cpp/build/bin/llama-server --port 8080 --model /models/x.gguf", "/models/x.gguf"),
+        ("llama-server -hf ggml-org/gemma-3-1b-it-GGUF:Q4_K_M", "ggml-org/gemma-3-1b-it-GGUF:Q4_K_M"),
         ("python3 -m vllm.entrypoints.openai.api_server --served-model-name llama8b", "llama8b"),
         ("text-generation-launcher --model-id bigscience/bloom-560m --port 8080", "bigscience/bloom-560m"),
         # TGI's shards, which hold the GPUs its launcher only starts

@@ -7,6 +7,7 @@ win. Only the command line is used here: it is what `ps` shows anyone on the hos
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 # Flags that name a model, as the servers and training scripts spell them.
@@ -27,7 +28,8 @@ _MODEL_FLAGS = (
 # of its flags (`vllm serve MODEL --served-model-name ALIAS` names MODEL).
 _SERVED_NAME_FLAGS = ("--served-model-name",)
 
-# Commands that take the model as the word after a subcommand: `<command> <subcommand> MODEL`.
+# Commands that take the model as a positional word after a subcommand: `<command> <subcommand>
+# [options] MODEL [options]`, the options parsed the argparse way (see `_positional`).
 # text-generation-launcher holds no GPU itself: it starts one `text-generation-server serve
 # MODEL_ID --uds-path ...` per shard (TGI's launcher/src/main.rs, shard_manager), and those hold them.
 _POSITIONAL_MODEL = {
@@ -35,6 +37,74 @@ _POSITIONAL_MODEL = {
     "ollama": ("run", "serve"),
     "text-generation-server": ("serve",),
 }
+# Options of those commands that take no value (argparse store_true, vLLM's BooleanOptionalAction,
+# TGI's and Ollama's bool flags), from their --help: the word after one is not its value. Every
+# `--no-<name>` negation takes none either. An option not listed here takes the word after it.
+_SWITCHES = frozenset(
+    {
+        "-h",
+        "--help",
+        "--version",
+        "--trust-remote-code",
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--enable-lora",
+        "--enable-lora-bias",
+        "--fully-sharded-loras",
+        "--enable-prompt-adapter",
+        "--enable-auto-tool-choice",
+        "--enable-reasoning",
+        "--enable-expert-parallel",
+        "--enable-eplb",
+        "--enable-sleep-mode",
+        "--enable-prompt-tokens-details",
+        "--enable-request-id-headers",
+        "--enable-server-load-tracking",
+        "--enable-force-include-usage",
+        "--enable-log-requests",
+        "--enable-log-outputs",
+        "--enable-tokenizer-info-endpoint",
+        "--skip-tokenizer-init",
+        "--disable-log-requests",
+        "--disable-log-stats",
+        "--disable-sliding-window",
+        "--disable-custom-all-reduce",
+        "--disable-cascade-attn",
+        "--disable-chunked-mm-input",
+        "--disable-async-output-proc",
+        "--disable-frontend-multiprocessing",
+        "--disable-fastapi-docs",
+        "--disable-uvicorn-access-log",
+        "--calculate-kv-scales",
+        "--async-scheduling",
+        "--headless",
+        "--return-tokens-as-token-ids",
+        "--multi-step-stream-outputs",
+        "--use-v2-block-manager",
+        "--worker-use-ray",
+        "--ray-workers-use-nsight",
+        "--data-parallel-hybrid-lb",
+        "--data-parallel-external-lb",
+        "--sharded",
+        "--json-output",
+        "--verbose",
+        "--insecure",
+        "--nowordwrap",
+        "--think",
+        "--hidethinking",
+    }
+)
+# A short option with its value glued on (vLLM's `-O3`) takes no word after it either.
+_GLUED_SHORT = re.compile(r"-[A-Za-z][0-9]+")
+
+# llama.cpp's tools load one GGUF file, `-m FILE` / `--model FILE`, or fetch one from the Hugging
+# Face hub, `-hf USER/MODEL[:QUANT]` (`-hfr`, `--hf-repo`). The model is the path as given, the
+# way a local directory served by vLLM is named: the file's directory often carries its family
+# and version, which the bare file stem would lose. `-m` means this only to these commands (to
+# Python it names a module).
+_LLAMA_CPP = frozenset({"llama-server", "llama-cli", "llama-run", "llama-bench", "llama-embedding"})
+_LLAMA_CPP_MODEL_FLAGS = ("-m", "--model", "-hf", "-hfr", "--hf-repo")
 
 
 def _flag_value(argv: Sequence[str], flags: Sequence[str]) -> str | None:
@@ -61,6 +131,26 @@ def recognise_model(cmdline: Sequence[str]) -> str | None:
     return (model.rstrip("/") or model) if model else None
 
 
+def _positional(argv: Sequence[str], start: int) -> str | None:
+    """The first word from argv[start] on that is neither an option nor an option's value, as
+    argparse reads `vllm serve --port 8000 MODEL` and `vllm serve MODEL --port 8000` alike. An
+    option is a word starting with '-'; `--name=value` and `-O3` carry their value, a switch
+    (`_SWITCHES`, `--no-<name>`) has none, and any other option takes the next word. So an
+    option missing from `_SWITCHES` right before the model takes it for its value: the model is
+    then not named (its owner's other processes may name it), never mistaken for another word."""
+    i = start
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":  # the end of options: what follows is positional
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if not word.startswith("-"):
+            return word
+        carries_value = "=" in word or _GLUED_SHORT.fullmatch(word) is not None
+        switch = word in _SWITCHES or word.startswith("--no-")
+        i += 1 if carries_value or switch else 2
+    return None
+
+
 def _recognised(argv: list[str]) -> str | None:
     if not argv:
         return None
@@ -68,8 +158,12 @@ def _recognised(argv: list[str]) -> str | None:
     # `vllm serve MODEL`, `ollama run MODEL` and TGI's shards take the model as a positional argument.
     for i, word in enumerate(words):
         commands = _POSITIONAL_MODEL.get(word, ())
-        if i + 2 < len(argv) and argv[i + 1] in commands and not argv[i + 2].startswith("-"):
-            return argv[i + 2]
+        if i + 1 < len(argv) and argv[i + 1] in commands:
+            model = _positional(argv, i + 2)
+            if model:
+                return model
+    if any(w in _LLAMA_CPP for w in words):
+        return _flag_value(argv, _LLAMA_CPP_MODEL_FLAGS)
     # Triton serves a repository of models; name the repository when no model is explicit.
     if any(w in ("tritonserver", "triton") for w in words):
         explicit = _flag_value(argv, ("--load-model",))
