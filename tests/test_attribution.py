@@ -602,6 +602,21 @@ def test_a_cgroup_a_user_made_in_her_own_delegated_tree_bills_nobody_else() -> N
     assert sum(dollars.values()) + idle + unobserved == pytest.approx(5 * 1 * 2.0)
 
 
+def dollars_by_workload(state: AgentState) -> dict[Workload, float]:
+    """Every workload's dollars so far, summed over its GPUs."""
+    found: dict[Workload, float] = {}
+    for (_gpu, _uuid, workload), totals in state.costs.workloads.items():
+        found[workload] = found.get(workload, 0.0) + totals.dollars
+    return found
+
+
+def assert_conserved(state: AgentState, dollars: dict[Workload, float], expected: float) -> None:
+    """Charged + idle + unobserved is the price of every GPU over the whole time."""
+    idle = sum(g.idle_dollars for g in state.costs.gpus.values())
+    unobserved = sum(g.unobserved_dollars for g in state.costs.gpus.values())
+    assert sum(dollars.values()) + idle + unobserved == pytest.approx(expected)
+
+
 def test_another_users_process_on_a_mapped_gpu_is_not_billed_to_the_job() -> None:
     # Bob's job 4242 is allocated GPUs 0 and 1 (the prolog's map files) and runs on GPU 1 alone.
     # Mallory, logged in outside Slurm (her session's cgroup), runs on GPU 0 at 90%, her
@@ -629,16 +644,37 @@ def test_another_users_process_on_a_mapped_gpu_is_not_billed_to_the_job() -> Non
         r.close()
     job, mallory = Workload(hpc_job="4242", user="bob", team="physics"), Workload(user="mallory")
     assert owners(state)["0"] == [mallory, job]
-    dollars: dict[Workload, float] = {}
-    for (_gpu, _uuid, workload), totals in state.costs.workloads.items():
-        dollars[workload] = dollars.get(workload, 0.0) + totals.dollars
+    dollars = dollars_by_workload(state)
     # $3.60/GPU-hour for 1h. GPU 0: Mallory at 90%, the job's allocation using none of it, split
     # by utilization: 0.9/0.9 x $3.60 = $3.60 hers, $0 the job's. GPU 1: the job alone, $3.60.
     # (It was $7.20 to Bob's job, Mallory's hour included.) 2 GPUs x 1h x $3.60 = $7.20 in all.
     assert dollars == pytest.approx({job: 3.6, mallory: 3.6})
-    idle = sum(g.idle_dollars for g in state.costs.gpus.values())
-    unobserved = sum(g.unobserved_dollars for g in state.costs.gpus.values())
-    assert sum(dollars.values()) + idle + unobserved == pytest.approx(2 * 1 * 3.6)
+    assert_conserved(state, dollars, 2 * 1 * 3.6)
+
+
+def test_an_array_tasks_processes_and_allocation_are_one_job_known_by_its_array_name(rig: Any) -> None:
+    # Array task 1234_7 has job id 1235 of its own: slurmd's cgroup says job_1235, the prolog's
+    # map files say "1235=1234_7" for its GPUs 0 and 1. It runs on GPU 0 only.
+    r = rig(
+        {
+            "start": "2026-11-20T18:00:00Z",
+            "gpus": [{"model": "A100-SXM4-80GB", "count": 2}],
+            "processes": [
+                {"pid": 800, "gpus": [0], "sm_util": 60, "uid": 1010, "user": "alice",
+                 "cgroup": "/system.slice/slurmstepd.scope/job_1235/step_batch/user/task_0"},
+            ],
+            "allocations": [{"gpus": [0, 1], "slurm_job": "1235=1234_7", "user": "alice"}],
+        },
+        settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
+    )  # fmt: skip
+    state = r.run(3600.0, 60.0)
+    task = Workload(hpc_job="1234_7", user="alice")
+    assert owners(state) == {"0": [task], "1": [task]}
+    dollars = dollars_by_workload(state)
+    # $3.60/GPU-hour for 1h, both GPUs the task's: 2 x 1h x $3.60 = $7.20, none of it to a
+    # job "1235" beside it (it was GPU 0's $3.60 to "1235", GPU 1 idle).
+    assert dollars == pytest.approx({task: 7.2})
+    assert_conserved(state, dollars, 2 * 1 * 3.6)
 
 
 def test_the_environment_allowlist_keeps_secrets_out(tmp_path: Path) -> None:

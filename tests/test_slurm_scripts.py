@@ -44,6 +44,19 @@ def test_the_prolog_maps_each_gpu_of_the_job_and_the_epilog_removes_only_its_own
     assert held(map_dir) == {}
 
 
+def test_an_array_task_is_mapped_by_its_own_job_id_and_named_as_users_know_it(tmp_path: Path) -> None:
+    map_dir = tmp_path / "jobs"
+    task = {"SLURM_JOB_ID": "1235", "SLURM_ARRAY_JOB_ID": "1234", "SLURM_ARRAY_TASK_ID": "7"}
+    slurmd_runs(PROLOG, map_dir, SLURM_JOB_GPUS="1", SLURM_JOB_USER="alice", **task)
+    slurmd_runs(PROLOG, map_dir, SLURM_JOB_GPUS="2", SLURM_JOB_ID="1240", SLURM_JOB_USER="bob")
+    [mapped, plain] = sorted(read_slurm_map(map_dir), key=lambda a: a.gpu_index)
+    # labelled `1234_7`, tied to slurmd's job_1235 cgroup
+    assert (mapped.job, mapped.job_id, mapped.user) == ("1234_7", "1235", "alice")
+    assert (plain.job, plain.job_id) == ("1240", "1240")
+    slurmd_runs(EPILOG, map_dir, **task)
+    assert held(map_dir) == {2: ("1240", "bob", None)}
+
+
 def test_a_job_without_gpus_or_a_directory_that_cannot_be_made_fails_nothing(tmp_path: Path) -> None:
     map_dir = tmp_path / "jobs"
     slurmd_runs(PROLOG, map_dir, SLURM_JOB_ID="4242", SLURM_JOB_USER="bob")  # a CPU-only job

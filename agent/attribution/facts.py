@@ -35,6 +35,17 @@ class SlurmAllocation:
     # allocation's start. None where the file's time could not be read.
     started_at: float | None = None
     account: str | None = None  # the job's Slurm account, where the map file names it
+    # An array task's own job id, where `job` is its `<array job>_<task>` (the map file's
+    # `1235=1234_7`); None for any other job.
+    task_job_id: str | None = None
+
+    @property
+    def job_id(self) -> str | None:
+        """The numeric id slurmd names the job's cgroup by (`job_<id>`): `job` itself for a plain
+        job, the task's own for an array task; None where the map file gives only `1234_7`."""
+        if self.task_job_id is not None:
+            return self.task_job_id
+        return self.job if self.job.isascii() and self.job.isdigit() else None
 
 
 @dataclass(frozen=True)

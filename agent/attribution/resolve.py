@@ -123,6 +123,9 @@ def attribute(inputs: Inputs) -> Attribution:
         uuid = by_slot.get((s.gpu_index, s.gpu_instance_id))
         if uuid is not None:
             slurm_on_device[uuid] = s
+    # slurmd's cgroup names a job by its numeric id; the map files say the name users know it
+    # by (an array task's `1234_7`), which labels it on every device.
+    slurm_names = {s.job_id: s.job for s in inputs.slurm_allocations if s.job_id is not None}
 
     unresolved: dict[str, int] = {}
     placed: list[tuple[str, ProcessReading, ProcessFacts | None, Workload, bool, str]] = []
@@ -136,7 +139,7 @@ def attribute(inputs: Inputs) -> Attribution:
                 placed.append((device.uuid, proc, None, Workload(), False, ""))
             else:
                 workload, claimed, account = _process_workload(
-                    facts, device.uuid, inputs, pod_containers, slurm_on_device
+                    facts, device.uuid, inputs, pod_containers, slurm_on_device, slurm_names
                 )
                 placed.append((device.uuid, proc, facts, workload, claimed, account))
     owner_models = _owner_models(workload for *_, workload, _claimed, _account in placed)
@@ -274,6 +277,7 @@ def _process_workload(
     inputs: Inputs,
     pod_containers: Mapping[str, Mapping[tuple[str, str], set[str]]],
     slurm_on_device: Mapping[str, SlurmAllocation],
+    slurm_names: Mapping[str, str],
 ) -> tuple[Workload, bool, str]:
     """The process's workload, whether only its own environment says so, and its Slurm account.
 
@@ -300,10 +304,11 @@ def _process_workload(
         container = next(iter(containers)) if len(containers) == 1 else ""
         w = Workload(namespace=namespace, pod=pod or f"uid-{owner.pod_uid}", container=container)
     elif owner is not None and owner.kind == "slurm" and owner.slurm_job:
-        # slurmd's cgroup names the job; its user is the map file's for that job, else the uid's.
+        # slurmd's cgroup names the job (by its numeric id: the map files name an array task's
+        # `1234_7`); its user is the map file's for that job, else the uid's.
         mapped = slurm_on_device.get(device_uuid)
-        job_user = mapped.user if mapped is not None and mapped.job == owner.slurm_job and mapped.user else user
-        w = Workload(hpc_job=owner.slurm_job, user=job_user)
+        job_user = mapped.user if mapped is not None and mapped.job_id == owner.slurm_job and mapped.user else user
+        w = Workload(hpc_job=slurm_names.get(owner.slurm_job, owner.slurm_job), user=job_user)
     else:
         env_job = facts.env_value("SLURM_JOB_ID")
         mapped = slurm_on_device.get(device_uuid)

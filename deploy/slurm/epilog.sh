@@ -11,6 +11,6 @@ for file in "$map_dir"/*; do
     [ -f "$file" ] && [ ! -L "$file" ] || continue
     job=
     read -r job _ < "$file" 2>/dev/null  # false on a last line with no newline, job read all the same
-    [ "$job" = "$SLURM_JOB_ID" ] && rm -f "$file"
+    [ "${job%%=*}" = "$SLURM_JOB_ID" ] && rm -f "$file"  # an array task's is JOBID=ARRAYJOB_TASK
 done
 exit 0

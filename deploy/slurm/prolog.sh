@@ -9,16 +9,23 @@
 # A prolog that fails drains the node: this one never fails. Each file is written under a
 # temporary name and renamed into place, so the agent never reads half of one; its
 # modification time is the job's start on that GPU. Whole GPUs only: SLURM_JOB_GPUS holds the
-# GPU indexes Slurm allocated.
+# GPU indexes Slurm allocated. An array task has a job id of its own, which slurmd names its
+# cgroup by, and is known to users as <array job id>_<task id> (squeue, sacct): it is written
+# "JOBID=ARRAYJOB_TASK", where slurmd hands the prolog SLURM_ARRAY_JOB_ID and SLURM_ARRAY_TASK_ID.
 map_dir=${GPULEDGER_ATTRIBUTION__SLURM_MAP_DIR:-/run/gpuledger/jobs}
 [ -n "${SLURM_JOB_GPUS:-}" ] && [ -n "${SLURM_JOB_ID:-}" ] || exit 0
+job=$SLURM_JOB_ID
+case ${SLURM_ARRAY_JOB_ID:-}_${SLURM_ARRAY_TASK_ID:-} in
+    _* | *_ | *[!0-9_]*) ;;
+    *) job="$SLURM_JOB_ID=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID" ;;
+esac
 umask 022
 mkdir -p "$map_dir" 2>/dev/null || exit 0
 IFS=, read -ra gpus <<< "$SLURM_JOB_GPUS"
 for gpu in "${gpus[@]}"; do
     case $gpu in *[!0-9]* | '') continue ;; esac
     tmp=$(mktemp "$map_dir/.gpu$gpu.XXXXXX" 2>/dev/null) || continue
-    if printf '%s %s %s\n' "$SLURM_JOB_ID" "${SLURM_JOB_USER:-}" "${SLURM_JOB_ACCOUNT:-}" > "$tmp" \
+    if printf '%s %s %s\n' "$job" "${SLURM_JOB_USER:-}" "${SLURM_JOB_ACCOUNT:-}" > "$tmp" \
         && chmod 0644 "$tmp" && mv -f "$tmp" "$map_dir/$gpu"; then
         continue
     fi

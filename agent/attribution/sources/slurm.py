@@ -1,6 +1,8 @@
 """Slurm's GPU mapping directory, as a prolog writes it and an epilog removes it: one file per
 GPU index (or MIG `gpu.gi`) holding `JOBID [USER [ACCOUNT]]`, its modification time the job's
-start there. A missing directory is a node without Slurm.
+start there. An array task's JOBID is `<its job id>=<array job id>_<task id>`: slurmd names its
+cgroup by the first, users know it by the second, which labels it. A missing directory is a
+node without Slurm.
 
 The directory is looked at every poll (a prolog or epilog may have run since the last), but a
 file is read again only when its stat changed (`SlurmMap`): an unchanged map costs one stat
@@ -30,6 +32,9 @@ _MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
 # Slurm account names: letters, digits and a few separators (sacctmgr refuses the rest).
 _ACCOUNT = re.compile(r"[A-Za-z0-9_.@+-]{1,128}")
 _JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a job id, or an array task's (`1234_7`)
+# An array task as the prolog writes it, `<its own job id>=<array job id>_<task id>`: the id its
+# cgroup carries, and the one squeue and sacct show.
+_ARRAY_TASK = re.compile(r"([0-9]+)=([0-9]+_[0-9]+)")
 _MapFile = tuple[str, str, re.Match[str]]  # name, path, the name's match of _MAP_NAME
 # "JOBID USER ACCOUNT" is a few dozen bytes: a map file is read no further than this.
 _MAP_FILE_MAX_BYTES = 4096
@@ -135,13 +140,19 @@ def _parse(path: str, match: re.Match[str], text: str, written_at: float) -> Slu
     """The allocation a map file names, or None where its first line holds no job id."""
     first = text.strip().splitlines()
     fields = first[0].split() if first else []
-    if not fields or not _JOB_ID.fullmatch(fields[0]):
+    task = _ARRAY_TASK.fullmatch(fields[0]) if fields else None
+    if task is not None:
+        task_job_id, job = task.group(1), task.group(2)
+    elif fields and _JOB_ID.fullmatch(fields[0]):
+        task_job_id, job = None, fields[0]
+    else:
         log.debug("ignoring %s: no job id on its first line", path)
         return None
     return SlurmAllocation(
         gpu_index=int(match.group(1)),
         gpu_instance_id=int(match.group(2)) if match.group(2) else None,
-        job=fields[0],
+        job=job,
+        task_job_id=task_job_id,
         user=fields[1] if len(fields) > 1 else None,
         started_at=written_at,
         account=fields[2] if len(fields) > 2 and _ACCOUNT.fullmatch(fields[2]) else None,
