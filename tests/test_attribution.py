@@ -677,6 +677,36 @@ def test_an_array_tasks_processes_and_allocation_are_one_job_known_by_its_array_
     assert_conserved(state, dollars, 2 * 1 * 3.6)
 
 
+def test_a_process_of_a_pod_the_kubelet_no_longer_lists_is_not_billed_to_the_pod_now_allocated(rig: Any) -> None:
+    # A pod that was deleted left a process running on GPU 0 (its uid named by no log directory,
+    # no kubelet row). The GPU is now allocated to serving/vllm-1, whose own uid the kubelet's log
+    # directories name: the leftover process is not vllm-1's.
+    gone = "7d1e2f3a-0000-4000-8000-00000000dead"
+    pod = serving_pod("vllm-1", "vllm", "1c2d3e4f-0000-4000-8000-00000000aa02")
+    r = rig(
+        {
+            "start": "2026-11-20T18:00:00Z",
+            "gpus": [{"model": "A100-SXM4-80GB"}],
+            "processes": [
+                {"pid": 900, "gpus": [0], "sm_util": 90, "uid": 1000, "cmdline": "python serve.py",
+                 "cgroup": f"/kubepods.slice/kubepods-pod{gone.replace('-', '_')}.slice/"
+                 f"cri-containerd-{'ab' * 32}.scope"},
+            ],
+            "allocations": [{"gpus": [0], "pod": pod}],
+        },
+        settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
+    )  # fmt: skip
+    state = r.run(3600.0, 60.0)
+    leftover = Workload(pod=f"uid-{gone}")
+    allocated = Workload(namespace="serving", pod="vllm-1", container="vllm")
+    assert sorted(owners(state)["0"]) == sorted([leftover, allocated])
+    dollars = dollars_by_workload(state)
+    # $3.60/GPU-hour for 1h, split by utilization: the leftover process at 90%, vllm-1's
+    # allocation at 0%: 0.9/0.9 x $3.60 = $3.60 the leftover's, $0 vllm-1's (it was all vllm-1's).
+    assert dollars == pytest.approx({leftover: 3.6, allocated: 0.0})
+    assert_conserved(state, dollars, 1 * 1 * 3.6)
+
+
 def test_the_environment_allowlist_keeps_secrets_out(tmp_path: Path) -> None:
     environ = b"SLURM_JOB_ID=77\0HF_TOKEN=hf_secret\0AWS_SECRET_ACCESS_KEY=abc\0PATH=/bin\0"
     write_proc(tmp_path, 42, "python (x)", 12345, "0::/user.slice/user-1000.slice/session-1.scope\n", environ)

@@ -9,7 +9,7 @@ are switched on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -126,6 +126,7 @@ def attribute(inputs: Inputs) -> Attribution:
     # slurmd's cgroup names a job by its numeric id; the map files say the name users know it
     # by (an array task's `1234_7`), which labels it on every device.
     slurm_names = {s.job_id: s.job for s in inputs.slurm_allocations if s.job_id is not None}
+    named_pods = frozenset(inputs.pod_names.values())  # the pods whose uid the log directories name
 
     unresolved: dict[str, int] = {}
     placed: list[tuple[str, ProcessReading, ProcessFacts | None, Workload, bool, str]] = []
@@ -139,7 +140,7 @@ def attribute(inputs: Inputs) -> Attribution:
                 placed.append((device.uuid, proc, None, Workload(), False, ""))
             else:
                 workload, claimed, account = _process_workload(
-                    facts, device.uuid, inputs, pod_containers, slurm_on_device, slurm_names
+                    facts, device.uuid, inputs, pod_containers, named_pods, slurm_on_device, slurm_names
                 )
                 placed.append((device.uuid, proc, facts, workload, claimed, account))
     owner_models = _owner_models(workload for *_, workload, _claimed, _account in placed)
@@ -276,6 +277,7 @@ def _process_workload(
     device_uuid: str,
     inputs: Inputs,
     pod_containers: Mapping[str, Mapping[tuple[str, str], set[str]]],
+    named_pods: Collection[tuple[str, str]],
     slurm_on_device: Mapping[str, SlurmAllocation],
     slurm_names: Mapping[str, str],
 ) -> tuple[Workload, bool, str]:
@@ -297,9 +299,12 @@ def _process_workload(
     if owner is not None and owner.kind == "pod" and owner.pod_uid:
         namespace, pod = inputs.pod_names.get(owner.pod_uid, ("", ""))
         pods = pod_containers.get(device_uuid, {})
-        if not pod and len(pods) == 1:
-            # The kubelet names the pods holding this device; with exactly one, it is ours.
-            namespace, pod = next(iter(pods))
+        only = next(iter(pods)) if len(pods) == 1 else None
+        if not pod and only is not None and only not in named_pods:
+            # The kubelet names the pods holding this device; with exactly one, it is ours, unless
+            # the log directories name that pod under its own uid: then ours is another pod (one
+            # the kubelet no longer lists, whose process outlived it), not to be billed to it.
+            namespace, pod = only
         containers = pods.get((namespace, pod), set())
         container = next(iter(containers)) if len(containers) == 1 else ""
         w = Workload(namespace=namespace, pod=pod or f"uid-{owner.pod_uid}", container=container)
