@@ -137,14 +137,20 @@ def _positional(argv: Sequence[str], start: int) -> str | None:
     option is a word starting with '-'; `--name=value` and `-O3` carry their value, a switch
     (`_SWITCHES`, `--no-<name>`) has none, and any other option takes the next word. So an
     option missing from `_SWITCHES` right before the model takes it for its value: the model is
-    then not named (its owner's other processes may name it), never mistaken for another word."""
+    then not named (its owner's other processes may name it), never mistaken for another word.
+    A word holding '=' is passed over: the further items of a list option."""
     i = start
     while i < len(argv):
         word = argv[i]
         if word == "--":  # the end of options: what follows is positional
             return argv[i + 1] if i + 1 < len(argv) else None
         if not word.startswith("-"):
-            return word
+            if "=" not in word:
+                return word
+            # `name=path` is an item of a list option (`--lora-modules sql=/loras/sql chat=...`),
+            # never a model: no Hugging Face id holds '='.
+            i += 1
+            continue
         carries_value = "=" in word or _GLUED_SHORT.fullmatch(word) is not None
         switch = word in _SWITCHES or word.startswith("--no-")
         i += 1 if carries_value or switch else 2
