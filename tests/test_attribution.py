@@ -708,6 +708,34 @@ def test_a_process_of_a_pod_the_kubelet_no_longer_lists_is_not_billed_to_the_pod
     assert_conserved(state, dollars, 1 * 1 * 3.6)
 
 
+def test_a_static_pod_is_named_from_its_log_directory(rig: Any) -> None:
+    # A static pod's uid is the kubelet's 32-hex hash of its manifest, not a UUID; its log
+    # directory is /var/log/pods/<namespace>_<name>_<hash> all the same. It shares GPU 0 with a
+    # pod of the API server, so the kubelet's list alone cannot say whose the process is.
+    static = {"namespace": "kube-system", "name": "llm-node1", "container": "llm",
+              "uid": "4f9a6a2c7cfa9d3e5a3c1e2d4b5f6a7b"}  # fmt: skip
+    other = serving_pod("vllm-2", "vllm", "1c2d3e4f-0000-4000-8000-00000000aa03")
+    r = rig(
+        {
+            "start": "2026-11-20T18:00:00Z",
+            "gpus": [{"model": "A100-SXM4-80GB"}],
+            "processes": [
+                {"pid": 910, "gpus": [0], "sm_util": 60, "uid": 1000, "pod": static},
+                {"pid": 911, "gpus": [0], "sm_util": 30, "uid": 1000, "pod": other},
+            ],
+        },
+        settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
+    )
+    state = r.run(3600.0, 60.0)
+    named = Workload(namespace="kube-system", pod="llm-node1", container="llm")
+    serving = Workload(namespace="serving", pod="vllm-2", container="vllm")
+    dollars = dollars_by_workload(state)
+    # $3.60/GPU-hour for 1h split by utilization 60:30: 60/90 x $3.60 = $2.40 and 30/90 x $3.60
+    # = $1.20 (the static pod's was under pod "uid-4f9a...").
+    assert dollars == pytest.approx({named: 2.4, serving: 1.2})
+    assert_conserved(state, dollars, 1 * 1 * 3.6)
+
+
 def test_the_environment_allowlist_keeps_secrets_out(tmp_path: Path) -> None:
     environ = b"SLURM_JOB_ID=77\0HF_TOKEN=hf_secret\0AWS_SECRET_ACCESS_KEY=abc\0PATH=/bin\0"
     write_proc(tmp_path, 42, "python (x)", 12345, "0::/user.slice/user-1000.slice/session-1.scope\n", environ)

@@ -16,7 +16,9 @@ from agent.attribution.sources.base import AttributionSource, SourceOptions
 from agent.attribution.sources.settled import Listing
 from agent.model import Snapshot
 
-_POD_DIR = re.compile(r"^([a-z0-9][a-z0-9-]*)_([a-z0-9][a-z0-9.-]*)_([0-9a-f-]{36})$")
+# The uid is the API server's UUID, or for a static pod the kubelet's 32-hex hash of its manifest
+# (pkg/kubelet/config/common.go), which its cgroup carries too.
+_POD_DIR = re.compile(r"^([a-z0-9][a-z0-9-]*)_([a-z0-9][a-z0-9.-]*)_([0-9a-f-]{36}|[0-9a-f]{32})$")
 
 
 def read_pod_log_dirs(directory: str | Path) -> dict[str, tuple[str, str]]:
