@@ -295,6 +295,27 @@ def test_the_trace_is_a_scenario_with_readings_as_time_series(recorded: tuple[Pa
     assert any(a.get("pod", {}).get("name") == "vllm-0" for a in trace.get("allocations", []))
 
 
+def test_a_slurm_array_task_replays_as_the_one_job_it_was_recorded_as() -> None:
+    # Array task 1234_7 (its own job id 1235, its cgroup's) on GPU 0, and allocated GPU 1 too.
+    task: dict[str, Any] = {
+        "start": "2026-11-20T18:00:00Z",
+        "gpus": [{"model": "A100-SXM4-80GB", "count": 2}],
+        "processes": [
+            {"pid": 800, "gpus": [0], "sm_util": 60, "memory_mib": 1000, "uid": 1010, "user": "alice",
+             "cmdline": "python train.py", "cgroup": "/system.slice/slurmstepd.scope/job_1235/step_0/user/task_0"},
+        ],
+        "allocations": [{"gpus": [0, 1], "slurm_job": "1235=1234_7", "user": "alice"}],
+    }  # fmt: skip
+    trace, polls = record_node(task)
+    fake_nvml.uninstall()
+    held = {labels for name, labels in polls[-1] if name == "gpuledger_workload_cost_dollars_total"}
+    assert {dict(labels)["hpc_job"] for labels in held} == {"1234_7"}
+    replayed = replayed_series(trace)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        problems = same(original, again)
+        assert not problems, f"poll {k} (t={k * STEP_S:g}s): " + "\n".join(problems[:20])
+
+
 def test_command_lines_are_anonymised_unless_kept_and_environments_never_recorded() -> None:
     trace, polls = record_node(NODE, keep_cmdlines=False)
     text = yaml.safe_dump(trace)

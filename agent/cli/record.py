@@ -396,8 +396,20 @@ class TraceRecorder:
                     pod["uid"] = owner.pod_uid
                 entry["pod"] = pod
             elif w.hpc_job:
-                entry["slurm_job"] = w.hpc_job
+                entry["slurm_job"] = self._map_job(w.hpc_job)
         return entry
+
+    def _map_job(self, job: str) -> str:
+        """What a prolog wrote in the map file of the job labelled `job`: an array task's own job
+        id (its processes' cgroup's) before its `1234_7`, so that the replay ties the two."""
+        for track in self._processes.values():
+            held = track.holding
+            if held is None or held.workload.hpc_job != job or not track.cgroup:
+                continue
+            owner = parse_cgroup(track.cgroup)
+            if owner is not None and owner.slurm_job and owner.slurm_job != job:
+                return f"{owner.slurm_job}={job}"
+        return job
 
     def _samples(self, track: _Process) -> dict[float, int]:
         """The driver's samples of the process on its first GPU: scenario time -> percent."""
@@ -437,7 +449,7 @@ class TraceRecorder:
                     pod = {"namespace": workload.namespace, "name": workload.pod, "container": workload.container}
                     entry["pod"] = pod
                 elif workload.hpc_job:
-                    entry["slurm_job"] = workload.hpc_job
+                    entry["slurm_job"] = self._map_job(workload.hpc_job)
                     if workload.user:
                         entry["user"] = workload.user
                 else:
