@@ -442,6 +442,9 @@ def test_a_model_is_inherited_within_the_cgroup_uid_and_level_bound(tmp_path: Pa
         ),
         ("tritonserver --model-repository=/models/ensemble-llm", "ensemble-llm"),
         ("tritonserver --model-repository /models --load-model resnet50", "resnet50"),
+        # several models, or all of them: the repository, not the first one named
+        ("tritonserver --model-repository=/models/prod --load-model=resnet50 --load-model=bert", "prod"),
+        ("tritonserver --model-repository=/models/prod --model-control-mode=explicit --load-model=*", "prod"),
         ("python3 -m sglang.launch_server --model-path Qwen/Qwen2-7B-Instruct --port 30000", "Qwen/Qwen2-7B-Instruct"),
         ("ollama run llama3.1:8b", "llama3.1:8b"),
         # A local directory, with or without its trailing slash, is one model (it was two rows).

@@ -108,14 +108,24 @@ _LLAMA_CPP_MODEL_FLAGS = ("-m", "--model", "-hf", "-hfr", "--hf-repo")
 
 
 def _flag_value(argv: Sequence[str], flags: Sequence[str]) -> str | None:
+    values = _flag_values(argv, flags, first_only=True)
+    return values[0] if values else None
+
+
+def _flag_values(argv: Sequence[str], flags: Sequence[str], *, first_only: bool = False) -> list[str]:
+    """The values given to any of `flags`, in order (`--flag value` or `--flag=value`)."""
+    found: list[str] = []
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
-        if name in flags:
-            if eq:
-                return value or None
-            if i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-                return argv[i + 1]
-    return None
+        if name not in flags:
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else ""
+        if value:
+            found.append(value)
+            if first_only:
+                break
+    return found
 
 
 def _split(cmdline: Sequence[str]) -> list[str]:
@@ -170,11 +180,12 @@ def _recognised(argv: list[str]) -> str | None:
                 return model
     if any(w in _LLAMA_CPP for w in words):
         return _flag_value(argv, _LLAMA_CPP_MODEL_FLAGS)
-    # Triton serves a repository of models; name the repository when no model is explicit.
+    # Triton serves a repository of models; name the repository unless exactly one model is
+    # loaded: `--load-model` may be given once per model, and `--load-model=*` loads them all.
     if any(w in ("tritonserver", "triton") for w in words):
-        explicit = _flag_value(argv, ("--load-model",))
-        if explicit:
-            return explicit
+        loaded = set(_flag_values(argv, ("--load-model",)))
+        if len(loaded) == 1 and "*" not in loaded:
+            return loaded.pop()
         repo = _flag_value(argv, ("--model-repository", "--model-store"))
         return os.path.basename(repo.rstrip("/")) if repo else None
     return _flag_value(argv, _MODEL_FLAGS) or _flag_value(argv, _SERVED_NAME_FLAGS)
