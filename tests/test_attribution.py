@@ -427,6 +427,9 @@ def test_a_model_is_inherited_within_the_cgroup_uid_and_level_bound(tmp_path: Pa
         ("vllm serve -tp 2 -O3 --no-enable-prefix-caching --dtype=bfloat16 Qwen/Qwen2-7B --port 8000", "Qwen/Qwen2-7B"),
         ("vllm serve --served-model-name llama8b meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B"),
         ("vllm serve --config serve.yaml --port 8000", None),
+        # A switch the recogniser does not know takes no option for its value: not "8000" or "2".
+        ("vllm serve --some-new-switch --port 8000 meta/M", "meta/M"),
+        ("vllm serve --some-new-switch -tp 2 --seed -1 meta/M", "meta/M"),
         ("vllm serve --enable-lora --lora-modules sql=/loras/sql chat=/loras/chat Qwen/Qwen2-7B", "Qwen/Qwen2-7B"),
         # llama.cpp: the GGUF path as given, from -m or --model; a hub repo from -hf
         ("llama-server -m /models/qwen2-7b-q4_k_m.gguf -ngl 99 --port 8080", "/models/qwen2-7b-q4_k_m.gguf"),

@@ -97,6 +97,8 @@ _SWITCHES = frozenset(
 )
 # A short option with its value glued on (vLLM's `-O3`) takes no word after it either.
 _GLUED_SHORT = re.compile(r"-[A-Za-z][0-9]+")
+# A word that is a value though it starts with '-' (`--seed -1`).
+_NEGATIVE_NUMBER = re.compile(r"-[0-9.]+")
 
 # llama.cpp's tools load one GGUF file, `-m FILE` / `--model FILE`, or fetch one from the Hugging
 # Face hub, `-hf USER/MODEL[:QUANT]` (`-hfr`, `--hf-repo`). The model is the path as given, the
@@ -163,7 +165,11 @@ def _positional(argv: Sequence[str], start: int) -> str | None:
             continue
         carries_value = "=" in word or _GLUED_SHORT.fullmatch(word) is not None
         switch = word in _SWITCHES or word.startswith("--no-")
-        i += 1 if carries_value or switch else 2
+        # As argparse reads it, an option-shaped word is never another option's value: an
+        # unknown switch before `--port 8000` must not make `8000` the positional.
+        follows = argv[i + 1] if i + 1 < len(argv) else ""
+        next_is_option = follows.startswith("-") and _NEGATIVE_NUMBER.fullmatch(follows) is None
+        i += 1 if carries_value or switch or next_is_option else 2
     return None
 
 
