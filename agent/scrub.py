@@ -14,6 +14,10 @@ What is removed, and why each:
     PGPASSWORD, accessToken), the value maybe quoted: the value goes, the name stays so a
     reader knows why.
   - ``Bearer``/``Basic`` authorization values.
+  - The short password options of programs known to take one there: ``-pSECRET`` and
+    ``-p SECRET`` after mysql, mariadb (and their tools), sshpass and mongo's tools, ``-a SECRET``
+    after redis-cli. Only after those programs: elsewhere ``-p`` is a port (``-p 8000``), a path
+    or a profile. (For mysql, ``-p NAME`` prompts and NAME is the database: it goes too.)
   - Strings shaped like well-known token formats (Hugging Face, GitHub, OpenAI, Slack tokens and
     webhook paths, AWS access key ids, JWTs), wherever they appear: a bare token needs no name
     to be a secret.
@@ -58,6 +62,25 @@ _FLAG_VALUE = re.compile(
 _AUTH_SCHEME = re.compile(
     r"\b(?P<scheme>Bearer|Basic|Token)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=-]{8,})", re.IGNORECASE
 )
+# Programs whose short option takes a password: `mysql -pSECRET`, `sshpass -p SECRET`,
+# `redis-cli -a SECRET`. A program is a word of its own (maybe a path), so `mysql-coder` is none.
+_PASSWORD_PROGRAM = re.compile(
+    r"(?<![^\s/'\"])(?:"
+    r"(?P<p>mysql[a-z]*|mariadb(?:-[a-z]+)?|sshpass|mongo(?:sh|dump|restore|export|import|stat|top|files)?)"
+    r"|(?P<a>redis-cli)"
+    r")(?![^\s'\"])"
+)
+
+
+def _short_password_option(letter: str) -> re.Pattern[str]:
+    # Case matters: mysql's -P is its port. Glued, the value is the rest of the word; apart, the
+    # next word unless it is another option (`mysql -p -u root` prompts).
+    return re.compile(
+        rf"(?<=\s)(?P<opt>-{letter})(?:(?P<sep>['\"]?)(?P<value>[^\s'\"]+)|(?P<gap>\s+['\"]?)(?P<word>[^\s'\"-][^\s'\"]*))"
+    )
+
+
+_SHORT_PASSWORD_OPTION = {"p": _short_password_option("p"), "a": _short_password_option("a")}
 _TOKEN_SHAPES = re.compile(
     r"\b(?:"
     r"hf_[A-Za-z0-9]{20,}"  # Hugging Face
@@ -96,9 +119,30 @@ def scrub(text: str) -> str:
     out = _URL_USERINFO.sub(r"\g<scheme>", text)
     out = _URL_QUERY.sub(r"\g<url>", out)
     out = _AUTH_SCHEME.sub(rf"\g<scheme>\g<sep>{REDACTED}", out)
+    out = _password_options(out)  # before the flags: `-psecret` is no flag named "psecret"
     out = _NAMED_VALUE.sub(lambda m: m["name"] + m["sep"] + _keep_redacted(m["value"]), out)
     out = _FLAG_VALUE.sub(lambda m: m["flag"] + m["sep"] + _keep_redacted(m["value"]), out)
     return _TOKEN_SHAPES.sub(REDACTED, out)
+
+
+def _password_options(text: str) -> str:
+    """`text` with the short password options of each password program (`_PASSWORD_PROGRAM`)
+    redacted, from the program's name up to the next such program."""
+    programs = list(_PASSWORD_PROGRAM.finditer(text))
+    if not programs:
+        return text
+    pieces = [text[: programs[0].start()]]
+    for this, after in zip(programs, [*programs[1:], None], strict=True):
+        option = _SHORT_PASSWORD_OPTION["p" if this["p"] else "a"]
+        rest = text[this.end() : after.start() if after is not None else len(text)]
+        pieces += [this.group(), option.sub(_redact_option, rest)]
+    return "".join(pieces)
+
+
+def _redact_option(match: re.Match[str]) -> str:
+    if match["value"] is not None:
+        return match["opt"] + match["sep"] + _keep_redacted(match["value"])
+    return match["opt"] + match["gap"] + _keep_redacted(match["word"])
 
 
 def _keep_redacted(value: str) -> str:

@@ -48,6 +48,11 @@ SECRET_SHAPES = [
     f"password='{CANARY}'",
     f'{{"api_key": "{CANARY}"}}',
     f"https://hooks.slack.com/services/T0001/B0001/{CANARY}",
+    # Short password options passed untouched: mysql's glued -p, sshpass's -p, redis-cli's -a.
+    f"mysql -h db -u root -p{CANARY} orders",
+    f"/usr/bin/mysqldump -u root -p {CANARY}",
+    f"sshpass -p {CANARY} ssh gpu-node-01",
+    f"redis-cli -h cache -a {CANARY} ping",
 ]
 
 
@@ -68,6 +73,10 @@ def test_every_secret_shape_is_removed(shape: str) -> None:
         ("--hf-token=abc123", f"--hf-token={REDACTED}"),
         ("HF_TOKEN=abc123 python train.py", f"HF_TOKEN={REDACTED} python train.py"),
         ("Authorization: Bearer abcdefghijk", f"Authorization: Bearer {REDACTED}"),
+        # A password program's -p goes, its port (-P) and database stay; elsewhere -p is a port.
+        ("mysql -P 3306 -u root -pS3cr3t orders", f"mysql -P 3306 -u root -p{REDACTED} orders"),
+        ("mysql -p -u root orders", "mysql -p -u root orders"),  # -p alone prompts: nothing to remove
+        ("python -m vllm.entrypoints.api_server -p 8000", "python -m vllm.entrypoints.api_server -p 8000"),
     ],
 )
 def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
@@ -88,6 +97,9 @@ def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
         "https://hub.example.com/org/model",
         "/models/llama/7b",
         "nginx.service",
+        "ssh -p 2222 gpu-node-01",
+        "docker run -p 3306:3306 mysql:8",
+        "mysql-coder -p 3",
         "",
     ],
 )
