@@ -13,7 +13,8 @@ What is removed, and why each:
     password, credential or auth (as a segment, or password/secret/token glued on at its end:
     PGPASSWORD, accessToken), the value maybe quoted: the value goes, the name stays so a
     reader knows why.
-  - ``Bearer``/``Basic`` authorization values.
+  - ``Bearer``/``Basic`` authorization values, and whatever an ``Authorization:`` (or
+    ``Proxy-Authorization:``) header carries, however short, with or without its scheme word.
   - The short password options of programs known to take one there: ``-pSECRET`` and
     ``-p SECRET`` after mysql, mariadb (and their tools), sshpass and mongo's tools, ``-a SECRET``
     after redis-cli. Only after those programs: elsewhere ``-p`` is a port (``-p 8000``), a path
@@ -81,6 +82,14 @@ def _short_password_option(letter: str) -> re.Pattern[str]:
 
 
 _SHORT_PASSWORD_OPTION = {"p": _short_password_option("p"), "a": _short_password_option("a")}
+# An HTTP authorization header as a command line gives it (`-H "Authorization: token abc"`,
+# `--header Authorization:abc`): its value is a credential whatever its scheme and length.
+_AUTH_HEADER = re.compile(
+    r"(?<![A-Za-z0-9])(?P<name>(?:Proxy-)?Authorization)(?P<sep>['\"]?\s*[:=]\s*['\"]?)"
+    r"(?P<scheme>(?:Bearer|Basic|Token|Digest|Negotiate|NTLM|ApiKey|AWS4-HMAC-SHA256)\s+)?"
+    r"(?P<value>[^\s'\"]+)",
+    re.IGNORECASE,
+)
 _TOKEN_SHAPES = re.compile(
     r"\b(?:"
     r"hf_[A-Za-z0-9]{20,}"  # Hugging Face
@@ -119,6 +128,7 @@ def scrub(text: str) -> str:
     out = _URL_USERINFO.sub(r"\g<scheme>", text)
     out = _URL_QUERY.sub(r"\g<url>", out)
     out = _AUTH_SCHEME.sub(rf"\g<scheme>\g<sep>{REDACTED}", out)
+    out = _AUTH_HEADER.sub(lambda m: m["name"] + m["sep"] + (m["scheme"] or "") + _keep_redacted(m["value"]), out)
     out = _password_options(out)  # before the flags: `-psecret` is no flag named "psecret"
     out = _NAMED_VALUE.sub(lambda m: m["name"] + m["sep"] + _keep_redacted(m["value"]), out)
     out = _FLAG_VALUE.sub(lambda m: m["flag"] + m["sep"] + _keep_redacted(m["value"]), out)

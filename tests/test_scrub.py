@@ -53,6 +53,9 @@ SECRET_SHAPES = [
     f"/usr/bin/mysqldump -u root -p {CANARY}",
     f"sshpass -p {CANARY} ssh gpu-node-01",
     f"redis-cli -h cache -a {CANARY} ping",
+    # An authorization header without a scheme word, or glued to its colon.
+    f"curl -H Authorization:{CANARY} https://hub.example.com",
+    f"curl --header 'Proxy-Authorization: {CANARY}' https://hub.example.com",
 ]
 
 
@@ -76,6 +79,9 @@ def test_every_secret_shape_is_removed(shape: str) -> None:
         # A password program's -p goes, its port (-P) and database stay; elsewhere -p is a port.
         ("mysql -P 3306 -u root -pS3cr3t orders", f"mysql -P 3306 -u root -p{REDACTED} orders"),
         ("mysql -p -u root orders", "mysql -p -u root orders"),  # -p alone prompts: nothing to remove
+        # A header's value goes however short it is; its scheme word stays.
+        ("curl -H 'Authorization: token abc123' x", f"curl -H 'Authorization: token {REDACTED}' x"),
+        ("curl --header Authorization: Bearer abc x", f"curl --header Authorization: Bearer {REDACTED} x"),
         ("python -m vllm.entrypoints.api_server -p 8000", "python -m vllm.entrypoints.api_server -p 8000"),
     ],
 )
@@ -100,6 +106,7 @@ def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
         "ssh -p 2222 gpu-node-01",
         "docker run -p 3306:3306 mysql:8",
         "mysql-coder -p 3",
+        "kube-apiserver --authorization-mode=Node,RBAC",
         "",
     ],
 )
