@@ -155,6 +155,18 @@ def _redact_option(match: re.Match[str]) -> str:
     return match["opt"] + match["gap"] + _keep_redacted(match["word"])
 
 
+_WHOLE_SECRET_NAME = re.compile(rf"{_SECRET_NAME}", re.IGNORECASE)
+
+
+def scrub_named(name: str, value: str) -> str:
+    """`value`, which the variable or option `name` holds, scrubbed: all of it where the name
+    marks a secret (HF_TOKEN, PGPASSWORD), since a bare value carries nothing `scrub` could tell
+    from a team name; else `scrub(value)`."""
+    if value and _WHOLE_SECRET_NAME.fullmatch(name):
+        return REDACTED
+    return scrub(value)
+
+
 def _keep_redacted(value: str) -> str:
     # A value already redacted by an earlier pattern stays as it is (idempotence).
     return value if value == REDACTED else REDACTED

@@ -500,6 +500,20 @@ def test_a_rules_group_cannot_lift_a_secret_out_of_its_context() -> None:
     assert (w.team, w.model) == (REDACTED, REDACTED)
 
 
+def test_a_rule_on_a_secret_variable_cannot_lift_its_value() -> None:
+    # A rule naming env.HF_TOKEN puts HF_TOKEN on the allowlist; its bare value ("hunter4", no
+    # token shape) carried nothing a scrub could recognise, and $1 made it the team label.
+    rules = compile_rules([({"env.HF_TOKEN": "(.+)"}, {"team": "$1"}), ({"env.PGPASSWORD": "(.+)"}, {"model": "$1"})])
+    env = (("HF_TOKEN", "hunter4"), ("PGPASSWORD", "hunter5 with spaces"))
+    facts = ProcessFacts(ProcessIdentity(1, 1), 0, (), "", env=env)
+    w = apply_rules(Workload(user="ann"), ("python", "x.py"), facts, rules)
+    assert (w.team, w.model) == (REDACTED, REDACTED)
+    # An ordinary variable keeps its value.
+    team = compile_rules([({"env.TEAM": "(.+)"}, {"team": "$1"})])
+    plain = ProcessFacts(ProcessIdentity(1, 1), 0, (), "", env=(("TEAM", "nlp"),))
+    assert apply_rules(Workload(user="ann"), ("python", "x.py"), plain, team).team == "nlp"
+
+
 @pytest.mark.parametrize("team_from_account", [True, False])
 @pytest.mark.parametrize("account", [None, "", "nlp"])
 @pytest.mark.parametrize(

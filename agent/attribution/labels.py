@@ -18,7 +18,7 @@ from functools import lru_cache
 
 from agent.attribution.recognise import recognise_model
 from agent.model import ProcessFacts, Workload
-from agent.scrub import scrub
+from agent.scrub import scrub, scrub_named
 
 # Pure, and sees the same few cmdlines every poll: remember its answers.
 _model_of = lru_cache(maxsize=8192)(recognise_model)
@@ -66,7 +66,7 @@ def _field_value(
         return account
     if key.startswith("env."):
         value = facts.env_value(key[4:]) if facts is not None else None
-        return scrub(value) if value else value
+        return scrub_named(key[4:], value) if value else value
     value = str(getattr(w, key))
     return value or None
 
