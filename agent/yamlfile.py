@@ -4,24 +4,56 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from agent.scrub import escape_control
 
+
+def _check_unique_keys(node: yaml.MappingNode) -> None:
+    """Each key of a mapping written once. YAML says a key is unique in its mapping, yet PyYAML
+    keeps the last of two: a second `pricing:` block would silently drop the first one's prices.
+    A merge (`<<: *base`) may still be overridden by the mapping's own keys."""
+    seen: set[tuple[str, str]] = set()
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = (key_node.tag, key_node.value)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key_node.value!r} in one mapping", key_node.start_mark
+            )
+        seen.add(key)
+
+
+class _SafeLoader(yaml.SafeLoader):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        _check_unique_keys(node)
+        return super().construct_mapping(node, deep)
+
+
 # libyaml's parser where PyYAML was built with it: 3-4x faster on a recorded trace (hundreds of
 # KiB). Its error messages are terser ("did not find expected ','", some a line off), so a
 # document it rejects is parsed again by the pure-Python parser, whose message is the one shown.
-_FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_FAST_LOADER: type[yaml.SafeLoader | yaml.CSafeLoader] = _SafeLoader
+if hasattr(yaml, "CSafeLoader"):
+
+    class _CSafeLoader(yaml.CSafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            _check_unique_keys(node)
+            return super().construct_mapping(node, deep)
+
+    _FAST_LOADER = _CSafeLoader
 
 
 def _parse(text: str) -> object:
     try:
         return yaml.load(text, Loader=_FAST_LOADER)  # a safe loader: plain data only
     except yaml.YAMLError:
-        if _FAST_LOADER is yaml.SafeLoader:
+        if _FAST_LOADER is _SafeLoader:
             raise
-    return yaml.safe_load(text)
+    return yaml.load(text, Loader=_SafeLoader)
 
 
 class YamlFileError(ValueError):

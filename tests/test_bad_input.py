@@ -35,6 +35,11 @@ CONFIG_CASES = [
     (f"rules: {{stranded_memory: {{memory_above: {HUGE}}}}}\n", "rules.stranded_memory.memory_above"),
     ('listen: "127.0.0.1:\u00b2"\n', "listen"),
     ("accounting: {max_interval: 99999999999999999999999d}\n", "accounting.max_interval"),
+    # A second section of one name replaced the first whole: its prices were dropped unsaid.
+    (
+        "pricing: {gpu_hourly: 2.5}\npoll_interval: 5s\npricing: {energy_per_kwh: 0.1}\n",
+        "line 3: duplicate key 'pricing'",
+    ),
 ]
 
 
@@ -359,6 +364,7 @@ BROKEN_YAML = [
     ("a: b: c\n", ": line 1: mapping values are not allowed here"),
     ("a: [1, 2\n", ": line 2: expected ',' or ']', but got '<stream end>'"),
     ("a: *nope\n", ": line 1: found undefined alias 'nope'"),
+    ("a: {x: 1}\nb: {x: 2, y: 3, x: 4}\n", ": line 2: duplicate key 'x' in one mapping"),
 ]
 
 
