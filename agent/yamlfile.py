@@ -87,7 +87,11 @@ def read_yaml(path: Path, what: str) -> object:
         raise YamlFileError(f"{path}:{where}: {problem}") from None
     except RecursionError:
         raise YamlFileError(f"{path}: nested too deeply") from None
-    if _expanded_size(data) > MAX_VALUES:
+    size = _expanded_size(data)
+    if size is None:
+        # Every reader of the document would walk it for ever.
+        raise YamlFileError(f"{path}: an alias stands inside its own anchor's value, which would never end")
+    if size > MAX_VALUES:
         raise YamlFileError(
             f"{path}: holds more than {MAX_VALUES:,} values once its aliases are expanded; "
             "a settings or scenario file is far smaller"
@@ -111,10 +115,12 @@ def read_yaml(path: Path, what: str) -> object:
 MAX_VALUES = 2_000_000
 
 
-def _expanded_size(data: object) -> int:
+def _expanded_size(data: object) -> int | None:
     """How many values `data` holds counting each alias as often as it is used: each list and
-    mapping is sized once, from its children's sizes, so this runs in the document's own size."""
+    mapping is sized once, from its children's sizes, so this runs in the document's own size.
+    None where a list or mapping holds itself (`a: &a [*a]`): endless once expanded."""
     sizes: dict[int, int] = {}
+    opened: set[int] = set()  # begun, not yet sized: met again below itself, it holds itself
     stack: list[tuple[object, bool]] = [(data, False)]
     while stack:
         node, children_done = stack.pop()
@@ -122,6 +128,9 @@ def _expanded_size(data: object) -> int:
             continue
         children = list(node.values()) if isinstance(node, dict) else node
         if not children_done:
+            if id(node) in opened:
+                return None
+            opened.add(id(node))
             stack.append((node, True))
             stack.extend((child, False) for child in children if isinstance(child, dict | list))
             continue

@@ -143,6 +143,8 @@ def test_yaml_that_would_hang_or_overflow_a_reader_is_one_line(tmp_path: Path) -
     files = {
         "laughs.yaml": "\n".join(laughs) + "\n",
         "deep.yaml": "x: " + "[" * 5000 + "]" * 5000 + "\n",
+        # An alias inside its own anchor's value: a mapping that holds itself, sized for ever.
+        "itself.yaml": "pricing: &p {by_model: {H100-SXM5-80GB: 4.0}, more: [*p]}\n",
     }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -151,6 +153,7 @@ def test_yaml_that_would_hang_or_overflow_a_reader_is_one_line(tmp_path: Path) -
         "laughs.yaml": "holds more than 2,000,000 values once its aliases are expanded; a settings or scenario "
         "file is far smaller",
         "deep.yaml": "nested too deeply",
+        "itself.yaml": "an alias stands inside its own anchor's value, which would never end",
         "fifo.yaml": "not a regular file, not a config file",
     }
     for name, problem in expected.items():
