@@ -474,14 +474,44 @@ def _problems(exc: ValidationError, source: str) -> list[str]:
     lines = []
     for error in exc.errors():
         loc = [str(part) for part in error["loc"] if part not in ("function-after", "function-before")]
-        key = ".".join(loc).replace("for_", "for")
-        env_name = ENV_PREFIX + "__".join(loc).upper().replace("FOR_", "FOR")
-        where = f"{key} (from {env_name})" if env_name in os.environ else key
         message = str(error["msg"]).removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown key"
-        lines.append(escape_control(f"{source}: {where}: {message}"))
+        lines.append(_problem(source, loc, message))
     return lines
+
+
+def _problem(source: str, loc: list[str], message: str) -> str:
+    """One line: the source, the key at `loc` (and the variable that set it, if one did), `message`."""
+    key = ".".join(loc).replace("for_", "for")
+    env_name = ENV_PREFIX + "__".join(loc).upper().replace("FOR_", "FOR")
+    where = f"{key} (from {env_name})" if env_name in os.environ else key
+    return escape_control(f"{source}: {where}: {message}")
+
+
+def _undecodable(value: object, loc: list[str]) -> list[list[str]]:
+    """Where `value` holds text with bytes that were not UTF-8: Python hands an environment
+    variable's undecodable bytes on as lone surrogates, which no log line, label or ledger row
+    can encode (the ledger's first write failed with a traceback)."""
+    if isinstance(value, str):
+        return [] if value.isascii() or _encodes(value) else [loc]
+    found: list[list[str]] = []
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            where = [*loc, str(key)]
+            found += [where] if isinstance(key, str) and not _encodes(key) else _undecodable(item, where)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found += _undecodable(item, [*loc, str(i)])
+    return found
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _bad_nested_json(section: str) -> str | None:
@@ -523,6 +553,9 @@ def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
         if nested is not None:
             return None, [f"environment: {nested}: not JSON (a mapping or list is given as JSON)"]
         return None, [f"environment: {name}: not a JSON object (or set its keys as {name}__KEY)"]
+    undecodable = _undecodable(settings.model_dump(), [])
+    if undecodable:
+        return None, [_problem(source, loc, "not UTF-8 text") for loc in undecodable]
     problems = action_problems(settings.actions, rule_conditions(settings.rules), source)
     return (None, problems) if problems else (settings, [])
 

@@ -109,6 +109,19 @@ def test_a_key_variable_that_is_not_json_is_named_not_its_section() -> None:
     )
 
 
+def test_a_variable_whose_bytes_are_not_utf8_is_named_before_anything_is_written(tmp_path: Path) -> None:
+    # Python hands undecodable bytes on as lone surrogates: the node name reached the ledger's
+    # first query, which failed with a UnicodeEncodeError traceback (exit 1).
+    ledger = tmp_path / "ledger.db"
+    env = {"GPULEDGER_NODE_NAME": b"gpu\xffnode".decode(errors="surrogateescape")}
+    result = gpuledger("simulate", "demo", "--for", "2m", "--ledger", str(ledger), env=env, timeout=60)
+    assert (result.returncode, result.stderr.strip()) == (
+        2,
+        "environment: node_name (from GPULEDGER_NODE_NAME): not UTF-8 text",
+    )
+    assert not ledger.exists()
+
+
 @pytest.mark.parametrize(
     ("document", "problem"),
     [
