@@ -43,9 +43,18 @@ from agent.yamlfile import YamlFileError, read_yaml
 
 ENV_PREFIX = "GPULEDGER_"
 
+
+def _not_bool(value: object) -> object:
+    """A number that is not a boolean: pydantic reads true as 1, and YAML reads yes, on and true
+    as true, so `gpu_hourly: yes` priced every GPU at $1/hour and `utilization_below: on` at 100%."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r} (YAML reads yes, no, on and off as true and false)")
+    return value
+
+
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 Size = Annotated[int, BeforeValidator(parse_size_bytes)]
-Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
+Ratio = Annotated[float, BeforeValidator(_not_bool), Field(ge=0.0, le=1.0)]
 
 
 class _Section(BaseModel):
@@ -56,7 +65,8 @@ class _Section(BaseModel):
 Purchase = Literal["on_demand", "spot", "reserved", "savings_plan", "committed"]
 # A price, $/hour: at most a million, far above any GPU or instance sold, so that a price with
 # its exponent mistyped (1e308) is refused rather than overflowing the dollars it multiplies.
-Dollars = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
+Dollars = Annotated[float, BeforeValidator(_not_bool), Field(ge=0, le=1e6, allow_inf_nan=False)]
+Discount = Annotated[float, BeforeValidator(_not_bool), Field(ge=0.0, lt=1.0)]
 # Purchase options whose price cannot be guessed from the on-demand one: they need a rate or a
 # discount (spot may have its price per instance type in spot_hourly instead).
 _NEEDS_TERMS = ("reserved", "savings_plan", "committed")
@@ -72,7 +82,7 @@ class PriceChange(_Section):
     instance_hourly: dict[str, Dollars] | None = None
     purchase: Purchase | None = None
     rate: Dollars | None = None
-    discount: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    discount: Discount | None = None
     spot_hourly: dict[str, Dollars] | None = None
 
     @field_validator("at")
@@ -93,7 +103,7 @@ class PricingConfig(_Section):
     # from spot_hourly ($/instance-hour, like instance_hourly) where listed.
     purchase: Purchase = "on_demand"
     rate: Dollars | None = None
-    discount: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    discount: Discount | None = None
     spot_hourly: dict[str, Dollars] = {}
     # The price history: each change applies from its `at` (UTC unless it says) on.
     changes: list[PriceChange] = []
@@ -145,7 +155,9 @@ class LedgerConfig(_Section):
     retention: Duration = Field(default=400 * 86400.0, gt=0)
     # Hourly rows kept in memory while the ledger cannot be written (about 750 bytes each);
     # beyond it the oldest hours are dropped, counted and logged.
-    max_pending_rows: int = Field(default=DEFAULT_MAX_PENDING_ROWS, ge=1, le=10_000_000)
+    max_pending_rows: Annotated[int, BeforeValidator(_not_bool)] = Field(
+        default=DEFAULT_MAX_PENDING_ROWS, ge=1, le=10_000_000
+    )
 
 
 class WatchdogConfig(_Section):

@@ -134,6 +134,10 @@ def test_a_variable_whose_bytes_are_not_utf8_is_named_before_anything_is_written
             "pricing.by_model.A100-SXM4-80GB: Input should be less than or equal to 1000000",
         ),
         ("pricing: {instance_hourly: {p4d.24xlarge: -1}}", "Input should be greater than or equal to 0"),
+        # YAML's yes/on is true, which passed as 1: $1/GPU-hour, a 100% threshold.
+        ("pricing: {gpu_hourly: yes}", "pricing.gpu_hourly: expected a number, got True"),
+        ("pricing: {by_model: {H100-SXM5-80GB: on}}", "pricing.by_model.H100-SXM5-80GB: expected a number, got True"),
+        ("rules: {idle: {utilization_below: on}}", "rules.idle.utilization_below: expected a number, got True"),
     ],
 )
 def test_a_price_that_is_not_a_finite_sane_number_is_refused(tmp_path: Path, document: str, problem: str) -> None:
