@@ -165,7 +165,9 @@ def _build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--step", metavar="DURATION", help="poll every this long (default: poll_interval)")
     rec.add_argument("--out", default="-", metavar="FILE", help="write the trace here (default: stdout)")
     rec.add_argument(
-        "--keep-cmdlines", action="store_true", help="keep command lines whole (default: the executable and model)"
+        "--keep-cmdlines",
+        action="store_true",
+        help="keep command lines whole, credentials scrubbed (default: the executable and model)",
     )
     rec.add_argument("--config", help="YAML config file")
     rec.add_argument(

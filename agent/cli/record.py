@@ -16,7 +16,8 @@ What goes in, and how it comes back:
   utilization as segments that reproduce the driver's samples, its uid and user name, its
   cgroup, and its pod or Slurm job where the scheduler allocated it the GPU; its command line
   is anonymised (the executable's name, and `--model` with the model the agent recognised)
-  unless `--keep-cmdlines`; no environment variable is ever read into a trace;
+  unless `--keep-cmdlines` (whole, but scrubbed of credentials); no environment variable is
+  ever read into a trace;
 - scheduler allocations without a process (`allocations:`), each driver call that failed (as a
   fault over the poll it failed in, so the replayed agent meets the same errors), and every Xid
   and driver event at the poll that received it.
@@ -63,6 +64,7 @@ from agent.model import (
     Telemetry,
     Workload,
 )
+from agent.scrub import scrub
 from agent.units import format_duration
 
 log = logging.getLogger("gpuledger")
@@ -423,8 +425,17 @@ class TraceRecorder:
         return found
 
     def _cmdline(self, track: _Process) -> str:
+        if self._keep_cmdlines and not track.argv:
+            return "python"
         if self._keep_cmdlines:
-            return shlex.join(track.argv) if track.argv else "python"
+            # Whole, but scrubbed like every label: a trace is sent on, and a replay's labels are
+            # scrubbed anyway. Each argument alone (a URL's query), then the line (`--token abc`).
+            kept = scrub(shlex.join(scrub(arg) for arg in track.argv))
+            try:
+                shlex.split(kept)
+                return kept
+            except ValueError:  # a quote removed with a secret: the anonymised form below
+                pass
         # The executable's name, and the model the agent recognised (already in every series'
         # model label): enough to replay the labels, nothing of the arguments.
         argv = track.argv[0].split() if len(track.argv) == 1 else list(track.argv)
