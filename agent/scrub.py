@@ -47,7 +47,9 @@ _NAME_BODY = rf"(?:[A-Za-z0-9]+[_.-])*{_SECRET_WORD}(?:[_.-][A-Za-z0-9]+)*(?![A-
 _GLUED_BODY = r"[A-Za-z0-9]*(?:password|passwd|secret|token)"
 _SECRET_NAME = rf"(?<![A-Za-z0-9])(?:{_NAME_BODY}|{_GLUED_BODY}(?![A-Za-z0-9]))"
 
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@?#]*@")
+# Userinfo runs to the authority's last "@": a password written unencoded may hold "@", "?" or
+# "#" (`postgres://app:p@ss@db/x`), and cut at its first one, the rest of it stayed.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s'\"]*@")
 # A query string or fragment belongs to the URL it follows: from "?" or "#" to the next space.
 _URL_QUERY = re.compile(r"(?P<url>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s?#]*)[?#]\S*")
 # name=value or name: value (the value runs to whitespace, a quote, "&" or ";"), the name and

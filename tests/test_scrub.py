@@ -56,6 +56,10 @@ SECRET_SHAPES = [
     # An authorization header without a scheme word, or glued to its colon.
     f"curl -H Authorization:{CANARY} https://hub.example.com",
     f"curl --header 'Proxy-Authorization: {CANARY}' https://hub.example.com",
+    # A password written unencoded, holding "@", "?" or "#": the part beyond its first one stayed.
+    f"postgres://app:x@{CANARY}@db.internal/orders",
+    f"redis://:{CANARY}?x@cache:6379/0",
+    f"mongodb+srv://admin:{CANARY}#x@cluster0.example.net/test",
 ]
 
 
@@ -83,6 +87,9 @@ def test_every_secret_shape_is_removed(shape: str) -> None:
         ("curl -H 'Authorization: token abc123' x", f"curl -H 'Authorization: token {REDACTED}' x"),
         ("curl --header Authorization: Bearer abc x", f"curl --header Authorization: Bearer {REDACTED} x"),
         ("python -m vllm.entrypoints.api_server -p 8000", "python -m vllm.entrypoints.api_server -p 8000"),
+        # Userinfo runs to the host's last "@"; an "@" in the path is the path's.
+        ("postgres://app:p@ss@db.internal/orders", "postgres://db.internal/orders"),
+        ("--model hf://org/llama@v2", "--model hf://org/llama@v2"),
     ],
 )
 def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
