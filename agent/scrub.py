@@ -16,9 +16,11 @@ What is removed, and why each:
   - ``Bearer``/``Basic`` authorization values, and whatever an ``Authorization:`` (or
     ``Proxy-Authorization:``) header carries, however short, with or without its scheme word.
   - The short password options of programs known to take one there: ``-pSECRET`` and
-    ``-p SECRET`` after mysql, mariadb (and their tools), sshpass and mongo's tools, ``-a SECRET``
-    after redis-cli. Only after those programs: elsewhere ``-p`` is a port (``-p 8000``), a path
-    or a profile. (For mysql, ``-p NAME`` prompts and NAME is the database: it goes too.)
+    ``-p SECRET`` after mysql, mariadb (and their tools), sshpass, mongo's tools and
+    ``docker login`` (podman, nerdctl, buildah, skopeo), ``-a SECRET`` after redis-cli, and
+    curl's ``-u``/``--user`` (``user:SECRET``, all of it goes). Only after those programs:
+    elsewhere ``-p`` is a port (``-p 8000``), a path or a profile, ``-u`` a user. (For mysql,
+    ``-p NAME`` prompts and NAME is the database: it goes too.)
   - Strings shaped like well-known token formats (Hugging Face, GitHub, OpenAI, Slack tokens and
     webhook paths, AWS access key ids, JWTs), wherever they appear: a bare token needs no name
     to be a secret.
@@ -66,24 +68,34 @@ _AUTH_SCHEME = re.compile(
     r"\b(?P<scheme>Bearer|Basic|Token)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=-]{8,})", re.IGNORECASE
 )
 # Programs whose short option takes a password: `mysql -pSECRET`, `sshpass -p SECRET`,
-# `redis-cli -a SECRET`. A program is a word of its own (maybe a path), so `mysql-coder` is none.
+# `docker login -p SECRET`, `redis-cli -a SECRET`, `curl -u user:SECRET`. A program is a word of
+# its own (maybe a path), so `mysql-coder` is none.
 _PASSWORD_PROGRAM = re.compile(
     r"(?<![^\s/'\"])(?:"
-    r"(?P<p>mysql[a-z]*|mariadb(?:-[a-z]+)?|sshpass|mongo(?:sh|dump|restore|export|import|stat|top|files)?)"
+    r"(?P<p>mysql[a-z]*|mariadb(?:-[a-z]+)?|sshpass|mongo(?:sh|dump|restore|export|import|stat|top|files)?"
+    r"|(?:docker|podman|nerdctl|buildah|skopeo)\s+login)"
     r"|(?P<a>redis-cli)"
+    r"|(?P<u>curl)"
     r")(?![^\s'\"])"
 )
 
 
-def _short_password_option(letter: str) -> re.Pattern[str]:
-    # Case matters: mysql's -P is its port. Glued, the value is the rest of the word; apart, the
-    # next word unless it is another option (`mysql -p -u root` prompts).
+def _password_option(option: str, *, glued: bool) -> re.Pattern[str]:
+    # Case matters: mysql's -P is its port. A short option's value may be glued to it (the rest
+    # of the word), a long one's follows "="; or the value is the next word unless that is
+    # another option (`mysql -p -u root` prompts).
+    sep = "['\"]?" if glued else "=['\"]?"
     return re.compile(
-        rf"(?<=\s)(?P<opt>-{letter})(?:(?P<sep>['\"]?)(?P<value>[^\s'\"]+)|(?P<gap>\s+['\"]?)(?P<word>[^\s'\"-][^\s'\"]*))"
+        rf"(?<=\s)(?P<opt>{option})(?:(?P<sep>{sep})(?P<value>[^\s'\"]+)|(?P<gap>\s+['\"]?)(?P<word>[^\s'\"-][^\s'\"]*))"
     )
 
 
-_SHORT_PASSWORD_OPTION = {"p": _short_password_option("p"), "a": _short_password_option("a")}
+_PASSWORD_OPTIONS = {
+    "p": (_password_option("-p", glued=True),),
+    "a": (_password_option("-a", glued=True),),
+    # curl's user:password, for the server (-u, --user) or the proxy (-U, --proxy-user).
+    "u": (_password_option("-[uU]", glued=True), _password_option("--(?:proxy-)?user", glued=False)),
+}
 # An HTTP authorization header as a command line gives it (`-H "Authorization: token abc"`,
 # `--header Authorization:abc`): its value is a credential whatever its scheme and length.
 _AUTH_HEADER = re.compile(
@@ -145,9 +157,10 @@ def _password_options(text: str) -> str:
         return text
     pieces = [text[: programs[0].start()]]
     for this, after in zip(programs, [*programs[1:], None], strict=True):
-        option = _SHORT_PASSWORD_OPTION["p" if this["p"] else "a"]
         rest = text[this.end() : after.start() if after is not None else len(text)]
-        pieces += [this.group(), option.sub(_redact_option, rest)]
+        for option in _PASSWORD_OPTIONS[this.lastgroup or "p"]:
+            rest = option.sub(_redact_option, rest)
+        pieces += [this.group(), rest]
     return "".join(pieces)
 
 

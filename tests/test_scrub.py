@@ -53,6 +53,9 @@ SECRET_SHAPES = [
     f"/usr/bin/mysqldump -u root -p {CANARY}",
     f"sshpass -p {CANARY} ssh gpu-node-01",
     f"redis-cli -h cache -a {CANARY} ping",
+    f"docker login -u bob -p {CANARY} registry.example.com",
+    f"curl -u alice:{CANARY} https://hub.example.com",
+    f"curl --user alice:{CANARY} https://hub.example.com",
     # An authorization header without a scheme word, or glued to its colon.
     f"curl -H Authorization:{CANARY} https://hub.example.com",
     f"curl --header 'Proxy-Authorization: {CANARY}' https://hub.example.com",
@@ -113,6 +116,8 @@ def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
         "ssh -p 2222 gpu-node-01",
         "docker run -p 3306:3306 mysql:8",
         "mysql-coder -p 3",
+        "docker run -p 8000:8000 vllm/vllm-openai",
+        "curl --user-agent gpuledger https://hub.example.com",
         "kube-apiserver --authorization-mode=Node,RBAC",
         "",
     ],
