@@ -21,8 +21,9 @@ What is removed, and why each:
     curl's ``-u``/``--user`` (``user:SECRET``, all of it goes). Only after those programs:
     elsewhere ``-p`` is a port (``-p 8000``), a path or a profile, ``-u`` a user. (For mysql,
     ``-p NAME`` prompts and NAME is the database: it goes too.)
-  - Strings shaped like well-known token formats (Hugging Face, GitHub, OpenAI, Slack tokens and
-    webhook paths, AWS access key ids, JWTs), wherever they appear: a bare token needs no name
+  - Strings shaped like well-known token formats (Hugging Face, GitHub, GitLab, OpenAI, Slack
+    tokens and webhook paths, AWS access key ids, Google API keys, npm, PyPI, Stripe and
+    Databricks tokens, JWTs), wherever they appear: a bare token needs no name
     to be a secret.
 A false positive costs a label its detail; a false negative costs a customer a key, so the
 patterns lean towards removing.
@@ -114,6 +115,12 @@ _TOKEN_SHAPES = re.compile(
     r"|hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9/_-]+"  # Slack webhook URLs: the path is the key
     r"|(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids
     r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"  # JWT
+    r"|gl(?:pat|dt|rt|ptt|cbt|soat)-[A-Za-z0-9_-]{20,}"  # GitLab (personal, deploy, runner, CI job...)
+    r"|AIza[0-9A-Za-z_-]{35}"  # Google API keys
+    r"|npm_[A-Za-z0-9]{36}"  # npm
+    r"|pypi-AgE[A-Za-z0-9_-]{50,}"  # PyPI upload tokens
+    r"|[rs]k_live_[A-Za-z0-9]{20,}"  # Stripe
+    r"|dapi[0-9a-f]{32}"  # Databricks
     r")"
 )
 # C0 and C1 control characters and DEL. A newline in a value would start a forged log line;
