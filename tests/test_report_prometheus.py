@@ -388,6 +388,15 @@ def test_an_unreachable_store_is_one_line() -> None:
     one_line_exit_2(gpuledger("report", "--prometheus", url), url, "cannot connect")
 
 
+def test_a_store_url_is_named_without_its_credentials() -> None:
+    # The message quoted the URL whole: its password and token went to stderr, and on to the log.
+    port = free_port()
+    result = gpuledger("report", "--prometheus", f"http://reader:s3cretpw@127.0.0.1:{port}/?token=abc123xyz")
+    one_line_exit_2(result, f"http://127.0.0.1:{port}", "cannot connect")
+    assert "s3cretpw" not in result.stderr
+    assert "abc123xyz" not in result.stderr
+
+
 def test_a_url_that_is_not_a_prometheus_api_is_one_line(http_server: Any) -> None:
     url, _ = http_server(lambda h: h.reply(200, "text/html", b"<html><body>Grafana</body></html>"))
     one_line_exit_2(gpuledger("report", "--prometheus", url), "not a Prometheus query API", "text/html")

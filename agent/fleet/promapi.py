@@ -30,6 +30,7 @@ import httpx
 
 from agent.errors import BadInputError, GpuledgerError
 from agent.fleet import DEFAULT_TIMEOUT_S
+from agent.scrub import scrub
 
 
 class StoreError(GpuledgerError):
@@ -110,6 +111,9 @@ class PrometheusAPI:
     ) -> None:
         options = options or StoreOptions()
         self.url = _base_url(url)
+        # The URL as messages and reports name it: a store's URL may carry its credentials
+        # (http://reader:PASSWORD@store), which the requests need and no output may show.
+        self.shown_url = scrub(self.url)
         headers = dict(options.headers)
         if options.bearer_token_file:
             headers["Authorization"] = f"Bearer {_read_token(options.bearer_token_file)}"
@@ -158,19 +162,20 @@ class PrometheusAPI:
             response = self._client.post(url, data=form)
         except httpx.TimeoutException:
             raise QueryTimeout(
-                f"{self.url}: no answer within {self.timeout_s:g}s (raise --query-timeout, or report a shorter window)"
+                f"{self.shown_url}: no answer within {self.timeout_s:g}s "
+                "(raise --query-timeout, or report a shorter window)"
             ) from None
         except httpx.TransportError as exc:
-            raise StoreUnreachable(f"{self.url}: cannot connect: {_reason(exc)}") from None
+            raise StoreUnreachable(f"{self.shown_url}: cannot connect: {_reason(exc)}") from None
         except httpx.InvalidURL as exc:
-            raise StoreUnusable(f"{self.url}: not a usable URL: {exc}") from None
+            raise StoreUnusable(f"{self.shown_url}: not a usable URL: {exc}") from None
         return self._payload(response, expr=form["query"])
 
     def _payload(self, response: httpx.Response, expr: str) -> Any:
         status = response.status_code
         if status in (401, 403):
             raise StoreUnauthorized(
-                f"{self.url}: HTTP {status} {response.reason_phrase}: the store wants credentials "
+                f"{self.shown_url}: HTTP {status} {response.reason_phrase}: the store wants credentials "
                 "(--bearer-token-file, --header 'Authorization: ...')"
             )
         try:
@@ -179,25 +184,25 @@ class PrometheusAPI:
             payload = None
         if not isinstance(payload, dict) or payload.get("status") not in ("success", "error"):
             if status >= 500:  # a store that is there but failing (restarting, overloaded)
-                raise StoreError(f"{self.url}: HTTP {status} {response.reason_phrase} for {_short(expr)}")
+                raise StoreError(f"{self.shown_url}: HTTP {status} {response.reason_phrase} for {_short(expr)}")
             kind = response.headers.get("content-type", "no content type").split(";")[0]
             raise NotPrometheusAPI(
-                f"{self.url}: not a Prometheus query API (HTTP {status}, {kind} from /api/v1/query): give the "
+                f"{self.shown_url}: not a Prometheus query API (HTTP {status}, {kind} from /api/v1/query): give the "
                 "server's base URL, e.g. http://prometheus:9090 or http://victoriametrics:8428"
             )
         if payload["status"] == "error":
             kind, error = payload.get("errorType", ""), str(payload.get("error", "")).splitlines()[0:1]
             message = error[0] if error else "no message"
             if kind == "timeout" or ("timeout" in message.lower() and "exceed" in message.lower()):
-                raise QueryTimeout(f"{self.url}: the query took longer than {self.timeout_s:g}s: {message}")
-            raise StoreError(f"{self.url}: query failed ({kind or f'HTTP {status}'}): {message}: {_short(expr)}")
+                raise QueryTimeout(f"{self.shown_url}: the query took longer than {self.timeout_s:g}s: {message}")
+            raise StoreError(f"{self.shown_url}: query failed ({kind or f'HTTP {status}'}): {message}: {_short(expr)}")
         if status >= 300:
-            raise StoreError(f"{self.url}: HTTP {status} {response.reason_phrase} for {_short(expr)}")
+            raise StoreError(f"{self.shown_url}: HTTP {status} {response.reason_phrase} for {_short(expr)}")
         return payload.get("data")
 
     def _series(self, data: Any, expr: str) -> list[Series]:
         if not isinstance(data, dict) or "resultType" not in data:
-            raise NotPrometheusAPI(f"{self.url}: answered without a query result: not a Prometheus query API")
+            raise NotPrometheusAPI(f"{self.shown_url}: answered without a query result: not a Prometheus query API")
         kind, result = data["resultType"], data.get("result") or []
         if kind == "vector":
             return [
@@ -209,7 +214,7 @@ class PrometheusAPI:
                 Series(_labels(item["metric"]), tuple((float(t), _float(v)) for t, v in item.get("values") or ()))
                 for item in result
             ]
-        raise StoreError(f"{self.url}: expected a vector or matrix for {_short(expr)}, got a {kind}")
+        raise StoreError(f"{self.shown_url}: expected a vector or matrix for {_short(expr)}, got a {kind}")
 
 
 def _base_url(url: str) -> str:
@@ -218,7 +223,7 @@ def _base_url(url: str) -> str:
     base = base.removesuffix("/api/v1")
     parsed = httpx.URL(base) if base else None
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-        raise BadInputError(f"--prometheus: expected an http:// or https:// URL, got {url!r}")
+        raise BadInputError(f"--prometheus: expected an http:// or https:// URL, got {scrub(url)!r}")
     return base
 
 

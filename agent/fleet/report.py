@@ -99,13 +99,13 @@ def report_from_prometheus(api: PrometheusAPI, query: StoreQuery, *, by: Sequenc
     # One small question first: a store that cannot answer, or holds nothing, says so once.
     if not has_series(api, PROBE_COUNTER, window):
         raise EmptyStore(
-            f"{api.url}: no gpuledger series from {iso_time(window.since)} to {iso_time(window.until)} "
+            f"{api.shown_url}: no gpuledger series from {iso_time(window.since)} to {iso_time(window.until)} "
             "(is it scraping the agents, or remote-writing their samples? is the window right?)"
         )
     growth = read_counters(api, window, query.node_label)
     rows = usage_rows(growth, query.node_label, hour=hour_start(window.since))
     report = build_report(rows, keys, since=window.since, until=window.until)
-    return replace(report, store=f"Prometheus API at {api.url}")
+    return replace(report, store=f"Prometheus API at {api.shown_url}")
 
 
 def read_counters(api: PrometheusAPI, window: Window, node_label: str) -> dict[str, Growth]:
