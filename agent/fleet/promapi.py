@@ -221,7 +221,10 @@ def _base_url(url: str) -> str:
     """The server's base URL: a trailing slash or /api/v1 (as copied from a datasource) dropped."""
     base = url.strip().rstrip("/")
     base = base.removesuffix("/api/v1")
-    parsed = httpx.URL(base) if base else None
+    try:
+        parsed = httpx.URL(base) if base else None
+    except httpx.InvalidURL:  # "http://[::1", a port that is no number
+        parsed = None
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
         raise BadInputError(f"--prometheus: expected an http:// or https:// URL, got {scrub(url)!r}")
     return base
