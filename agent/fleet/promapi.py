@@ -96,10 +96,15 @@ class StoreOptions:
 
 
 def parse_header(text: str) -> tuple[str, str]:
-    """'Name: value' -> (name, value); ValueError naming the text otherwise."""
+    """'Name: value' -> (name, value); ValueError saying what is wrong otherwise, never quoting
+    the text: a header is where a credential goes (`Authorization Bearer TOKEN`, its colon missed)."""
     name, sep, value = text.partition(":")
-    if not sep or not name.strip() or any(c.isspace() for c in name.strip()):
-        raise ValueError(f"expected 'Name: value', got {text!r}")
+    if not sep:
+        raise ValueError("expected 'Name: value', got no ':'")
+    if not name.strip():
+        raise ValueError("expected 'Name: value', got no name before the ':'")
+    if any(c.isspace() for c in name.strip()):
+        raise ValueError("expected 'Name: value', got spaces in the name before the ':'")
     return name.strip(), value.strip()
 
 
