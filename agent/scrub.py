@@ -10,8 +10,8 @@ What is removed, and why each:
   - URL userinfo (``scheme://user:pass@host``): the classic leak through a model or repo URL.
   - URL query strings and fragments: signed URLs (S3, GCS, Azure SAS) carry their keys there.
   - ``name=value`` / ``name: value`` / ``--name value`` where the name says token, key, secret,
-    password, credential or auth (as a segment, or password/secret/token glued on at its end:
-    PGPASSWORD, accessToken), the value maybe quoted: the value goes, the name stays so a
+    password, passphrase, credential or auth (as a segment, or password/secret/token glued on at
+    its end: PGPASSWORD, accessToken), the value maybe quoted: the value goes, the name stays so a
     reader knows why.
   - ``Bearer``/``Basic`` authorization values, and whatever an ``Authorization:`` (or
     ``Proxy-Authorization:``) header carries, however short, with or without its scheme word.
@@ -41,13 +41,14 @@ REDACTED = "[redacted]"
 # (HF_TOKEN, --hf-token, aws_secret_access_key, db-password, x-api-key) so that --tokenizer,
 # author= or max_tokens= keep their values.
 _SECRET_WORD = (
-    r"(?:token|secret|password|passwd|pwd|pass|apikey|api[_-]key|access[_-]key|private[_-]key|key|credentials?|auth)"
+    r"(?:token|secret|password|passwd|passphrase|pwd|pass|apikey|api[_-]key|access[_-]key|private[_-]key|key"
+    r"|credentials?|auth)"
 )
 # The name's segments: any before the secret word, the word, any after; never inside a word.
 _NAME_BODY = rf"(?:[A-Za-z0-9]+[_.-])*{_SECRET_WORD}(?:[_.-][A-Za-z0-9]+)*(?![A-Za-z0-9])"
 # A name that ends in a strong secret word glued on, in any case: PGPASSWORD, HFTOKEN,
 # accessToken, clientSecret (max_tokens, --tokenizer and author still keep their values).
-_GLUED_BODY = r"[A-Za-z0-9]*(?:password|passwd|secret|token)"
+_GLUED_BODY = r"[A-Za-z0-9]*(?:password|passwd|passphrase|secret|token)"
 _SECRET_NAME = rf"(?<![A-Za-z0-9])(?:{_NAME_BODY}|{_GLUED_BODY}(?![A-Za-z0-9]))"
 
 # Userinfo runs to the authority's last "@": a password written unencoded may hold "@", "?" or

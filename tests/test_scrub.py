@@ -70,6 +70,9 @@ SECRET_SHAPES = [
     f"pypi-AgE{CANARY}abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyz",
     f"sk_live_{CANARY}abcdefghijklmn",
     "dapi" + "0123456789abcdef" * 2,
+    # A passphrase (an SSH or signing key's) is a password by another name.
+    f"--passphrase {CANARY}",
+    f"SSH_KEY_PASSPHRASE={CANARY}",
 ]
 
 
