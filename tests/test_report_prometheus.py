@@ -149,6 +149,19 @@ def restarted_twice(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]
         yield Store(api, [work / "node-02.db"])
 
 
+@pytest.fixture(scope="module")
+def unscraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    """gpu-node-05, its agent running 0-6h, with no scrape in the store after 1:00 until 3:30
+    (the store was down): its counters ran on meanwhile."""
+    work = tmp_path_factory.mktemp("unscraped")
+    scrapes = run_node("demo", "gpu-node-05", work / "node-05.db", [(0.0, 6 * H)])
+    kept = [s for s in scrapes if not T0 + 1 * H < s.at < T0 + 3.5 * H]
+    metrics = promstore.with_target(kept, {"instance": "gpu-node-05"}, READ)
+    promstore.backfill_prometheus(metrics, work / "data", work)
+    with promstore.prometheus(work / "data", work) as server, PrometheusAPI(server.url) as api:
+        yield Store(api, [work / "node-05.db"])
+
+
 def both(store: Store, since_h: float, until_h: float, by: Sequence[str]) -> tuple[Report, Report]:
     since, until = T0 + since_h * H, T0 + until_h * H
     return (
@@ -277,6 +290,21 @@ def test_edges_between_samples_are_off_by_at_most_a_scrape_interval(sparse: Stor
     # the window count in it; the last before 00:00 is at 23:50, so its last 10 minutes do not.
     # The node costs 8 GPUs x $2.50 = $20.00 an hour whoever holds it: +5 minutes, +$1.67.
     assert difference == pytest.approx(GPUS * PRICE * 5 / 60, rel=1e-6)
+
+
+def test_a_gap_in_the_store_across_the_windows_start_counts_from_the_sample_before_it(unscraped: Store) -> None:
+    """The last sample before 3:00 is at 1:00, further back than the lookback (1h): the counters
+    grew from it, not from 0 (all they counted since the agent started at 0:00)."""
+    since, until = T0 + 3 * H, T0 + 6 * H
+    prometheus = report_from_prometheus(unscraped.api, StoreQuery(since, until), by=("namespace", "hpc_job"))
+    # What grew in the gap, 1:00 to 3:30, counts inside the window, as at any edge between two
+    # samples: the figures are the ledger's from 1:00, 8 GPUs x 5 h x $2.50 = $100.00 (not
+    # 8 x 6 h x $2.50 = $120.00, 48 GPU-hours in a window of 24).
+    assert_same(
+        prometheus, report_from_ledgers(unscraped.ledgers, by=("namespace", "hpc_job"), since=T0 + 1 * H, until=until)
+    )
+    assert prometheus.total.dollars == pytest.approx(GPUS * 5 * PRICE, rel=1e-9)
+    assert prometheus.total.gpu_hours_charged == pytest.approx(GPUS * 5, rel=1e-9)
 
 
 def test_a_window_the_store_has_no_series_for_is_an_empty_store(fleet: Store) -> None:

@@ -30,7 +30,14 @@ from dataclasses import dataclass, replace
 
 from agent.fleet import DEFAULT_NODE_LABEL
 from agent.fleet.promapi import EmptyStore, LabelSet, PrometheusAPI
-from agent.fleet.source import DEFAULT_LOOKBACK_S, Window, agent_restarts, counter_growth, has_series
+from agent.fleet.source import (
+    DEFAULT_LOOKBACK_S,
+    Window,
+    agent_restarts,
+    counter_growth,
+    has_series,
+    unscraped_nodes,
+)
 from agent.ledger.pending import hour_start
 from agent.ledger.read import UsageRow
 from agent.ledger.report import Report, build_report, check_by
@@ -110,10 +117,11 @@ def report_from_prometheus(api: PrometheusAPI, query: StoreQuery, *, by: Sequenc
 
 def read_counters(api: PrometheusAPI, window: Window, node_label: str) -> dict[str, Growth]:
     """Counter name -> series -> growth over the window, every counter asked for at once."""
-    restarts = agent_restarts(api, window, node_label=node_label)
+    gaps = unscraped_nodes(api, window, node_label=node_label)
+    restarts = agent_restarts(api, window, node_label=node_label, gaps=gaps)
 
     def one(metric: str) -> Growth:
-        return counter_growth(api, metric, window, node_label=node_label, restarts=restarts)
+        return counter_growth(api, metric, window, node_label=node_label, restarts=restarts, gaps=gaps)
 
     pool = ThreadPoolExecutor(max_workers=QUERY_WORKERS, thread_name_prefix="gpuledger-query")
     try:

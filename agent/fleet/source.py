@@ -21,6 +21,12 @@ restarts are read from a counter that does fall at each one, the polls since the
 (RESTART_COUNTER, narrowed down the same way), and a counter's samples after a restart count
 from 0 whatever their value.
 
+A node the store holds no sample of in the lookback before the window, yet one from earlier (the
+store, or its scrapes of that node, were down across `since`), is no new node: its counters ran
+on through the gap. Their baselines are looked for further back (GAP_REACH_S), on such nodes
+only, so that the gap's growth is counted from the last sample before it (as an edge between
+two samples is) and not each counter's whole history from 0.
+
 Both halves of a window's edges follow the store's own convention: Prometheus 2 counts a sample
 exactly at a range's start in the range, VictoriaMetrics and Prometheus 3 do not; either way a
 sample is never counted twice (equal consecutive values grow by 0) and never missed.
@@ -35,13 +41,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agent.fleet.counters import Stretch, increase, was_reset
 from agent.fleet.promapi import LabelSet, PrometheusAPI, Series, selector
 
 DEFAULT_LOOKBACK_S = 3600.0
+# How far before the window a node's last sample is looked for where the lookback holds none
+# (see the module's docstring): past this, a node is taken as new and its counters grew from 0.
+GAP_REACH_S = 31 * 86400.0
 # A part at most this long is read as raw samples: 720 a series at a 30 s scrape, so that a month
 # is one level of parts (a sixth of a day each) and each restart one raw read of its part.
 RAW_WINDOW_S = 6 * 3600.0
@@ -78,15 +87,34 @@ def has_series(api: PrometheusAPI, metric: str, window: Window) -> bool:
     return bool(api.instant(f"count(last_over_time({metric}[{_ms(window.until - window.since)}ms]))", window.until))
 
 
-def agent_restarts(api: PrometheusAPI, window: Window, *, node_label: str) -> dict[str, tuple[float, ...]]:
+def unscraped_nodes(api: PrometheusAPI, window: Window, *, node_label: str) -> frozenset[str]:
+    """The nodes with samples in the window whose last sample before it lies beyond the lookback
+    but within GAP_REACH_S (the store has a gap across `since`): read from RESTART_COUNTER. A node
+    the store first holds inside the window is not one."""
+    span = _ms(window.until - window.since)
+    in_window = {s.label(node_label) for s in api.instant(f"last_over_time({RESTART_COUNTER}[{span}ms])", window.until)}
+    recent = {
+        s.label(node_label)
+        for s in api.instant(f"last_over_time({RESTART_COUNTER}[{_ms(window.lookback_s)}ms])", window.since)
+    }
+    older = _older_baselines(api, RESTART_COUNTER, in_window - recent, window, node_label)
+    return frozenset(dict(labels).get(node_label, "") for labels in older)
+
+
+def agent_restarts(
+    api: PrometheusAPI, window: Window, *, node_label: str, gaps: Collection[str] = ()
+) -> dict[str, tuple[float, ...]]:
     """Node -> each restart of its agent in the window, as the time of the node's last sample
     before it (`since` where that lies before the window): a sample after that time and at or
-    before the next sample is the new run's."""
+    before the next sample is the new run's. `gaps`: the nodes unscraped_nodes() names, whose
+    last sample before the window is older than the lookback (a restart in the gap is at `since`)."""
     reach = _ms(window.until - window.since + window.lookback_s)
+    older = _older_baselines(api, RESTART_COUNTER, gaps, window, node_label)
     fell_somewhere = {s.labels for s in api.instant(f"resets({RESTART_COUNTER}[{reach}ms]) > 0", window.until)}
+    fell_somewhere |= older.keys()
     if not fell_somewhere:
         return {}
-    baseline = {
+    baseline = older | {
         s.labels: s.value
         for s in api.instant(f"last_over_time({RESTART_COUNTER}[{_ms(window.lookback_s)}ms])", window.since)
     }
@@ -104,10 +132,17 @@ def agent_restarts(api: PrometheusAPI, window: Window, *, node_label: str) -> di
 
 
 def counter_growth(
-    api: PrometheusAPI, metric: str, window: Window, *, node_label: str, restarts: Restarts | None = None
+    api: PrometheusAPI,
+    metric: str,
+    window: Window,
+    *,
+    node_label: str,
+    restarts: Restarts | None = None,
+    gaps: Collection[str] = (),
 ) -> dict[LabelSet, float]:
     """Every series of `metric` with a sample in the window -> its exact growth over it, where
-    the agents of the nodes in `restarts` restarted then (agent_restarts)."""
+    the agents of the nodes in `restarts` restarted then (agent_restarts) and the store has a
+    gap across `since` on the nodes in `gaps` (unscraped_nodes)."""
     restarts = restarts or {}
     span = _ms(window.until - window.since)
     last = {s.labels: s.value for s in api.instant(f"last_over_time({metric}[{span}ms])", window.until)}
@@ -116,6 +151,8 @@ def counter_growth(
     baseline = {
         s.labels: s.value for s in api.instant(f"last_over_time({metric}[{_ms(window.lookback_s)}ms])", window.since)
     }
+    unseen = {dict(labels).get(node_label, "") for labels in last.keys() - baseline.keys()} & set(gaps)
+    baseline = _older_baselines(api, metric, unseen, window, node_label) | baseline
     reach = _ms(window.until - window.since + window.lookback_s)
     fell = {s.labels for s in api.instant(f"resets({metric}[{reach}ms]) > 0", window.until)} & last.keys()
     fell |= {labels for labels in last if restarts.get(dict(labels).get(node_label, ""))}
@@ -127,6 +164,28 @@ def counter_growth(
             stretches = _after_restarts(parts.get(labels, []), node_restarts, window.since)
             growth[labels] = increase(baseline.get(labels), stretches)
     return growth
+
+
+def _older_baselines(
+    api: PrometheusAPI, metric: str, nodes: Collection[str], window: Window, node_label: str
+) -> dict[LabelSet, float]:
+    """Series of `metric` on `nodes` -> its last value at or before `since`, within GAP_REACH_S."""
+    found: dict[LabelSet, float] = {}
+    for matchers in _node_matchers(nodes, node_label):
+        query = f"last_over_time({metric}{matchers}[{_ms(GAP_REACH_S)}ms])"
+        found.update((s.labels, s.value) for s in api.instant(query, window.since))
+    return found
+
+
+def _node_matchers(nodes: Iterable[str], node_label: str) -> list[str]:
+    """Label matchers that select every series of `nodes`: a regex of at most NODES_PER_QUERY
+    node names per query."""
+    names = sorted(set(nodes))
+    groups = []
+    for i in range(0, len(names), NODES_PER_QUERY):
+        pattern = "|".join(re.escape(node) for node in names[i : i + NODES_PER_QUERY])
+        groups.append(selector("", [(node_label, "=~", pattern)]))
+    return groups
 
 
 def _after_restarts(timed: Sequence[_Timed], restarts: Sequence[float], since: float) -> list[Stretch]:
@@ -227,14 +286,8 @@ class _Narrowing:
         return {labels: {_key(end): figures for figures in by_time.values()} for labels, by_time in answers.items()}
 
     def _groups(self, wanted: Iterable[LabelSet]) -> list[str]:
-        """Label matchers that select every series of `wanted` (and few others): by node, a
-        regex of at most NODES_PER_QUERY node names per query."""
-        nodes = sorted({dict(labels).get(self.node_label, "") for labels in wanted})
-        groups = []
-        for i in range(0, len(nodes), NODES_PER_QUERY):
-            pattern = "|".join(re.escape(node) for node in nodes[i : i + NODES_PER_QUERY])
-            groups.append(selector("", [(self.node_label, "=~", pattern)]))
-        return groups
+        """Label matchers that select every series of `wanted` (and few others): by node."""
+        return _node_matchers((dict(labels).get(self.node_label, "") for labels in wanted), self.node_label)
 
 
 # What the store is asked of each part: its last value, its smallest (in a part with no reset,
