@@ -71,7 +71,9 @@ def with_target(
 ) -> list[Metric]:
     """Every scrape's samples stamped with its time and labelled with `target` (the labels a
     scrape job adds: job, instance, ...), one family per metric name as OpenMetrics wants; only
-    the samples named in `keep`, where given (a store holds everything; a test reads a few)."""
+    the samples named in `keep`, where given (a store holds everything; a test reads a few).
+    As Prometheus does (honor_labels: false), a target label wins over the sample's own of the
+    same name, which is kept as exported_<name> where it has a value."""
     families: dict[str, Metric] = {}
     for scrape in scrapes:
         for metric in scrape.metrics:
@@ -80,8 +82,16 @@ def with_target(
             family = families.get(metric.name)
             if family is None:
                 family = families[metric.name] = Metric(metric.name, metric.documentation, metric.type, metric.unit)
-            family.samples.extend(Sample(s.name, {**s.labels, **target}, s.value, scrape.at) for s in metric.samples)
+            family.samples.extend(
+                Sample(s.name, _scraped(s.labels, target), s.value, scrape.at) for s in metric.samples
+            )
     return list(families.values())
+
+
+def _scraped(labels: Mapping[str, str], target: Mapping[str, str]) -> dict[str, str]:
+    own = {name: value for name, value in labels.items() if name not in target}
+    own |= {f"exported_{name}": value for name, value in labels.items() if name in target and value}
+    return {**own, **target}
 
 
 class _Families(Collector):

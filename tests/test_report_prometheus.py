@@ -24,6 +24,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.core import Metric
 
 from agent.cli.wiring import build_agent
 from agent.config import Settings
@@ -149,6 +151,14 @@ def restarted_twice(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]
         yield Store(api, [work / "node-02.db"])
 
 
+@contextmanager
+def backfilled(metrics: Sequence[Metric], work: Path) -> Iterator[PrometheusAPI]:
+    """A Prometheus server holding `metrics`, backfilled under `work`, and its query API."""
+    promstore.backfill_prometheus(metrics, work / "data", work)
+    with promstore.prometheus(work / "data", work) as server, PrometheusAPI(server.url) as api:
+        yield api
+
+
 @pytest.fixture(scope="module")
 def unscraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     """gpu-node-05, its agent running 0-6h, with no scrape in the store after 1:00 until 3:30
@@ -156,10 +166,23 @@ def unscraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     work = tmp_path_factory.mktemp("unscraped")
     scrapes = run_node("demo", "gpu-node-05", work / "node-05.db", [(0.0, 6 * H)])
     kept = [s for s in scrapes if not T0 + 1 * H < s.at < T0 + 3.5 * H]
-    metrics = promstore.with_target(kept, {"instance": "gpu-node-05"}, READ)
-    promstore.backfill_prometheus(metrics, work / "data", work)
-    with promstore.prometheus(work / "data", work) as server, PrometheusAPI(server.url) as api:
+    with backfilled(promstore.with_target(kept, {"instance": "gpu-node-05"}, READ), work) as api:
         yield Store(api, [work / "node-05.db"])
+
+
+@pytest.fixture(scope="module")
+def pod_targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    """gpu-node-01 (demo) and gpu-node-07 (weekend-idle) scraped as pods with the agent pod's own
+    `namespace` and `pod` as target labels (what deploy/prometheus/README.md says to drop): they
+    win, and a workload's own labels of those names arrive as exported_namespace, exported_pod."""
+    work = tmp_path_factory.mktemp("pod-targets")
+    target = {"job": "gpuledger", "namespace": "gpuledger", "pod": "gpuledger-x7k2p"}
+    metrics = []
+    for name, node in (("demo", "gpu-node-01"), ("weekend-idle", "gpu-node-07")):
+        scrapes = run_node(name, node, work / f"{node}.db", [(0.0, 8 * H)])
+        metrics += promstore.with_target(scrapes, {**target, "instance": node}, READ)
+    with backfilled(metrics, work) as api:
+        yield Store(api, [work / "gpu-node-01.db", work / "gpu-node-07.db"])
 
 
 def both(store: Store, since_h: float, until_h: float, by: Sequence[str]) -> tuple[Report, Report]:
@@ -305,6 +328,23 @@ def test_a_gap_in_the_store_across_the_windows_start_counts_from_the_sample_befo
     )
     assert prometheus.total.dollars == pytest.approx(GPUS * 5 * PRICE, rel=1e-9)
     assert prometheus.total.gpu_hours_charged == pytest.approx(GPUS * 5, rel=1e-9)
+
+
+def test_target_labels_named_like_workload_labels_are_not_the_workloads(pod_targets: Store) -> None:
+    prometheus, ledger = both(pod_targets, 2, 8, ("namespace", "hpc_job"))
+    assert_same(prometheus, ledger)
+    # Slurm job 9001 has no namespace of its own: the agent pod's `gpuledger` is not its.
+    jobs = {line.key: line for line in prometheus.lines}
+    assert ("", "9001") in jobs
+    assert not [key for key in jobs if key[0] == "gpuledger"]
+    # Job 9001 left gpu-node-07's 8 GPUs idle at 3:57:30 (midway between the polls that saw it
+    # end) until 8h: 8 x (4 h + 2.5 min) x $2.50 = $80.83, under its name, not the agent pod's;
+    # and that idle time's energy is the job's too (none is left to "nobody known").
+    holders = [line.left_by or Workload() for line in prometheus.idle_by]
+    assert not [holder for holder in holders if "gpuledger" in (holder.namespace, holder.pod)]
+    left = {(line.left_by or Workload()).hpc_job: line for line in prometheus.idle_by}
+    assert left["9001"].dollars == pytest.approx(8 * (4 + 2.5 / 60) * 2.5, rel=1e-9)
+    assert left["9001"].joules > 0
 
 
 def test_a_window_the_store_has_no_series_for_is_an_empty_store(fleet: Store) -> None:

@@ -143,8 +143,9 @@ def _grew(row: UsageRow) -> bool:
 
 
 def _rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> list[UsageRow]:
-    rows = _workload_rows(growth, node_label, hour)
-    rows += _idle_rows(growth, node_label, hour)
+    owners = _Owners(node_label, _target_labels(growth, node_label))
+    rows = _workload_rows(growth, owners, hour)
+    rows += _idle_rows(growth, owners, hour)
     unobserved_s, unobserved_dollars = (growth[UNOBSERVED_COUNTERS[k]] for k in ("seconds", "dollars"))
     for labels in sorted(unobserved_s.keys() | unobserved_dollars.keys()):
         seconds = unobserved_s.get(labels, 0.0)
@@ -162,15 +163,15 @@ def _rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> list[Usag
     return rows
 
 
-def _workload_rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> list[UsageRow]:
+def _workload_rows(growth: Mapping[str, Growth], owners: _Owners, hour: int) -> list[UsageRow]:
     figures = {field: growth[metric] for field, metric in WORKLOAD_COUNTERS.items()}
     every = set().union(*(series.keys() for series in figures.values()))
     return [
         _row(
             labels,
-            node_label,
+            owners.node_label,
             hour,
-            workload=_workload(labels),
+            workload=owners.workload(labels),
             dollars=figures["dollars"].get(labels, 0.0),
             charged_s=figures["charged_s"].get(labels, 0.0),
             busy_s=figures["busy_s"].get(labels, 0.0),
@@ -182,7 +183,7 @@ def _workload_rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> 
     ]
 
 
-def _idle_rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> list[UsageRow]:
+def _idle_rows(growth: Mapping[str, Growth], owners: _Owners, hour: int) -> list[UsageRow]:
     """The idle rows of each GPU series: one per last holder where the agent exports who left the
     GPU idle, else one (left by nobody known). The counters by last holder have no energy: the
     GPU's idle energy is split among them by idle seconds (an idle GPU draws its idle power,
@@ -192,7 +193,7 @@ def _idle_rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> list
     left_s, left_dollars = (growth[LEFT_BY_COUNTERS[k]] for k in ("seconds", "dollars"))
     left_by: dict[LabelSet, list[LabelSet]] = {}
     for labels in left_s.keys() | left_dollars.keys():
-        left_by.setdefault(_without_workload(labels), []).append(labels)
+        left_by.setdefault(owners.gpu(labels), []).append(labels)
     rows = []
     for labels in sorted(set().union(*(series.keys() for series in idle.values())) | left_by.keys()):
         seconds, dollars = idle["seconds"].get(labels, 0.0), idle["dollars"].get(labels, 0.0)
@@ -203,7 +204,7 @@ def _idle_rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> list
         ]
         if not holders:
             rows.append(
-                _row(labels, node_label, hour, held_s=seconds, charged_s=seconds, dollars=dollars, idle=True,
+                _row(labels, owners.node_label, hour, held_s=seconds, charged_s=seconds, dollars=dollars, idle=True,
                      joules=joules, energy_dollars=energy_dollars)
             )  # fmt: skip
             continue
@@ -211,15 +212,15 @@ def _idle_rows(growth: Mapping[str, Growth], node_label: str, hour: int) -> list
         for holder, held, paid in holders:
             held_j, held_energy = _energy_share(held, seconds, joules, energy_dollars)
             rows.append(
-                _row(holder, node_label, hour, held_s=held, charged_s=held, dollars=paid, idle=True,
-                     joules=held_j, energy_dollars=held_energy, left_by=_workload(holder))
+                _row(holder, owners.node_label, hour, held_s=held, charged_s=held, dollars=paid, idle=True,
+                     joules=held_j, energy_dollars=held_energy, left_by=owners.workload(holder))
             )  # fmt: skip
             rest_s, rest_dollars = rest_s - held, rest_dollars - paid
         rest_s, rest_dollars = _tidy(rest_s, seconds), _tidy(rest_dollars, dollars)
         if rest_s or rest_dollars:
             rest_j, rest_energy = _energy_share(rest_s, seconds, joules, energy_dollars)
             rows.append(
-                _row(labels, node_label, hour, held_s=rest_s, charged_s=rest_s, dollars=rest_dollars, idle=True,
+                _row(labels, owners.node_label, hour, held_s=rest_s, charged_s=rest_s, dollars=rest_dollars, idle=True,
                      joules=rest_j, energy_dollars=rest_energy)
             )  # fmt: skip
     return rows
@@ -266,15 +267,44 @@ def _row(
     )
 
 
-def _workload(labels: LabelSet) -> Workload:
-    """The workload a series names; a label Prometheus renamed exported_<name> (a target label of
-    the same name won) is read under that name."""
-    values = dict(labels)
-    return Workload(**{name: values.get(f"exported_{name}", values.get(name, "")) for name in WORKLOAD_LABELS})
+def _target_labels(growth: Mapping[str, Growth], node_label: str) -> dict[str, frozenset[str]]:
+    """Node -> the workload label names its GPUs' own series (idle, unobserved) carry. The agent
+    puts no workload label on those, so these are target labels the scrape added (a pod's
+    `namespace`, `pod`, ...): on the node's workload series they pushed the workload's own
+    aside to exported_<name>, or stand where the workload had none (an empty label is none)."""
+    found: dict[str, set[str]] = {}
+    for metric in (*IDLE_COUNTERS.values(), *UNOBSERVED_COUNTERS.values()):
+        for labels in growth[metric]:
+            values = dict(labels)
+            found.setdefault(values.get(node_label, ""), set()).update(set(values) & set(WORKLOAD_LABELS))
+    return {node: frozenset(names) for node, names in found.items()}
 
 
-def _without_workload(labels: LabelSet) -> LabelSet:
-    return tuple((name, value) for name, value in labels if name not in _WORKLOAD_NAMES)
+@dataclass(frozen=True, slots=True)
+class _Owners:
+    """Reads a series' workload, and its GPU's own labels, past the target labels of its node."""
+
+    node_label: str
+    targets: Mapping[str, frozenset[str]]  # _target_labels
+
+    def _shadowed(self, labels: LabelSet) -> frozenset[str]:
+        return self.targets.get(dict(labels).get(self.node_label, ""), frozenset())
+
+    def workload(self, labels: LabelSet) -> Workload:
+        """The workload a series names; a label Prometheus renamed exported_<name> (a target label
+        of the same name won) is read under that name, and a target label is never the workload's."""
+        values, shadowed = dict(labels), self._shadowed(labels)
+        return Workload(
+            **{
+                name: values.get(f"exported_{name}", "" if name in shadowed else values.get(name, ""))
+                for name in WORKLOAD_LABELS
+            }
+        )
+
+    def gpu(self, labels: LabelSet) -> LabelSet:
+        """A workload series' labels without the workload's: its GPU's own series' labels."""
+        shadowed = self._shadowed(labels)
+        return tuple((name, value) for name, value in labels if name in shadowed or name not in _WORKLOAD_NAMES)
 
 
 def _index(text: str) -> int:
