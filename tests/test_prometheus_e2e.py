@@ -40,6 +40,7 @@ from tests.test_grafana import (
     label_values_query,
     load_dashboards,
     panel_queries,
+    panels,
     substitute,
     variable_query,
     variables,
@@ -378,6 +379,34 @@ def test_every_dashboard_panel_query_has_data(scraping: Stack) -> None:
     assert len(queries) > 50
     found = wait_for(lambda: problems(scraping.api, queries))
     assert not found, f"{len(found)} of {len(queries)} dashboard queries failed:\n" + "\n".join(found)
+
+
+_LEGEND_LABEL = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+def test_every_panel_legend_tells_its_series_apart(scraping: Stack) -> None:
+    """Two series of one query that Grafana would draw under the same name (its legend, with each
+    {{label}} put in) cannot be told apart. The fleet view shows three clusters here, two of them
+    running the demo with its Slurm job 8812."""
+
+    def check() -> list[str]:
+        found = []
+        for name, dashboard in load_dashboards().items():
+            values = dashboard_values(dashboard, scraping.target)
+            for panel in panels(dashboard):
+                for target in panel.get("targets", []):
+                    legend = target.get("legendFormat") or ""
+                    if not _LEGEND_LABEL.search(legend):
+                        continue
+                    series = scraping.api.query(substitute(target["expr"], values))
+                    drawn = [_LEGEND_LABEL.sub(lambda m, s=s: s["metric"].get(m.group(1), ""), legend) for s in series]
+                    twice = sorted({text for text in drawn if drawn.count(text) > 1})
+                    if twice:
+                        found.append(f"{name} {panel['title']}/{target.get('refId')}: {twice} drawn more than once")
+        return found
+
+    found = wait_for(check)
+    assert not found, "\n".join(found)
 
 
 def test_every_dashboard_variable_lists_values(scraping: Stack) -> None:

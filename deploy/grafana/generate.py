@@ -582,11 +582,12 @@ def fleet() -> dashboard.Dashboard:
         .with_panel(
             graph_panel(
                 "Top jobs by cost ($/h)",
-                "The 10 Slurm jobs that cost most per hour now. Whole clusters (recording rule).",
+                "The 10 Slurm jobs that cost most per hour now, with their cluster (Slurm numbers jobs per cluster). "
+                "Whole clusters (recording rule).",
                 [
                     query(
                         f"topk(10, hpc_job:gpuledger_workload_cost_dollars_per_hour:rate5m{{{whole}}})",
-                        "job {{hpc_job}}",
+                        "{{cluster}} job {{hpc_job}}",
                     )
                 ],
                 unit=USD,
