@@ -1277,12 +1277,15 @@ def cost() -> dashboard.Dashboard:
     waste_cost_w = f"{cost_w} * clamp_min(1 - {busy_w} / ({charged_w} > 0), 0)"
     rule_sel = 'cluster=~"$cluster", {label}=~"${label}"'
 
-    def by(label: str, title: str) -> bargauge.Panel:
+    def by(label: str, title: str, *, per_cluster: bool = False) -> bargauge.Panel:
+        keys, legend, where = label, f"{{{{{label}}}}}", ""
+        if per_cluster:  # an id each cluster numbers on its own: the same one in two clusters is two
+            keys, legend, where = f"cluster, {label}", f"{{{{{label}}}}} ({{{{cluster}}}})", ", per cluster"
         return bar_panel(
             f"Dollars by {title}",
-            f"What workloads paid over the dashboard's time range, by {title}; {UNNAMED[label]} is GPU time "
-            f"with no {title}.",
-            query(f"sort_desc({named(f'sum by ({label}) ({cost_w})', label)})", f"{{{{{label}}}}}", instant=True),
+            f"What workloads paid over the dashboard's time range, by {title}{where}; {UNNAMED[label]} is GPU "
+            f"time with no {title}.",
+            query(f"sort_desc({named(f'sum by ({keys}) ({cost_w})', label)})", legend, instant=True),
             w=6,
         )
 
@@ -1377,18 +1380,18 @@ def cost() -> dashboard.Dashboard:
         .with_panel(by("namespace", "namespace"))
         .with_panel(by("team", "team"))
         .with_panel(by("model", "model"))
-        .with_panel(by("hpc_job", "job"))
+        .with_panel(by("hpc_job", "job", per_cluster=True))  # Slurm numbers jobs per cluster
         .with_panel(
             table_panel(
                 "Workloads: dollars, GPU-hours charged, busy and wasted",
-                "Each workload over the time range. Charged = its share of the GPU time it held; "
-                "wasted = charged - busy; its dollars are the waste cost.",
+                "Each workload of each cluster over the time range. Charged = its share of the GPU time it "
+                "held; wasted = charged - busy; its dollars are the waste cost.",
                 [
-                    query(f"sum by ({OWNER}) ({cost_w})", instant=True, as_table=True),
-                    query(f"sum by ({OWNER}) ({charged_w}) / 3600", instant=True, as_table=True),
-                    query(f"sum by ({OWNER}) ({busy_w}) / 3600", instant=True, as_table=True),
-                    query(f"sum by ({OWNER}) ({wasted_w}) / 3600", instant=True, as_table=True),
-                    query(f"sum by ({OWNER}) ({waste_cost_w})", instant=True, as_table=True),
+                    query(f"sum by (cluster, {OWNER}) ({cost_w})", instant=True, as_table=True),
+                    query(f"sum by (cluster, {OWNER}) ({charged_w}) / 3600", instant=True, as_table=True),
+                    query(f"sum by (cluster, {OWNER}) ({busy_w}) / 3600", instant=True, as_table=True),
+                    query(f"sum by (cluster, {OWNER}) ({wasted_w}) / 3600", instant=True, as_table=True),
+                    query(f"sum by (cluster, {OWNER}) ({waste_cost_w})", instant=True, as_table=True),
                 ],
                 rename={
                     **SHOWN,
