@@ -160,6 +160,9 @@ class DeviceReading:
     mig_profile: str = ""  # a MIG instance's profile as the MIG user guide names it, e.g. "3g.40gb"
     gpu_instance_id: int | None = None
     pci_bus_id: str = ""
+    # The GPU's device node, /dev/nvidia<minor> (a MIG instance: its GPU's); not its index, and
+    # how GKE's device plugin names it to the kubelet. None where the driver did not say.
+    minor_number: int | None = None
     down_reason: str | None = None
     mig_enabled: bool = False
     sm_count: int | None = None

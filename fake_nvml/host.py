@@ -224,10 +224,14 @@ class FakeHost:
             if a.pod is not None and a.start_s <= t and (a.end_s is None or t < a.end_s)
         ]
         entries += [(p.pod, p.gpus) for p in scenario.processes if p.pod is not None and p.running_at(t)]
+        gke = scenario.node.device_plugin == "gke"
         for pod, refs in entries:
             for ref in refs:
                 gpu = scenario.gpus[ref.gpu]
-                if ref.mig is None:
+                if gke:  # GKE's plugin: the device node, and a MIG instance's GPU instance id
+                    gi = "" if ref.mig is None else f"/gi{gpu.mig[ref.mig].gpu_instance_id}"
+                    resource, device = "nvidia.com/gpu", f"nvidia{gpu.minor}{gi}"
+                elif ref.mig is None:
                     resource, device = "nvidia.com/gpu", gpu.uuid
                 else:
                     resource, device = f"nvidia.com/mig-{gpu.mig[ref.mig].profile}", gpu.mig[ref.mig].uuid

@@ -555,7 +555,7 @@ def _index(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
 
 @_c("nvmlDeviceGetMinorNumber")
 def _minor(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
-    _obj(out).value = dev.gpu
+    _obj(out).value = lib._node.gpu(dev.gpu).minor
     return SUCCESS
 
 

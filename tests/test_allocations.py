@@ -3,6 +3,8 @@ holdings an allocation marks, and how an allocation that runs nothing holds its 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from agent.attribution.facts import PodAllocation, SlurmAllocation
 from agent.attribution.resolve import Inputs, attribute
 from agent.model import (
@@ -134,4 +136,30 @@ def test_a_time_sliced_replica_of_a_gpu_is_that_gpu() -> None:
     assert found == [
         ("GPU-0", Workload(namespace="ml", pod="a", container="main"), (10,), True),
         ("GPU-1", Workload(namespace="ml", pod="b", container="main"), (), True),
+    ]
+
+
+def test_gke_time_shared_gpus_and_mig_instances_are_found_by_device_node() -> None:
+    # GKE's time-sharing hands each pod a virtual GPU "nvidia<minor>/vgpu<n>", on a MIG instance
+    # "nvidia<minor>/gi<id>/vgpu<n>". GPU 0 is /dev/nvidia3 here; GPU 1, MIG-enabled, /dev/nvidia2.
+    whole = replace(gpu(0, 10), minor_number=3)
+    parent = replace(gpu(1), minor_number=2, mig_enabled=True)
+    instance = DeviceReading(
+        index=1, uuid="MIG-1-5", name="NVIDIA A100-SXM4-80GB MIG 3g.40gb", up=True, parent_uuid="GPU-1",
+        mig_index=0, gpu_instance_id=5, minor_number=2,
+    )  # fmt: skip
+    found = holdings(
+        (whole, parent, instance),
+        {10: (1000, pod_cgroup(POD_A))},
+        pods=(
+            PodAllocation("ml", "a", "main", "nvidia3/vgpu0"),
+            PodAllocation("ml", "b", "main", "nvidia3/vgpu1"),
+            PodAllocation("ml", "c", "main", "nvidia2/gi5/vgpu0"),
+            PodAllocation("ml", "d", "main", "nvidia0"),  # no GPU has minor 0: nobody's
+        ),
+    )
+    assert found == [
+        ("GPU-0", Workload(namespace="ml", pod="a", container="main"), (10,), True),
+        ("GPU-0", Workload(namespace="ml", pod="b", container="main"), (), True),
+        ("MIG-1-5", Workload(namespace="ml", pod="c", container="main"), (), True),
     ]

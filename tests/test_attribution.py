@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.attribution.labels import apply_rules, compile_rules, rule_env_keys
 from agent.attribution.recognise import recognise_model
+from agent.attribution.sources.kubelet import PodResourcesClient
 from agent.attribution.sources.procfs import (
     ANCESTOR_LEVELS,
     Passwd,
@@ -269,6 +270,35 @@ def test_a_mig_instance_allocated_by_index_is_its_pods(rig: Any) -> None:
     assert dollars == pytest.approx({(r.node.scenario.gpus[0].mig[1].uuid, "notebook"): 1.4})
     assert idle == pytest.approx(2.2)
     assert sum(dollars.values()) + idle + unobserved == pytest.approx(3.6)
+
+
+def test_gke_device_ids_name_gpus_and_mig_instances_by_device_node_not_index(rig: Any) -> None:
+    # GKE's device plugin names a GPU by its device node, "nvidia<minor>", and a MIG instance by
+    # its GPU's node and GPU instance id, "nvidia<minor>/gi<id>". The minor is not the index:
+    # here GPU 0 (MIG) is /dev/nvidia1 and GPU 1 is /dev/nvidia0. Neither pod runs anything.
+    scenario = {
+        "start": "2026-11-20T18:00:00Z",
+        "node": {"device_plugin": "gke"},
+        "gpus": [{"model": "A100-SXM4-80GB", "mig": ["3g.40gb", "3g.40gb"], "minor": 1}, {"minor": 0}],
+        "allocations": [
+            {"gpus": [1], "pod": {"namespace": "ml", "name": "notebook", "container": "jupyter"}},
+            {"gpus": ["0:1"], "pod": {"namespace": "ml", "name": "mig-notebook", "container": "jupyter"}},
+        ],
+    }
+    r = rig(scenario, settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}))
+    gpus = r.node.scenario.gpus
+    with PodResourcesClient(str(r.node.host.podresources_socket)) as kubelet:  # what the fake kubelet says
+        device_ids = sorted(a.device_id for a in kubelet.list_gpu_allocations())
+    assert device_ids == ["nvidia0", f"nvidia1/gi{gpus[0].mig[1].gpu_instance_id}"]
+    state = r.run(3600.0, 30.0)
+    dollars = {(uuid, w.pod): totals.dollars for (_gpu, uuid, w), totals in state.costs.workloads.items()}
+    # $3.60 per GPU-hour, one hour of two GPUs = $7.20. GPU 1 (nvidia0) is the notebook's all
+    # hour: $3.60. A 3g.40gb instance is 42 of the A100's 108 SMs: $3.60 x 42/108 = $1.40 to the
+    # MIG notebook on instance 1; instance 0 ($1.40) and the 24 SMs no instance has ($0.80) are
+    # idle: $2.20.
+    assert dollars == pytest.approx({(gpus[1].uuid, "notebook"): 3.6, (gpus[0].mig[1].uuid, "mig-notebook"): 1.4})
+    assert sum(g.idle_dollars for g in state.costs.gpus.values()) == pytest.approx(2.2)
+    assert_conserved(state, {Workload(pod=pod): d for (_uuid, pod), d in dollars.items()}, 7.2)
 
 
 def dollars_by_model(state: AgentState) -> dict[str, float]:

@@ -97,6 +97,9 @@ class TinyBackend:
     def pci_bus_id(self, handle: Handle) -> str:
         return f"0000:0{handle[1]}:00.0"
 
+    def minor_number(self, handle: Handle) -> int:
+        return 7 - int(handle[1])
+
     def power_limit_w(self, handle: Handle) -> float:
         return 300.0
 

@@ -1667,6 +1667,14 @@ BAD_SCENARIOS = [
         "faults[0].latency_ms: must be 0..8.64e+07, got 1e+300",
         id="latency",
     ),
+    pytest.param(
+        {"gpus": [{"minor": 1}, {}]}, "gpus[1].minor: /dev/nvidia1 is already GPU 0's", id="two GPUs, one minor"
+    ),
+    pytest.param(
+        {"node": {"device_plugin": "amd"}, "gpus": ONE_GPU},
+        "node.device_plugin: expected one of nvidia, gke, got 'amd'",
+        id="device plugin",
+    ),
 ]
 
 

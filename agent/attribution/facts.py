@@ -20,7 +20,9 @@ class PodAllocation:
     namespace: str
     pod: str
     container: str
-    device_id: str  # a GPU or MIG UUID, or a GPU index ("::<n>" after it: a time-sliced replica), as the plugin says
+    # As the device plugin says: a GPU or MIG UUID, a GPU index, or GKE's "nvidia<minor>[/gi<id>]";
+    # a time-shared replica has "::<n>" (NVIDIA's) or "/vgpu<n>" (GKE's) after it.
+    device_id: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ are switched on.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -66,6 +67,7 @@ def attributed_readings(snapshot: Snapshot) -> tuple[tuple[object, ...], ...]:
         (
             d.uuid,
             d.index,
+            d.minor_number,
             d.parent_uuid is None,
             d.gpu_instance_id,
             d.mig_index,
@@ -85,11 +87,19 @@ def _device_index(snapshot: Snapshot) -> tuple[dict[str, DeviceReading], dict[tu
     return by_uuid, by_slot
 
 
+# GKE's device plugin (GoogleCloudPlatform/container-engine-accelerators) names a GPU by its
+# device node, "nvidia<minor>", and a MIG instance by its GPU's node and GPU instance id,
+# "nvidia<minor>/gi<id>" (the driver's capabilities/gpu<minor>/mig/gi<id>); a time-shared one
+# carries a replica, "/vgpu<n>", after either.
+_GKE_DEVICE = re.compile(r"nvidia([0-9]+)(?:/gi([0-9]+))?(?:/vgpu[0-9]+)?")
+
+
 def _pod_device_uuid(
     device_id: str,
     by_uuid: Mapping[str, DeviceReading],
     by_slot: Mapping[tuple[int, int | None], str],
     by_mig_label: Mapping[str, str],
+    by_minor: Mapping[int, int],
 ) -> str | None:
     # A GPU shared by time-slicing or MPS is advertised as replicas "<id>::<n>", one per pod
     # sharing it (k8s-device-plugin's AnnotatedID); each replica is that device.
@@ -100,6 +110,11 @@ def _pod_device_uuid(
         return device_id
     if device_id.isdigit():  # device plugins run with deviceIDStrategy=index report indexes
         return by_slot.get((int(device_id), None))  # a whole GPU (or a MIG-enabled GPU itself)
+    gke = _GKE_DEVICE.fullmatch(device_id)
+    if gke is not None:
+        index = by_minor.get(int(gke[1]))
+        gpu_instance = None if gke[2] is None else int(gke[2])
+        return None if index is None else by_slot.get((index, gpu_instance))
     # A MIG device by index is "<gpu>:<n>", n the index nvmlDeviceGetMigDeviceHandleByIndex takes
     # (go-nvlib's VisitMigDevices): the reading's `label`, not its GPU instance id.
     return by_mig_label.get(device_id)
@@ -109,12 +124,13 @@ def attribute(inputs: Inputs) -> Attribution:
     snapshot = inputs.snapshot
     by_uuid, by_slot = _device_index(snapshot)
     by_mig_label = {d.label: d.uuid for d in snapshot.devices if d.is_mig}
+    by_minor = {d.minor_number: d.index for d in snapshot.devices if not d.is_mig and d.minor_number is not None}
 
     pods_on_device: dict[str, list[PodAllocation]] = {}
     # device uuid -> (namespace, pod) -> its containers: what a process in a pod looks up.
     pod_containers: dict[str, dict[tuple[str, str], set[str]]] = {}
     for alloc in inputs.pod_allocations:
-        uuid = _pod_device_uuid(alloc.device_id, by_uuid, by_slot, by_mig_label)
+        uuid = _pod_device_uuid(alloc.device_id, by_uuid, by_slot, by_mig_label, by_minor)
         if uuid is not None:
             pods_on_device.setdefault(uuid, []).append(alloc)
             pod_containers.setdefault(uuid, {}).setdefault((alloc.namespace, alloc.pod), set()).add(alloc.container)

@@ -193,6 +193,8 @@ class TraceRecorder:
             entry: dict[str, Any] = {"model": gpu.model, "uuid": gpu.uuid}
             if gpu.pci_bus_id:
                 entry["pci_bus_id"] = gpu.pci_bus_id
+            if gpu.minor_number is not None:
+                entry["minor"] = gpu.minor_number
             if gpu.memory_total_bytes is not None:
                 entry["memory_total_mib"] = max(1, round(gpu.memory_total_bytes / MIB))
             if gpu.power_limit_w is not None:

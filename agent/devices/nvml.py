@@ -668,6 +668,9 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         bus_id = info.busId
         return bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
 
+    def minor_number(self, handle: Handle) -> int:
+        return int(_call("nvmlDeviceGetMinorNumber", pynvml.nvmlDeviceGetMinorNumber, handle.handle))
+
     def power_limit_w(self, handle: Handle) -> float:
         call = "nvmlDeviceGetEnforcedPowerLimit"
         return _from_milli(_call(call, pynvml.nvmlDeviceGetEnforcedPowerLimit, handle.handle))

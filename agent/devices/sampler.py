@@ -133,6 +133,7 @@ class _Gpu:
     name: str
     discovered: bool = True
     pci_bus_id: str = ""
+    minor_number: int | None = None
     power_limit_w: float | None = None
     sm_count: int | None = None
     mig_enabled: bool = False
@@ -397,7 +398,7 @@ class Sampler:
         b = self.backend
         gpu = _Gpu(index=index, handle=handle, uuid=uuid, name=name)
         gpu.mig_enabled = bool(self._optional(uuid, "mig_mode", lambda: b.mig_enabled(handle)))
-        self._read_facts(gpu, now, ("pci", "power_limit", "sm_count", "nvlink_count"))
+        self._read_facts(gpu, now, ("pci", "minor", "power_limit", "sm_count", "nvlink_count"))
         gpu.activity = self._meter(gpu, handle, None)
         if gpu.mig_enabled:
             gpu.migs = [self._discover_mig(gpu, slot, mig_handle) for slot, mig_handle in b.mig_handles(handle)]
@@ -422,6 +423,7 @@ class Sampler:
         handle = gpu.handle
         reads: dict[str, Callable[[], object]] = {
             "pci": lambda: b.pci_bus_id(handle),
+            "minor": lambda: b.minor_number(handle),
             "power_limit": lambda: b.power_limit_w(handle),
             "sm_count": lambda: b.sm_count(handle),
             "nvlink_count": lambda: b.nvlink_count(handle),
@@ -447,6 +449,8 @@ class Sampler:
             gpu.missing.discard(what)
             if what == "pci":
                 gpu.pci_bus_id = str(value or "")
+            elif what == "minor":
+                gpu.minor_number = value if isinstance(value, int) else None
             elif what == "power_limit":
                 gpu.power_limit_w = float(value) if isinstance(value, int | float) else None
             elif what == "sm_count":
@@ -753,6 +757,7 @@ class Sampler:
                 name=gpu.name,
                 up=True,
                 pci_bus_id=gpu.pci_bus_id,
+                minor_number=gpu.minor_number,
                 mig_enabled=gpu.mig_enabled,
                 sm_count=gpu.sm_count,
                 utilization=values.get(_UTILIZATION),
@@ -842,6 +847,7 @@ class Sampler:
             name=gpu.name,
             up=True,
             pci_bus_id=gpu.pci_bus_id,
+            minor_number=gpu.minor_number,
             mig_enabled=True,
             sm_count=gpu.sm_count,
             utilization=values.get(_UTILIZATION),
@@ -872,6 +878,7 @@ class Sampler:
                     mig_profile=mig.profile,
                     gpu_instance_id=mig.gpu_instance_id,
                     pci_bus_id=gpu.pci_bus_id,
+                    minor_number=gpu.minor_number,
                     sm_count=mig.sm_count,
                     memory_used_bytes=None if mig_used is None else int(mig_used),
                     memory_total_bytes=None if mig_total is None else int(mig_total),
@@ -1034,6 +1041,7 @@ def _down(gpu: _Gpu, reason: str) -> DeviceReading:
         name=gpu.name,
         up=False,
         pci_bus_id=gpu.pci_bus_id,
+        minor_number=gpu.minor_number,
         down_reason=reason,
         discovered=gpu.discovered,
     )

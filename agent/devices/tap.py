@@ -100,6 +100,9 @@ class TappedBackend:
     def pci_bus_id(self, handle: Handle) -> str:
         return self._inner.pci_bus_id(handle)
 
+    def minor_number(self, handle: Handle) -> int:
+        return self._inner.minor_number(handle)
+
     def power_limit_w(self, handle: Handle) -> float:
         return self._inner.power_limit_w(handle)
 

@@ -116,6 +116,7 @@ class Gpu:
     sm_count: int
     mig: tuple[MigInstance, ...]
     readings: tuple[ReadingRow, ...] = ()  # a recorded time series, in time order
+    minor: int = 0  # its device node, /dev/nvidia<minor>: the index unless the scenario says
 
     @property
     def name(self) -> str:
@@ -279,6 +280,9 @@ class NodeFacts:
     cuda_driver_version: int
     instance_type: str | None
     missing_functions: frozenset[str]
+    # Whose device plugin the kubelet's allocations come from, which decides how they name a
+    # device: "nvidia" (k8s-device-plugin: GPU and MIG UUIDs), "gke" (nvidia<minor>[/gi<id>]).
+    device_plugin: str = "nvidia"
 
 
 @dataclass(frozen=True)

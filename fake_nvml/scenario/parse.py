@@ -62,6 +62,7 @@ MAX_EVENTS = 1_000_000  # errors one fault adds to a counter
 MAX_LATENCY_MS = 86_400_000.0  # a call that hangs for a day
 MAX_CMDLINE = 131_072  # Linux's MAX_ARG_STRLEN
 MAX_WATTS = 10_000.0  # a board's power in milliwatts stays within NVML's unsigned int
+DEVICE_PLUGINS = ("nvidia", "gke")  # NodeFacts.device_plugin
 
 
 class _Reader:
@@ -179,7 +180,7 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
             [
                 "model", "count", "memory_total_mib", "power_limit_w", "idle_power_w",
                 "idle_temp_c", "max_temp_c", "nvlink_links", "mig", "sm_count",
-                "uuid", "pci_bus_id", "readings",
+                "uuid", "pci_bus_id", "readings", "minor",
             ]
         )  # fmt: skip
         model = r.str_("model", "A100-SXM4-80GB") or "A100-SXM4-80GB"
@@ -197,11 +198,21 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
         nvlink_links = r.int_("nvlink_links", 0, maximum=MAX_NVLINKS) or 0
         sm_count = r.int_("sm_count", facts.sm_count, minimum=1, maximum=1024) or facts.sm_count
         profiles = r.list_("mig")
-        if count > 1 and {"uuid", "pci_bus_id", "readings"} & set(r.data):
-            raise r.fail("count", "uuid, pci_bus_id and readings belong to one GPU: give each its own entry")
+        if count > 1 and {"uuid", "pci_bus_id", "readings", "minor"} & set(r.data):
+            raise r.fail(
+                "count", "uuid, pci_bus_id and readings belong to one GPU (a minor too): give each its own entry"
+            )
         readings = _parse_readings(r, nvlink_links, len(profiles))
         for _ in range(count):
             index = len(gpus)
+            minor = r.int_("minor", index, maximum=255)
+            if minor is None:
+                minor = index
+            taken = next((g.index for g in gpus if g.minor == minor), None)
+            if taken is not None:
+                raise r.fail(
+                    "minor", f"/dev/nvidia{minor} is already GPU {taken}'s (a GPU's minor is its index unless given)"
+                )
             uuid = r.str_("uuid") or "GPU-" + _uuid(hostname, "gpu", index)
             mig = _parse_mig(r, profiles, facts, memory_total_mib, hostname, index)
             gpus.append(
@@ -220,6 +231,7 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
                     sm_count=sm_count,
                     mig=mig,
                     readings=readings,
+                    minor=minor,
                 )
             )
     return tuple(gpus)
@@ -717,18 +729,24 @@ def parse_scenario(data: object, source: str = "scenario") -> Scenario:
     top = _Reader(source, "", data)
     top.check_keys(["name", "start", "node", "gpus", "processes", "allocations", "faults"])
     node_r = top.child("node", top.data.get("node") or {})
-    node_r.check_keys(["hostname", "driver_version", "cuda_driver_version", "instance_type", "missing_functions"])
+    node_r.check_keys(
+        ["hostname", "driver_version", "cuda_driver_version", "instance_type", "missing_functions", "device_plugin"]
+    )
     hostname = node_r.str_("hostname", "gpu-node-01") or "gpu-node-01"
     driver_version = node_r.str_("driver_version", "550.54.15") or "550.54.15"
     if not re.fullmatch(r"\d+\.\d+(\.\d+)?", driver_version):
         raise node_r.fail("driver_version", f"expected a version like 550.54.15, got {driver_version!r}")
     missing = node_r.list_("missing_functions")
+    device_plugin = node_r.str_("device_plugin", "nvidia") or "nvidia"
+    if device_plugin not in DEVICE_PLUGINS:
+        raise node_r.fail("device_plugin", f"expected one of {', '.join(DEVICE_PLUGINS)}, got {device_plugin!r}")
     node = NodeFacts(
         hostname=hostname,
         driver_version=driver_version,
         cuda_driver_version=node_r.int_("cuda_driver_version", 12040) or 12040,
         instance_type=node_r.str_("instance_type"),
         missing_functions=frozenset(str(m) for m in missing),
+        device_plugin=device_plugin,
     )
     gpus = _parse_gpus(top, hostname)
     return Scenario(
