@@ -404,6 +404,9 @@ class Attribution:
     holdings: tuple[Holding, ...] = ()
     unresolved: tuple[tuple[str, int], ...] = ()  # device uuid -> processes procfs could not resolve
     kubelet_up: bool | None = None  # None: no kubelet socket configured or present
+    # Device ids the kubelet allocated that no device here goes by (a form the agent cannot
+    # read, a GPU not discovered): their pods hold nothing through them, so this is never silent.
+    unmatched_devices: tuple[str, ...] = ()
     # False while the scheduler's allocations cannot be known (the kubelet unreachable past
     # attribution.kubelet_stale_after): a unit no process holds may still be allocated, so its
     # time is unobserved (attribution_unavailable), not idle.

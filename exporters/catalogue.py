@@ -433,6 +433,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "seconds",
     ),
     MetricSpec("gpuledger_kubelet_up", Kind.GAUGE, "1 while the kubelet pod-resources API answers, 0 when not.", ()),
+    MetricSpec(
+        "gpuledger_kubelet_unmatched_devices",
+        Kind.GAUGE,
+        "Device ids the kubelet has allocated to pods that no GPU or MIG instance of this node goes by.",
+        (),
+    ),
     MetricSpec("gpuledger_poll_duration_seconds", Kind.GAUGE, "How long the latest poll of NVML took.", (), "seconds"),
     MetricSpec(
         "gpuledger_last_poll_timestamp_seconds",

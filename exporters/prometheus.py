@@ -82,6 +82,7 @@ class GpuledgerCollector(Collector):
         _event_series(out, state)
         if state.attribution.kubelet_up is not None:
             out.add("gpuledger_kubelet_up", (), 1.0 if state.attribution.kubelet_up else 0.0)
+            out.add("gpuledger_kubelet_unmatched_devices", (), float(len(state.attribution.unmatched_devices)))
         health = state.health
         if health.last_success_at is not None:
             out.add("gpuledger_last_poll_timestamp_seconds", (), health.last_success_at)

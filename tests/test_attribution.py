@@ -301,6 +301,30 @@ def test_gke_device_ids_name_gpus_and_mig_instances_by_device_node_not_index(rig
     assert_conserved(state, {Workload(pod=pod): d for (_uuid, pod), d in dollars.items()}, 7.2)
 
 
+def test_a_device_id_no_gpu_goes_by_is_logged_once_and_counted(rig: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="agent.attribution.gather")
+    r = rig({"gpus": [{"count": 1}]})
+    uuid = r.node.scenario.gpus[0].uuid
+    # One id is this GPU's; the others name a GPU elsewhere and a device node this node lacks.
+    rows = [
+        ("ml", "notebook", "jupyter", "nvidia.com/gpu", [uuid, "GPU-elsewhere"]),
+        ("ml", "trainer", "main", "nvidia.com/gpu", ["nvidia7"]),
+        # an RDMA device of the network operator's is no GPU, and no GPU missing
+        ("ml", "trainer", "main", "nvidia.com/rdma_shared_device_a", ["rdma0"]),
+    ]
+    r.node.host.server.stop()
+    with FakePodResourcesServer(lambda: rows, str(r.node.host.podresources_socket)):
+        states = [r.poll(15.0) for _ in range(3)]
+    assert states[-1].attribution.unmatched_devices == ("GPU-elsewhere", "nvidia7")
+    assert ("gpuledger_kubelet_unmatched_devices", {}, 2.0) in r.samples(
+        states[-1], {"gpuledger_kubelet_unmatched_devices"}
+    )
+    told = [m for m in caplog.messages if "no GPU or MIG instance on this node goes by" in m]
+    assert len(told) == 2  # once each, however many polls
+    assert "'GPU-elsewhere' (to ml/notebook)" in told[0]
+    assert "'nvidia7' (to ml/trainer)" in told[1]
+
+
 def dollars_by_model(state: AgentState) -> dict[str, float]:
     """Every workload's dollars so far, summed per model."""
     found: dict[str, float] = {}

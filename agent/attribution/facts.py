@@ -23,6 +23,7 @@ class PodAllocation:
     # As the device plugin says: a GPU or MIG UUID, a GPU index, or GKE's "nvidia<minor>[/gi<id>]";
     # a time-shared replica has "::<n>" (NVIDIA's) or "/vgpu<n>" (GKE's) after it.
     device_id: str
+    resource_name: str = "nvidia.com/gpu"  # e.g. nvidia.com/gpu.shared, nvidia.com/mig-1g.10gb
 
 
 @dataclass(frozen=True, slots=True)

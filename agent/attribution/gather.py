@@ -8,6 +8,7 @@ that refresh on a schedule of their own (the kubelet's allocation list) say so t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TypeVar
@@ -19,6 +20,8 @@ from agent.attribution.sources.base import AttributionSource, Refresher
 from agent.model import Attribution, Snapshot
 
 S = TypeVar("S")
+
+log = logging.getLogger(__name__)
 
 
 class Attributor:
@@ -39,6 +42,7 @@ class Attributor:
         self.team_from_account = team_from_account
         # The last poll's inputs to `attribute` and its result (see `attribute`).
         self._last: tuple[tuple[object, ...], HostFacts, Attribution] | None = None
+        self._told_unmatched: set[str] = set()  # device ids already logged as matching no device
 
     def attribute(self, snapshot: Snapshot) -> Attribution:
         """The holdings of `snapshot`'s devices, from what the sources find. In a steady state
@@ -68,8 +72,23 @@ class Attributor:
         )
         if not found.allocations_known:
             attribution = replace(attribution, allocations_known=False)
+        self._tell_unmatched(attribution.unmatched_devices, found)
         self._last = (key, found, attribution)
         return attribution
+
+    def _tell_unmatched(self, device_ids: Sequence[str], found: HostFacts) -> None:
+        """Once per device id: which pod the kubelet gave it to, and that no device here has it."""
+        for device_id in device_ids:
+            if device_id in self._told_unmatched:
+                continue
+            self._told_unmatched.add(device_id)
+            pods = sorted({f"{a.namespace}/{a.pod}" for a in found.pod_allocations if a.device_id == device_id})
+            log.warning(
+                "kubelet allocated device %r (to %s), which no GPU or MIG instance on this node goes by: "
+                "that pod is not billed for it (gpuledger_kubelet_unmatched_devices counts such ids)",
+                device_id,
+                ", ".join(pods),
+            )
 
     def refreshers(self) -> tuple[Refresher, ...]:
         """Every source's scheduled work, in the order the sources gather."""

@@ -93,6 +93,11 @@ def _device_index(snapshot: Snapshot) -> tuple[dict[str, DeviceReading], dict[tu
 # carries a replica, "/vgpu<n>", after either.
 _GKE_DEVICE = re.compile(r"nvidia([0-9]+)(?:/gi([0-9]+))?(?:/vgpu[0-9]+)?")
 
+# The resources the NVIDIA and GKE device plugins hand GPUs out as: whole or shared GPUs, and MIG
+# instances (shared or not). Other nvidia.com resources (the network operator's RDMA devices, a
+# renamed GPU resource) are matched too, but an id of theirs that is no GPU's is no anomaly.
+_GPU_RESOURCE = re.compile(r"nvidia\.com/(gpu|mig-[^/]+)(\.[^/]*)?")
+
 
 def _pod_device_uuid(
     device_id: str,
@@ -129,9 +134,13 @@ def attribute(inputs: Inputs) -> Attribution:
     pods_on_device: dict[str, list[PodAllocation]] = {}
     # device uuid -> (namespace, pod) -> its containers: what a process in a pod looks up.
     pod_containers: dict[str, dict[tuple[str, str], set[str]]] = {}
+    unmatched: set[str] = set()
     for alloc in inputs.pod_allocations:
         uuid = _pod_device_uuid(alloc.device_id, by_uuid, by_slot, by_mig_label, by_minor)
-        if uuid is not None:
+        if uuid is None:
+            if _GPU_RESOURCE.fullmatch(alloc.resource_name):
+                unmatched.add(alloc.device_id)
+        else:
             pods_on_device.setdefault(uuid, []).append(alloc)
             pod_containers.setdefault(uuid, {}).setdefault((alloc.namespace, alloc.pod), set()).add(alloc.container)
     slurm_on_device: dict[str, SlurmAllocation] = {}
@@ -213,6 +222,7 @@ def attribute(inputs: Inputs) -> Attribution:
         ),
         unresolved=tuple(sorted(unresolved.items())),
         kubelet_up=inputs.kubelet_up,
+        unmatched_devices=tuple(sorted(unmatched)),
     )
 
 

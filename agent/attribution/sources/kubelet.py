@@ -275,7 +275,7 @@ class KubeletSource(AttributionSource):
                 )
             self._up = False
             return
-        allocations = tuple(PodAllocation(r.namespace, r.pod, r.container, r.device_id) for r in rows)
+        allocations = tuple(PodAllocation(r.namespace, r.pod, r.container, r.device_id, r.resource_name) for r in rows)
         with self._lock:
             self._allocations = allocations
         if self._up is not True:
