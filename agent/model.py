@@ -482,6 +482,7 @@ class WorkloadTotals:
     joules: float = 0.0
     last_charged_at: float = 0.0
     energy_dollars: float | None = None  # None where no energy price is set
+    unmeasured_s: float = 0.0  # charged time whose use nothing measured (WorkloadCharge.unmeasured_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -637,6 +638,10 @@ class WorkloadCharge:
     # across workloads where held seconds count a shared GPU once per holder.
     charged_s: float = 0.0
     account: str = ""  # the Slurm account (Holding.account), "" where none
+    # The part of `charged_s` over which nothing measured how busy it kept the unit (a MIG
+    # instance without GPM, busy_source gpm on a GPU without it, a shared unit whose holders'
+    # shares of use cannot be told): its use there is unknown, not 0, so busy_s covers the rest.
+    unmeasured_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,6 +252,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "seconds",
     ),
     MetricSpec(
+        "gpuledger_workload_gpu_unmeasured_seconds_total",
+        Kind.COUNTER,
+        "GPU time charged to the workload whose use nothing measured (its unit has no busy figure, "
+        "as a MIG instance without GPM): unknown, neither used nor wasted; busy is a part of the rest.",
+        WORKLOAD,
+        "seconds",
+    ),
+    MetricSpec(
         "gpuledger_workload_cost_dollars_total",
         Kind.COUNTER,
         "What the workload's share of the GPU cost: price x weight x time, split by measured use.",

@@ -227,6 +227,7 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_workload_gpu_seconds_total", labels, w.held_s)
         out.add("gpuledger_workload_gpu_busy_seconds_total", labels, w.busy_s)
         out.add("gpuledger_workload_gpu_charged_seconds_total", labels, w.charged_s)
+        out.add("gpuledger_workload_gpu_unmeasured_seconds_total", labels, w.unmeasured_s)
         out.add("gpuledger_workload_cost_dollars_total", labels, w.dollars)
         out.add("gpuledger_workload_energy_joules_total", labels, w.joules)
         if w.energy_dollars is not None:

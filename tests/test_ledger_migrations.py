@@ -242,11 +242,25 @@ def write_v6_ledger(path: Path) -> None:
         conn.close()
 
 
+def write_v7_ledger(path: Path) -> None:
+    """The same two hours as a version-7 agent left them: version 6's file taken through step 7
+    as it shipped (`sizing_hours`, empty: nothing recorded sizing before it)."""
+    write_v6_ledger(path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        MIGRATIONS[6](conn)
+        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (7, ?)", (1_795_600_000.0,))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 # One writer per schema a release shipped before the current one: a new schema version must add
 # the writer of the one it replaces (the test below fails until it does).
 WRITERS = {
     1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger, 4: write_v4_ledger, 5: write_v5_ledger,
-    6: write_v6_ledger,
+    6: write_v6_ledger, 7: write_v7_ledger,
 }  # fmt: skip
 
 
@@ -371,7 +385,7 @@ def test_the_latest_schema_has_a_column_for_every_workload_label(tmp_path: Path)
     columns = [name for _cid, name, *_ in rows(path, "PRAGMA table_info(workload_hours)")]
     assert columns == [
         "hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "account", "held_s", "busy_s", "dollars", "joules",
-        "energy_dollars", "charged_s", "dollars_per_hour", "purchase", "price_source",
+        "energy_dollars", "charged_s", "dollars_per_hour", "purchase", "price_source", "unmeasured_s",
     ]  # fmt: skip
     assert rows(path, "SELECT version FROM schema_version ORDER BY version") == [
         (v,) for v in range(1, SCHEMA_VERSION + 1)
@@ -666,3 +680,31 @@ def test_after_version_6_a_job_is_kept_by_its_account_with_its_price(tmp_path: P
     ]
     by_account = {line.key: line.dollars for line in report_from_ledger(path, by=["account"]).lines}
     assert by_account == {("",): pytest.approx(15.0 - IDLE + 0.025), ("nlp",): pytest.approx(0.025)}
+
+
+def test_version_8_counts_older_rows_as_measured_and_adds_unmeasured_time_to_them(tmp_path: Path) -> None:
+    path = tmp_path / "v7.db"
+    write_v7_ledger(path)
+    alice = Workload(hpc_job="8812", user="alice", model="llama-3-8b", team="research")
+    before = {line.key: (line.efficiency, line.waste_dollars) for line in report_from_ledger(path, by=["user"]).lines}
+    # alice, hour H0: 2700 busy of 3600 s charged for $2.50: efficiency 0.75, waste 2.50 x 0.25.
+    assert before[("alice",)] == (0.75, 0.625)
+    Ledger(path).close()
+    assert rows(path, "SELECT DISTINCT unmeasured_s FROM workload_hours") == [(0.0,)]
+    after = report_from_ledger(path, by=["user"])
+    assert {line.key: (line.efficiency, line.waste_dollars) for line in after.lines} == before
+    assert after.total.dollars == TOTAL
+    gpu = GpuCharge(
+        gpu=0, uuid="GPU-0", model="A100-SXM4-80GB", dollars_per_hour=2.5, observed_s=1800.0, dollars=1.25,
+        idle_s=0.0, idle_dollars=0.0, unobserved_s=0.0, joules=0.0, idle_joules=0.0,
+    )  # fmt: skip
+    # Half an hour more on alice's migrated row, with no busy figure: 1800 s unmeasured, $1.25.
+    unmeasured = WorkloadCharge(0, "GPU-0", alice, 1800.0, 0.0, 1.25, 0.0, charged_s=1800.0, unmeasured_s=1800.0)
+    with Ledger(path, retention_s=None) as ledger:
+        ledger.add(Charges(H0 + 3600.0, H0 + 5400.0, "node-a", (unmeasured,), (gpu,)))
+    stored = rows(path, "SELECT charged_s, busy_s, unmeasured_s, dollars FROM workload_hours WHERE user = 'alice'")
+    assert stored == [(3600.0, 2700.0, 0.0, 2.5), (1800.0, 0.0, 1800.0, 1.25)]
+    line = next(ln for ln in report_from_ledger(path, by=["user"]).lines if ln.key == ("alice",))
+    # Efficiency over the measured 3600 s: 2700 / 3600; waste only the measured hour's $0.625,
+    # the unmeasured half hour's is unknown, not $1.25 more.
+    assert (line.efficiency, line.waste_dollars, line.dollars) == (0.75, 0.625, 3.75)

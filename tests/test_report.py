@@ -19,7 +19,7 @@ from hypothesis import given, settings
 
 from agent.accounting.cost import account
 from agent.ledger.files import LedgerError
-from agent.ledger.read import LedgerInfo, read_usage
+from agent.ledger.read import LedgerInfo, UsageRow, read_usage
 from agent.ledger.report import (
     GROUP_KEYS,
     Report,
@@ -578,5 +578,57 @@ def test_charged_gpu_hours_add_up_to_gpus_times_the_interval(case: Any) -> None:
                 # more than the GPU (two at 100%), which accounting does not yet cap; waste never
                 # goes below 0 for it.
                 assert line.efficiency is None or line.efficiency >= 0.0
-                assert line.waste_dollars is not None
-                assert line.waste_dollars >= 0.0
+                assert line.unmeasured_s <= line.charged_s * (1 + 1e-12)
+                if line.waste_dollars is None:
+                    # Unknown only where nothing measured its use (a unit without a busy figure).
+                    assert line.efficiency is None
+                    assert line.unmeasured_s > 0
+                else:
+                    assert line.waste_dollars >= 0.0
+
+
+# --- use nothing measured is unknown, not idle --------------------------------------------------
+
+
+def test_mig_instances_without_a_busy_figure_have_unknown_efficiency_and_waste(tmp_path: Path) -> None:
+    """The `mig` scenario for 2 h at $3.60 per GPU-hour: GPU 0, an A100 (108 SMs, no GPM) cut into
+    two 3g.40gb instances (42 SMs each) whose use nothing measures, one busy at 70%; GPU 1 whole,
+    40% busy by NVML."""
+    path = tmp_path / "mig.db"
+    env = {"GPULEDGER_PRICING__GPU_HOURLY": "3.6"}
+    simulated = gpuledger("simulate", "mig", "--for", "2h", "--ledger", str(path), env=env)
+    assert simulated.returncode == 0, simulated.stderr
+    result = gpuledger("report", "--ledger", str(path), "--by", "gpu", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    rows = {row["gpu"]: row for row in document["rows"]}
+    # GPU 0's instances: 2 h x 84/108 of the GPU = 1.5556 GPU-hours, x $3.60 = $5.60. Their use is
+    # unknown, not 0: no used GPU-hours, efficiency or waste.
+    assert rows["0"]["dollars"] == pytest.approx(2 * 3.6 * 84 / 108, rel=1e-9)
+    assert rows["0"]["gpu_hours_charged"] == pytest.approx(2 * 84 / 108, rel=1e-9)
+    assert (rows["0"]["gpu_hours_used"], rows["0"]["efficiency_ratio"], rows["0"]["waste_dollars"]) == (None,) * 3
+    # GPU 1: 2 h x $3.60 = $7.20, 40% busy: 0.8 GPU-hours used, waste $7.20 x 0.6 = $4.32.
+    assert rows["1"]["dollars"] == pytest.approx(7.2, rel=1e-9)
+    assert rows["1"]["efficiency_ratio"] == pytest.approx(0.4, rel=1e-9)
+    assert rows["1"]["waste_dollars"] == pytest.approx(4.32, rel=1e-9)
+    # The 24 SMs no instance has are idle: 2 h x 24/108 x $3.60 = $1.60, all waste.
+    assert document["idle"]["dollars"] == pytest.approx(1.6, rel=1e-9)
+    total = document["total"]
+    # Conservation: $5.60 + $7.20 + $1.60 = 2 GPUs x 2 h x $3.60 = $14.40.
+    assert total["dollars"] == pytest.approx(14.4, rel=1e-9)
+    assert total["gpu_hours_charged"] == pytest.approx(4.0, rel=1e-9)
+    # Efficiency over the measured 4 - 1.5556 GPU-hours: 0.8 / 2.4444; waste $4.32 + $1.60.
+    assert total["efficiency_ratio"] == pytest.approx(0.8 / (4 - 2 * 84 / 108), rel=1e-9)
+    assert total["waste_dollars"] == pytest.approx(4.32 + 1.6, rel=1e-9)
+    table = gpuledger("report", "--ledger", str(path), "--by", "gpu").stdout
+    gpu0 = next(line.split() for line in table.splitlines() if line.startswith("0 "))
+    assert gpu0[1:6] == ["5.60", "1.56", "-", "-", "-"]
+
+
+def test_a_partly_measured_row_is_efficient_over_its_measured_part() -> None:
+    # An hour at $3.60, 1800 s of it without a busy figure, 900 s busy in the other 1800 s.
+    row = UsageRow(int(T0), "n", 0, "GPU-0", TRAIN, 3600.0, 900.0, 3.6, 0.0, charged_s=3600.0, unmeasured_s=1800.0)
+    line = build_report([row], ["hpc_job"]).lines[0]
+    assert line.efficiency == 0.5  # 900 / 1800 measured, not 900 / 3600
+    assert line.gpu_hours_used == 0.25
+    assert line.waste_dollars == pytest.approx(0.9, rel=1e-12)  # the measured half's $1.80 x (1 - 0.5)

@@ -81,7 +81,7 @@ SETTINGS = Settings.model_validate(
 # The series `report --prometheus` reads: the store is given these only (the rest of a scrape is
 # hundreds of series it never asks for, and would only slow the backfill down).
 READ = frozenset((PROBE_COUNTER, RESTART_COUNTER, *ALL_COUNTERS))
-FIGURES = ("dollars", "charged_s", "busy_s", "joules", "energy_dollars", "waste_dollars")
+FIGURES = ("dollars", "charged_s", "busy_s", "joules", "energy_dollars", "waste_dollars", "unmeasured_s", "efficiency")
 
 
 def scenario(name: str, hostname: str) -> dict[str, Any]:
@@ -242,6 +242,20 @@ def test_report_from_prometheus_is_the_ledgers_report(
     # hours, at $2.50 each (from 1h to 7h: 2 x 8 x 6 h = 96 GPU-hours, $240.00).
     assert prometheus.total.gpu_hours_charged == pytest.approx(2 * GPUS * (until_h - since_h), rel=1e-9)
     assert prometheus.total.dollars == pytest.approx(2 * GPUS * (until_h - since_h) * PRICE, rel=1e-9)
+
+
+def test_mig_instances_use_is_unknown_from_prometheus_as_from_the_ledger(tmp_path: Path) -> None:
+    """gpu-mig-01 for 2 h: GPU 0's two 3g.40gb instances (an A100 has no GPM) have no busy figure."""
+    scrapes = run_node("mig", "gpu-mig-01", tmp_path / "mig.db", [(0.0, 2 * H)])
+    metrics = promstore.with_target(scrapes, {"instance": "gpu-mig-01"}, READ)
+    promstore.backfill_prometheus(metrics, tmp_path / "data", tmp_path)
+    with promstore.prometheus(tmp_path / "data", tmp_path) as server, PrometheusAPI(server.url) as api:
+        prometheus, ledger = both(Store(api, [tmp_path / "mig.db"]), 0, 2, ("gpu",))
+    assert_same(prometheus, ledger)
+    mig = next(line for line in prometheus.lines if line.key == ("0",))
+    # 2 h x 84/108 of the GPU, none of it measured: no efficiency, no waste.
+    assert mig.unmeasured_s == pytest.approx(2 * H * 84 / 108, rel=1e-9)
+    assert (mig.efficiency, mig.waste_dollars) == (None, None)
 
 
 def test_the_restart_shows_as_unobserved_time(fleet: Store) -> None:

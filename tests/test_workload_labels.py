@@ -50,9 +50,9 @@ def test_the_label_list_is_the_workload_fields_in_order() -> None:
     assert Workload.from_labels(w.label_dict() | {"gpu": "0"}) == w  # other keys are not labels
     # Every workload series of the catalogue carries exactly that list, after the device's.
     workload_specs = [spec for spec in CATALOGUE if "namespace" in spec.labels]
-    # 6 gauges (one: who left a GPU idle), 8 counters (two: the idle time and cost by who left
+    # 6 gauges (one: who left a GPU idle), 9 counters (two: the idle time and cost by who left
     # the GPU idle), the workload flag
-    assert len(workload_specs) == 15
+    assert len(workload_specs) == 16
     for spec in workload_specs:
         assert spec.labels[:2] == ("gpu", "uuid")
         assert spec.labels[2 : 2 + len(WORKLOAD_LABELS)] == WORKLOAD_LABELS, spec.name

@@ -6,7 +6,8 @@ The arithmetic (PRODUCT.md, "Cost arithmetic"):
   - Over the interval dt between two polls a unit costs price x weight x dt. Nobody holding it:
     all of that is idle cost. Otherwise it is split among its holders by measured SM
     utilization; where none was measured, by memory held; where neither, equally.
-  - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization,
+  - Held seconds are weight x dt; busy seconds are held seconds x the holder's utilization
+    (where nothing measured it, the charged seconds are `unmeasured_s` instead: unknown use),
     and a unit's holders' busy seconds never add up to more than the GPU's own (its utilization
     averaged over its samples of the interval x dt): where they would, each is scaled down. Where
     the unit's busy source is GPM (`DeviceReading.busy_source`), its SM activity is how busy it
@@ -127,18 +128,20 @@ def holder_utilization(
     return None
 
 
-def holder_busy(unit: CostUnit, util: float | None, share: float) -> float:
+def holder_busy(unit: CostUnit, util: float | None, share: float) -> float | None:
     """How busy (0-1) a holder kept the unit: the unit's SM activity x the holder's share where
-    its busy source is GPM; the holder's measured utilization where it is NVML; 0 where the unit
-    has no busy measure (busy_source gpm on a GPU without GPM, or a MIG instance without it)."""
+    its busy source is GPM; the holder's measured utilization where it is NVML. None where that
+    was not measured: the unit has no busy measure (busy_source gpm on a GPU without GPM, or a MIG
+    instance without it), its SM activity has no figure this poll, or the holder's share of the
+    unit's use cannot be told. Unknown use is not idleness: it is no busy seconds and no waste."""
     device = unit.device
     source = device.busy_source if device is not None else ""
     if source == BUSY_GPM:
         busy = device.busy if device is not None else None
-        return min(busy or 0.0, 1.0) * share
-    if source == BUSY_NVML:
-        return min(util or 0.0, 1.0)
-    return 0.0
+        return None if busy is None else min(busy, 1.0) * share
+    if source == BUSY_NVML and util is not None:
+        return min(util, 1.0)
+    return None
 
 
 def split_shares(holdings: tuple[Holding, ...], utils: list[float | None]) -> list[float]:
@@ -190,9 +193,13 @@ def _charge(
         if held > counted:
             acc.held_s += held - counted
             seen[workload] = held
-        acc.busy_s += held * holder_busy(unit, util, share)
+        busy = holder_busy(unit, util, share)
         # Summed, unlike held: each of a workload's holdings is its own part of the share.
         acc.charged_s += held * share
+        if busy is None:
+            acc.unmeasured_s += held * share
+        else:
+            acc.busy_s += held * busy
         acc.dollars += dollars * share
         acc.joules += joules * share
 
@@ -257,6 +264,7 @@ class _Acc:
     dollars: float = 0.0
     joules: float = 0.0
     account: str = ""
+    unmeasured_s: float = 0.0
 
 
 def account(
@@ -411,6 +419,7 @@ def account(
                 energy_dollars=energy_dollars(acc.joules, energy_per_kwh),
                 charged_s=acc.charged_s,
                 account=acc.account,
+                unmeasured_s=acc.unmeasured_s,
             )
             for (gpu, uuid, workload), acc in workloads.items()
         ),
@@ -577,6 +586,7 @@ def _price_piece(
             held_s=w.held_s * time_part,
             busy_s=w.busy_s * time_part,
             charged_s=w.charged_s * time_part,
+            unmeasured_s=w.unmeasured_s * time_part,
             dollars=w.dollars * dollar_part.get(w.gpu, time_part),
             joules=w.joules * time_part,
             energy_dollars=timed(w.energy_dollars),
@@ -647,6 +657,7 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
             held_s=old.held_s + c.held_s,
             busy_s=old.busy_s + c.busy_s,
             charged_s=old.charged_s + c.charged_s,
+            unmeasured_s=old.unmeasured_s + c.unmeasured_s,
             dollars=old.dollars + c.dollars,
             joules=joules,
             last_charged_at=charges.end,

@@ -8,8 +8,10 @@ the ledger report's own (agent/ledger/report.py): one row model, one renderer.
 
     ledger column                      counter
     workload dollars, charged, busy,   gpuledger_workload_cost_dollars_total, _gpu_charged_seconds_total,
-      held, joules, energy dollars       _gpu_busy_seconds_total, _gpu_seconds_total,
-                                         _energy_joules_total, _energy_cost_dollars_total
+      held, joules, energy dollars,      _gpu_busy_seconds_total, _gpu_seconds_total,
+      unmeasured                         _energy_joules_total, _energy_cost_dollars_total,
+                                         _gpu_unmeasured_seconds_total (0 where an agent from before
+                                         it does not export it: its time counted as measured)
     idle seconds, dollars, joules,     gpuledger_gpu_idle_seconds_total, _idle_cost_dollars_total,
       energy dollars                     _idle_energy_joules_total, _idle_energy_cost_dollars_total
     unobserved seconds, dollars        gpuledger_gpu_unobserved_seconds_total, _unobserved_cost_dollars_total
@@ -53,6 +55,7 @@ WORKLOAD_COUNTERS = {
     "held_s": "gpuledger_workload_gpu_seconds_total",
     "joules": "gpuledger_workload_energy_joules_total",
     "energy_dollars": "gpuledger_workload_energy_cost_dollars_total",
+    "unmeasured_s": "gpuledger_workload_gpu_unmeasured_seconds_total",
 }
 IDLE_COUNTERS = {
     "seconds": "gpuledger_gpu_idle_seconds_total",
@@ -178,6 +181,7 @@ def _workload_rows(growth: Mapping[str, Growth], owners: _Owners, hour: int) -> 
             held_s=figures["held_s"].get(labels, 0.0),
             joules=figures["joules"].get(labels, 0.0),
             energy_dollars=figures["energy_dollars"].get(labels),
+            unmeasured_s=figures["unmeasured_s"].get(labels, 0.0),
         )
         for labels in sorted(every)
     ]
@@ -247,6 +251,7 @@ def _row(
     idle: bool = False,
     unobserved: bool = False,
     left_by: Workload | None = None,  # an idle row's last holder; None: nobody known
+    unmeasured_s: float = 0.0,
 ) -> UsageRow:
     values = dict(labels)
     return UsageRow(
@@ -264,6 +269,7 @@ def _row(
         charged_s=charged_s,
         unobserved=unobserved,
         left_by=left_by or Workload(),
+        unmeasured_s=unmeasured_s,
     )
 
 

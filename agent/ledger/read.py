@@ -68,6 +68,9 @@ class UsageRow:
     dollars_per_hour: float | None = None
     purchase: str | None = None
     price_source: str | None = None
+    # The part of charged_s whose use nothing measured (schema version 8; 0 before it): busy_s
+    # covers the rest. Idle and unobserved rows have none (idle time is known unused).
+    unmeasured_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +304,7 @@ def _read(
             joules=r["joules"],
             energy_dollars=r["energy_dollars"],
             charged_s=r["charged_s"],
+            unmeasured_s=r["unmeasured_s"],
             account=r["account"],
             dollars_per_hour=r["dollars_per_hour"],
             purchase=r["purchase"],

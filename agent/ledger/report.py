@@ -33,6 +33,12 @@ Choices a reader of the output should know:
   like every ratio gpuledger exports, empty / null where nothing was charged, for the idle row
   (nobody held it) and for the unobserved row (what it was used for is unknown; its GPU-hours
   used and waste are unknown too: "-", empty, null).
+- Use nothing measured is unknown, not idle: GPU time whose unit had no busy figure (a MIG
+  instance without GPM, `busy_source: gpm` on a GPU without it, a shared GPU whose holders'
+  shares of use cannot be told) is charged as usual but counts neither as used nor as wasted.
+  Efficiency is used over the measured part of the charged time; a line none of whose time was
+  measured has its GPU-hours used, efficiency and waste unknown ("-", empty, null), and a partly
+  measured line's waste is what its measured part wasted.
 - Waste dollars are what was paid for and not used: dollars x (1 - used/charged), summed stored
   hour by stored hour, so that a workload on GPUs of different prices wastes what each idle
   GPU-hour cost (with one price it is the row's dollars x (1 - efficiency)). All the idle row's
@@ -97,6 +103,17 @@ class ReportLine:
     first_hour: float | None = None
     last_hour: float | None = None
     gpus: int = 0
+    unmeasured_s: float = 0.0  # the part of charged_s whose use nothing measured (UsageRow.unmeasured_s)
+
+    @property
+    def measured_s(self) -> float:
+        """Charged seconds whose use was measured: what busy_s is a part of."""
+        return measured_seconds(self.charged_s, self.unmeasured_s)
+
+    @property
+    def use_known(self) -> bool:
+        """Whether any of its use was measured (or nothing was charged): else used is unknown."""
+        return self.observed and (self.measured_s > 0 or self.charged_s <= 0)
 
     @property
     def energy_kwh(self) -> float:
@@ -112,8 +129,17 @@ class ReportLine:
 
     @property
     def efficiency(self) -> float | None:
-        """Used over charged (0-1); None where nothing was charged or nobody observed it."""
-        return self.busy_s / self.charged_s if self.charged_s > 0 and self.observed else None
+        """Used over the charged time whose use was measured (0-1; all of it, unless some unit had
+        no busy figure); None where nothing was charged, nobody observed it or nothing measured it."""
+        measured = self.measured_s
+        return self.busy_s / measured if measured > 0 and self.observed else None
+
+
+def measured_seconds(charged_s: float, unmeasured_s: float) -> float:
+    """The charged seconds whose use was measured; 0 where what is left is rounding (a part in a
+    billion: both are sums of the same shares where nothing was measured)."""
+    measured = charged_s - unmeasured_s
+    return measured if measured > charged_s * 1e-9 else 0.0
 
 
 def _unobserved_line() -> ReportLine:
@@ -221,12 +247,21 @@ def row_waste(row: UsageRow) -> float | None:
     """What the row's dollars paid for and nobody used: dollars x (1 - used/charged); all of an
     idle row's dollars; None for unobserved time (what it was used for is unknown).
 
+    Where part of the row's time had no busy figure (`unmeasured_s`), only the measured part's
+    dollars count: dollars x measured/charged x (1 - used/measured); where none of it had one,
+    its waste is unknown (None), never all of its dollars.
+
     Busy seconds above the charged ones (per-process readings that add up to more than the GPU
     can do) count as fully used, never as negative waste."""
     if row.unobserved:
         return None
-    used = min(row.busy_s / row.charged_s, 1.0) if row.charged_s > 0 else 0.0
-    return row.dollars * (1.0 - used)
+    if not row.charged_s > 0:
+        return row.dollars
+    measured = measured_seconds(row.charged_s, row.unmeasured_s)
+    if measured <= 0:
+        return None
+    used = min(row.busy_s / measured, 1.0)
+    return row.dollars * (measured / row.charged_s) * (1.0 - used)
 
 
 @dataclass(slots=True)
@@ -239,6 +274,8 @@ class _Sums:
     joules: list[float] = field(default_factory=list)
     energy_dollars: list[float] = field(default_factory=list)
     waste_dollars: list[float] = field(default_factory=list)
+    unmeasured_s: list[float] = field(default_factory=list)
+    unknown_waste: bool = False  # some row's waste is unknown (nothing measured its use)
     priced: bool = False
     observed: bool = True  # False: the unobserved line, whose use and waste are unknown
     hours: set[int] = field(default_factory=set)
@@ -251,9 +288,12 @@ class _Sums:
         self.charged_s.append(row.charged_s)
         self.busy_s.append(row.busy_s)
         self.joules.append(row.joules)
+        self.unmeasured_s.append(row.unmeasured_s)
         waste = row_waste(row)
         if waste is not None:
             self.waste_dollars.append(waste)
+        elif not row.unobserved:
+            self.unknown_waste = True
         if row.energy_dollars is not None:
             self.energy_dollars.append(row.energy_dollars)
             self.priced = True
@@ -266,8 +306,12 @@ class _Sums:
             busy_s=math.fsum(self.busy_s),
             joules=math.fsum(self.joules),
             energy_dollars=math.fsum(self.energy_dollars) if self.priced else None,
-            waste_dollars=math.fsum(self.waste_dollars) if self.observed else None,
+            # Unknown where nothing of the line measured its use; else what the measured part wasted.
+            waste_dollars=math.fsum(self.waste_dollars)
+            if self.observed and (self.waste_dollars or not self.unknown_waste)
+            else None,
             observed=self.observed,
+            unmeasured_s=math.fsum(self.unmeasured_s),
             first_hour=float(min(self.hours)) if self.hours else None,
             last_hour=float(max(self.hours)) if self.hours else None,
             gpus=len(self.units),
@@ -548,7 +592,7 @@ def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | 
     return {
         "dollars": line.dollars,
         "gpu_hours_charged": line.gpu_hours_charged,
-        "gpu_hours_used": line.gpu_hours_used if line.observed else None,
+        "gpu_hours_used": line.gpu_hours_used if line.use_known else None,
         "efficiency_ratio": line.efficiency if efficiency else None,
         "waste_dollars": line.waste_dollars,
         # Unobserved time's energy is known where the counter was read (its holders were not).

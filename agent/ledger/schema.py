@@ -1,10 +1,10 @@
 """The ledger's SQLite schema: its tables, and the ordered steps that bring a file written by any
 earlier release to the current version.
 
-Schema (version 7; `schema_version` holds one row per applied version):
+Schema (version 8; `schema_version` holds one row per applied version):
 
     workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
-                    account | held_s, busy_s, dollars, joules, energy_dollars, charged_s,
+                    account | held_s, busy_s, dollars, joules, energy_dollars, charged_s, unmeasured_s,
                     dollars_per_hour, purchase, price_source (the GPU's price, latest seen in the hour)
     gpu_hours       hour, node, uuid | gpu, model, dollars_per_hour, purchase, price_source (latest
                     seen in the hour), observed_s, dollars, idle_s, idle_dollars, unobserved_s,
@@ -32,6 +32,9 @@ from (config, instance, catalogue); older rows keep '' for the account and NULL 
 recorded then (a GPU row's dollars_per_hour was).
 Version 7 added `sizing_hours`: per workload and hour, what right-sizing reads (memory and busy
 percentiles as fixed-bucket sketches, peaks, GPUs held at once).
+Version 8 added `unmeasured_s` to workload_hours: the charged seconds over which nothing measured
+how busy the workload kept its unit (a MIG instance without GPM, say), so that `report` shows
+their use as unknown instead of idle. Older rows get 0: they were reported as measured.
 
 `hour` is the unix time of the start of the UTC hour. The hour tables are WITHOUT ROWID with a primary
 key that starts with `hour`: the table itself is the index that reports scan by time range and
@@ -52,7 +55,7 @@ log = logging.getLogger("gpuledger.ledger")
 
 
 _WORKLOAD_KEYS = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "account")
-WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules", "energy_dollars", "charged_s")
+WORKLOAD_MEASURES = ("held_s", "busy_s", "dollars", "joules", "energy_dollars", "charged_s", "unmeasured_s")
 # The price a row was charged at, as its GPU's row has it (the latest in the hour).
 PRICE_ATTRIBUTES = ("dollars_per_hour", "purchase", "price_source")
 _GPU_KEYS = ("hour", "node", "uuid")
@@ -266,6 +269,13 @@ _SCHEMA_V7 = (
 )
 
 
+# Version 8: a workload's charged seconds whose use nothing measured (its unit had no busy figure:
+# a MIG instance without GPM, busy_source gpm on a GPU without it, a shared unit whose holders'
+# shares of use cannot be told). Their busy seconds were booked as 0 before, and what was not
+# recorded cannot be told apart now: older rows keep 0, counted as measured, as `report` read them.
+_SCHEMA_V8 = ("ALTER TABLE workload_hours ADD COLUMN unmeasured_s REAL NOT NULL DEFAULT 0.0",)
+
+
 # Step n (from 1) brings a file at version n - 1 (0: empty) to version n.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V1),
@@ -275,6 +285,7 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V5),
     _run(_SCHEMA_V6),
     _run(_SCHEMA_V7),
+    _run(_SCHEMA_V8),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
