@@ -479,7 +479,7 @@ class WorkloadTotals:
     busy_s: float = 0.0
     charged_s: float = 0.0  # its share of the unit's time (see WorkloadCharge.charged_s)
     dollars: float = 0.0
-    joules: float = 0.0
+    joules: float | None = None  # None while no energy counter measured any of it
     last_charged_at: float = 0.0
     energy_dollars: float | None = None  # None where no energy price is set
     unmeasured_s: float = 0.0  # charged time whose use nothing measured (WorkloadCharge.unmeasured_s)
@@ -501,8 +501,8 @@ class GpuTotals:
     idle_s: float = 0.0
     observed_s: float = 0.0
     unobserved_s: float = 0.0
-    joules: float = 0.0
-    idle_joules: float = 0.0
+    joules: float | None = None  # None while its energy counter has measured nothing (none, or unread)
+    idle_joules: float | None = None
     unobserved_dollars: float = 0.0
     energy_dollars: float | None = None  # None where no energy price is set
     idle_energy_dollars: float | None = None
@@ -631,7 +631,7 @@ class WorkloadCharge:
     held_s: float  # how long it held the unit, whoever held it besides (shared units count twice)
     busy_s: float
     dollars: float
-    joules: float
+    joules: float | None  # its share of the GPU's energy counter; None where that measured nothing
     energy_dollars: float | None = None  # joules at the energy price; None where none is set
     # Its share of the unit's time: held seconds x the share that splits the dollars. A unit's
     # holders' charged seconds plus its idle seconds are its observed seconds, so these add up
@@ -653,7 +653,7 @@ class IdleCharge:
     left_by: Workload
     idle_s: float
     idle_dollars: float
-    idle_joules: float = 0.0
+    idle_joules: float | None = 0.0  # None where the GPU's energy counter measured nothing
     idle_energy_dollars: float | None = None
 
 
@@ -670,8 +670,10 @@ class GpuCharge:
     idle_s: float  # seconds no workload held the whole GPU (MIG: weighted by unheld slices)
     idle_dollars: float
     unobserved_s: float  # interval too long to charge anyone (agent stopped, node suspended)
-    joules: float
-    idle_joules: float
+    # From the GPU's energy counter; None where it measured nothing over the interval (the GPU
+    # has none, or it could not be read): unknown, not 0.
+    joules: float | None
+    idle_joules: float | None
     unobserved_dollars: float = 0.0  # what the GPU cost over unobserved time, charged to nobody
     energy_dollars: float | None = None  # joules at the energy price; None where none is set
     idle_energy_dollars: float | None = None

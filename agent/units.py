@@ -93,6 +93,19 @@ def joules_to_kwh(joules: float) -> float:
     return joules / JOULES_PER_KWH
 
 
+def add_known(a: float | None, b: float | None) -> float | None:
+    """a + b, where None is a figure nothing measured (energy without a counter): a sum counts
+    the measured parts and stays None while nothing was measured, never 0."""
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+def scaled(value: float | None, factor: float) -> float | None:
+    """value x factor; None (not measured) stays None."""
+    return None if value is None else value * factor
+
+
 def format_duration(seconds: float) -> str:
     """The shortest exact-ish human form: 90 -> "1m30s", 7200 -> "2h"."""
     if seconds < 1:

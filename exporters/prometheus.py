@@ -229,7 +229,9 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_workload_gpu_charged_seconds_total", labels, w.charged_s)
         out.add("gpuledger_workload_gpu_unmeasured_seconds_total", labels, w.unmeasured_s)
         out.add("gpuledger_workload_cost_dollars_total", labels, w.dollars)
-        out.add("gpuledger_workload_energy_joules_total", labels, w.joules)
+        # No series where no energy counter measured any of it: unknown, not 0 J.
+        if w.joules is not None:
+            out.add("gpuledger_workload_energy_joules_total", labels, w.joules)
         if w.energy_dollars is not None:
             out.add("gpuledger_workload_energy_cost_dollars_total", labels, w.energy_dollars)
     for (gpu, uuid), g in state.costs.gpus.items():
@@ -239,7 +241,8 @@ def _cost_series(out: _Families, state: AgentState) -> None:
         out.add("gpuledger_gpu_idle_seconds_total", ids, g.idle_s)
         out.add("gpuledger_gpu_observed_seconds_total", ids, g.observed_s)
         # Idle energy too, so that a report read from Prometheus has the ledger's idle row whole.
-        out.add("gpuledger_gpu_idle_energy_joules_total", ids, g.idle_joules)
+        if g.idle_joules is not None:
+            out.add("gpuledger_gpu_idle_energy_joules_total", ids, g.idle_joules)
         if g.idle_energy_dollars is not None:
             out.add("gpuledger_gpu_idle_energy_cost_dollars_total", ids, g.idle_energy_dollars)
         if g.busy_s is not None:

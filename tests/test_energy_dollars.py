@@ -41,19 +41,24 @@ def _uninstall() -> Iterator[None]:
     fake_nvml.uninstall()
 
 
-@pytest.fixture
-def an_hour(tmp_path: Path) -> tuple[AgentState, Path]:
-    """The pipeline polling every minute over the hour, writing its charges to a ledger."""
-    path = tmp_path / "ledger.db"
+def run_an_hour(scenario: dict[str, object], path: Path) -> AgentState:
+    """The pipeline on `scenario`, polling every minute over the hour at $3.60 per GPU-hour and
+    PER_KWH, writing its charges to the ledger at `path`."""
     sink = LedgerSink(path, retention_s=None)
     costing = Costing(prices=lambda s: {g.uuid: Price(3.6, "test") for g in s.gpus}, energy_per_kwh=PER_KWH, sink=sink)
-    rig = Rig(SCENARIO, costing=costing)
+    rig = Rig(scenario, costing=costing)
     try:
-        state = rig.run(3600, 60)
+        return rig.run(3600, 60)
     finally:
         rig.close()
         sink.close()
-    return state, path
+
+
+@pytest.fixture
+def an_hour(tmp_path: Path) -> tuple[AgentState, Path]:
+    """SCENARIO's hour, and its ledger."""
+    path = tmp_path / "ledger.db"
+    return run_an_hour(SCENARIO, path), path
 
 
 def test_metrics_ledger_and_report_show_the_same_energy_dollars(an_hour: tuple[AgentState, Path]) -> None:
@@ -102,3 +107,43 @@ def test_the_table_shows_energy_columns_when_there_is_energy_and_a_price(an_hour
     # ann: $3.60 (an hour at $3.60/h), 1 GPU-hour charged (the sole holder), 0.5 used, waste
     # $3.60 x (1 - 0.5) = $1.80, 0.25 kWh and $0.05 of it
     assert table[4].split() == ["ann", "3.60", "1.00", "0.50", "50.0%", "1.80", "0.25", "0.05"]
+
+
+# ann's GPU has no energy counter (the driver answers NOT_SUPPORTED); a second A100 beside it,
+# held by nobody, has one that reads 0 J all hour (its idle power is 0 W).
+NO_COUNTER = {
+    **SCENARIO,
+    "gpus": [*SCENARIO["gpus"], {"model": "A100-SXM4-80GB", "idle_power_w": 0}],  # type: ignore[list-item]
+    "faults": [{"gpu": 0, "call": "nvmlDeviceGetTotalEnergyConsumption", "error": "NOT_SUPPORTED"}],
+}
+
+
+def test_energy_no_counter_measured_is_unknown_and_a_counter_at_0_joules_is_0(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    state = run_an_hour(NO_COUNTER, path)
+    assert state.snapshot is not None
+    ann_gpu, idle_gpu = ({"gpu": str(g.index), "uuid": g.uuid} for g in state.snapshot.gpus)
+    registry = make_registry(lambda: state)
+    # No series for energy nothing measured, rather than 0 J and $0.00.
+    for name in ("gpuledger_workload_energy_joules_total", "gpuledger_workload_energy_cost_dollars_total"):
+        assert registry.get_sample_value(name, ann_gpu | ANN.label_dict()) is None
+    for name in ("gpuledger_gpu_idle_energy_joules_total", "gpuledger_gpu_energy_cost_dollars_total"):
+        assert registry.get_sample_value(name, ann_gpu) is None
+        assert registry.get_sample_value(name, idle_gpu) == 0.0  # measured: 0 W x 3600 s = 0 J, $0.00
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT joules, energy_dollars FROM workload_hours").fetchall() == [(None, None)]
+        assert conn.execute("SELECT gpu, joules, idle_joules FROM gpu_hours ORDER BY gpu").fetchall() == [
+            (0, None, None),
+            (1, 0.0, 0.0),
+        ]
+    result = gpuledger("report", "--ledger", str(path), "--by", "user", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    # ann: an hour at $3.60, energy unknown; the idle GPU: an hour at $3.60, 0 kWh at $0.20 = $0.00.
+    (ann,) = document["rows"]
+    assert (ann["dollars"], ann["energy_kwh"], ann["energy_dollars"]) == (pytest.approx(3.6, rel=1e-12), None, None)
+    idle = document["idle"]
+    assert (idle["dollars"], idle["energy_kwh"], idle["energy_dollars"]) == (pytest.approx(3.6, rel=1e-12), 0.0, 0.0)
+    # TOTAL's energy is what the counters measured; its dollars are all the GPU time: 2 x $3.60.
+    total = document["total"]
+    assert (total["dollars"], total["energy_kwh"]) == (pytest.approx(7.2, rel=1e-12), 0.0)

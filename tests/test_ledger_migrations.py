@@ -228,39 +228,44 @@ def write_v5_ledger(path: Path) -> None:
         conn.close()
 
 
+def take_step(path: Path, version: int, applied_at: float) -> None:
+    """Migration step `version` as it shipped, applied to the file at `path` at `applied_at`."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        MIGRATIONS[version - 1](conn)
+        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (version, applied_at))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 def write_v6_ledger(path: Path) -> None:
     """The same two hours as a version-6 agent left them: version 5's file taken through step 6
     as it shipped (the Slurm account in the workload key, each row's price columns)."""
     write_v5_ledger(path)
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        MIGRATIONS[5](conn)
-        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (6, ?)", (1_795_500_000.0,))
-        conn.execute("COMMIT")
-    finally:
-        conn.close()
+    take_step(path, 6, 1_795_500_000.0)
 
 
 def write_v7_ledger(path: Path) -> None:
     """The same two hours as a version-7 agent left them: version 6's file taken through step 7
     as it shipped (`sizing_hours`, empty: nothing recorded sizing before it)."""
     write_v6_ledger(path)
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        MIGRATIONS[6](conn)
-        conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (7, ?)", (1_795_600_000.0,))
-        conn.execute("COMMIT")
-    finally:
-        conn.close()
+    take_step(path, 7, 1_795_600_000.0)
+
+
+def write_v8_ledger(path: Path) -> None:
+    """The same two hours as a version-8 agent left them: version 7's file taken through step 8
+    as it shipped (each workload row's unmeasured seconds, 0)."""
+    write_v7_ledger(path)
+    take_step(path, 8, 1_795_700_000.0)
 
 
 # One writer per schema a release shipped before the current one: a new schema version must add
 # the writer of the one it replaces (the test below fails until it does).
 WRITERS = {
     1: write_v1_ledger, 2: write_v2_ledger, 3: write_v3_ledger, 4: write_v4_ledger, 5: write_v5_ledger,
-    6: write_v6_ledger, 7: write_v7_ledger,
+    6: write_v6_ledger, 7: write_v7_ledger, 8: write_v8_ledger,
 }  # fmt: skip
 
 
@@ -708,3 +713,27 @@ def test_version_8_counts_older_rows_as_measured_and_adds_unmeasured_time_to_the
     # Efficiency over the measured 3600 s: 2700 / 3600; waste only the measured hour's $0.625,
     # the unmeasured half hour's is unknown, not $1.25 more.
     assert (line.efficiency, line.waste_dollars, line.dollars) == (0.75, 0.625, 3.75)
+
+
+def test_version_9_keeps_older_joules_and_takes_energy_no_counter_measured_as_null(tmp_path: Path) -> None:
+    path = tmp_path / "v8.db"
+    write_v8_ledger(path)
+    Ledger(path).close()
+    # Older rows keep their joules (version 1's 900 kJ for alice in H0), and their dollars.
+    assert rows(path, "SELECT joules FROM workload_hours WHERE user = 'alice'") == [(900_000.0,)]
+    check_report_matches_the_first_release(path)
+    bob = Workload(hpc_job="9911_3", user="bob")
+    gpu = GpuCharge(
+        gpu=2, uuid="GPU-2", model="A100-SXM4-80GB", dollars_per_hour=2.5, observed_s=1800.0, dollars=1.25,
+        idle_s=0.0, idle_dollars=0.0, unobserved_s=0.0, joules=None, idle_joules=None,
+    )  # fmt: skip
+    # Half an hour at $2.50/h = $1.25 on GPU 2 after the ledger's hours, with no energy counter.
+    with Ledger(path, retention_s=None) as ledger:
+        charge = WorkloadCharge(2, "GPU-2", bob, 1800.0, 0.0, 1.25, None, charged_s=1800.0)
+        ledger.add(Charges(H1 + H, H1 + H + 1800.0, "node-a", (charge,), (gpu,)))
+    assert rows(path, f"SELECT joules, energy_dollars FROM workload_hours WHERE hour = {H1 + H}") == [(None, None)]
+    assert rows(path, f"SELECT joules, idle_joules FROM gpu_hours WHERE hour = {H1 + H}") == [(None, None)]
+    line = next(ln for ln in report_from_ledger(path, by=["user"]).lines if ln.key == ("bob",))
+    # bob's H1 hour: 1.08 MJ = 0.3 kWh measured; the new half hour's energy is unknown, not 0.
+    assert line.energy_kwh == pytest.approx(0.3, rel=1e-12)
+    assert line.dollars == pytest.approx(2.5 + 1.25, rel=1e-12)

@@ -65,7 +65,7 @@ from agent.model import (
     WorkloadCharge,
     WorkloadTotals,
 )
-from agent.units import joules_to_kwh
+from agent.units import add_known, joules_to_kwh, scaled
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +158,10 @@ def split_shares(holdings: tuple[Holding, ...], utils: list[float | None]) -> li
     return [1.0 / len(per_workload) / per_workload[h.workload] for h in holdings]
 
 
-def energy_dollars(joules: float, per_kwh: float | None) -> float | None:
-    """What `joules` cost at `per_kwh` dollars per kWh; None where no energy price is set."""
-    return None if per_kwh is None else joules_to_kwh(joules) * per_kwh
+def energy_dollars(joules: float | None, per_kwh: float | None) -> float | None:
+    """What `joules` cost at `per_kwh` dollars per kWh; None where no energy price is set or no
+    counter measured the joules."""
+    return None if per_kwh is None or joules is None else joules_to_kwh(joules) * per_kwh
 
 
 def _charge(
@@ -170,7 +171,7 @@ def _charge(
     parts: tuple[Part, ...],
     held: float,
     dollars: float,
-    joules: float,
+    joules: float | None,
     *,
     whole: bool,
 ) -> None:
@@ -201,7 +202,7 @@ def _charge(
         else:
             acc.busy_s += held * busy
         acc.dollars += dollars * share
-        acc.joules += joules * share
+        acc.joules = add_known(acc.joules, scaled(joules, share))
 
 
 def _by_index(index: int) -> str:
@@ -223,14 +224,16 @@ def _unobserved(prev: DeviceReading | None, curr: DeviceReading, dt: float, max_
 
 def _energy_delta(
     prev: DeviceReading | None, curr: DeviceReading, start: float, end: float, last_known: LastEnergy | None
-) -> tuple[float, float]:
+) -> tuple[float, float] | tuple[None, None]:
     """(joules, of which the interval's holders') since the previous reading of the counter:
     the interval's start (`start`, to `end`), or, where the counter could not be read then, the
     last time it could (`last_known`). The counter kept counting over such a gap; where the gap
     held unobserved time (nobody saw who used the GPU), that time's share of it, pro rata by
-    time (the gap's mean power), is nobody's: the holders are charged the rest."""
+    time (the gap's mean power), is nobody's: the holders are charged the rest. (None, None)
+    where the counter measured nothing: the GPU has none, or it has not been read at both ends
+    (its energy is unknown, not 0; a later reading counts the gap)."""
     if curr.energy_j is None:
-        return 0.0, 0.0
+        return None, None
     if prev is not None and prev.energy_j is not None:
         delta = curr.energy_j - prev.energy_j
         unseen_s = span_s = 0.0
@@ -238,7 +241,7 @@ def _energy_delta(
         delta = curr.energy_j - last_known.joules
         unseen_s, span_s = last_known.unobserved_s, end - last_known.at
     else:
-        return 0.0, 0.0
+        return None, None
     if delta < 0:
         return 0.0, 0.0  # the counter restarts with the driver: skip, never go negative
     if unseen_s <= 0 or span_s <= 0:
@@ -262,7 +265,7 @@ class _Acc:
     busy_s: float = 0.0
     charged_s: float = 0.0
     dollars: float = 0.0
-    joules: float = 0.0
+    joules: float | None = None
     account: str = ""
     unmeasured_s: float = 0.0
 
@@ -329,13 +332,14 @@ def account(
             # interval ends) is the GPU's, and no holder's: its unobserved energy.
             gpus.append(_unobserved_charge(gpu, in_force, gpu_dollars, dt, reason, energy_per_kwh, gpu_joules))
             continue
-        idle_s = idle_dollars = idle_joules = 0.0
+        idle_s = idle_dollars = 0.0
+        idle_joules: float | None = None
         unobserved_s = unobserved_dollars = 0.0
         unobserved_reason = ""
-        idle_by: dict[Workload, list[float]] = {}  # left by -> [seconds, dollars, joules]
+        idle_by: dict[Workload, _IdleSums] = {}
         for unit in cost_units(curr, gpu, migs_of.get(gpu.uuid, ())):
             unit_dollars = gpu_dollars * unit.weight
-            unit_joules = interval_joules * unit.weight
+            unit_joules = scaled(interval_joules, unit.weight)
             holders = holders_of.get(unit.uuid, ()) if unit.uuid else ()
             was = prev_devices.get(unit.uuid)
             # Who held it at the start, where that is known (its process list was read then).
@@ -365,17 +369,23 @@ def account(
                 if not stretch.parts:
                     idle_s += dt * unit.weight * part
                     idle_dollars += unit_dollars * part
-                    idle_joules += unit_joules * part
+                    idle_joules = add_known(idle_joules, scaled(unit_joules, part))
                     _leave_idle(
-                        idle_by, stretch.left_by, dt * unit.weight * part, unit_dollars * part, unit_joules * part
+                        idle_by,
+                        stretch.left_by,
+                        dt * unit.weight * part,
+                        unit_dollars * part,
+                        scaled(unit_joules, part),
                     )
                     continue
                 _charge(
                     charged, gpu.index, unit, stretch.parts, dt * unit.weight * part, unit_dollars * part,
-                    unit_joules * part, whole=whole,
+                    scaled(unit_joules, part), whole=whole,
                 )  # fmt: skip
             _cap_busy(charged, device_busy_ratio(unit.device), dt * unit.weight)
             workloads.update(charged)
+        if gpu_joules is not None and idle_joules is None:
+            idle_joules = 0.0  # its counter measured the interval, and nobody left it idle
         gpus.append(
             GpuCharge(
                 gpu=gpu.index,
@@ -394,8 +404,8 @@ def account(
                 idle_energy_dollars=energy_dollars(idle_joules, energy_per_kwh),
                 unobserved_reason=unobserved_reason,
                 idle_by=tuple(
-                    IdleCharge(w, seconds, dollars, joules, energy_dollars(joules, energy_per_kwh))
-                    for w, (seconds, dollars, joules) in sorted(idle_by.items())
+                    IdleCharge(w, i.seconds, i.dollars, i.joules, energy_dollars(i.joules, energy_per_kwh))
+                    for w, i in sorted(idle_by.items(), key=lambda item: item[0])
                 ),
                 busy_s=_gpu_busy_s(gpu, gpu.uuid in migs_of, dt - unobserved_s),
                 purchase=in_force.purchase if in_force is not None else "",
@@ -441,16 +451,29 @@ def _by_left(
 
 
 def _leave_idle(
-    idle_by: dict[Workload, list[float]], left_by: tuple[Workload, ...], seconds: float, dollars: float, joules: float
+    idle_by: dict[Workload, _IdleSums],
+    left_by: tuple[Workload, ...],
+    seconds: float,
+    dollars: float,
+    joules: float | None,
 ) -> None:
     """Idle time left by `left_by`, in equal parts where several held the unit last together
     (nobody: Workload(), the empty labels)."""
     owners = left_by or (Workload(),)
     for workload in owners:
-        sums = idle_by.setdefault(workload, [0.0, 0.0, 0.0])
-        sums[0] += seconds / len(owners)
-        sums[1] += dollars / len(owners)
-        sums[2] += joules / len(owners)
+        sums = idle_by.setdefault(workload, _IdleSums())
+        sums.seconds += seconds / len(owners)
+        sums.dollars += dollars / len(owners)
+        sums.joules = add_known(sums.joules, scaled(joules, 1 / len(owners)))
+
+
+@dataclass(slots=True)
+class _IdleSums:
+    """A unit's idle time over one interval that one workload left it in."""
+
+    seconds: float = 0.0
+    dollars: float = 0.0
+    joules: float | None = None  # None where the GPU's energy counter measured nothing
 
 
 def _cap_busy(charged: Mapping[tuple[int, str, Workload], _Acc], ratio: float | None, unit_s: float) -> None:
@@ -492,10 +515,12 @@ def _unobserved_charge(
     seconds: float,
     reason: str,
     energy_per_kwh: float | None,
-    joules: float = 0.0,
+    joules: float | None = None,
 ) -> GpuCharge:
     """A GPU nobody could see for `seconds`, costing `dollars` at `price` (the one in force at its
-    end) and using `joules` (where its counter says): all of it unobserved, for `reason`."""
+    end) and using `joules` (where its counter says; None where it measured nothing): all of it
+    unobserved, for `reason`."""
+    idle_joules = None if joules is None else 0.0
     return GpuCharge(
         gpu=gpu.index,
         uuid=gpu.uuid,
@@ -507,10 +532,10 @@ def _unobserved_charge(
         idle_dollars=0.0,
         unobserved_s=seconds,
         joules=joules,
-        idle_joules=0.0,
+        idle_joules=idle_joules,
         unobserved_dollars=dollars,
         energy_dollars=energy_dollars(joules, energy_per_kwh),
-        idle_energy_dollars=energy_dollars(0.0, energy_per_kwh),
+        idle_energy_dollars=energy_dollars(idle_joules, energy_per_kwh),
         unobserved_reason=reason,
         purchase=price.purchase if price is not None else "",
         price_source=price.origin if price is not None else "",
@@ -577,9 +602,6 @@ def _price_piece(
     """The part of `charges` from `start` to `end`: seconds and joules x `time_part`, each GPU's
     dollars x its `dollar_part`."""
 
-    def timed(value: float | None) -> float | None:
-        return None if value is None else value * time_part
-
     workloads = tuple(
         replace(
             w,
@@ -588,8 +610,8 @@ def _price_piece(
             charged_s=w.charged_s * time_part,
             unmeasured_s=w.unmeasured_s * time_part,
             dollars=w.dollars * dollar_part.get(w.gpu, time_part),
-            joules=w.joules * time_part,
-            energy_dollars=timed(w.energy_dollars),
+            joules=scaled(w.joules, time_part),
+            energy_dollars=scaled(w.energy_dollars, time_part),
         )
         for w in charges.workloads
     )
@@ -611,18 +633,18 @@ def _price_piece(
                 idle_dollars=g.idle_dollars * part,
                 unobserved_s=g.unobserved_s * time_part,
                 unobserved_dollars=g.unobserved_dollars * part,
-                joules=g.joules * time_part,
-                idle_joules=g.idle_joules * time_part,
-                energy_dollars=timed(g.energy_dollars),
-                idle_energy_dollars=timed(g.idle_energy_dollars),
-                busy_s=timed(g.busy_s),
+                joules=scaled(g.joules, time_part),
+                idle_joules=scaled(g.idle_joules, time_part),
+                energy_dollars=scaled(g.energy_dollars, time_part),
+                idle_energy_dollars=scaled(g.idle_energy_dollars, time_part),
+                busy_s=scaled(g.busy_s, time_part),
                 idle_by=tuple(
                     replace(
                         i,
                         idle_s=i.idle_s * time_part,
                         idle_dollars=i.idle_dollars * part,
-                        idle_joules=i.idle_joules * time_part,
-                        idle_energy_dollars=timed(i.idle_energy_dollars),
+                        idle_joules=scaled(i.idle_joules, time_part),
+                        idle_energy_dollars=scaled(i.idle_energy_dollars, time_part),
                     )
                     for i in g.idle_by
                 ),
@@ -652,7 +674,7 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
     for c in charges.workloads:
         key = (c.gpu, c.uuid, c.workload)
         old = workloads.get(key, _NO_WORKLOAD_TOTALS)
-        joules = old.joules + c.joules
+        joules = add_known(old.joules, c.joules)
         workloads[key] = WorkloadTotals(
             held_s=old.held_s + c.held_s,
             busy_s=old.busy_s + c.busy_s,
@@ -669,7 +691,7 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
     gpus = dict(totals.gpus)
     for g in charges.gpus:
         old_gpu = gpus.get((g.gpu, g.uuid), _NO_GPU_TOTALS)
-        gpu_joules, idle_joules = old_gpu.joules + g.joules, old_gpu.idle_joules + g.idle_joules
+        gpu_joules, idle_joules = add_known(old_gpu.joules, g.joules), add_known(old_gpu.idle_joules, g.idle_joules)
         gpus[(g.gpu, g.uuid)] = GpuTotals(
             dollars=old_gpu.dollars + g.dollars,
             idle_dollars=old_gpu.idle_dollars + g.idle_dollars,

@@ -44,7 +44,7 @@ from agent.ledger.pending import hour_start
 from agent.ledger.read import UsageRow
 from agent.ledger.report import Report, build_report, check_by
 from agent.model import WORKLOAD_LABELS, Workload
-from agent.units import iso_time
+from agent.units import iso_time, scaled
 
 QUERY_WORKERS = 4  # counters asked for at once: enough to overlap round trips, few for the store
 
@@ -179,7 +179,7 @@ def _workload_rows(growth: Mapping[str, Growth], owners: _Owners, hour: int) -> 
             charged_s=figures["charged_s"].get(labels, 0.0),
             busy_s=figures["busy_s"].get(labels, 0.0),
             held_s=figures["held_s"].get(labels, 0.0),
-            joules=figures["joules"].get(labels, 0.0),
+            joules=figures["joules"].get(labels),  # no series: no counter measured it
             energy_dollars=figures["energy_dollars"].get(labels),
             unmeasured_s=figures["unmeasured_s"].get(labels, 0.0),
         )
@@ -201,7 +201,7 @@ def _idle_rows(growth: Mapping[str, Growth], owners: _Owners, hour: int) -> list
     rows = []
     for labels in sorted(set().union(*(series.keys() for series in idle.values())) | left_by.keys()):
         seconds, dollars = idle["seconds"].get(labels, 0.0), idle["dollars"].get(labels, 0.0)
-        joules, energy_dollars = idle["joules"].get(labels, 0.0), idle["energy_dollars"].get(labels)
+        joules, energy_dollars = idle["joules"].get(labels), idle["energy_dollars"].get(labels)
         holders = [
             (holder, left_s.get(holder, 0.0), left_dollars.get(holder, 0.0))
             for holder in sorted(left_by.get(labels, ()))
@@ -230,10 +230,13 @@ def _idle_rows(growth: Mapping[str, Growth], owners: _Owners, hour: int) -> list
     return rows
 
 
-def _energy_share(part_s: float, whole_s: float, joules: float, dollars: float | None) -> tuple[float, float | None]:
-    """The idle energy (joules, dollars) of `part_s` of a GPU's `whole_s` idle seconds."""
+def _energy_share(
+    part_s: float, whole_s: float, joules: float | None, dollars: float | None
+) -> tuple[float | None, float | None]:
+    """The idle energy (joules, dollars) of `part_s` of a GPU's `whole_s` idle seconds (None where
+    no counter measured it)."""
     share = part_s / whole_s if whole_s > 0 else 0.0
-    return joules * share, None if dollars is None else dollars * share
+    return scaled(joules, share), scaled(dollars, share)
 
 
 def _row(
@@ -246,7 +249,7 @@ def _row(
     busy_s: float = 0.0,
     charged_s: float = 0.0,
     dollars: float = 0.0,
-    joules: float = 0.0,
+    joules: float | None = 0.0,
     energy_dollars: float | None = None,
     idle: bool = False,
     unobserved: bool = False,

@@ -21,7 +21,8 @@ by (hour, node, uuid, kind, the workload labels, the left_by labels).
     gpu_hours_used       held time x measured utilization; empty (null) where unobserved
     energy_kwh           the row's share of the GPU's energy counter (an unobserved row's: what
                          the counter counted that no holder could be charged); empty (null) on
-                         an unobserved row without any (the counter was not read either)
+                         an unobserved row without any (the counter was not read either) and
+                         where no counter measured it (a GPU without one)
     energy_dollars       energy_kwh at pricing.energy_per_kwh; empty (null) where none was set
 
 A CSV text cell that starts with `=`, `+`, `-`, `@`, a tab or a carriage return (a label users
@@ -90,7 +91,7 @@ def _record(row: UsageRow) -> Record:
         "gpu_hours_charged": row.charged_s / HOUR_S,
         "gpu_hours_held": row.held_s / HOUR_S,
         "gpu_hours_used": None if row.unobserved else row.busy_s / HOUR_S,
-        "energy_kwh": None if row.unobserved and not row.joules else joules_to_kwh(row.joules),
+        "energy_kwh": None if row.joules is None or (row.unobserved and not row.joules) else joules_to_kwh(row.joules),
         "energy_dollars": row.energy_dollars,
     }
 

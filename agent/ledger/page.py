@@ -453,7 +453,7 @@ def _num_cell(field: str, value: float | None) -> str:
 
 
 def _table_section(report: Report) -> list[str]:
-    energy = {"energy_kwh": report.total.joules > 0, "energy_dollars": report.total.energy_dollars is not None}
+    energy = {"energy_kwh": (report.total.joules or 0.0) > 0, "energy_dollars": report.total.energy_dollars is not None}
     columns = [(field, name) for field, name in _COLUMNS if energy.get(field, True)]
     runs = ("first hour", "last hour", "GPUs") if report.runs else ()
     head = (

@@ -58,7 +58,7 @@ class UsageRow:
     held_s: float
     busy_s: float
     dollars: float
-    joules: float
+    joules: float | None  # None where no energy counter measured it (schema version 9 on)
     energy_dollars: float | None = None
     idle: bool = False
     charged_s: float = 0.0
@@ -342,7 +342,7 @@ def _read(
     # beyond the interval after it). Derived, so every ledger ever written has it.
     carried: dict[tuple[int, str, int], list[float]] = {}
     for row in usage:
-        carried.setdefault((row.hour, row.node, row.gpu), []).append(row.joules)
+        carried.setdefault((row.hour, row.node, row.gpu), []).append(row.joules or 0.0)
     for r in gpu:
         unseen = _unobserved_joules(r["joules"], carried.get((r["hour"], r["node"], r["gpu"]), []))
         if not (r["unobserved_s"] or r["unobserved_dollars"] or unseen):
@@ -365,9 +365,12 @@ def _read(
     return LedgerContents(info, usage)
 
 
-def _unobserved_joules(gpu_joules: float, carried: list[float]) -> float:
+def _unobserved_joules(gpu_joules: float | None, carried: list[float]) -> float:
     """The GPU-hour's joules less those its rows carry; 0 where that is rounding (a part in a
-    billion of the hour's energy: the rows are its shares, summed in another order)."""
+    billion of the hour's energy: the rows are its shares, summed in another order) or where no
+    counter measured any (NULL)."""
+    if gpu_joules is None:
+        return 0.0
     rest = gpu_joules - math.fsum(carried)
     return rest if rest > gpu_joules * 1e-9 else 0.0
 

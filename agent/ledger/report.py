@@ -48,7 +48,9 @@ Choices a reader of the output should know:
   read, its holders were not; or the counter's gap after an outage beyond the interval that
   ended it), "-" where there is none (the counter was not read either). Its dollars are the ledger's
   (priced once, by accounting, at `pricing.energy_per_kwh`), summed over the hours that had a
-  price. CSV and JSON always carry `energy_kwh` and `energy_dollars` (empty / null where
+  price. Energy no counter measured (a GPU without one) is unknown, not 0: a line none of whose
+  energy was measured shows "-" (empty, null) for both, a line partly measured the measured part.
+  CSV and JSON always carry `energy_kwh` and `energy_dollars` (empty / null where
   nothing was priced); the table shows ENERGY KWH where energy was recorded and ENERGY $ where
   it was priced.
 - Labels are whatever users named their pods, jobs and models: a CSV cell of one that starts with
@@ -93,7 +95,7 @@ class ReportLine:
     dollars: float
     charged_s: float  # its share of the GPUs' time: the lines' charged seconds add up to the window's
     busy_s: float
-    joules: float = 0.0
+    joules: float | None = 0.0  # None where no energy counter measured any of it
     energy_dollars: float | None = None  # None where no hour of the line had an energy price
     waste_dollars: float | None = None  # paid for and not used; None where use is unknown
     observed: bool = True  # False for unobserved time: its use and waste are unknown
@@ -116,8 +118,8 @@ class ReportLine:
         return self.observed and (self.measured_s > 0 or self.charged_s <= 0)
 
     @property
-    def energy_kwh(self) -> float:
-        return joules_to_kwh(self.joules)
+    def energy_kwh(self) -> float | None:
+        return None if self.joules is None else joules_to_kwh(self.joules)
 
     @property
     def gpu_hours_charged(self) -> float:
@@ -276,6 +278,7 @@ class _Sums:
     waste_dollars: list[float] = field(default_factory=list)
     unmeasured_s: list[float] = field(default_factory=list)
     unknown_waste: bool = False  # some row's waste is unknown (nothing measured its use)
+    unmetered: bool = False  # some row's energy is unknown (no energy counter measured it)
     priced: bool = False
     observed: bool = True  # False: the unobserved line, whose use and waste are unknown
     hours: set[int] = field(default_factory=set)
@@ -287,7 +290,10 @@ class _Sums:
         self.dollars.append(row.dollars)
         self.charged_s.append(row.charged_s)
         self.busy_s.append(row.busy_s)
-        self.joules.append(row.joules)
+        if row.joules is not None:
+            self.joules.append(row.joules)
+        else:
+            self.unmetered = True
         self.unmeasured_s.append(row.unmeasured_s)
         waste = row_waste(row)
         if waste is not None:
@@ -304,7 +310,7 @@ class _Sums:
             dollars=math.fsum(self.dollars),
             charged_s=math.fsum(self.charged_s),
             busy_s=math.fsum(self.busy_s),
-            joules=math.fsum(self.joules),
+            joules=math.fsum(self.joules) if self.joules or not self.unmetered else None,
             energy_dollars=math.fsum(self.energy_dollars) if self.priced else None,
             # Unknown where nothing of the line measured its use; else what the measured part wasted.
             waste_dollars=math.fsum(self.waste_dollars)
@@ -529,7 +535,7 @@ def _render_table(report: Report) -> str:
     key_count = len(report.by)
     # Energy columns only where there is something to show: GPUs without an energy counter record
     # none, and a node without pricing.energy_per_kwh prices none.
-    energy = (report.total.joules > 0, report.total.energy_dollars is not None)
+    energy = ((report.total.joules or 0.0) > 0, report.total.energy_dollars is not None)
     shown_energy = [name for name, shown in zip(_ENERGY_HEADERS, energy, strict=True) if shown]
     run_headers = list(_RUN_HEADERS) if report.runs else []
     header = [key.upper() for key in report.by] + run_headers + list(_NUMBER_HEADERS) + shown_energy
@@ -596,7 +602,7 @@ def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | 
         "efficiency_ratio": line.efficiency if efficiency else None,
         "waste_dollars": line.waste_dollars,
         # Unobserved time's energy is known where the counter was read (its holders were not).
-        "energy_kwh": line.energy_kwh if line.observed or line.joules > 0 else None,
+        "energy_kwh": line.energy_kwh if line.observed or (line.joules or 0.0) > 0 else None,
         "energy_dollars": line.energy_dollars,
     }
 

@@ -1,7 +1,7 @@
 """The ledger's SQLite schema: its tables, and the ordered steps that bring a file written by any
 earlier release to the current version.
 
-Schema (version 8; `schema_version` holds one row per applied version):
+Schema (version 9; `schema_version` holds one row per applied version):
 
     workload_hours  hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
                     account | held_s, busy_s, dollars, joules, energy_dollars, charged_s, unmeasured_s,
@@ -35,6 +35,9 @@ percentiles as fixed-bucket sketches, peaks, GPUs held at once).
 Version 8 added `unmeasured_s` to workload_hours: the charged seconds over which nothing measured
 how busy the workload kept its unit (a MIG instance without GPM, say), so that `report` shows
 their use as unknown instead of idle. Older rows get 0: they were reported as measured.
+Version 9 lets joules be NULL (workload_hours.joules, gpu_hours.joules and idle_joules,
+idle_hours.idle_joules): energy no counter measured (a GPU without one) is unknown, not 0 J.
+Older rows keep the 0 they were written with: a counter that read 0 cannot be told from none.
 
 `hour` is the unix time of the start of the UTC hour. The hour tables are WITHOUT ROWID with a primary
 key that starts with `hour`: the table itself is the index that reports scan by time range and
@@ -66,9 +69,10 @@ GPU_MEASURES = (
     "observed_s", "dollars", "idle_s", "idle_dollars", "unobserved_s", "unobserved_dollars", "joules", "idle_joules",
     "energy_dollars", "idle_energy_dollars",
 )  # fmt: skip
-# Energy dollars are NULL where no price per kWh was set: unknown, not free. A sum of them counts
-# the priced parts only and stays NULL while nothing was priced.
-PRICED_MEASURES = frozenset({"energy_dollars", "idle_energy_dollars"})
+# Energy dollars are NULL where no price per kWh was set: unknown, not free; joules (and so their
+# dollars) are NULL where no energy counter measured them (a GPU without one: unknown, not 0 J).
+# A sum of them counts the measured and priced parts only and stays NULL while there is none.
+PRICED_MEASURES = frozenset({"energy_dollars", "idle_energy_dollars", "joules", "idle_joules"})
 
 # --- schema versions -------------------------------------------------------------------------
 # Each step takes the file from the version before it to its own, inside the one transaction
@@ -276,6 +280,70 @@ _SCHEMA_V7 = (
 _SCHEMA_V8 = ("ALTER TABLE workload_hours ADD COLUMN unmeasured_s REAL NOT NULL DEFAULT 0.0",)
 
 
+# Version 9: joules may be NULL: where no energy counter measured them (the GPU has none, or it
+# could not be read), they are unknown, and so are their energy dollars. SQLite cannot drop a NOT
+# NULL constraint, so the three tables are rebuilt, column for column, keys and all; every row
+# keeps its figures (an older 0 J cannot be told from a GPU without a counter, so it stays 0).
+_SCHEMA_V9 = (
+    """CREATE TABLE workload_hours_v9 (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL, account TEXT NOT NULL,
+        held_s REAL NOT NULL, busy_s REAL NOT NULL, dollars REAL NOT NULL, joules REAL,
+        energy_dollars REAL, charged_s REAL NOT NULL DEFAULT 0.0,
+        dollars_per_hour REAL, purchase TEXT, price_source TEXT, unmeasured_s REAL NOT NULL DEFAULT 0.0,
+        PRIMARY KEY (hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, account)
+    ) WITHOUT ROWID""",
+    """INSERT INTO workload_hours_v9 (
+        hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, account,
+        held_s, busy_s, dollars, joules, energy_dollars, charged_s, dollars_per_hour, purchase, price_source,
+        unmeasured_s
+    )
+    SELECT hour, node, gpu, uuid, namespace, pod, container, hpc_job, unit, user, model, team, account,
+        held_s, busy_s, dollars, joules, energy_dollars, charged_s, dollars_per_hour, purchase, price_source,
+        unmeasured_s
+    FROM workload_hours""",
+    "DROP TABLE workload_hours",
+    "ALTER TABLE workload_hours_v9 RENAME TO workload_hours",
+    """CREATE TABLE gpu_hours_v9 (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, uuid TEXT NOT NULL,
+        gpu INTEGER NOT NULL, model TEXT NOT NULL, dollars_per_hour REAL NOT NULL,
+        observed_s REAL NOT NULL, dollars REAL NOT NULL, idle_s REAL NOT NULL, idle_dollars REAL NOT NULL,
+        unobserved_s REAL NOT NULL, unobserved_dollars REAL NOT NULL, joules REAL, idle_joules REAL,
+        energy_dollars REAL, idle_energy_dollars REAL, purchase TEXT, price_source TEXT,
+        PRIMARY KEY (hour, node, uuid)
+    ) WITHOUT ROWID""",
+    """INSERT INTO gpu_hours_v9 (
+        hour, node, uuid, gpu, model, dollars_per_hour, observed_s, dollars, idle_s, idle_dollars,
+        unobserved_s, unobserved_dollars, joules, idle_joules, energy_dollars, idle_energy_dollars,
+        purchase, price_source
+    )
+    SELECT hour, node, uuid, gpu, model, dollars_per_hour, observed_s, dollars, idle_s, idle_dollars,
+        unobserved_s, unobserved_dollars, joules, idle_joules, energy_dollars, idle_energy_dollars,
+        purchase, price_source
+    FROM gpu_hours""",
+    "DROP TABLE gpu_hours",
+    "ALTER TABLE gpu_hours_v9 RENAME TO gpu_hours",
+    """CREATE TABLE idle_hours_v9 (
+        hour INTEGER NOT NULL, node TEXT NOT NULL, uuid TEXT NOT NULL,
+        namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL, hpc_job TEXT NOT NULL,
+        unit TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL, team TEXT NOT NULL,
+        gpu INTEGER NOT NULL,
+        idle_s REAL NOT NULL, idle_dollars REAL NOT NULL, idle_joules REAL, idle_energy_dollars REAL,
+        PRIMARY KEY (hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team)
+    ) WITHOUT ROWID""",
+    """INSERT INTO idle_hours_v9 (
+        hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
+        gpu, idle_s, idle_dollars, idle_joules, idle_energy_dollars
+    )
+    SELECT hour, node, uuid, namespace, pod, container, hpc_job, unit, user, model, team,
+        gpu, idle_s, idle_dollars, idle_joules, idle_energy_dollars
+    FROM idle_hours""",
+    "DROP TABLE idle_hours",
+    "ALTER TABLE idle_hours_v9 RENAME TO idle_hours",
+)
+
+
 # Step n (from 1) brings a file at version n - 1 (0: empty) to version n.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V1),
@@ -286,6 +354,7 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _run(_SCHEMA_V6),
     _run(_SCHEMA_V7),
     _run(_SCHEMA_V8),
+    _run(_SCHEMA_V9),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
