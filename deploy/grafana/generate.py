@@ -1271,10 +1271,13 @@ def cost() -> dashboard.Dashboard:
     # GPU each hold all of it, so held time counts a shared GPU once per holder.
     charged_w = _increase("gpuledger_workload_gpu_charged_seconds_total", WORKLOAD)
     busy_w = _increase("gpuledger_workload_gpu_busy_seconds_total", WORKLOAD)
+    # Charged time whose use nothing measured (a MIG instance without GPM) is neither used nor
+    # wasted; an agent from before that counter has none.
+    unmeasured_w = f"({_increase('gpuledger_workload_gpu_unmeasured_seconds_total', WORKLOAD)} or {charged_w} * 0)"
     # A workload's unused charged time: clamped per workload, as a workload busier than its
     # share wastes nothing rather than making up for another's waste.
-    wasted_w = f"clamp_min({charged_w} - {busy_w}, 0)"
-    waste_cost_w = f"{cost_w} * clamp_min(1 - {busy_w} / ({charged_w} > 0), 0)"
+    wasted_w = f"clamp_min({charged_w} - {unmeasured_w} - {busy_w}, 0)"
+    waste_cost_w = f"{cost_w} * clamp_min(({charged_w} - {unmeasured_w} - {busy_w}) / ({charged_w} > 0), 0)"
     rule_sel = 'cluster=~"$cluster", {label}=~"${label}"'
 
     def by(label: str, title: str, *, per_cluster: bool = False) -> bargauge.Panel:
@@ -1369,8 +1372,8 @@ def cost() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "Efficiency",
-                "Busy GPU-hours over charged GPU-hours of the selected workloads.",
-                [query(f"sum({busy_w}) / (sum({charged_w}) > 0)")],
+                "Busy GPU-hours over the charged GPU-hours whose use was measured, of the selected workloads.",
+                [query(f"sum({busy_w}) / (sum({charged_w} - {unmeasured_w}) > 0)")],
                 unit=RATIO,
                 thresholds=_thresholds((None, "red"), (0.4, "orange"), (0.7, "green")),
                 w=4,
