@@ -45,7 +45,7 @@ SCHEMA = [
     ("left_by_hpc_job", "string"), ("left_by_unit", "string"), ("left_by_user", "string"),
     ("left_by_model", "string"), ("left_by_team", "string"), ("dollars", "double"),
     ("gpu_hours_charged", "double"), ("gpu_hours_held", "double"), ("gpu_hours_used", "double"),
-    ("energy_kwh", "double"), ("energy_dollars", "double"),
+    ("energy_kwh", "double"), ("energy_dollars", "double"), ("gpu_hours_unmeasured", "double"),
 ]  # fmt: skip
 KEY = ("hour", "node", "uuid", "kind", *(name for name, _ in SCHEMA[5:21]))
 
@@ -237,3 +237,21 @@ def test_an_out_keeps_the_mode_of_the_file_it_replaces_and_a_new_one_follows_the
     finally:
         os.umask(before)
     assert stat.S_IMODE((tmp_path / "new.csv").stat().st_mode) == 0o600  # 0666 less 077
+
+
+def test_mig_instances_use_nothing_measured_is_exported_as_unknown(tmp_path: Path) -> None:
+    """The `mig` scenario for an hour: GPU 0's two 3g.40gb instances (42 of an A100's 108 SMs
+    each, no GPM) have no busy figure; GPU 1, whole, is 40% busy by NVML."""
+    path = tmp_path / "mig.db"
+    assert gpuledger("simulate", "mig", "--for", "1h", "--ledger", str(path)).returncode == 0
+    workloads = [r for r in read_records([path]) if r["kind"] == "workload"]
+    migs = [r for r in workloads if r["gpu"] == 0]
+    (whole,) = (r for r in workloads if r["gpu"] == 1)
+    assert len(migs) == 2
+    for row in migs:
+        # 1 h x 42/108 of the GPU each, none of it measured: used unknown, not 0.
+        assert row["gpu_hours_charged"] == pytest.approx(42 / 108, rel=1e-9)
+        assert row["gpu_hours_unmeasured"] == row["gpu_hours_charged"]
+        assert row["gpu_hours_used"] is None
+    # GPU 1: 1 GPU-hour at 40% = 0.4 used, all measured.
+    assert (whole["gpu_hours_used"], whole["gpu_hours_unmeasured"]) == (pytest.approx(0.4, rel=1e-9), 0.0)

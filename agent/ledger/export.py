@@ -18,12 +18,15 @@ by (hour, node, uuid, kind, the workload labels, the left_by labels).
     dollars              cost in the hour
     gpu_hours_charged    the row's share of the GPU's time (rows of a GPU-hour add up to 1 per GPU)
     gpu_hours_held       time held (a shared GPU counts once per holder)
-    gpu_hours_used       held time x measured utilization; empty (null) where unobserved
+    gpu_hours_used       held time x measured utilization; empty (null) where unobserved, and
+                         where none of the row's time had a busy figure (gpu_hours_unmeasured)
     energy_kwh           the row's share of the GPU's energy counter (an unobserved row's: what
                          the counter counted that no holder could be charged); empty (null) on
                          an unobserved row without any (the counter was not read either) and
                          where no counter measured it (a GPU without one)
     energy_dollars       energy_kwh at pricing.energy_per_kwh; empty (null) where none was set
+    gpu_hours_unmeasured the part of gpu_hours_charged whose use nothing measured (a MIG instance
+                         without GPM): neither used nor idle; 0 on idle and unobserved rows
 
 A CSV text cell that starts with `=`, `+`, `-`, `@`, a tab or a carriage return (a label users
 named so) starts with a `'`, as in `report --format csv`, so that a spreadsheet never runs it as a
@@ -51,7 +54,7 @@ from typing import IO, Any
 from agent.errors import BadInputError
 from agent.ledger.pending import HOUR_S
 from agent.ledger.read import UsageRow, read_ledger
-from agent.ledger.report import check_overlaps, csv_text
+from agent.ledger.report import check_overlaps, csv_text, measured_seconds
 from agent.model import WORKLOAD_LABELS, Workload
 from agent.units import iso_time, joules_to_kwh
 
@@ -59,6 +62,7 @@ FORMATS = ("csv", "parquet")
 LEFT_BY_COLUMNS = tuple(f"left_by_{name}" for name in WORKLOAD_LABELS)
 NUMBER_COLUMNS = (
     "dollars", "gpu_hours_charged", "gpu_hours_held", "gpu_hours_used", "energy_kwh", "energy_dollars",
+    "gpu_hours_unmeasured",
 )  # fmt: skip
 COLUMNS = ("hour", "node", "gpu", "uuid", "kind", *WORKLOAD_LABELS, *LEFT_BY_COLUMNS, *NUMBER_COLUMNS)
 
@@ -90,10 +94,16 @@ def _record(row: UsageRow) -> Record:
         "dollars": row.dollars,
         "gpu_hours_charged": row.charged_s / HOUR_S,
         "gpu_hours_held": row.held_s / HOUR_S,
-        "gpu_hours_used": None if row.unobserved else row.busy_s / HOUR_S,
+        "gpu_hours_used": None if row.unobserved or not _use_measured(row) else row.busy_s / HOUR_S,
         "energy_kwh": None if row.joules is None or (row.unobserved and not row.joules) else joules_to_kwh(row.joules),
         "energy_dollars": row.energy_dollars,
+        "gpu_hours_unmeasured": row.unmeasured_s / HOUR_S,
     }
+
+
+def _use_measured(row: UsageRow) -> bool:
+    """Whether any of the row's use was measured (or nothing was charged to it)."""
+    return not row.charged_s > 0 or measured_seconds(row.charged_s, row.unmeasured_s) > 0
 
 
 def _left_by_values(left: Workload | None) -> tuple[str | None, ...]:
@@ -152,6 +162,7 @@ def parquet_schema() -> Any:
             pa.field("gpu_hours_used", pa.float64()),
             pa.field("energy_kwh", pa.float64()),
             pa.field("energy_dollars", pa.float64()),
+            pa.field("gpu_hours_unmeasured", pa.float64(), nullable=False),
         ]
     )
 
