@@ -752,6 +752,57 @@ def test_an_array_tasks_processes_and_allocation_are_one_job_known_by_its_array_
     assert_conserved(state, dollars, 2 * 1 * 3.6)
 
 
+def slinky_cgroup(pod_uid: str, container: str, job: str) -> str:
+    """A Slurm step's cgroup as slurmd builds it inside its pod's container (Slinky)."""
+    return (
+        f"0::/kubepods.slice/kubepods-pod{pod_uid.replace('-', '_')}.slice/cri-containerd-{container}.scope/"
+        f"system.slice/slurmstepd.scope/job_{job}/step_0/user/task_0\n"
+    )
+
+
+def test_a_slurm_job_inside_a_pod_is_billed_only_where_its_gpus_map_file_names_it(rig: Any) -> None:
+    # Slinky: slurmd runs in pod slinky/worker-0, which the kubelet allocated GPU 0; the prolog
+    # mapped GPU 0 to job 1234 (alice) and GPU 1 to job 999, which runs nothing. Alice's step
+    # runs on GPU 0 in slurmd's own cgroup tree. Pod ml/miner-0, on GPU 2, made a job_999 tree
+    # of its own: GPU 2's map names no job, so that name is the pod's claim, and it stays the pod's.
+    slurmd = {"namespace": "slinky", "name": "worker-0", "container": "slurmd",
+              "uid": "5a1b2c3d-0000-4000-8000-00000000c001"}  # fmt: skip
+    miner = {"namespace": "ml", "name": "miner-0", "container": "main", "uid": "5a1b2c3d-0000-4000-8000-00000000c002"}
+    r = rig(
+        {
+            "start": "2026-11-20T18:00:00Z",
+            "gpus": [{"model": "A100-SXM4-80GB", "count": 3}],
+            "processes": [
+                {"pid": 800, "gpus": [0], "sm_util": 80, "uid": 1010, "user": "alice", "pod": slurmd,
+                 "cgroup": slinky_cgroup(slurmd["uid"], "ab" * 32, "1234")},
+                {"pid": 810, "gpus": [2], "sm_util": 90, "uid": 1012, "user": "mallory", "pod": miner,
+                 "cgroup": slinky_cgroup(miner["uid"], "cd" * 32, "999")},
+            ],
+            "allocations": [
+                {"gpus": [0], "pod": slurmd},
+                {"gpus": [2], "pod": miner},
+                {"gpus": [0], "slurm_job": "1234", "user": "alice"},
+                {"gpus": [1], "slurm_job": "999", "user": "bob"},
+            ],
+        },
+        settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
+    )  # fmt: skip
+    state = r.run(3600.0, 60.0)
+    job, pod = Workload(hpc_job="1234", user="alice"), Workload(namespace="slinky", pod="worker-0", container="slurmd")
+    other_job, spoofer = Workload(hpc_job="999", user="bob"), Workload(namespace="ml", pod="miner-0", container="main")
+    held = owners(state)
+    assert sorted(held["0"]) == sorted([job, pod])
+    assert held["1"] == [other_job]
+    assert held["2"] == [spoofer]
+    dollars = dollars_by_workload(state)
+    # $3.60/GPU-hour for 1h. GPU 0: the job at 80%, slurmd's pod allocation using none of it:
+    # 0.8/0.8 x $3.60 = $3.60 the job's, $0 the pod's (it was all the pod's). GPU 1: job 999's
+    # allocation alone, $3.60. GPU 2: the miner pod, $3.60, none of it job 999's.
+    # 3 GPUs x 1h x $3.60 = $10.80 in all.
+    assert dollars == pytest.approx({job: 3.6, pod: 0.0, other_job: 3.6, spoofer: 3.6})
+    assert_conserved(state, dollars, 3 * 1 * 3.6)
+
+
 def test_a_process_of_a_pod_the_kubelet_no_longer_lists_is_not_billed_to_the_pod_now_allocated(rig: Any) -> None:
     # A pod that was deleted left a process running on GPU 0 (its uid named by no log directory,
     # no kubelet row). The GPU is now allocated to serving/vllm-1, whose own uid the kubelet's log

@@ -23,7 +23,9 @@ read, and the owner is the most specific one: pod > slurm > container > service 
 beats the container because the container belongs to the pod. Between lines of a v1 file the
 same order decides, then the deeper path. Below a user's own manager (user@<uid>.service, a tree
 systemd delegates to the user, who can make any directory there) only containers and services
-count: a pod, Slurm job or other user named there is the user's claim, not the owner.
+count: a pod, Slurm job or other user named there is the user's claim, not the owner. A Slurm job
+inside a pod (Slinky) is given as the pod with its `slurm_job`: the pod could have made that
+directory itself, so `agent.attribution.resolve` decides whether the job is the owner.
 
 Nothing is guessed: every id returned is taken from the text (a pod uid has systemd's '_'
 turned back into '-' and is lower-cased). Text that names no workload gives None, and no text

@@ -322,7 +322,18 @@ def _process_workload(
     uid = facts.uid
     user = inputs.user_names.get(uid, str(uid)) if uid is not None else ""
     account: str | None = facts.env_value("SLURM_JOB_ACCOUNT")
-    if owner is not None and owner.kind == "pod" and owner.pod_uid:
+    mapped = slurm_on_device.get(device_uuid)
+    # slurmd in a pod (Slinky) builds its jobs' cgroups inside the pod's, where any process of the
+    # pod could make a job_<id> directory too: such a job is the owner only where the prolog's map
+    # file (root's) gives this device to that same job; otherwise the pod is.
+    job_in_pod = (
+        owner is not None
+        and owner.kind == "pod"
+        and owner.slurm_job is not None
+        and mapped is not None
+        and mapped.job_id == owner.slurm_job
+    )
+    if owner is not None and owner.kind == "pod" and owner.pod_uid and not job_in_pod:
         namespace, pod = inputs.pod_names.get(owner.pod_uid, ("", ""))
         pods = pod_containers.get(device_uuid, {})
         only = next(iter(pods)) if len(pods) == 1 else None
@@ -334,15 +345,13 @@ def _process_workload(
         containers = pods.get((namespace, pod), set())
         container = next(iter(containers)) if len(containers) == 1 else ""
         w = Workload(namespace=namespace, pod=pod or f"uid-{owner.pod_uid}", container=container)
-    elif owner is not None and owner.kind == "slurm" and owner.slurm_job:
+    elif owner is not None and owner.slurm_job and (owner.kind == "slurm" or job_in_pod):
         # slurmd's cgroup names the job (by its numeric id: the map files name an array task's
         # `1234_7`); its user is the map file's for that job, else the uid's.
-        mapped = slurm_on_device.get(device_uuid)
         job_user = mapped.user if mapped is not None and mapped.job_id == owner.slurm_job and mapped.user else user
         w = Workload(hpc_job=slurm_names.get(owner.slurm_job, owner.slurm_job), user=job_user)
     else:
         env_job = facts.env_value("SLURM_JOB_ID")
-        mapped = slurm_on_device.get(device_uuid)
         if owner is not None and owner.kind == "container" and owner.container_id:
             w = Workload(container=owner.container_id[:12], user=user)
         elif owner is not None and owner.kind == "service" and owner.unit:
@@ -358,7 +367,6 @@ def _process_workload(
         else:
             owner_uid = owner.uid if owner is not None and owner.uid is not None else uid
             w = Workload(user=inputs.user_names.get(owner_uid, str(owner_uid)) if owner_uid is not None else "")
-    mapped = slurm_on_device.get(device_uuid)
     if w.hpc_job and mapped is not None and mapped.job == w.hpc_job and mapped.account:
         account = mapped.account
     # Rules may match any process's account; only a job is billed to one (and teamed by it).
