@@ -30,7 +30,7 @@ class PodAllocation:
 class SlurmAllocation:
     """One GPU, or MIG instance, allocated to a Slurm job (as its prolog's map file says)."""
 
-    gpu_index: int
+    gpu_index: int  # the GPU's NVML index; its /dev/nvidia<minor> number where `by_minor`
     gpu_instance_id: int | None  # a MIG GPU instance (a `<gpu>.<gi>` map file); None for a whole GPU
     job: str
     user: str | None
@@ -41,6 +41,9 @@ class SlurmAllocation:
     # An array task's own job id, where `job` is its `<array job>_<task>` (the map file's
     # `1235=1234_7`); None for any other job.
     task_job_id: str | None = None
+    # An `nvidia<minor>` map file: `gpu_index` is the GPU's device node number (the prolog's
+    # SLURM_JOB_GPUS), which need not be its NVML index.
+    by_minor: bool = False
 
     @property
     def job_id(self) -> str | None:

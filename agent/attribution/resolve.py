@@ -145,7 +145,8 @@ def attribute(inputs: Inputs) -> Attribution:
             pod_containers.setdefault(uuid, {}).setdefault((alloc.namespace, alloc.pod), set()).add(alloc.container)
     slurm_on_device: dict[str, SlurmAllocation] = {}
     for s in inputs.slurm_allocations:
-        uuid = by_slot.get((s.gpu_index, s.gpu_instance_id))
+        index = by_minor.get(s.gpu_index) if s.by_minor else s.gpu_index
+        uuid = None if index is None else by_slot.get((index, s.gpu_instance_id))
         if uuid is not None:
             slurm_on_device[uuid] = s
     # slurmd's cgroup names a job by its numeric id; the map files say the name users know it

@@ -9,7 +9,9 @@
 # A prolog that fails drains the node: this one never fails. Each file is written under a
 # temporary name and renamed into place, so the agent never reads half of one; its
 # modification time is the job's start on that GPU. Whole GPUs only: SLURM_JOB_GPUS holds the
-# GPU indexes Slurm allocated. An array task has a job id of its own, which slurmd names its
+# numbers of the /dev/nvidia<N> files (gres.conf File=) Slurm allocated, the driver's minor
+# numbers, which need not be NVML's GPU indexes: each file is named nvidia<N>, and the agent finds
+# the GPU by its minor number. An array task has a job id of its own, which slurmd names its
 # cgroup by, and is known to users as <array job id>_<task id> (squeue, sacct): it is written
 # "JOBID=ARRAYJOB_TASK", where slurmd hands the prolog SLURM_ARRAY_JOB_ID and SLURM_ARRAY_TASK_ID.
 map_dir=${GPULEDGER_ATTRIBUTION__SLURM_MAP_DIR:-/run/gpuledger/jobs}
@@ -24,9 +26,9 @@ mkdir -p "$map_dir" 2>/dev/null || exit 0
 IFS=, read -ra gpus <<< "$SLURM_JOB_GPUS"
 for gpu in "${gpus[@]}"; do
     case $gpu in *[!0-9]* | '') continue ;; esac
-    tmp=$(mktemp "$map_dir/.gpu$gpu.XXXXXX" 2>/dev/null) || continue
+    tmp=$(mktemp "$map_dir/.nvidia$gpu.XXXXXX" 2>/dev/null) || continue
     if printf '%s %s %s\n' "$job" "${SLURM_JOB_USER:-}" "${SLURM_JOB_ACCOUNT:-}" > "$tmp" \
-        && chmod 0644 "$tmp" && mv -f "$tmp" "$map_dir/$gpu"; then
+        && chmod 0644 "$tmp" && mv -f "$tmp" "$map_dir/nvidia$gpu"; then
         continue
     fi
     rm -f "$tmp"

@@ -1,8 +1,8 @@
 """Slurm's GPU mapping directory, as a prolog writes it and an epilog removes it: one file per
-GPU index (or MIG `gpu.gi`) holding `JOBID [USER [ACCOUNT]]`, its modification time the job's
-start there. An array task's JOBID is `<its job id>=<array job id>_<task id>`: slurmd names its
-cgroup by the first, users know it by the second, which labels it. A missing directory is a
-node without Slurm.
+GPU index (or MIG `gpu.gi`), or per device node (`nvidia<minor>`, as deploy/slurm's prolog names
+them), holding `JOBID [USER [ACCOUNT]]`, its modification time the job's start there. An array
+task's JOBID is `<its job id>=<array job id>_<task id>`: slurmd names its cgroup by the first,
+users know it by the second, which labels it. A missing directory is a node without Slurm.
 
 The directory is looked at every poll (a prolog or epilog may have run since the last), but a
 file is read again only when its stat changed (`SlurmMap`): an unchanged map costs one stat
@@ -28,7 +28,8 @@ from agent.model import Snapshot
 
 log = logging.getLogger(__name__)
 
-_MAP_NAME = re.compile(r"^(\d+)(?:\.(\d+))?$")
+# `<index>` or `<index>.<gi>` (a MIG instance), or `nvidia<minor>`: a GPU by its device node.
+_MAP_NAME = re.compile(r"^(?:(\d+)(?:\.(\d+))?|nvidia(\d+))$")
 # Slurm account names: letters, digits and a few separators (sacctmgr refuses the rest).
 _ACCOUNT = re.compile(r"[A-Za-z0-9_.@+-]{1,128}")
 _JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a job id, or an array task's (`1234_7`)
@@ -41,7 +42,8 @@ _MAP_FILE_MAX_BYTES = 4096
 
 
 def read_slurm_map(directory: str | Path) -> list[SlurmAllocation]:
-    """One file per GPU index (`3`) or MIG instance (`0.2`), as a prolog writes them and an
+    """One file per GPU index (`3`), MIG instance (`0.2`) or device node (`nvidia3`: the GPU whose
+    minor number is 3, whatever its index), as a prolog writes them and an
     epilog removes them; the first line holds the job id and, optionally, the user and the
     job's account ($SLURM_JOB_ACCOUNT in the prolog). Reads every file (`SlurmMap` reads only
     what changed)."""
@@ -148,14 +150,16 @@ def _parse(path: str, match: re.Match[str], text: str, written_at: float) -> Slu
     else:
         log.debug("ignoring %s: no job id on its first line", path)
         return None
+    minor = match.group(3)
     return SlurmAllocation(
-        gpu_index=int(match.group(1)),
+        gpu_index=int(minor if minor is not None else match.group(1)),
         gpu_instance_id=int(match.group(2)) if match.group(2) else None,
         job=job,
         task_job_id=task_job_id,
         user=fields[1] if len(fields) > 1 else None,
         started_at=written_at,
         account=fields[2] if len(fields) > 2 and _ACCOUNT.fullmatch(fields[2]) else None,
+        by_minor=minor is not None,
     )
 
 
