@@ -803,6 +803,38 @@ def test_a_slurm_job_inside_a_pod_is_billed_only_where_its_gpus_map_file_names_i
     assert_conserved(state, dollars, 3 * 1 * 3.6)
 
 
+def test_a_slurm_job_inside_a_docker_container_is_billed_only_where_its_gpus_map_file_names_it(rig: Any) -> None:
+    # Slurm run in Docker (the slurm-docker-cluster shape): slurmd's container builds job 77's
+    # cgroup inside its own, and the prolog mapped GPU 0 to job 77. Another container, on GPU 1,
+    # made a job_77 tree of its own too (privileged, its cgroup writable): GPU 1's map names no
+    # job, so that name is the container's claim, and its GPU time stays the container's.
+    slurmd, other = "5e" * 32, "6f" * 32
+
+    def in_container(container: str) -> str:
+        return f"/system.slice/docker-{container}.scope/system.slice/slurmstepd.scope/job_77/step_0/user/task_0"
+
+    r = rig(
+        {
+            "start": "2026-11-20T18:00:00Z",
+            "gpus": [{"model": "A100-SXM4-80GB", "count": 2}],
+            "processes": [
+                {"pid": 820, "gpus": [0], "sm_util": 60, "uid": 1010, "user": "alice", "cgroup": in_container(slurmd)},
+                {"pid": 830, "gpus": [1], "sm_util": 90, "uid": 1012, "user": "mallory", "cgroup": in_container(other)},
+            ],
+            "allocations": [{"gpus": [0], "slurm_job": "77", "user": "alice"}],
+        },
+        settings=Settings(node_name="rig", pricing={"gpu_hourly": 3.6}),
+    )
+    state = r.run(3600.0, 60.0)
+    job, container = Workload(hpc_job="77", user="alice"), Workload(container=other[:12], user="mallory")
+    assert owners(state) == {"0": [job], "1": [container]}
+    dollars = dollars_by_workload(state)
+    # $3.60/GPU-hour for 1h, each GPU held by one workload all hour: GPU 0 job 77's, $3.60;
+    # GPU 1 the other container's, $3.60 (it was job 77's, under mallory). 2 x 1h x $3.60 = $7.20.
+    assert dollars == pytest.approx({job: 3.6, container: 3.6})
+    assert_conserved(state, dollars, 2 * 1 * 3.6)
+
+
 def test_a_process_of_a_pod_the_kubelet_no_longer_lists_is_not_billed_to_the_pod_now_allocated(rig: Any) -> None:
     # A pod that was deleted left a process running on GPU 0 (its uid named by no log directory,
     # no kubelet row). The GPU is now allocated to serving/vllm-1, whose own uid the kubelet's log

@@ -174,7 +174,15 @@ SHAPES = [
     pytest.param(
         f"0::/kubepods.slice/kubepods-pod{POD_}.slice/cri-containerd-{CTR}.scope/"
         "system.slice/slurmstepd.scope/job_4242/step_0/user/task_0\n",
-        CgroupOwner("pod", pod_uid=POD, container_id=CTR, runtime="containerd", slurm_job="4242", slurm_step="0"),
+        CgroupOwner(
+            "pod",
+            pod_uid=POD,
+            container_id=CTR,
+            runtime="containerd",
+            slurm_job="4242",
+            slurm_step="0",
+            job_nested=True,
+        ),
         id="slinky_slurm_job_inside_pod",
     ),
     # --- Slurm, cgroup/v1 (proctrack/cgroup + task/cgroup): slurm/uid_<uid>/job_<id>/step_<step>/
@@ -231,8 +239,17 @@ SHAPES = [
     # The slurm-docker-cluster shape: Slurm inside a Docker container, seen from the host.
     pytest.param(
         f"0::/system.slice/docker-{NODE_CTR}.scope/system.slice/slurmstepd.scope/job_9/step_batch/user/task_0\n",
-        CgroupOwner("slurm", container_id=NODE_CTR, runtime="docker", slurm_job="9", slurm_step="batch"),
+        CgroupOwner(
+            "slurm", container_id=NODE_CTR, runtime="docker", slurm_job="9", slurm_step="batch", job_nested=True
+        ),
         id="slurm_inside_docker_container",
+    ),
+    # The other way round: a job's step that starts a container of its own (rootless Podman under
+    # the job's task). The job was there first: its directories are slurmd's, not the container's.
+    pytest.param(
+        f"0::/system.slice/slurmstepd.scope/job_9/step_0/user/task_0/libpod-{NODE_CTR}.scope\n",
+        CgroupOwner("slurm", container_id=NODE_CTR, runtime="podman", slurm_job="9", slurm_step="0"),
+        id="container_inside_slurm_job",
     ),
     # A directory called job_<n> is a Slurm job only below Slurm's own root.
     pytest.param(

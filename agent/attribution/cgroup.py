@@ -24,8 +24,9 @@ beats the container because the container belongs to the pod. Between lines of a
 same order decides, then the deeper path. Below a user's own manager (user@<uid>.service, a tree
 systemd delegates to the user, who can make any directory there) only containers and services
 count: a pod, Slurm job or other user named there is the user's claim, not the owner. A Slurm job
-inside a pod (Slinky) is given as the pod with its `slurm_job`: the pod could have made that
-directory itself, so `agent.attribution.resolve` decides whether the job is the owner.
+inside a pod (Slinky) or a container (Slurm in Docker) is marked `job_nested`: the pod or container
+could have made that directory itself, so `agent.attribution.resolve` decides whether the job is
+the owner.
 
 Nothing is guessed: every id returned is taken from the text (a pod uid has systemd's '_'
 turned back into '-' and is lower-cased). Text that names no workload gives None, and no text
@@ -57,6 +58,9 @@ class CgroupOwner:
     slurm_step: str | None = None
     unit: str | None = None
     uid: int | None = None
+    # The job's directories lie inside a pod's or container's cgroup (slurmd run there: Slinky,
+    # Slurm in Docker), which that pod or container could have made itself.
+    job_nested: bool = False
 
 
 # re.ASCII throughout: `\d` would otherwise accept other scripts' digits, which int() turns
@@ -153,6 +157,7 @@ def _owner_of(segments: list[str]) -> CgroupOwner | None:
     container: tuple[str, str | None] | None = None
     slurm_job: str | None = None
     slurm_step: str | None = None
+    job_nested = False
     unit: str | None = None
     uid: int | None = None
     under_kubepods = False
@@ -188,6 +193,7 @@ def _owner_of(segments: list[str]) -> CgroupOwner | None:
         job = _slurm_job_of(segments, i)
         if job is not None:
             slurm_job, slurm_step, slurm_uid = job
+            job_nested = pod_uid is not None or container is not None
             if slurm_uid is not None:
                 uid = slurm_uid
             continue
@@ -213,11 +219,18 @@ def _owner_of(segments: list[str]) -> CgroupOwner | None:
             slurm_job=slurm_job,
             slurm_step=slurm_step,
             uid=uid,
+            job_nested=job_nested,
         )
     container_id, runtime = container or (None, None)
     if slurm_job is not None:
         return CgroupOwner(
-            "slurm", container_id=container_id, runtime=runtime, slurm_job=slurm_job, slurm_step=slurm_step, uid=uid
+            "slurm",
+            container_id=container_id,
+            runtime=runtime,
+            slurm_job=slurm_job,
+            slurm_step=slurm_step,
+            uid=uid,
+            job_nested=job_nested,
         )
     if container_id is not None:
         return CgroupOwner("container", container_id=container_id, runtime=runtime, uid=uid)

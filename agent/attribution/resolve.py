@@ -324,17 +324,19 @@ def _process_workload(
     user = inputs.user_names.get(uid, str(uid)) if uid is not None else ""
     account: str | None = facts.env_value("SLURM_JOB_ACCOUNT")
     mapped = slurm_on_device.get(device_uuid)
-    # slurmd in a pod (Slinky) builds its jobs' cgroups inside the pod's, where any process of the
-    # pod could make a job_<id> directory too: such a job is the owner only where the prolog's map
-    # file (root's) gives this device to that same job; otherwise the pod is.
-    job_in_pod = (
+    # slurmd in a pod (Slinky) or a container builds its jobs' cgroups inside the pod's or the
+    # container's, where any process there could make a job_<id> directory too: such a job is the
+    # owner only where the prolog's map file (root's) gives this device to that same job;
+    # otherwise the pod or container is.
+    job_owns = (
         owner is not None
-        and owner.kind == "pod"
         and owner.slurm_job is not None
-        and mapped is not None
-        and mapped.job_id == owner.slurm_job
+        and (
+            (owner.kind == "slurm" and not owner.job_nested)
+            or (mapped is not None and mapped.job_id == owner.slurm_job)
+        )
     )
-    if owner is not None and owner.kind == "pod" and owner.pod_uid and not job_in_pod:
+    if owner is not None and owner.kind == "pod" and owner.pod_uid and not job_owns:
         namespace, pod = inputs.pod_names.get(owner.pod_uid, ("", ""))
         pods = pod_containers.get(device_uuid, {})
         only = next(iter(pods)) if len(pods) == 1 else None
@@ -346,14 +348,14 @@ def _process_workload(
         containers = pods.get((namespace, pod), set())
         container = next(iter(containers)) if len(containers) == 1 else ""
         w = Workload(namespace=namespace, pod=pod or f"uid-{owner.pod_uid}", container=container)
-    elif owner is not None and owner.slurm_job and (owner.kind == "slurm" or job_in_pod):
+    elif owner is not None and owner.slurm_job and job_owns:
         # slurmd's cgroup names the job (by its numeric id: the map files name an array task's
         # `1234_7`); its user is the map file's for that job, else the uid's.
         job_user = mapped.user if mapped is not None and mapped.job_id == owner.slurm_job and mapped.user else user
         w = Workload(hpc_job=slurm_names.get(owner.slurm_job, owner.slurm_job), user=job_user)
     else:
         env_job = facts.env_value("SLURM_JOB_ID")
-        if owner is not None and owner.kind == "container" and owner.container_id:
+        if owner is not None and owner.kind in ("container", "slurm") and owner.container_id:
             w = Workload(container=owner.container_id[:12], user=user)
         elif owner is not None and owner.kind == "service" and owner.unit:
             w = Workload(unit=owner.unit, user=user)
