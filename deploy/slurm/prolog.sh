@@ -13,7 +13,8 @@
 # numbers, which need not be NVML's GPU indexes: each file is named nvidia<N>, and the agent finds
 # the GPU by its minor number. An array task has a job id of its own, which slurmd names its
 # cgroup by, and is known to users as <array job id>_<task id> (squeue, sacct): it is written
-# "JOBID=ARRAYJOB_TASK", where slurmd hands the prolog SLURM_ARRAY_JOB_ID and SLURM_ARRAY_TASK_ID.
+# "JOBID=ARRAYJOB_TASK", where the prolog is given SLURM_ARRAY_JOB_ID and SLURM_ARRAY_TASK_ID
+# (Slurm's prolog guide lists them for PrologSlurmctld only; without them, the plain JOBID).
 map_dir=${GPULEDGER_ATTRIBUTION__SLURM_MAP_DIR:-/run/gpuledger/jobs}
 [ -n "${SLURM_JOB_GPUS:-}" ] && [ -n "${SLURM_JOB_ID:-}" ] || exit 0
 job=$SLURM_JOB_ID
