@@ -655,7 +655,9 @@ class Pipeline:
             if migs:
                 dollars = charge.dollars if charge else 0.0
                 observations += self._mig_observations(sampled, gpu, migs, unit_held_by, dollars)
-        result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at)
+        # Without accounting there is no longest interval: no time is unobserved.
+        max_interval_s = self.costing.max_interval_s if self.costing is not None else math.inf
+        result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at, max_interval_s)
         self._rule_states = result.states
         self._flags = result.flags
         idle_rules = IDLE_RULES | {r.name for r in self.rules if r.condition == "idle"}

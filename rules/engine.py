@@ -4,11 +4,14 @@ Each rule has a condition on one GPU's poll (utilization below a threshold, with
 holder, memory above a size, or a mean over a window) and a duration. A flag raises once its
 condition has held for the duration, measured on the backend clock between polls, and clears
 at the first poll where it no longer holds. A GPU that is down, or that cannot measure
-utilization (MIG), holds no condition.
+utilization (MIG), holds no condition. An interval longer than the longest the agent charges
+(`max_interval_s`: the agent stopped, the node slept) was not seen: a condition that holds after
+it holds from then, not from before it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
@@ -157,8 +160,10 @@ def evaluate(
     observations: Sequence[GpuObservation],
     specs: Sequence[RuleSpec],
     now: float,
+    max_interval_s: float = math.inf,
 ) -> Evaluation:
-    """One poll's worth of rule evaluation. `states` is keyed by (GPU uuid, rule name)."""
+    """One poll's worth of rule evaluation. `states` is keyed by (GPU uuid, rule name); an
+    observation whose interval is longer than `max_interval_s` follows time nobody saw."""
     new_states: dict[tuple[str, str], RuleState] = {}
     flags: list[Flag] = []
     transitions: list[Transition] = []
@@ -171,17 +176,24 @@ def evaluate(
         for spec in applicable[where]:
             key = (obs.uuid, spec.name)
             old = states.get(key, _CLEAR)
+            unseen = obs.interval_s > max_interval_s
             window, w_seconds, w_weighted, mean = old.window, 0.0, 0.0, None
             if spec.condition == "underused":
                 sample = None
-                if obs.up and obs.utilization is not None and obs.interval_s > 0:
+                if obs.up and obs.utilization is not None and obs.interval_s > 0 and not unseen:
                     sample = (now, obs.interval_s, obs.utilization)
                 window, w_seconds, w_weighted, mean = _slide(old, sample, now, spec.window_s)
             holds = _condition(spec, obs, mean)
-            if holds and old.since is not None and spec.condition in HELD_CONDITIONS and _arrived(obs.holders, old):
+            if old.since is not None and (
+                unseen or (holds and spec.condition in HELD_CONDITIONS and _arrived(obs.holders, old))
+            ):
                 if old.raised:  # the flag of those who held it clears, naming them
+                    # After a gap, it held for as long as it was seen to: until the poll before.
+                    seen_until = now - obs.interval_s if unseen else now
                     transitions.append(
-                        Transition(obs.gpu, obs.uuid, spec.name, False, now, now - old.since, old.holders, old.dollars)
+                        Transition(
+                            obs.gpu, obs.uuid, spec.name, False, now, seen_until - old.since, old.holders, old.dollars
+                        )
                     )
                 old = replace(old, since=None, raised=False, dollars=0.0)
             if holds:

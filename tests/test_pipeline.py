@@ -253,6 +253,38 @@ def test_failing_rules_keep_the_last_flags(monkeypatch: pytest.MonkeyPatch) -> N
     assert stage(after, "publish").failures == 0
 
 
+def test_a_flag_counts_its_duration_only_over_time_the_agent_saw(caplog: pytest.LogCaptureFixture) -> None:
+    # One GPU nobody holds, $3.60/h ($0.001 a second), polled every minute; the node sleeps for
+    # an hour (a gap past accounting.max_interval, 5 min: unobserved, charged to nobody). Before,
+    # the idle flag went on counting through the hour nobody saw.
+    rig = Rig(
+        {"gpus": [{"count": 1}]},
+        costing=Costing(prices=lambda s: {g.uuid: PRICE for g in s.gpus}, max_interval_s=300),
+        flag_rules=[RuleSpec("idle", "idle", utilization_below=0.05, for_s=1800)],
+    )
+    caplog.set_level("WARNING", logger="agent.pipeline")
+    try:
+        before = rig.run(2400, 60)  # 0:00 to 0:40
+        after = rig.poll(3600)  # 1:40, after the hour asleep
+        fresh = rig.run(1800, 60)  # 1:40 to 2:10
+    finally:
+        rig.close()
+    assert [(f.raised, f.held_s, f.dollars) for f in before.flags] == [(True, 2400, pytest.approx(2.40))]
+    # Seen idle from 0:00 to 0:40: 2400 s x $0.001 = $2.40 so far. It holds again from 1:40 on.
+    assert [(f.raised, f.held_s) for f in after.flags] == [(False, 0.0)]
+    assert [(f.raised, f.held_s, f.dollars) for f in fresh.flags] == [(True, 1800, pytest.approx(1.80))]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flag ")]
+    assert [line.split(" uuid=")[0] for line in lines] == [
+        "flag raised: rule=idle gpu=0",
+        "flag cleared: rule=idle gpu=0",
+        "flag raised: rule=idle gpu=0",
+    ]
+    assert "for=40m cost_so_far=$2.40" in lines[1]
+    # 1800 s x $0.001 = $1.80 at each raise: the hour asleep adds neither time nor dollars.
+    assert "for=30m cost_so_far=$1.80" in lines[0]
+    assert "for=30m cost_so_far=$1.80" in lines[2]
+
+
 # -- periodic jobs ------------------------------------------------------------------------------
 
 
