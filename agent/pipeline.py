@@ -648,13 +648,16 @@ class Pipeline:
                     memory_used_bytes=gpu.memory_used_bytes,
                     holders=holders.get(gpu.uuid, ()),
                     interval_s=interval_s,
+                    holders_known=attribution.allocations_known and gpu.processes_known,
                     dollars=charge.dollars if charge is not None else 0.0,
                     idle_dollars=charge.idle_dollars if charge is not None else 0.0,
                 )
             )
             if migs:
                 dollars = charge.dollars if charge else 0.0
-                observations += self._mig_observations(sampled, gpu, migs, unit_held_by, dollars)
+                observations += self._mig_observations(
+                    sampled, gpu, migs, unit_held_by, dollars, allocations_known=attribution.allocations_known
+                )
         # Without accounting there is no longest interval: no time is unobserved.
         max_interval_s = self.costing.max_interval_s if self.costing is not None else math.inf
         result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at, max_interval_s)
@@ -672,6 +675,8 @@ class Pipeline:
         migs: tuple[DeviceReading, ...],
         held_by: Mapping[str, set[Workload]],
         gpu_dollars: float,
+        *,
+        allocations_known: bool,
     ) -> list[GpuObservation]:
         """Each MIG instance of `gpu` (`migs`) as the rules see it: a unit of its own (its uuid,
         its holders in `held_by`, its share of the GPU's cost), busy by its GPM SM activity
@@ -695,6 +700,7 @@ class Pipeline:
                     memory_used_bytes=device.memory_used_bytes,
                     holders=held,
                     interval_s=sampled.interval_s,
+                    holders_known=allocations_known and device.processes_known,
                     dollars=dollars,
                     idle_dollars=0.0 if held else dollars,
                 )

@@ -4,9 +4,10 @@ Each rule has a condition on one GPU's poll (utilization below a threshold, with
 holder, memory above a size, or a mean over a window) and a duration. A flag raises once its
 condition has held for the duration, measured on the backend clock between polls, and clears
 at the first poll where it no longer holds. A GPU that is down, or that cannot measure
-utilization (MIG), holds no condition. An interval longer than the longest the agent charges
-(`max_interval_s`: the agent stopped, the node slept) was not seen: a condition that holds after
-it holds from then, not from before it.
+utilization (MIG), holds no condition; one that nobody is known to hold, but that someone may
+(its processes unreadable, the scheduler's allocations unknown), is not idle. An interval
+longer than the longest the agent charges (`max_interval_s`: the agent stopped, the node slept)
+was not seen: a condition that holds after it holds from then, not from before it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class GpuObservation:
     memory_used_bytes: int | None
     holders: tuple[Workload, ...]
     interval_s: float  # time since the previous poll (0 at the first)
+    # False where nobody is known to hold it but someone may (its process list unreadable, or
+    # the scheduler's allocations unknown): accounting books that time unobserved, not idle.
+    holders_known: bool = True
     dollars: float = 0.0  # what the GPU cost over that interval
     idle_dollars: float = 0.0  # of which nobody held it
 
@@ -133,7 +137,7 @@ def _condition(spec: RuleSpec, obs: GpuObservation, window_mean: float | None) -
     if not obs.up or obs.utilization is None:
         return False
     if spec.condition == "idle":
-        return not obs.holders and obs.utilization < spec.utilization_below
+        return not obs.holders and obs.holders_known and obs.utilization < spec.utilization_below
     if spec.condition == "allocated_idle":
         return bool(obs.holders) and obs.utilization < spec.utilization_below
     if spec.condition == "underused":

@@ -574,6 +574,45 @@ def test_a_kubelet_away_past_the_staleness_limit_makes_unheld_gpus_unobserved_no
     assert sum("booked as unobserved, not idle" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_gpu_no_process_holds_is_not_flagged_idle_while_its_allocations_are_unknown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """GPU 2 is allocated to a notebook that runs nothing on it; the kubelet answers last at 0:30
+    and then stays away, with attribution.kubelet_stale_after 30s and an `idle` rule of 5 min.
+    From 1:15 nobody can say whether the notebook still holds GPU 2: accounting books it
+    unobserved, and the idle flag, which before raised at 6:15 on a GPU the notebook may still
+    hold, stays down."""
+    scenario: dict[str, Any] = {**NODE, "allocations": [{"gpus": [2], "pod": NOTEBOOK}]}
+    settings = Settings.model_validate(
+        {
+            "poll_interval": STEP_S,
+            "pricing": {"gpu_hourly": PRICE},
+            "attribution": {"kubelet_stale_after": "30s"},
+            "rules": {"idle": {"for": "5m"}},
+        }
+    )
+    rig = Rig(scenario, settings=settings)
+    try:
+        with caplog.at_level(logging.WARNING):
+            rig.poll()
+            rig.poll(STEP_S)
+            rig.poll(STEP_S)
+            rig.node.host.server.stop()
+            states = poll_every(rig, STEP_S, 900.0)
+    finally:
+        rig.close()
+    last = states[max(states)]
+    assert last.attribution.allocations_known is False
+    assert not [f for state in states.values() for f in state.flags if f.raised]
+    assert not [r for r in caplog.records if r.getMessage().startswith("flag raised")]
+    charged, idle, reasons = by_gpu(last)[2]
+    # 0:00-1:00 the notebook's, 1:00-1:15 half its own, half unknown: 67.5 s at $0.001 a second,
+    # $0.0675; the other 832.5 s of the 15 min unknown, $0.8325. Nothing idle, as no flag is.
+    assert (charged, idle) == (pytest.approx(0.0675), 0.0)
+    assert reasons == {"attribution_unavailable": (pytest.approx(832.5), pytest.approx(0.8325))}
+    assert charged + idle + unobserved_dollars(reasons) == pytest.approx(900 * PRICE / 3600)  # $0.90
+
+
 def test_waiting_time_stays_a_few_stretches_however_long_it_waits() -> None:
     """A day of 15 s polls of an unidentified, unpriced GPU, with its down reason changing once:
     two stretches held, not 5760 intervals; released at $3.6/h once it is discovered, every
