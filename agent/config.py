@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -262,8 +263,16 @@ class CustomRule(_RuleBase):
     condition: Literal["idle", "allocated_idle", "underused", "stranded_memory"]
     utilization_below: Ratio
     for_: Duration = Field(alias="for")
-    window: Duration = 0.0
+    window: Duration = Field(default=0.0, validate_default=True)
     memory_above: Size = 0
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, value: float, info: ValidationInfo) -> float:
+        # A mean over no time is no mean: the rule would never hold, and say nothing of it.
+        if info.data.get("condition") == "underused" and value <= 0:
+            raise ValueError("an underused rule takes its mean over a window longer than 0, such as 2h")
+        return value
 
 
 class RulesConfig(_Section):

@@ -35,6 +35,11 @@ CONFIG_CASES = [
     (f"rules: {{stranded_memory: {{memory_above: {HUGE}}}}}\n", "rules.stranded_memory.memory_above"),
     ('listen: "127.0.0.1:\u00b2"\n', "listen"),
     ("accounting: {max_interval: 99999999999999999999999d}\n", "accounting.max_interval"),
+    # A custom underused rule without a window took its mean over no time: it never held, unsaid.
+    (
+        "rules: {custom: [{name: low_use, condition: underused, utilization_below: 0.2, for: 30m}]}\n",
+        "rules.custom.0.window: an underused rule takes its mean over a window",
+    ),
     # A second section of one name replaced the first whole: its prices were dropped unsaid.
     (
         "pricing: {gpu_hourly: 2.5}\npoll_interval: 5s\npricing: {energy_per_kwh: 0.1}\n",
