@@ -72,6 +72,7 @@ class RuleState:
     window_seconds: float = 0.0  # sums over `window`, kept so the mean costs O(1) per poll
     window_weighted: float = 0.0
     holders: tuple[Workload, ...] = ()  # HELD_CONDITIONS: who held the GPU at the last poll
+    gpu: int = 0  # the GPU's index, for the line that clears the flag of a unit no longer seen
 
 
 _CLEAR = RuleState()  # a condition that does not hold, with nothing in its window
@@ -207,7 +208,7 @@ def evaluate(
                 dollars = old.dollars + cost if old.since is not None else 0.0
                 held_s = now - since
                 raised = held_s >= spec.for_s
-                state = RuleState(since, raised, dollars, window, w_seconds, w_weighted, obs.holders)
+                state = RuleState(since, raised, dollars, window, w_seconds, w_weighted, obs.holders, obs.gpu)
             else:
                 held_s = now - old.since if old.since is not None else 0.0
                 # Most rules hold on most GPUs at no poll: one shared cleared state for them all.
@@ -225,4 +226,9 @@ def evaluate(
             holders = obs.holders if spec.condition in ("allocated_idle", "stranded_memory") else ()
             dollars = state.dollars if raised else 0.0
             flags.append(Flag(obs.gpu, obs.uuid, spec.name, raised, held_s if raised else 0.0, holders, dollars))
+    # A unit this poll did not observe at all (the MIG instances of a GPU lost, or destroyed) holds
+    # no condition either: its raised flags clear, naming their holders, as a GPU's do when it is down.
+    for (uuid, rule), old in states.items():
+        if old.raised and old.since is not None and (uuid, rule) not in new_states:
+            transitions.append(Transition(old.gpu, uuid, rule, False, now, now - old.since, old.holders, old.dollars))
     return Evaluation(new_states, tuple(flags), tuple(transitions))

@@ -284,6 +284,32 @@ def test_mig_instances_get_activity_busy_seconds_and_flags() -> None:
         rig.close()
 
 
+def test_the_flags_of_a_lost_gpus_mig_instance_clear_with_a_line(caplog: pytest.LogCaptureFixture) -> None:
+    # The H100 of two 3g.40gb instances is lost at 40:00; job 8 has left instance 0:1 idle since
+    # its first GPM reading (the poll at 1:00), and both of its flags are up by then. A lost GPU
+    # reads no MIG instances, and their flags went down with no line: each raise had no clear.
+    spec = scenario(
+        [
+            {"pid": 1, "gpus": ["0:0"], "sm_util": 70, "sm_active": 35, "memory_mib": 20000, "slurm_job": "7"},
+            {"pid": 2, "gpus": ["0:1"], "sm_util": 0, "memory_mib": 8000, "slurm_job": "8"},
+        ],
+        mig=["3g.40gb", "3g.40gb"],
+    )
+    spec["faults"] = [{"at": "40m", "gpu": 0, "error": "GPU_IS_LOST"}]
+    caplog.set_level("WARNING", logger="agent.pipeline")
+    rig, state = run_hour(spec)
+    rig.close()
+    assert not [f for f in state.flags if f.raised]
+    cleared = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("flag cleared"))
+    assert [line.split(" uuid=")[0] for line in cleared] == [
+        "flag cleared: rule=allocated_idle gpu=0",
+        "flag cleared: rule=stranded_memory gpu=0",
+    ]
+    # Held from 1:00 to 40:00, 39m; its cost counted to the last poll that saw it, 39:00: 38 min of
+    # 48/132 of the GPU at $4/h = 4 x 48/132 x 38/60 = $0.9212.
+    assert all(" workload=job 8 for=39m cost_so_far=$0.92" in line for line in cleared)
+
+
 def test_without_gpm_the_gpu_is_busy_by_nvml_or_by_nothing() -> None:
     a100 = scenario([{"pid": 1, "gpus": [0], "sm_util": 40}], model="A100-SXM4-80GB")
     for busy_source, expected in (("auto", "nvml"), ("gpm", "")):
