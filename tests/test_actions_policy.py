@@ -68,6 +68,28 @@ def test_a_workload_is_a_target_only_when_every_gpu_it_holds_is_flagged() -> Non
     assert target.dollars == 150 * 2.0 / 3600
 
 
+def test_a_workload_on_a_mig_instance_is_a_target_when_its_instance_is_flagged() -> None:
+    # GPU 0 is split in two instances; the notebook holds instance 0:1 and leaves it idle, a busy
+    # job holds 0:0. Flags are per instance (the GPU itself holds no condition): the notebook's
+    # is raised for 2 h. Before, a workload's GPUs were looked up by the parent GPU, never
+    # flagged, so no workload on a MIG instance was ever a target.
+    mig = [
+        DeviceReading(0, f"MIG-{i}", "NVIDIA A100-SXM4-80GB", True, parent_uuid="GPU-0", mig_index=i) for i in (0, 1)
+    ]
+    devices = (DeviceReading(0, "GPU-0", "NVIDIA A100-SXM4-80GB", True, mig_enabled=True), *mig)
+    holdings = (Holding("MIG-0", JOB), Holding("MIG-1", POD, allocated=True))
+    # The instance at $1/h (its share of the GPU's price): 7200 s x $1 / 3600 s = $2 so far.
+    flags = (
+        Flag(0, "MIG-0", "allocated_idle", False, 0.0, (JOB,), 0.0),
+        Flag(0, "MIG-1", "allocated_idle", True, 7200.0, (POD,), 2.0),
+    )
+    now = AgentState(
+        snapshot=Snapshot(0, NodeInfo("n1"), devices), attribution=Attribution(holdings), flags=flags
+    )  # fmt: skip
+    (target,) = targets(now, "allocated_idle", "workload")
+    assert (target.workloads, target.gpus, target.held_s, target.dollars) == ((POD,), ((0, "MIG-1"),), 7200.0, 2.0)
+
+
 def test_a_node_is_a_target_only_when_every_gpu_is_flagged() -> None:
     assert targets(state(0, {0: 10.0}), "allocated_idle", "node") == []
     (target,) = targets(state(0, {0: 10.0, 1: 20.0}), "allocated_idle", "node")

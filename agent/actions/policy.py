@@ -160,7 +160,6 @@ def targets(state: AgentState, rule: str, scope: str) -> list[Target]:
     node = snapshot.node.hostname
     raised = {f.uuid: f for f in state.flags if f.rule == rule and f.raised}
     gpus = snapshot.gpus
-    index = {g.uuid: g.index for g in gpus}
     parent = {d.uuid: d.parent_uuid or d.uuid for d in snapshot.devices}
     holders: dict[str, set[Workload]] = {}
     trusted: set[Workload] = set()  # named by a trusted source on at least one device
@@ -206,13 +205,15 @@ def targets(state: AgentState, rule: str, scope: str) -> list[Target]:
                     )
                 )
     elif scope == "workload":
+        # By the units it holds, each flagged on its own: a GPU, or a MIG instance (whose GPU
+        # holds no condition).
         held_by: dict[Workload, set[str]] = {}
-        for gpu_uuid, workloads in holders.items():
-            for w in workloads:
-                held_by.setdefault(w, set()).add(gpu_uuid)
+        for h in state.attribution.holdings:
+            if h.device_uuid in parent and h.workload != Workload():
+                held_by.setdefault(h.workload, set()).add(h.device_uuid)
         for w, uuids in sorted(held_by.items()):
             if all(u in raised for u in uuids):
-                flags = [raised[u] for u in sorted(uuids, key=lambda u: index.get(u, -1))]
+                flags = sorted((raised[u] for u in uuids), key=lambda f: (f.gpu, f.uuid))
                 found.append(
                     Target(
                         key="workload:" + json.dumps(w.label_dict(), sort_keys=True, separators=(",", ":")),
