@@ -219,9 +219,9 @@ def evaluate(
                 raised = False
             if raised != old.raised:
                 dollars_so_far = state.dollars if raised else old.dollars
-                transitions.append(
-                    Transition(obs.gpu, obs.uuid, spec.name, raised, now, held_s, obs.holders, dollars_so_far)
-                )
+                # A holder's flag clears naming that holder, though it may have just left the GPU.
+                who = old.holders if not raised and spec.condition in HELD_CONDITIONS else obs.holders
+                transitions.append(Transition(obs.gpu, obs.uuid, spec.name, raised, now, held_s, who, dollars_so_far))
             new_states[key] = state
             holders = obs.holders if spec.condition in ("allocated_idle", "stranded_memory") else ()
             dollars = state.dollars if raised else 0.0

@@ -201,3 +201,17 @@ def test_a_job_whose_labels_grow_is_the_same_holder() -> None:
     allocation, process = Workload(hpc_job="100"), Workload(hpc_job="100", model="llama")
     timeline = [obs(0.0, holders=[allocation])] * 60 + [obs(0.0, holders=[process])] * (polls(1800) - 60 + 1)
     assert first_raise(run(timeline, [ALLOCATED_IDLE]), "allocated_idle") == 1000.0 + 1800
+
+
+@pytest.mark.parametrize("spec", [ALLOCATED_IDLE, STRANDED, UNDERUSED], ids=lambda s: s.name)
+def test_a_flag_cleared_by_its_holder_leaving_names_that_holder(spec: RuleSpec) -> None:
+    # The notebook holds the GPU idle with 30 GiB until its flag is up, then ends: the GPU is
+    # nobody's and empty. The clearing line named the holders after the change, "(nobody)";
+    # it is the notebook's flag that clears, and its line says so, with its cost so far.
+    held = [obs(0.0, holders=[NOTEBOOK], memory=30 * 2**30)] * (polls(spec.for_s) + 2)
+    history = run([*held, obs(0.0)], [spec])
+    transitions = [(t.raised, t.holders, t.held_s, t.dollars) for _, r in history for t in r.transitions]
+    # Held from the first poll to the one before the last, for_s + 15 s, at $0.001 a second
+    # (obs's price): the dollars of the intervals after it began, (for_s + 15) x $0.001.
+    dollars = pytest.approx((spec.for_s + STEP) * 0.001)
+    assert transitions[-1] == (False, (NOTEBOOK,), spec.for_s + 2 * STEP, dollars)
