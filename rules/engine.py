@@ -187,6 +187,10 @@ def evaluate(
                 sample = None
                 if obs.up and obs.utilization is not None and obs.interval_s > 0 and not unseen:
                     sample = (now, obs.interval_s, obs.utilization)
+                if obs.holders and _arrived(obs.holders, old):
+                    # Underuse is a holder's: a workload that has just come is judged on its own
+                    # time on the GPU, not on the hours it sat idle (or busy) before.
+                    old = replace(old, window=(), window_seconds=0.0, window_weighted=0.0)
                 window, w_seconds, w_weighted, mean = _slide(old, sample, now, spec.window_s)
             holds = _condition(spec, obs, mean)
             if old.since is not None and (
@@ -213,7 +217,9 @@ def evaluate(
                 held_s = now - old.since if old.since is not None else 0.0
                 # Most rules hold on most GPUs at no poll: one shared cleared state for them all.
                 if window or w_seconds or w_weighted:
-                    state = RuleState(window=window, window_seconds=w_seconds, window_weighted=w_weighted)
+                    state = RuleState(
+                        window=window, window_seconds=w_seconds, window_weighted=w_weighted, holders=obs.holders
+                    )
                 else:
                     state = _CLEAR
                 raised = False

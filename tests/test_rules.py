@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -215,3 +216,18 @@ def test_a_flag_cleared_by_its_holder_leaving_names_that_holder(spec: RuleSpec) 
     # (obs's price): the dollars of the intervals after it began, (for_s + 15) x $0.001.
     dollars = pytest.approx((spec.for_s + STEP) * 0.001)
     assert transitions[-1] == (False, (NOTEBOOK,), spec.for_s + 2 * STEP, dollars)
+
+
+def test_underuse_judges_a_workload_on_its_own_time_on_the_gpu() -> None:
+    # Underused over 2 h, raised after 30 min of it. The GPU sits idle and unheld for 1.5 h, then
+    # a job keeps it 100% busy. Over the last 2 h the GPU's mean is 25% at 2:00 (1.5 h at 0%,
+    # 0.5 h at 100%), and the job was flagged underused 30 min after it came; its own mean is
+    # 100%, and it is never flagged.
+    spec = replace(UNDERUSED, for_s=1800)
+    job = Workload(hpc_job="300", user="cy")
+    timeline = [obs(0.0)] * polls(5400) + [obs(1.0, holders=[job])] * polls(7200)
+    assert first_raise(run(timeline, [spec]), "underused") is None
+    # A job that arrives and idles is flagged 30 min after it came, on its own mean of 0%.
+    idling = [obs(0.9)] * polls(5400) + [obs(0.0, holders=[job])] * (polls(1800) + 1)
+    history = run(idling, [spec])
+    assert first_raise(history, "underused") == history[polls(5400)][0] + 1800
