@@ -242,6 +242,8 @@ class Pipeline:
         self._behind_since: float | None = None  # the clock of the last poll found behind it
         self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
+        # MIG instance uuid -> its holders when last seen held: whom its idle flag's lines name.
+        self._mig_last_held: dict[str, LeftBy] = {}
         # Cost unit uuid -> the workloads that held it at the last poll that saw it held: whom
         # accounting books its idle time to (`IdleCharge.left_by`).
         self._unit_left_by: dict[str, tuple[Workload, ...]] = {}
@@ -665,8 +667,15 @@ class Pipeline:
         self._flags = result.flags
         idle_rules = IDLE_RULES | {r.name for r in self.rules if r.condition == "idle"}
         for t in result.transitions:
-            left = self._left_by.get(t.uuid) or left_before.get(t.uuid)
+            left = self._left_by.get(t.uuid) or left_before.get(t.uuid) or self._mig_last_held.get(t.uuid)
             _log_transition(t, left, idle=t.rule in idle_rules)
+        # After the lines: one that clears an instance's idle flag names who left it, not who came.
+        for device in snapshot.devices:
+            held = unit_held_by.get(device.uuid)
+            if device.parent_uuid is not None and device.up and held:
+                self._mig_last_held[device.uuid] = LeftBy(
+                    device.index, device.uuid, tuple(sorted(held)), snapshot.taken_at
+                )
 
     def _mig_observations(
         self,

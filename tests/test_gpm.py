@@ -310,6 +310,25 @@ def test_the_flags_of_a_lost_gpus_mig_instance_clear_with_a_line(caplog: pytest.
     assert all(" workload=job 8 for=39m cost_so_far=$0.92" in line for line in cleared)
 
 
+def test_the_idle_flag_of_a_mig_instance_names_who_left_it_idle(caplog: pytest.LogCaptureFixture) -> None:
+    # Job 8 runs on instance 0:1 until 10:00 and is last seen on it by the poll at 9:00; the
+    # instance's idle flag (30 min) raises at 40:00. Its line said nobody had held the instance
+    # since the agent started: only whole GPUs were followed.
+    spec = scenario(
+        [
+            {"pid": 1, "gpus": ["0:0"], "sm_util": 70, "sm_active": 35, "memory_mib": 20000, "slurm_job": "7"},
+            {"pid": 2, "gpus": ["0:1"], "sm_util": 50, "sm_active": 40, "slurm_job": "8", "end": "10m"},
+        ],
+        mig=["3g.40gb", "3g.40gb"],
+    )
+    caplog.set_level("WARNING", logger="agent.pipeline")
+    rig, _state = run_hour(spec)
+    rig.close()
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flag raised: rule=idle")]
+    # Idle from 10:00 at $4/h x 48/132 of the GPU: 30 min of it = 4 x 48/132 / 2 = $0.7273.
+    assert " for=30m cost_so_far=$0.73 left_by=job 8 left_at=2026-11-20T18:09:00+00:00" in line
+
+
 def test_without_gpm_the_gpu_is_busy_by_nvml_or_by_nothing() -> None:
     a100 = scenario([{"pid": 1, "gpus": [0], "sm_util": 40}], model="A100-SXM4-80GB")
     for busy_source, expected in (("auto", "nvml"), ("gpm", "")):
