@@ -7,7 +7,8 @@ at the first poll where it no longer holds. A GPU that is down, or that cannot m
 utilization (MIG), holds no condition; one that nobody is known to hold, but that someone may
 (its processes unreadable, the scheduler's allocations unknown), is not idle. An interval
 longer than the longest the agent charges (`max_interval_s`: the agent stopped, the node slept)
-was not seen: a condition that holds after it holds from then, not from before it.
+was not seen, and a clock set back makes no duration across it: a condition that holds after
+either holds from then, not from before it.
 """
 
 from __future__ import annotations
@@ -181,15 +182,17 @@ def evaluate(
         for spec in applicable[where]:
             key = (obs.uuid, spec.name)
             old = states.get(key, _CLEAR)
-            unseen = obs.interval_s > max_interval_s
+            # Time nobody saw, or a clock set back (NTP): no duration runs on across either.
+            unseen = obs.interval_s > max_interval_s or obs.interval_s < 0
             window, w_seconds, w_weighted, mean = old.window, 0.0, 0.0, None
             if spec.condition == "underused":
                 sample = None
                 if obs.up and obs.utilization is not None and obs.interval_s > 0 and not unseen:
                     sample = (now, obs.interval_s, obs.utilization)
-                if obs.holders and _arrived(obs.holders, old):
+                if obs.interval_s < 0 or (obs.holders and _arrived(obs.holders, old)):
                     # Underuse is a holder's: a workload that has just come is judged on its own
-                    # time on the GPU, not on the hours it sat idle (or busy) before.
+                    # time on the GPU, not on the hours it sat idle (or busy) before. Samples
+                    # stamped later than the clock now reads would never leave the window.
                     old = replace(old, window=(), window_seconds=0.0, window_weighted=0.0)
                 window, w_seconds, w_weighted, mean = _slide(old, sample, now, spec.window_s)
             holds = _condition(spec, obs, mean)

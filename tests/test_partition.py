@@ -175,9 +175,10 @@ def test_energy_counted_while_nobody_could_see_the_gpu_is_unobserved_not_the_nex
     assert total["dollars"] == pytest.approx(1800 * PRICE / 3600)  # $1.80 = $1.20 + $0.60 + $0 idle
 
 
-def _stepped_agent(ledger: Path, offset: list[float]) -> Any:
-    """The agent on one GPU that ann holds throughout, at $0.001 a second, writing `ledger`,
-    whose clock reads the scenario's plus `offset[0]` (a host clock that can be set back)."""
+def _stepped_agent(ledger: Path, offset: list[float], processes: tuple[dict[str, Any], ...] = (BUSY,)) -> Any:
+    """The agent on one GPU that ann holds throughout (or `processes` run on), at $0.001 a
+    second, writing `ledger`, whose clock reads the scenario's plus `offset[0]` (a host clock
+    that can be set back), with the default flag rules."""
 
     def stepped(backend: Any) -> Any:
         clock = backend.clock
@@ -188,7 +189,7 @@ def _stepped_agent(ledger: Path, offset: list[float]) -> Any:
     prices = lambda snapshot: {g.uuid: Price(PRICE, "test") for g in snapshot.gpus}  # noqa: E731
     return build_agent(
         Settings(node_name="n1"),
-        fake={"node": {"hostname": "n1"}, "gpus": [{"count": 1}], "processes": [BUSY]},
+        fake={"node": {"hostname": "n1"}, "gpus": [{"count": 1}], "processes": list(processes)},
         costing=Costing(prices=prices, sink=sink, max_interval_s=300.0),
         wrap_backend=stepped,
     )
@@ -263,6 +264,35 @@ def test_a_clock_set_back_never_charges_the_same_time_twice(tmp_path: Path, capl
         "the clock reads 2026-11-20T18:05:15Z, 4m45s before the time already charged (to 2026-11-20T18:10:00Z): "
         "it was set back; nothing is charged until it passes that time again"
     ]
+
+
+def test_a_clock_set_back_restarts_a_flags_duration(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # One GPU nobody holds, polled every 15 s; its idle flag (30 min) raises at 30:00. At 40:15
+    # the host's clock is set back 45 minutes (it reads -4:45). Before, the flag cleared with
+    # "for=-285000ms" (-4:45 less 0:00, when it began) and raised again only once the clock read
+    # 30:00 again, 34:45 later. Now it clears having held 40m, as seen to 40:00, and counts
+    # again from the step: raised 30 min after it.
+    caplog.set_level(logging.WARNING, logger="agent.pipeline")
+    offset = [0.0]
+    agent = _stepped_agent(tmp_path / "ledger.db", offset, processes=())
+    raised_at = []
+    try:
+        agent.pipeline.poll_once()
+        for step in range(1, 161 + 121):
+            agent.node.clock.advance(15)
+            if step == 161:  # scenario 40:15
+                offset[0] = -2700.0
+            state = agent.pipeline.poll_once()
+            raised_at += [step * 15 for f in state.flags if f.rule == "idle" and f.raised and f.held_s == 1800]
+    finally:
+        agent.close()
+    assert raised_at == [1800, 2415 + 1800]
+    lines = [r.getMessage() for r in caplog.records if "rule=idle" in r.getMessage()]
+    assert [line.split(" rule=")[0] for line in lines] == ["flag raised:", "flag cleared:", "flag raised:"]
+    # Idle cost from 0:00 to 40:00, 2400 s at $0.001: $2.40; from the step on, the clock reads
+    # time already charged, so nothing is charged again: $0.00 when it raises again.
+    assert "for=40m cost_so_far=$2.40" in lines[1]
+    assert "for=30m cost_so_far=$0.00" in lines[2]
 
 
 def test_a_run_whose_clock_starts_before_the_ledgers_record_ends_charges_only_what_is_new(tmp_path: Path) -> None:
