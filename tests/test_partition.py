@@ -353,6 +353,28 @@ def test_steady_work_still_reads_its_utilization_at_long_intervals(run: Any) -> 
     assert totals.busy_s == pytest.approx(0.70 * 1800, rel=0.01)  # 1260 s
 
 
+def test_a_process_that_starts_mid_interval_with_a_full_ring_is_not_credited_more_than_it_ran(run: Any) -> None:
+    # Polls at 0 and 60 s. Ann runs at 40% throughout; bob starts at 28 s at 60%, so by 60 s
+    # his 32-sample ring is full (29..60 s) though he lost nothing. His figure over the interval
+    # is 32 x 60% / 60 periods = 0.32, and 0.60 over the 32 s he held the GPU (60/32 x 0.32).
+    # Before, the full ring's mean (0.60) stood for the whole interval and was scaled up again
+    # to 1.0 (60/32 x 0.60, capped): bob took 1/1.4 of the shared stretch and used more than he
+    # was charged (efficiency 109%).
+    bob = {**BUSY, "pid": 2, "uid": 1001, "user": "bob", "start": "28s", "sm_util": 60}
+    state = run({"gpus": [{"count": 1}], "processes": [BUSY | {"sm_util": 40}, bob]}, 60, step_s=60)
+    assert {h.pids: h.sm_util for h in state.attribution.holdings} == {(1,): 0.40, (2,): pytest.approx(0.32)}
+    totals = {w.user: t for (_gpu, _uuid, w), t in state.costs.workloads.items()}
+    # Bob: busy 32 s x 0.60 = 19.2 s; charged 0.60 / (0.40 + 0.60) of his 32 s = 19.2 s, $0.0192.
+    assert totals["bob"].busy_s == pytest.approx(19.2)
+    assert totals["bob"].busy_s <= totals["bob"].charged_s + 1e-9
+    assert totals["bob"].dollars == pytest.approx(0.0192)
+    # Ann: alone 0-28 s (28 s) plus 0.40 of 28-60 s (12.8 s) = 40.8 s, $0.0408; busy 60 x 0.40.
+    assert totals["ann"].dollars == pytest.approx(0.0408)
+    assert totals["ann"].busy_s == pytest.approx(24.0)
+    charged, idle, unobserved = partition(state)
+    assert charged + idle + sum(unobserved.values()) == pytest.approx(60 * PRICE / 3600)  # $0.06
+
+
 # -- downtime between runs ------------------------------------------------------------------
 
 

@@ -156,6 +156,9 @@ class _Gpu:
     # The most samples one process has had in one poll: the driver's ring buffer holds at most
     # that many (as far as we have seen), so a process with that many may have lost older ones.
     samples_kept: int = 0
+    # The pids the GPU's process list named at its last reading: a process named then ran all
+    # the interval since; one that was not may have started at any point in it.
+    listed_pids: frozenset[int] = frozenset()
     # The device's own utilization samples: the newest one read, and the sampling period as
     # observed (the smallest gap between two of them).
     utilization_seen_us: int = 0
@@ -818,9 +821,10 @@ class Sampler:
         infos = self._call(where, gpu.unsupported, "processes", lambda: self.backend.running_processes(gpu.handle))
         if infos is None:
             return None
+        listed_before, gpu.listed_pids = gpu.listed_pids, frozenset([i.pid for i in infos])
         if not infos:
             return ()
-        utils = self._process_utils(gpu, where)
+        utils = self._process_utils(gpu, where, listed_before)
         if utils is None:
             return tuple(ProcessReading(i.pid, i.used_memory_bytes, None, i.gpu_instance_id) for i in infos)
         # A process with no sample since the last poll did no work: the driver only reports
@@ -948,7 +952,7 @@ class Sampler:
             found[mig.slot] = None if mig_infos is None else _readings(mig_infos)
         return found
 
-    def _process_utils(self, gpu: _Gpu, where: str) -> dict[int, float] | None:
+    def _process_utils(self, gpu: _Gpu, where: str, listed_before: frozenset[int]) -> dict[int, float] | None:
         """SM utilization per pid, time-weighted over the interval since the previous poll.
 
         The driver keeps one sample per sampling period, and only for processes that did some
@@ -959,8 +963,14 @@ class Sampler:
         mean of the samples present is all there is.
 
         The driver keeps a short ring of samples per process. A process with fewer samples than
-        the ring holds lost none; one with a full ring may have lost older ones, so its figure
-        is over the span its samples cover (its oldest to now), not the whole interval."""
+        the ring holds lost none; one with a full ring may have lost older ones. Where it was on
+        the GPU's list at the previous poll (`listed_before`) it ran all the interval, so its
+        figure is over the span its samples cover (its oldest to now), standing for the whole
+        interval. One that was not may have started just before its oldest sample: its lost
+        periods count as 0, as periods without a sample do, or its rate over the last few
+        seconds would stand for the interval, and accounting, which scales a figure up to the
+        part of the interval a new process held the GPU, would credit it with more busy time
+        than it ran."""
         since = gpu.last_seen_us
         samples = self._call(
             where, gpu.unsupported, "process utilization", lambda: self.backend.process_utilization(gpu.handle, since)
@@ -988,9 +998,10 @@ class Sampler:
         found: dict[int, float] = {}
         for pid, utils in by_pid.items():
             periods = interval_periods
-            if kept >= MIN_RING_SAMPLES and len(utils) >= kept and interval_periods > kept:
-                # A full ring over an interval longer than it: older samples may be gone, so
-                # only the span its samples cover (oldest to now) is known.
+            if kept >= MIN_RING_SAMPLES and len(utils) >= kept and interval_periods > kept and pid in listed_before:
+                # A full ring over an interval longer than it, of a process that ran all of it:
+                # older samples may be gone, so only the span its samples cover (oldest to now)
+                # is known.
                 oldest_us = min(stamp_us for other, stamp_us, _util in fresh if other == pid)
                 periods = min(periods, (now_us - oldest_us) / period_us + 1)
             found[pid] = min(sum(utils) / max(periods, len(utils)) / 100, 1.0)
