@@ -25,6 +25,7 @@ from agent.cli.record import build_recording_agent, record, write_trace
 from agent.cli.wiring import Agent, build_agent
 from agent.config import PricingConfig, ReadingsConfig, Settings
 from agent.model import AgentState
+from tests.test_cli import gpuledger
 
 # One worker runs this module, so the recorded trace, a module fixture, is built once rather than once per
 # xdist worker (pyproject: --dist loadgroup).
@@ -360,6 +361,22 @@ def test_record_command_writes_a_trace_that_simulate_replays(tmp_path: Path) -> 
     )  # fmt: skip
     assert bad.returncode == 2
     assert "--step: 10s is longer than --for 5s" in bad.stderr
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_recording(tmp_path: Path) -> None:
+    # A directory as --out was found only when the trace was written, after the whole recording
+    # (up to a week of it), which was then lost: exit 1, "Is a directory". Now it is bad input,
+    # refused before the first poll; a regular file already there is replaced whole.
+    refused = gpuledger("record", "--fake", "--for", "1m", "--step", "5s", "--out", str(tmp_path))
+    assert refused.returncode == 2, refused.stderr
+    message = f"gpuledger: --out: {tmp_path} is a directory: name a file to write"
+    assert refused.stderr.strip().splitlines()[-1] == message
+    existing = tmp_path / "trace.yaml"
+    existing.write_text("x" * 10_000_000)  # longer than the trace: no tail of it may survive
+    done = gpuledger("record", "--fake", "--for", "10s", "--step", "5s", "--out", str(existing))
+    assert done.returncode == 0, done.stderr
+    assert fake_nvml.load_scenario(str(existing)).gpus
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.yaml"]  # no temporary file left beside it
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -54,6 +55,7 @@ from agent.devices.backend import DeviceBackend
 from agent.devices.instance import detect_instance_type
 from agent.devices.tap import Failure, TappedBackend
 from agent.errors import BadInputError, GpuledgerError
+from agent.ledger.export import replacing
 from agent.model import (
     Activity,
     AgentState,
@@ -709,14 +711,18 @@ def build_recording_agent(
     return agent, taps[0]
 
 
-def write_trace(scenario: Mapping[str, Any], out: str, header: str) -> None:
-    text = header + yaml.dump(
+def trace_text(scenario: Mapping[str, Any], header: str) -> str:
+    return header + yaml.dump(
         _styled(scenario), Dumper=_TraceDumper, sort_keys=False, default_flow_style=False, width=120
     )
+
+
+def write_trace(scenario: Mapping[str, Any], out: str, header: str) -> None:
     if out == "-":
-        sys.stdout.write(text)
+        sys.stdout.write(trace_text(scenario, header))
     else:
-        Path(out).write_text(text, encoding="utf-8")
+        with replacing(Path(out)) as handle:
+            handle.write(trace_text(scenario, header).encode("utf-8"))
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -731,23 +737,25 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise BadInputError(f"gpuledger: --for: at most {format_duration(MAX_RECORD_S)}, got {args.duration}")
     if args.out != "-" and not Path(args.out).parent.is_dir():
         raise BadInputError(f"gpuledger: --out: no such directory {Path(args.out).parent}")
-    agent, tap = build_recording_agent(settings, args.fake, step)
-    polls = int(duration // step) + 1
-    try:
-        with tqdm(total=polls, unit="poll", desc="recording", disable=None, leave=False, file=sys.stderr) as bar:
-            scenario = record(
-                agent, tap, duration, step, keep_cmdlines=args.keep_cmdlines, on_poll=lambda _: bar.update()
-            )
-    finally:
-        agent.close()
-    where = f"fake node {args.fake!r}" if args.fake else "NVML"
-    header = (
-        f"# Recorded by gpuledger record from {where}: {polls} polls, one every {format_duration(step)}.\n"
-        f"# Replay: gpuledger simulate TRACE --for {format_duration(duration)} --step {format_duration(step)}\n"
-        f"# (or run / snapshot --fake TRACE). Command lines {'kept' if args.keep_cmdlines else 'anonymised'}; "
-        "no environment variables.\n"
-    )
-    write_trace(scenario, args.out, header)
+    with ExitStack() as stack:
+        # The file the trace will replace is opened (its temporary twin) before a poll is taken: an
+        # --out that cannot be written (a directory, a device, a read-only place) is refused now,
+        # not after a recording of up to a week that it would then lose.
+        out = None if args.out == "-" else stack.enter_context(replacing(Path(args.out)))
+        agent, tap = build_recording_agent(settings, args.fake, step)
+        polls = int(duration // step) + 1
+        try:
+            with tqdm(total=polls, unit="poll", desc="recording", disable=None, leave=False, file=sys.stderr) as bar:
+                scenario = record(
+                    agent, tap, duration, step, keep_cmdlines=args.keep_cmdlines, on_poll=lambda _: bar.update()
+                )
+        finally:
+            agent.close()
+        header = _header(args, polls, step, duration)
+        if out is None:
+            sys.stdout.write(trace_text(scenario, header))
+        else:
+            out.write(trace_text(scenario, header).encode("utf-8"))
     if args.out != "-":
         print(
             f"recorded {polls} polls of {len(scenario['gpus'])} GPU(s), {len(scenario['processes'])} process(es) "
@@ -755,3 +763,13 @@ def cmd_record(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return EXIT_OK
+
+
+def _header(args: argparse.Namespace, polls: int, step: float, duration: float) -> str:
+    where = f"fake node {args.fake!r}" if args.fake else "NVML"
+    return (
+        f"# Recorded by gpuledger record from {where}: {polls} polls, one every {format_duration(step)}.\n"
+        f"# Replay: gpuledger simulate TRACE --for {format_duration(duration)} --step {format_duration(step)}\n"
+        f"# (or run / snapshot --fake TRACE). Command lines {'kept' if args.keep_cmdlines else 'anonymised'}; "
+        "no environment variables.\n"
+    )
