@@ -11,6 +11,8 @@ replays it, and compares the two agents' expositions at every poll.
 from __future__ import annotations
 
 import math
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -361,6 +363,30 @@ def test_record_command_writes_a_trace_that_simulate_replays(tmp_path: Path) -> 
     )  # fmt: skip
     assert bad.returncode == 2
     assert "--step: 10s is longer than --for 5s" in bad.stderr
+
+
+def test_ctrl_c_ends_the_recording_and_the_trace_keeps_every_poll_taken() -> None:
+    # Ctrl-C while the 5th poll (t=20 s) is being taken into the trace: the recording stops after
+    # it, and the trace holds polls 0-20 s whole, replaying to the series they gave. Before, the
+    # KeyboardInterrupt went through `record` and the command wrote nothing at all.
+    before = signal.getsignal(signal.SIGINT)
+    agent, tap = build_recording_agent(settings(), NODE, STEP_S, monotonic=lambda: 0.0)
+    polls: list[Series] = []
+
+    def on_poll(state: AgentState) -> None:
+        polls.append(series(agent, state))
+        if len(polls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        trace = record(agent, tap, DURATION_S, STEP_S, on_poll=on_poll)
+    finally:
+        agent.close()
+    assert len(polls) == 5
+    assert [row["at"] for row in trace["gpus"][0]["readings"]] == [0, 5, 10, 15, 20]
+    for k, (original, again) in enumerate(zip(polls, replayed_series(trace, duration_s=20), strict=True)):
+        assert not same(original, again), f"poll {k}"
+    assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C is the caller's again
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_recording(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ What goes in, and how it comes back:
   fault over the poll it failed in, so the replayed agent meets the same errors), and every Xid
   and driver event at the poll that received it.
 
+Ctrl-C (or SIGTERM) ends a recording early; the trace holds every poll taken, each whole.
 Poll times are written on the --step grid (the k-th poll at k x step), so `simulate trace.yaml
 --step STEP` polls when the recording did. Known limits: owners named only by a process's own
 environment (self-reported Slurm jobs) replay without that job; a MIG instance's memory is its
@@ -34,7 +35,9 @@ import argparse
 import itertools
 import logging
 import shlex
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
@@ -673,18 +676,63 @@ def record(
     pipeline = agent.pipeline
     started = time.monotonic()
     polls = int(duration_s // step_s) + 1
-    for k in range(polls):
-        if k:
-            if node is not None:
-                node.clock.advance(step_s)
-            else:
-                (wait or time.sleep)(max(0.0, started + k * step_s - time.monotonic()))
-        pipeline.refresh_allocations()
-        state = pipeline.poll_once()
-        recorder.observe(state, _received(agent))
-        if on_poll is not None:
-            on_poll(state)
+    stop = _Stop()
+    try:
+        with stop:
+            for k in range(polls):
+                stop.at_once = True
+                if stop.asked:
+                    break
+                if k:
+                    if node is not None:
+                        node.clock.advance(step_s)
+                    else:
+                        (wait or time.sleep)(max(0.0, started + k * step_s - time.monotonic()))
+                pipeline.refresh_allocations()
+                state = pipeline.poll_once()
+                stop.at_once = False
+                recorder.observe(state, _received(agent))
+                if on_poll is not None:
+                    on_poll(state)
+    except _Stopped:
+        pass
+    if stop.asked:
+        log.warning("recording stopped by a signal after %d poll(s): the trace holds those", recorder.polls)
     return recorder.scenario()
+
+
+class _Stopped(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during a wait or a poll of `record`."""
+
+
+class _Stop:
+    """Ctrl-C or SIGTERM during `record` ends the recording, not the trace: a wait or a poll is
+    cut short at once (`at_once`), while a poll being taken into the trace only asks to stop
+    after it, so that each poll is in the trace whole or not at all. Only in the main thread,
+    where signals are handled; the handlers before are put back after."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.at_once = True
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stop:
+        if threading.current_thread() is threading.main_thread():
+            self._before = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.at_once = False
+        for number, handler in self._before.items():
+            signal.signal(number, handler)
+        self._before = {}
+
+    def _handle(self, _number: int, _frame: object) -> None:
+        self.asked = True
+        if self.at_once:
+            raise _Stopped
 
 
 def _received(agent: Agent) -> list[tuple[float, int, str, int]]:
@@ -744,13 +792,20 @@ def cmd_record(args: argparse.Namespace) -> int:
         out = None if args.out == "-" else stack.enter_context(replacing(Path(args.out)))
         agent, tap = build_recording_agent(settings, args.fake, step)
         polls = int(duration // step) + 1
+        taken = 0  # fewer than `polls` where a signal stopped the recording
+
+        def on_poll(_state: AgentState) -> None:
+            nonlocal taken
+            taken += 1
+            bar.update()
+
         try:
             with tqdm(total=polls, unit="poll", desc="recording", disable=None, leave=False, file=sys.stderr) as bar:
-                scenario = record(
-                    agent, tap, duration, step, keep_cmdlines=args.keep_cmdlines, on_poll=lambda _: bar.update()
-                )
+                scenario = record(agent, tap, duration, step, keep_cmdlines=args.keep_cmdlines, on_poll=on_poll)
         finally:
             agent.close()
+        if taken < polls:
+            polls, duration = taken, (taken - 1) * step
         header = _header(args, polls, step, duration)
         if out is None:
             sys.stdout.write(trace_text(scenario, header))
