@@ -365,6 +365,23 @@ def test_record_command_writes_a_trace_that_simulate_replays(tmp_path: Path) -> 
     assert "--step: 10s is longer than --for 5s" in bad.stderr
 
 
+def test_a_gpu_still_lost_when_the_recording_ends_stays_lost_in_the_replay() -> None:
+    # GPU 1 is lost at 1m for good. The sampler retries it with backoff, last (in 10 minutes) at
+    # 375 s; the trace ended the outage at the poll after that (380 s), so the replayed GPU came
+    # back: the event reader re-registered on it (events up 1, recorded 0) from then on.
+    node = {
+        "gpus": [{"model": "H100-SXM5-80GB", "count": 2}],
+        "processes": [{"pid": 5, "gpus": [0, 1], "sm_util": 50, "memory_mib": 100}],
+        "faults": [{"at": "1m", "gpu": 1, "error": "GPU_IS_LOST"}],
+    }
+    trace, polls = record_node(node)
+    assert [f for f in trace["faults"] if f.get("error") == "GPU_IS_LOST"] == [
+        {"at": 60, "gpu": 1, "error": "GPU_IS_LOST"}
+    ]
+    for k, (original, again) in enumerate(zip(polls, replayed_series(trace), strict=True)):
+        assert not same(original, again), f"poll {k}"
+
+
 def test_ctrl_c_ends_the_recording_and_the_trace_keeps_every_poll_taken() -> None:
     # Ctrl-C while the 5th poll (t=20 s) is being taken into the trace: the recording stops after
     # it, and the trace holds polls 0-20 s whole, replaying to the series they gave. Before, the

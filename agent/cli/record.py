@@ -477,9 +477,15 @@ class TraceRecorder:
 
     def _fault_entries(self) -> list[dict[str, Any]]:
         entries = []
-        for (gpu, call, error), spans in self._faults.items():
+        still_out = set(self._open_outages.values())
+        for key, spans in self._faults.items():
+            gpu, call, error = key
             for span in spans:
-                fault: dict[str, Any] = {"at": span.start_s, "until": span.last_s + self.step_s}
+                fault: dict[str, Any] = {"at": span.start_s}
+                # An outage no poll saw end lasts to the end of the trace: a GPU still lost when
+                # the recording ended, retried with backoff, last failed some polls before that.
+                if key not in still_out or span is not spans[-1]:
+                    fault["until"] = span.last_s + self.step_s
                 if gpu is not None:
                     fault["gpu"] = gpu
                 if call is not None:
