@@ -365,6 +365,24 @@ def test_record_command_writes_a_trace_that_simulate_replays(tmp_path: Path) -> 
     assert "--step: 10s is longer than --for 5s" in bad.stderr
 
 
+def test_a_process_that_starts_between_polls_without_samples_replays_from_its_start() -> None:
+    # A notebook starts at 17 s holding memory at 0%, so the driver keeps no sample of it, and the
+    # poll at 20 s is the first to list it. Its procfs start time says 17 s; the trace said 20 s,
+    # and the replayed node charged it 3 s less.
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB"}],
+        "processes": [{"pid": 12, "gpus": [0], "start": "17s", "sm_util": 0, "memory_mib": 2000, "user": "eve"}],
+    }
+    trace, polls = record_node(node)
+    assert [(p["pid"], p["start"]) for p in trace["processes"]] == [(12, 17)]
+    replayed = replayed_series(trace)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
+    # Held from 17 s to the last poll at 600 s: 583 s x $3/GPU-hour = $0.485833.
+    cost = [v for (name, _labels), v in replayed[-1].items() if name == "gpuledger_workload_cost_dollars_total"]
+    assert cost == [pytest.approx(583 * 3.0 / 3600)]
+
+
 def test_a_gpu_still_lost_when_the_recording_ends_stays_lost_in_the_replay() -> None:
     # GPU 1 is lost at 1m for good. The sampler retries it with backoff, last (in 10 minutes) at
     # 375 s; the trace ended the outage at the poll after that (380 s), so the replayed GPU came

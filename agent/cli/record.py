@@ -88,6 +88,7 @@ class _Process:
     refs: list[str] = field(default_factory=list)  # "0", or "0:1" for MIG instance 1 of GPU 0
     gpu_uuid: str = ""  # the first GPU it was seen on, whose samples it takes
     last_s: float = 0.0  # the last poll that listed it
+    started_s: float | None = None  # when it started (procfs), scenario time; None: not known
     gone_s: float | None = None
     memory: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB), at each change
     uid: int | None = None
@@ -301,6 +302,9 @@ class TraceRecorder:
             except GpuledgerError:
                 return track
             track.uid, track.argv, track.cgroup = facts.uid, facts.cmdline, facts.cgroup
+            started = self._procfs.started_at(ProcessIdentity(pid, start_ticks))
+            if started is not None and self._start is not None:
+                track.started_s = started - self._start
             track.user = self._passwd.name(facts.uid) if facts.uid is not None else None
         return track
 
@@ -381,7 +385,11 @@ class TraceRecorder:
 
     def _process_entry(self, track: _Process, end_s: float) -> dict[str, Any]:
         stamps = self._samples(track)
-        start_s = min([track.first_s, *stamps])
+        # When it started, where procfs said (a process that started between two polls is held
+        # from then, not from the poll that first saw it); never after its first sample or the
+        # poll that first listed it, nor before the trace.
+        known = () if track.started_s is None else (track.started_s,)
+        start_s = max(0.0, min([track.first_s, *stamps, *known]))
         entry: dict[str, Any] = {"pid": track.pid, "gpus": list(track.refs), "start": start_s}
         if track.gone_s is not None and track.gone_s <= end_s:
             entry["end"] = track.gone_s
