@@ -383,6 +383,34 @@ def test_a_process_that_starts_between_polls_without_samples_replays_from_its_st
     assert cost == [pytest.approx(583 * 3.0 / 3600)]
 
 
+def test_a_reused_pid_replays_as_two_processes_each_with_its_own_samples() -> None:
+    # pid 10 runs to 100 s; another process gets pid 10 at 200 s. The second took the first's
+    # samples too, so the trace started it at 0 s, over the first: a trace the fake refused to
+    # load ("pid 10 is already running then").
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB"}],
+        "processes": [
+            {"pid": 5, "gpus": [0], "sm_util": 10, "memory_mib": 1000, "user": "bob"},
+            {
+                "pid": 10,
+                "gpus": [0],
+                "end": "100s",
+                "sm_util": [{"at": "0s", "sm_util": 50}, {"at": "80s", "sm_util": 0}],
+            },
+            {"pid": 10, "gpus": [0], "start": "200s", "sm_util": 30, "memory_mib": 2000, "user": "eve"},
+        ],
+    }
+    trace, polls = record_node(node)
+    assert [(p["pid"], p["start"], p.get("end")) for p in trace["processes"]] == [
+        (5, 0, None),
+        (10, 0, 100),
+        (10, 200, None),
+    ]
+    assert [s["sm_util"] for s in trace["processes"][2]["sm_util"]] == [30]
+    for k, (original, again) in enumerate(zip(polls, replayed_series(trace), strict=True)):
+        assert not same(original, again), f"poll {k}"
+
+
 def test_a_gpu_still_lost_when_the_recording_ends_stays_lost_in_the_replay() -> None:
     # GPU 1 is lost at 1m for good. The sampler retries it with backoff, last (in 10 minutes) at
     # 375 s; the trace ended the outage at the poll after that (380 s), so the replayed GPU came

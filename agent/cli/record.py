@@ -429,13 +429,15 @@ class TraceRecorder:
         return job
 
     def _samples(self, track: _Process) -> dict[float, int]:
-        """The driver's samples of the process on its first GPU: scenario time -> percent."""
+        """The driver's samples of the process on its first GPU: scenario time -> percent. A
+        reused pid's samples are its own: none from before it started (procfs's start time)."""
         start = self._start or 0.0
+        born_s = max(0.0, track.started_s or 0.0)
         found: dict[float, int] = {}
         for pid, stamp_us, util in self._tap.samples.get(track.gpu_uuid, ()):
             if pid == track.pid:
                 at = stamp_us / 1_000_000 - start
-                if at >= 0 and (track.gone_s is None or at < track.gone_s):
+                if at >= born_s and (track.gone_s is None or at < track.gone_s):
                     found[round(at, 6)] = util
         return found
 
