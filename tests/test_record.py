@@ -157,16 +157,18 @@ def same(a: Series, b: Series) -> list[str]:
     return sorted(problems)
 
 
-def record_node(scenario: Any, keep_cmdlines: bool = True) -> tuple[dict[str, Any], list[Series]]:
+def record_node(
+    scenario: Any, keep_cmdlines: bool = True, step_s: float = STEP_S
+) -> tuple[dict[str, Any], list[Series]]:
     """Record `scenario` for 10 minutes; the trace, and the series at each poll."""
-    agent, tap = build_recording_agent(settings(), scenario, STEP_S, monotonic=lambda: 0.0)
+    agent, tap = build_recording_agent(settings(), scenario, step_s, monotonic=lambda: 0.0)
     polls: list[Series] = []
     try:
         trace = record(
             agent,
             tap,
             DURATION_S,
-            STEP_S,
+            step_s,
             keep_cmdlines=keep_cmdlines,
             on_poll=lambda state: polls.append(series(agent, state)),
         )
@@ -409,6 +411,26 @@ def test_a_reused_pid_replays_as_two_processes_each_with_its_own_samples() -> No
     assert [s["sm_util"] for s in trace["processes"][2]["sm_util"]] == [30]
     for k, (original, again) in enumerate(zip(polls, replayed_series(trace), strict=True)):
         assert not same(original, again), f"poll {k}"
+
+
+def test_polls_further_apart_than_the_drivers_sample_ring_replay_the_gpus_busy_time() -> None:
+    # Polls a minute apart; the driver keeps 32 samples per process. Ann runs at 50% all along,
+    # eve at 60% from 17 s. The samples a full ring lost were written as periods at 0%, so the
+    # replayed GPU's own samples (the processes' sum) read the first 28 s of each minute idle.
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB"}],
+        "processes": [
+            {"pid": 10, "gpus": [0], "sm_util": 50, "memory_mib": 1000, "user": "ann"},
+            {"pid": 12, "gpus": [0], "start": "17s", "sm_util": 60, "memory_mib": 2000, "user": "eve"},
+        ],
+    }
+    trace, polls = record_node(node, step_s=60)
+    replayed = replayed_series(trace, step_s=60)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
+    busy = [v for (name, _labels), v in replayed[-1].items() if name == "gpuledger_gpu_busy_seconds_total"]
+    # Samples at 1..600 s: 50% at 1..16 s, 100% from 17 s on (50 + 60, capped): 8 + 584 = 592 s.
+    assert busy == [pytest.approx(16 * 0.50 + 584 * 1.00)]
 
 
 def test_a_gpu_still_lost_when_the_recording_ends_stays_lost_in_the_replay() -> None:

@@ -13,7 +13,8 @@ What goes in, and how it comes back:
   its rows), and every health reading the poll took, in the driver's units), which the fake
   serves in place of its physics;
 - each GPU process with its GPUs, its lifetime, its memory over time and its per-process
-  utilization as segments that reproduce the driver's samples, its uid and user name, its
+  utilization as segments that reproduce the driver's samples (those a full ring lost at the
+  mean of those it kept), its uid and user name, its
   cgroup, and its pod or Slurm job where the scheduler allocated it the GPU; its command line
   is anonymised (the executable's name, and `--model` with the model the agent recognised)
   unless `--keep-cmdlines` (whole, but scrubbed of credentials); no environment variable is
@@ -56,6 +57,7 @@ from agent.cli.wiring import Agent, build_agent
 from agent.config import Settings, load_config
 from agent.devices.backend import DeviceBackend
 from agent.devices.instance import detect_instance_type
+from agent.devices.sampler import MIN_RING_SAMPLES
 from agent.devices.tap import Failure, TappedBackend
 from agent.errors import BadInputError, GpuledgerError
 from agent.ledger.export import replacing
@@ -96,6 +98,9 @@ class _Process:
     argv: tuple[str, ...] = ()
     cgroup: str = ""
     holding: Holding | None = None
+    # Samples a full ring lost (scenario time -> percent): the mean of those it kept, as the agent
+    # took them to be, so that a replay's device samples sum what the recording's did.
+    lost: dict[float, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,6 +148,9 @@ class TraceRecorder:
         self._events: list[dict[str, Any]] = []
         self._failures_seen = 0
         self._events_seen_until = float("-inf")
+        self._samples_seen: dict[str, int] = {}  # GPU uuid -> how many of the tap's samples were looked at
+        self._ring: dict[str, int] = {}  # GPU uuid -> the most samples one process had in one poll
+        self._previous_taken: float | None = None
 
     # -- each poll ----------------------------------------------------------------------------
 
@@ -170,6 +178,8 @@ class TraceRecorder:
             self._gpu(snapshot, gpu, t)
         self._down(snapshot, t)
         self._processes_of(snapshot, state, t)
+        self._fill_lost_samples()
+        self._previous_taken = snapshot.taken_at
         self._allocations_of(state, t)
         new = [(index, kind, value) for received, index, kind, value in events if received > self._events_seen_until]
         # A double-bit error's own Xid (48; from Ampere on 94 contained, 95 not) is written on its
@@ -287,6 +297,39 @@ class TraceRecorder:
                 # It ended after the last poll that listed it: when, the polls between (the GPU
                 # unreadable) cannot tell, and the replay ends it at the earliest.
                 track.gone_s = track.last_s + self.step_s
+
+    def _fill_lost_samples(self) -> None:
+        """Where a process's samples read at this poll fill the driver's ring and reach back less
+        far than the previous poll (or its start), older ones were lost: the periods between
+        are written at the mean of those kept. The agent took them to be that (its figure is the
+        kept samples' mean), and left at 0 the replayed GPU's own samples, which sum the
+        processes', would read lower than the recorded GPU's did."""
+        previous, start = self._previous_taken, self._start or 0.0
+        current = {track.pid: track for track in self._processes.values() if track.gone_s is None}
+        for uuid, samples in self._tap.samples.items():
+            batch = samples[self._samples_seen.get(uuid, 0) :]
+            self._samples_seen[uuid] = len(samples)
+            by_pid: dict[int, list[tuple[int, int]]] = {}
+            for pid, stamp_us, util in batch:
+                by_pid.setdefault(pid, []).append((stamp_us, util))
+            ring = self._ring[uuid] = max([self._ring.get(uuid, 0), *map(len, by_pid.values())])
+            stamps = sorted({stamp_us for _pid, stamp_us, _util in batch})
+            gaps = [b - a for a, b in itertools.pairwise(stamps) if b > a]
+            if previous is None or ring < MIN_RING_SAMPLES or not gaps:
+                continue
+            period_us = min(gaps)
+            for pid, kept in by_pid.items():
+                track = current.get(pid)
+                if track is None or track.gpu_uuid != uuid or len(kept) < ring:
+                    continue
+                # After the previous poll's samples (read then), from the process's start (a
+                # sample may fall on it: within half a period of it counts).
+                born_s = start + (track.started_s or 0.0) - period_us / 2_000_000
+                mean = round(sum(util for _stamp, util in kept) / len(kept))
+                stamp_us = min(stamp for stamp, _util in kept) - period_us
+                while stamp_us / 1_000_000 > previous and stamp_us / 1_000_000 >= born_s:
+                    track.lost[round(stamp_us / 1_000_000 - start, 6)] = mean
+                    stamp_us -= period_us
 
     def _identity(self, pid: int) -> tuple[int, int | None]:
         try:
@@ -433,7 +476,7 @@ class TraceRecorder:
         reused pid's samples are its own: none from before it started (procfs's start time)."""
         start = self._start or 0.0
         born_s = max(0.0, track.started_s or 0.0)
-        found: dict[float, int] = {}
+        found = dict(track.lost)
         for pid, stamp_us, util in self._tap.samples.get(track.gpu_uuid, ()):
             if pid == track.pid:
                 at = stamp_us / 1_000_000 - start
