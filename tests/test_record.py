@@ -433,6 +433,31 @@ def test_polls_further_apart_than_the_drivers_sample_ring_replay_the_gpus_busy_t
     assert busy == [pytest.approx(16 * 0.50 + 584 * 1.00)]
 
 
+def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:
+    # GPU 1 is lost from the start: never identified, its handle refused with GPU_IS_LOST. The
+    # trace listed GPUs only up to the last one ever readable and dropped the failure (it named
+    # no uuid), so the replayed node had one GPU, and GPU 1's unobserved dollars were gone.
+    node = {
+        "gpus": [{"model": "H100-SXM5-80GB", "count": 2}],
+        "processes": [{"pid": 5, "gpus": [0], "sm_util": 50, "memory_mib": 100}],
+        "faults": [{"gpu": 1, "error": "GPU_IS_LOST"}],
+    }
+    trace, polls = record_node(node)
+    assert len(trace["gpus"]) == 2
+    assert [f for f in trace["faults"] if f.get("error") == "GPU_IS_LOST"] == [
+        {"at": 0, "gpu": 1, "error": "GPU_IS_LOST"}
+    ]
+    replayed = replayed_series(trace)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
+    unobserved = [
+        v
+        for (name, labels), v in replayed[-1].items()
+        if name == "gpuledger_gpu_unobserved_cost_dollars_total" and ("gpu", "1") in labels
+    ]
+    assert sum(unobserved) == pytest.approx(600 * 3.0 / 3600)  # 600 s x $3/GPU-hour = $0.50
+
+
 def test_a_gpu_still_lost_when_the_recording_ends_stays_lost_in_the_replay() -> None:
     # GPU 1 is lost at 1m for good. The sampler retries it with backoff, last (in 10 minutes) at
     # 375 s; the trace ended the outage at the poll after that (380 s), so the replayed GPU came

@@ -372,7 +372,7 @@ class TraceRecorder:
         new: list[Failure] = self._tap.failures[self._failures_seen :]
         self._failures_seen = len(self._tap.failures)
         for failure in new:
-            gpu = self._index_of.get(failure.uuid) if failure.uuid else None
+            gpu = self._index_of.get(failure.uuid) if failure.uuid else failure.index
             if failure.driver or (failure.lost and gpu is not None):
                 scope = None if failure.driver else gpu
                 key: tuple[int | None, str | None, str] = (scope, None, failure.error)
@@ -404,7 +404,8 @@ class TraceRecorder:
             raise GpuledgerError("nothing was recorded: no poll read the GPUs")
         end_s = (self.polls - 1) * self.step_s  # the last poll
         gpus = []
-        for index in range(max(self._gpus, default=-1) + 1):
+        # Every GPU a poll listed, those never identified too (down all along: lost, say).
+        for index in range(max([*self._gpus, *self._index_of.values()], default=-1) + 1):
             entry = dict(self._gpus.get(index, {"model": "unknown"}))
             if self._rows.get(index):
                 entry["readings"] = self._rows[index]

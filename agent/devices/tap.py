@@ -29,8 +29,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """A call that failed: at (backend clock), on `uuid` ("" for the driver itself), the call and
-    the library's error name; `lost` for a device gone, `driver` for the driver gone."""
+    """A call that failed: at (backend clock), on `uuid` ("" for the driver itself, or a GPU not
+    identified yet: then `index`, where the call named one), the call and the library's error
+    name; `lost` for a device gone, `driver` for the driver gone."""
 
     at: float
     uuid: str
@@ -38,6 +39,7 @@ class Failure:
     error: str
     lost: bool = False
     driver: bool = False
+    index: int | None = None
 
 
 class TappedBackend:
@@ -54,19 +56,16 @@ class TappedBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def _failed(self, handle: Handle | None, exc: DeviceError) -> None:
+    def _failed(self, handle: Handle | None, exc: DeviceError, index: int | None = None) -> None:
         uuid = "" if handle is None else self._uuids.get(id(handle), "")
-        self.failures.append(
-            Failure(
-                self.clock(), uuid, exc.call, exc.error, isinstance(exc, DeviceLost), isinstance(exc, DriverUnavailable)
-            )
-        )
+        lost, driver = isinstance(exc, DeviceLost), isinstance(exc, DriverUnavailable)
+        self.failures.append(Failure(self.clock(), uuid, exc.call, exc.error, lost, driver, index))
 
-    def _tapped(self, handle: Handle | None, call: Callable[[], T]) -> T:
+    def _tapped(self, handle: Handle | None, call: Callable[[], T], index: int | None = None) -> T:
         try:
             return call()
         except DeviceError as exc:
-            self._failed(handle, exc)
+            self._failed(handle, exc, index)
             raise
 
     # -- the library and discovery: forwarded, errors kept ------------------------------------
@@ -87,7 +86,7 @@ class TappedBackend:
         return self._tapped(None, self._inner.device_count)
 
     def handle_by_index(self, index: int) -> Handle:
-        return self._tapped(None, lambda: self._inner.handle_by_index(index))
+        return self._tapped(None, lambda: self._inner.handle_by_index(index), index)
 
     def name(self, handle: Handle) -> str:
         return self._inner.name(handle)
