@@ -23,7 +23,16 @@ import pytest
 import yaml
 
 import fake_nvml
-from agent.cli.record import build_recording_agent, record, write_trace
+from agent.cli.record import (
+    _Flow,
+    _FlowList,
+    _styled,
+    _TraceDumper,
+    build_recording_agent,
+    record,
+    trace_text,
+    write_trace,
+)
 from agent.cli.wiring import Agent, build_agent
 from agent.config import PricingConfig, ReadingsConfig, Settings
 from agent.model import AgentState
@@ -247,6 +256,22 @@ def test_a_replayed_trace_gives_every_series_the_recorded_node_gave_at_every_pol
         "gpuledger_gpu_memory_controller_utilization_ratio",
     ):
         assert name in names, name
+
+
+def test_the_trace_is_written_as_the_pure_python_emitter_writes_it(recorded: tuple[Path, list[Series]]) -> None:
+    # The trace is emitted by libyaml (some times faster on a long recording): its text must be
+    # the one PyYAML's own emitter gives, so traces do not change with how PyYAML was built.
+    path, _ = recorded
+    trace = yaml.safe_load(path.read_text())
+
+    class PurePython(yaml.SafeDumper):
+        pass
+
+    for kind in (_Flow, _FlowList, float):
+        PurePython.add_representer(kind, _TraceDumper.yaml_representers[kind])
+    text = yaml.dump(_styled(trace), Dumper=PurePython, sort_keys=False, default_flow_style=False, width=120)
+    assert _TraceDumper.__mro__[1] is getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    assert trace_text(trace, "# test trace\n") == "# test trace\n" + text
 
 
 def test_the_trace_is_a_scenario_with_readings_as_time_series(recorded: tuple[Path, list[Series]]) -> None:

@@ -557,7 +557,12 @@ class _FlowList(list[Any]):
     """A short list written on one line: a process's GPUs."""
 
 
-class _TraceDumper(yaml.SafeDumper):
+# libyaml's emitter where PyYAML was built with it (its wheels are): the same YAML, written in C,
+# some times faster than the pure-Python emitter on a long trace; the representers stay Python.
+_BaseDumper: type[yaml.SafeDumper] = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class _TraceDumper(_BaseDumper):  # type: ignore[valid-type,misc]
     pass
 
 
