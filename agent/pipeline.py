@@ -39,8 +39,8 @@ from agent.accounting.cost import LastEnergy, account, accumulate, cost_units, d
 from agent.accounting.unpriced import Unplaced, Unpriced
 from agent.accounting.usage import unit_usage
 from agent.attribution.gather import Attributor
+from agent.deadline import CallTimeout, Worker
 from agent.devices.backend import DriverLibraryMissing
-from agent.devices.deadline import CallTimeout, Worker
 from agent.devices.events import EventReader
 from agent.devices.sampler import Sampler
 from agent.errors import GpuledgerError
@@ -221,6 +221,7 @@ class Pipeline:
         # call: each key is read again once its own call returns.
         self._stuck: dict[str, tuple[float, threading.Thread | None]] = {}
         self.attributor = attributor
+        self._attribute_timeouts = 0  # the attributor's timeouts() already counted as failures
         # The driver-event reader: on its own thread in the daemon, caught up at each poll
         # otherwise (`simulate`, `snapshot`), so its events land in the state either way.
         self.events: EventReader | None = None
@@ -428,9 +429,16 @@ class Pipeline:
         return snapshot
 
     def _attribute(self, snapshot: Snapshot) -> Attribution:
-        if self.attributor is None:
+        attributor = self.attributor
+        if attributor is None:
             return Attribution()
-        return self._scrubbed(self.attributor.attribute(snapshot))
+        attribution = attributor.attribute(snapshot)
+        # A read given up on (a process's /proc stuck) leaves that process unresolved, not the
+        # stage failed: the rest of the attribution stands, and the read is counted here.
+        timeouts = attributor.timeouts()
+        self._stages["attribute"].failures += timeouts - self._attribute_timeouts
+        self._attribute_timeouts = timeouts
+        return self._scrubbed(attribution)
 
     def _scrubbed(self, attribution: Attribution) -> Attribution:
         """`attribution` with every workload label and Slurm account scrubbed of credentials and

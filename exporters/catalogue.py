@@ -475,7 +475,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuledger_stage_failures_total",
         Kind.COUNTER,
-        "Runs of the pipeline stage that raised; the poll went on with the stage's last good result.",
+        "Runs of the pipeline stage that raised (the poll went on with the stage's last good result), and reads in it "
+        "given up on at their deadline (a process's /proc files: that process left unresolved).",
         ("stage",),
     ),
     MetricSpec(

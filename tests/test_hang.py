@@ -23,10 +23,12 @@ from pathlib import Path
 
 import pytest
 
+from agent import deadline
+from agent.attribution.sources.procfs import ProcessSource
 from agent.cli.wiring import build_agent
 from agent.config import Settings, WatchdogConfig
-from agent.devices import deadline
-from agent.devices.deadline import CallTimeout, Worker
+from agent.deadline import CallTimeout, Worker
+from agent.model import AgentState
 from agent.pipeline import DriverHung
 from tests.test_cli import free_port
 
@@ -347,3 +349,62 @@ def test_sigterm_during_a_hang_ends_the_daemon_within_5s(daemon: tuple[subproces
     assert time.monotonic() - started < 5.0
     assert code == 0, stderr
     assert ledger_rows(ledger) == 2
+
+
+# -- /proc: a read stuck on one process (its memory locked, an NFS or FUSE mount) ---------------
+
+
+def _unblock(fifo: Path, then: bytes | None = None) -> None:
+    """Let a read blocked in opening `fifo` go (a writer appears, writes nothing and leaves),
+    with a regular file holding `then` in its place from now on, unless None. Nothing to let go
+    where nobody is reading."""
+    try:
+        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader
+        return
+    if then is not None:
+        fifo.unlink()
+        fifo.write_bytes(then)
+    os.close(writer)
+
+
+def test_a_proc_read_that_never_returns_delays_only_that_process(scenario: Path) -> None:
+    """A process's environ that blocks (here a FIFO, whose open waits for a writer) stood for
+    the whole poll: nothing was polled or published again, and /healthz went 503 for good. The
+    read is given up on at its budget; the other process is attributed, the stuck one is left
+    unresolved (and not read again while its read is stuck), and the failure is counted once."""
+    agent = build_agent(Settings(node_name="rig"), fake=scenario, costing=False, rules=())
+    assert agent.node is not None
+    processes = agent.attributor.source(ProcessSource)
+    processes.read_budget_s = 0.3
+    environ = agent.node.host.proc_root / "101" / "environ"
+    environ.unlink()
+    os.mkfifo(environ)
+    before = threading.active_count()
+    polled: list[AgentState] = []
+    try:
+        poller = threading.Thread(target=lambda: polled.append(agent.pipeline.poll_once()), daemon=True)
+        poller.start()
+        poller.join(timeout=5)
+        assert not poller.is_alive(), "the poll is stuck in a read of /proc/101/environ"
+        for _ in range(3):  # the stuck pid is not asked again: no wait, no second thread
+            started = time.monotonic()
+            polled.append(agent.pipeline.poll_once())
+            assert time.monotonic() - started < 0.3
+        assert agent.pipeline.healthy()
+        assert threading.active_count() == before + 1  # the one thread parked in the stuck read
+        for state in polled:
+            users = {(h.workload.user, h.pids) for h in state.attribution.holdings}
+            assert users == {("alice", (100,)), ("", (101,))}
+            attribute = next(s for s in state.health.stages if s.stage == "attribute")
+            assert attribute.failures == 1
+        _unblock(environ, then=b"")  # the read returns; the next poll reads pid 101 again
+        assert wait_until(lambda: threading.active_count() == before, 5)
+        state = agent.pipeline.poll_once()
+        assert {(h.workload.user, h.pids) for h in state.attribution.holdings} == {
+            ("alice", (100,)),
+            ("bob", (101,)),
+        }
+    finally:
+        _unblock(environ)
+        agent.close()

@@ -99,6 +99,10 @@ class Attributor:
         for refresher in self.refreshers():
             refresher.refresh()
 
+    def timeouts(self) -> int:
+        """Every source's reads given up on at their deadline so far."""
+        return sum(source.timeouts() for source in self.sources)
+
     def source(self, kind: type[S]) -> S:
         """The source of type `kind` (tests and benchmarks look inside one). Raises LookupError."""
         for source in self.sources:

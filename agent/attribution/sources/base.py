@@ -65,6 +65,11 @@ class AttributionSource(Protocol):
         """Work to run on a schedule of its own; none by default."""
         return ()
 
+    def timeouts(self) -> int:
+        """Reads given up on at their deadline so far (the pipeline counts them as failures of
+        the attribute stage); none by default."""
+        return 0
+
     def close(self) -> None:
         """Let go of connections; nothing by default."""
         return None

@@ -11,6 +11,14 @@ allowlisted keys leave this module; every other value is dropped with the buffer
 `ProcessSource` is the attribution source built on them: the facts of every process on a GPU,
 and its user's name.
 
+A read of a process's own files can block: its cmdline and environ are read from its memory,
+under a lock that a task stuck in the kernel (on an NFS or FUSE mount, say) may hold for good.
+So a process is read in full (once, when it is new) on a worker thread, within `READ_BUDGET_S`:
+one that overstays leaves its process unresolved, is counted (`timeouts()`) and is not tried
+again while its thread is still in it; the other new processes of that poll wait for the next,
+so that a poll waits on one stuck read at most. The stat file read every poll takes no such
+lock, and is read on the poll's own thread.
+
 Servers that rename their GPU processes (vLLM's V1 engine: `VLLM::EngineCore`, `VLLM::Worker_TP0`;
 SGLang: `sglang::scheduler_TP0`, both through setproctitle) leave the model only on the command
 line of the API server that spawned them, which holds no GPU. So a GPU process whose own command
@@ -24,6 +32,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,6 +40,7 @@ from pathlib import Path
 from agent.attribution.facts import HostFacts
 from agent.attribution.recognise import recognise_model
 from agent.attribution.sources.base import AttributionSource, SourceOptions
+from agent.deadline import CallTimeout, Worker
 from agent.errors import GpuledgerError
 from agent.model import ProcessFacts, ProcessIdentity, Snapshot
 
@@ -48,6 +58,9 @@ except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
 # server's grandchildren (server -> EngineCore -> Worker_TPn); a launcher or `tini` above it
 # leaves room to spare.
 ANCESTOR_LEVELS = 4
+# How long one full read of a new process (its files and its ancestors') may take. It takes well
+# under a millisecond, on a loaded host too.
+READ_BUDGET_S = 2.0
 
 
 class ProcessGone(GpuledgerError):
@@ -223,6 +236,17 @@ class _Ancestor:
     model: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class _FullRead:
+    """What reading one new process in full found: its facts (with the model inherited from an
+    ancestor), the ancestors read afresh for it and the pids its walk went through. Built on
+    the worker, taken in by the poll's thread, so that an abandoned read changes nothing."""
+
+    facts: ProcessFacts
+    ancestors: dict[int, _Ancestor]
+    lineage: tuple[int, ...]
+
+
 class ProcessSource(AttributionSource):
     """The facts of every process on a GPU (uid, cmdline, cgroup, allowlisted environment) and
     the names of their users.
@@ -234,15 +258,21 @@ class ProcessSource(AttributionSource):
     so tensor-parallel workers starting together read their server once.
     """
 
-    def __init__(self, procfs: ProcFS, passwd: Passwd) -> None:
+    def __init__(self, procfs: ProcFS, passwd: Passwd, read_budget_s: float = READ_BUDGET_S) -> None:
         self.procfs = procfs
         self.passwd = passwd
+        self.read_budget_s = read_budget_s
         self._cache: dict[int, ProcessFacts] = {}
         # Ancestors read for the cached processes, and the pids each cached process's walk read.
         self._ancestors: dict[int, _Ancestor] = {}
         self._lineage: dict[int, tuple[int, ...]] = {}
+        self._worker = Worker("gpuledger-proc")
+        # pid -> the thread still in a full read of it that overstayed: one such thread per pid.
+        self._stuck: dict[int, threading.Thread] = {}
         self.full_reads = 0  # how many processes were read in full (for tests and benchmarks)
         self.ancestor_reads = 0  # how many ancestors were read in full (for tests)
+        self._timeouts = 0
+        self._gave_up = False  # a full read of this poll timed out: no more this poll
 
     @classmethod
     def from_options(cls, options: SourceOptions) -> ProcessSource:
@@ -250,9 +280,12 @@ class ProcessSource(AttributionSource):
 
     def gather(self, snapshot: Snapshot, found: HostFacts) -> HostFacts:
         pids = {p.pid for d in snapshot.devices for p in d.processes}
+        self._gave_up = False
         processes = {pid: self._facts(pid) for pid in sorted(pids)}
         for gone in set(self._cache) - pids:
             del self._cache[gone]
+        for gone in [pid for pid, thread in self._stuck.items() if pid not in pids and not thread.is_alive()]:
+            del self._stuck[gone]
         if self._lineage or self._ancestors:
             for gone in set(self._lineage) - set(self._cache):
                 del self._lineage[gone]
@@ -269,62 +302,96 @@ class ProcessSource(AttributionSource):
         self._ancestors.clear()
         self._lineage.clear()
 
+    def timeouts(self) -> int:
+        return self._timeouts
+
+    def close(self) -> None:
+        self._worker.close()
+
     def _facts(self, pid: int) -> ProcessFacts | None:
+        """`pid`'s facts: the cached ones while its start time is unchanged, else read in full
+        within `read_budget_s`. None where it cannot be read, or not in time."""
         try:
             parent, start_ticks = self.procfs.stat(pid)
-            cached = self._cache.get(pid)
-            # The same process as last poll (cached under its pid): compared without building
-            # its identity, which only a process read in full needs.
-            if cached is not None and cached.identity.start_ticks == start_ticks:
-                return cached
-            facts = self.procfs.facts(ProcessIdentity(pid, start_ticks))
         except GpuledgerError as exc:
             log.debug("cannot resolve pid %d: %s", pid, exc)
             self._cache.pop(pid, None)
             return None
+        cached = self._cache.get(pid)
+        # The same process as last poll (cached under its pid): compared without building
+        # its identity, which only a process read in full needs.
+        if cached is not None and cached.identity.start_ticks == start_ticks:
+            return cached
+        self._cache.pop(pid, None)
+        stuck = self._stuck.get(pid)
+        if stuck is not None:
+            if stuck.is_alive():
+                return None  # not asked again: that would park a second thread on it
+            del self._stuck[pid]
+            log.info("pid %d: the stuck read of its /proc files returned; reading it again", pid)
+        if self._gave_up:
+            return None  # this poll waited on a stuck read already: read at the next
+        identity = ProcessIdentity(pid, start_ticks)
+        try:
+            read = self._worker.call(lambda: self._read_in_full(identity, parent), self.read_budget_s)
+        except CallTimeout as exc:
+            self._timeouts += 1
+            self._gave_up = True
+            if exc.thread is not None:
+                self._stuck[pid] = exc.thread
+                log.warning(
+                    "pid %d: a read of its /proc files has not returned in %.1fs; its owner is unknown until it does",
+                    pid, self.read_budget_s,
+                )  # fmt: skip
+            return None
+        except GpuledgerError as exc:
+            log.debug("cannot resolve pid %d: %s", pid, exc)
+            return None
         self.full_reads += 1
-        if recognise_model(facts.cmdline) is None:
-            inherited = self._inherited_model(facts, parent)
-            if inherited is not None:
-                facts = replace(facts, inherited_model=inherited)
-        self._cache[pid] = facts
-        return facts
+        self.ancestor_reads += len(read.ancestors)
+        self._ancestors.update(read.ancestors)
+        if read.lineage:
+            self._lineage[pid] = read.lineage
+        self._cache[pid] = read.facts
+        return read.facts
 
-    def _inherited_model(self, facts: ProcessFacts, parent: int) -> str | None:
-        """The model the nearest ancestor's command line names, within `ANCESTOR_LEVELS`; the
-        walk stops at pid 1 (init, or a container's init seen from inside its namespace), at an
-        ancestor in another cgroup or of another uid (the runtime's shim, a host shell, sudo),
-        and at one that cannot be read."""
+    def _read_in_full(self, identity: ProcessIdentity, parent: int) -> _FullRead:
+        """On the worker: the process's facts, and the model the nearest ancestor's command line
+        names, within `ANCESTOR_LEVELS`; the walk stops at pid 1 (init, or a container's init seen
+        from inside its namespace), at an ancestor in another cgroup or of another uid (the
+        runtime's shim, a host shell, sudo), and at one that cannot be read. It only reads the
+        source's caches: what it found is handed back."""
+        facts = self.procfs.facts(identity)
+        fresh: dict[int, _Ancestor] = {}
         lineage: list[int] = []
+        if recognise_model(facts.cmdline) is not None:
+            return _FullRead(facts, fresh, ())
         pid = parent
-        model: str | None = None
         while pid > 1 and len(lineage) < ANCESTOR_LEVELS:
-            ancestor = self._ancestor(pid)
+            ancestor = self._ancestor(pid, fresh)
             if ancestor is None:
                 break
             lineage.append(pid)  # kept while this process is: its siblings need not read it again
             if ancestor.cgroup != facts.cgroup or ancestor.uid != facts.uid:
                 break
             if ancestor.model is not None:
-                model = ancestor.model
+                facts = replace(facts, inherited_model=ancestor.model)
                 break
             pid = ancestor.parent_pid
-        if lineage:
-            self._lineage[facts.pid] = tuple(lineage)
-        return model
+        return _FullRead(facts, fresh, tuple(lineage))
 
-    def _ancestor(self, pid: int) -> _Ancestor | None:
+    def _ancestor(self, pid: int, fresh: dict[int, _Ancestor]) -> _Ancestor | None:
+        """Ancestor `pid`, from the cache while its start time is unchanged, else read (and put
+        in `fresh`)."""
         try:
             parent, start_ticks = self.procfs.stat(pid)
-            cached = self._ancestors.get(pid)
+            cached = fresh.get(pid) or self._ancestors.get(pid)
             if cached is not None and cached.start_ticks == start_ticks:
                 return cached
             facts = self.procfs.facts(ProcessIdentity(pid, start_ticks), environ=False)
         except GpuledgerError as exc:
             log.debug("cannot read ancestor pid %d: %s", pid, exc)
-            self._ancestors.pop(pid, None)
             return None
-        self.ancestor_reads += 1
         ancestor = _Ancestor(start_ticks, parent, facts.uid, facts.cgroup, recognise_model(facts.cmdline))
-        self._ancestors[pid] = ancestor
+        fresh[pid] = ancestor
         return ancestor

@@ -1,6 +1,7 @@
-"""Calls into the driver that cannot freeze the agent.
+"""Calls that cannot freeze the agent: into the driver, and reads of /proc.
 
-A driver call can hang: a GPU falling off the bus, an Xid storm, a wedged kernel module. Python
+A driver call can hang: a GPU falling off the bus, an Xid storm, a wedged kernel module; so can
+a read of a process's /proc files (its memory's lock held by a task stuck on NFS or FUSE). Python
 cannot interrupt a thread blocked in C, so the agent never makes such a call on a thread it
 needs: `Worker.call` runs it on a worker thread and waits at most a budget. A call that
 overstays is left where it is (its thread is a daemon and is told, through `abandoned`, to
