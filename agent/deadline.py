@@ -1,9 +1,10 @@
-"""Calls that cannot freeze the agent: into the driver, and reads of /proc.
+"""Calls that cannot freeze the agent: into the driver, reads of /proc, writes of the textfile.
 
 A driver call can hang: a GPU falling off the bus, an Xid storm, a wedged kernel module; so can
-a read of a process's /proc files (its memory's lock held by a task stuck on NFS or FUSE). Python
-cannot interrupt a thread blocked in C, so the agent never makes such a call on a thread it
-needs: `Worker.call` runs it on a worker thread and waits at most a budget. A call that
+a read of a process's /proc files (its memory's lock held by a task stuck on NFS or FUSE), or a
+write to a filesystem that stops answering. Python cannot interrupt a thread blocked in C, so
+the agent never makes such a call on a thread it needs: `Worker.call` runs it on a worker
+thread and waits at most a budget. A call that
 overstays is left where it is (its thread is a daemon and is told, through `abandoned`, to
 stop once the call returns) and the next call gets a fresh worker, so one stuck GPU costs one
 parked thread, not the agent.

@@ -271,3 +271,76 @@ def test_a_directory_that_cannot_be_synced_is_no_failed_write(
     assert (writer.writes, writer.failures) == (1, 0)
     assert [r.getMessage() for r in caplog.records] == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpuledger.prom"]
+
+
+def test_a_write_that_never_returns_is_said_once_and_holds_up_nothing(
+    tmp_path: Path, demo_states: list[AgentState], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A filesystem that stops answering (a hung NFS mount): syncing the new version does not
+    # return. The check waited on it for as long as it took, nothing said so, and `stop` (the
+    # daemon's shutdown) waited too, until its grace ran out and it exited 1.
+    gate = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            gate.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(exporters.textfile.os, "fsync", fsync)
+    monkeypatch.setattr(exporters.textfile, "WRITE_STUCK_AFTER_S", 0.2, raising=False)
+    path = tmp_path / "gpuledger.prom"
+    source = Source(demo_states[0])
+    writer = TextfileWriter(path, source, render)
+    writers = {t for t in threading.enumerate() if t.name.startswith("gpuledger-textfile")}
+    try:
+        with caplog.at_level(logging.INFO, logger="exporters.textfile"):
+            started = time.monotonic()
+            assert not writer.write_if_new()
+            assert time.monotonic() - started < 1.0  # it waited for the write 0.2 s, and said so
+            source.state = demo_states[1]
+            for _ in range(3):  # no second write into the hung filesystem, and the stuck one said once
+                assert not writer.write_if_new()
+            assert (writer.writes, writer.failures) == (0, 1)
+            started = time.monotonic()
+            writer.stop()
+            assert time.monotonic() - started < 1.0  # nothing to wait for while a write is stuck
+            writing = {t for t in threading.enumerate() if t.name.startswith("gpuledger-textfile")} - writers
+            assert len(writing) == 1  # the one thread in the stuck write
+            gate.set()
+            for thread in writing:
+                thread.join(5.0)
+            assert writer.write_if_new()  # it returned: the latest state is written
+        assert path.read_bytes() == render(demo_states[1])
+        assert (writer.writes, writer.failures) == (2, 1)  # the stuck write did write, at last
+        messages = [r.getMessage() for r in caplog.records]
+        assert len([m for m in messages if "a write has not returned" in m]) == 1
+        assert len([m for m in messages if "the stuck write returned" in m]) == 1
+    finally:
+        gate.set()
+
+
+def test_a_write_left_under_way_counts_once_it_is_done(
+    tmp_path: Path, demo_states: list[AgentState], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A check waits on a write one check interval at most: a slower write is written all the
+    # same, and must count as written, not be written a second time.
+    gate = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            gate.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(exporters.textfile.os, "fsync", fsync)
+    path = tmp_path / "gpuledger.prom"
+    writer = TextfileWriter(path, Source(demo_states[0]), render)
+    before = set(threading.enumerate())
+    assert not writer.write_if_new(0.01)
+    gate.set()
+    for thread in set(threading.enumerate()) - before:
+        thread.join(5.0)
+    assert not writer.write_if_new()  # that state is in the file already
+    assert (writer.writes, writer.failures) == (1, 0)
+    assert path.read_bytes() == render(demo_states[0])

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpuledger")
 
 FAKE_MIN_POLL_S = 0.02
+# Closing within a deadline, the textfile's last write waits at least this long.
+LAST_TEXTFILE_WAIT_S = 0.25
 
 
 @dataclass(eq=False)
@@ -125,7 +127,10 @@ class Agent:
             self._ledger_written = self.costing.sink.close(left_s)
         if self.textfile is not None:
             self.closing = "the textfile's filesystem does not answer"
-            self.textfile.stop()  # the last poll reaches the file too
+            # The last poll reaches the file too, within what the deadline leaves (and a moment
+            # besides); not at all while a write is stuck.
+            wait_s = None if deadline is None else max(LAST_TEXTFILE_WAIT_S, deadline - time.monotonic())
+            self.textfile.stop(wait_s)
         self.closing = "an attribution source (the kubelet) does not answer"
         self.attributor.close()
         self.closing = "a GPU driver call is stuck"
