@@ -86,6 +86,7 @@ MAX_DOWNTIME_S = 366 * 86400.0
 STOP_WAIT_S = 2.0  # how long stop() waits for a poll in progress
 IDLE_RULES = frozenset({"idle"})  # flags whose log lines name who left the GPU idle (and any rule of that condition)
 TIMEOUT = "TIMEOUT"  # the down reason of a GPU whose call is stuck (NVML's own name for it)
+EVENTS_KEY = "events"  # DriverHung's key for the driver-event reader's thread
 STAGES = ("sample", "attribute", "account", "rules", "publish")
 
 
@@ -93,7 +94,9 @@ class DriverHung(GpuledgerError):
     """A driver call has been stuck past the hard deadline: the agent cannot recover in-process."""
 
     def __init__(self, keys: Sequence[str], stuck_s: float) -> None:
-        where = ", ".join(f"GPU {k}" if k else "the driver" for k in keys)
+        where = ", ".join(f"GPU {k}" if k else "the driver" for k in keys if k != EVENTS_KEY)
+        if EVENTS_KEY in keys:
+            where = ", ".join(filter(None, (where, "the driver-event reader")))
         super().__init__(f"a GPU driver call has not returned for {stuck_s:.0f}s ({where})")
         self.keys = tuple(keys)
         self.stuck_s = stuck_s
@@ -225,6 +228,7 @@ class Pipeline:
         # The driver-event reader: on its own thread in the daemon, caught up at each poll
         # otherwise (`simulate`, `snapshot`), so its events land in the state either way.
         self.events: EventReader | None = None
+        self._events_stuck = False  # its thread's driver call has been said to be stuck
         self.costing = costing
         self.rules = tuple(rules)
         self.poll_interval_s = poll_interval_s
@@ -272,11 +276,11 @@ class Pipeline:
 
     def healthy(self) -> bool:
         """True while a poll has succeeded within the last HEALTHY_WITHIN_POLLS intervals and no
-        driver call is stuck."""
+        driver call is stuck (the driver-event reader's included)."""
         last = self._last_success_monotonic
         window = max(HEALTHY_WITHIN_POLLS * self.poll_interval_s, HEALTHY_WITHIN_MIN_S)
         recent = last is not None and self._monotonic() - last <= window
-        return recent and not self._stuck
+        return recent and not self._stuck and (self.events is None or self.events.stuck_since is None)
 
     def open_devices(self) -> None:
         """Start the sampler (load the library, discover the GPUs) within the call budget. A
@@ -392,6 +396,8 @@ class Pipeline:
             worst = self._monotonic() - min(since for since, _call in stuck.values())
             if worst > self.exit_after_s:
                 raise DriverHung(sorted(stuck), worst)
+        if self.events is not None:
+            self._check_events(self.events)
         if not self.calls_block:
             snapshot = self._read_devices({})
         elif "" in stuck:
@@ -415,6 +421,26 @@ class Pipeline:
         sampled = Sampled(snapshot, self._previous)
         self._previous = snapshot
         return sampled
+
+    def _check_events(self, events: EventReader) -> None:
+        """The driver-event reader's thread stuck in a driver call: said once (and once when it
+        returns), and past exit_after the end, as for a poll's call. Its clock is real time, as
+        the reader's is, whatever the pipeline's `monotonic`."""
+        since = events.stuck_since
+        if since is None:
+            if self._events_stuck:
+                self._events_stuck = False
+                log.warning("driver events: the stuck driver call returned; reading events again")
+            return
+        stuck_s = time.monotonic() - since
+        if not self._events_stuck:
+            self._events_stuck = True
+            log.error(
+                "driver events: a driver call has not returned in %.1fs; no events are read until it does",
+                stuck_s,
+            )
+        if stuck_s > self.exit_after_s:
+            raise DriverHung([EVENTS_KEY], stuck_s)
 
     def _stick(self, key: str, timeout: CallTimeout) -> None:
         """`key`'s call did not return in time: it reads as stuck until that call's thread ends."""

@@ -15,9 +15,10 @@ import pynvml
 import pytest
 
 import fake_nvml
-from agent.config import EventsConfig, Settings
+from agent.config import EventsConfig, Settings, WatchdogConfig
 from agent.devices.events import EventKind, EventReader
 from agent.model import AgentState
+from agent.pipeline import DriverHung
 from exporters.prometheus import make_registry
 from fake_nvml import events as fake_events
 from fake_nvml.scenario import ScenarioError
@@ -288,6 +289,39 @@ def test_a_poll_never_waits_for_the_readers_wait() -> None:
         started = time.monotonic()
         assert reader.stop()
         assert time.monotonic() - started < 5.5
+    finally:
+        rig.close()
+
+
+def test_a_reader_stuck_in_a_driver_call_fails_healthz_and_reads_as_not_watched() -> None:
+    """The reader's thread stuck in nvmlEventSetWait (from 1 minute in, the wait takes an hour)
+    went unnoticed: /healthz stayed 200 and gpuledger_gpu_events_up 1 while no event could come
+    through. It is a stuck driver call like a poll's: unhealthy, and past exit_after the end."""
+    settings = Settings(
+        node_name="rig",
+        events=EventsConfig(wait=0.1),
+        watchdog=WatchdogConfig(call_timeout=0.2, exit_after=600),
+    )
+    rig = Rig(node([{"at": "1m", "call": "nvmlEventSetWait", "latency_ms": 3_600_000}], gpus=2), settings=settings)
+    try:
+        reader = reader_of(rig)
+        reader.start()
+        state = rig.poll()
+        assert state.snapshot is not None
+        uuids = [d.uuid for d in state.snapshot.gpus]
+        assert [sample(state, "gpuledger_gpu_events_up", gpu=str(i), uuid=u) for i, u in enumerate(uuids)] == [1, 1]
+        assert rig.pipeline.healthy()
+        rig.node.clock.advance(120)  # the reader's next wait does not return
+        deadline = time.monotonic() + 5
+        while rig.pipeline.healthy() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not rig.pipeline.healthy()  # within the wait (0.1 s) and the call budget (0.2 s)
+        state = rig.poll(15)
+        assert [sample(state, "gpuledger_gpu_events_up", gpu=str(i), uuid=u) for i, u in enumerate(uuids)] == [0, 0]
+        assert [sample(state, "gpuledger_gpu_up", gpu=str(i), uuid=u) for i, u in enumerate(uuids)] == [1, 1]
+        rig.pipeline.exit_after_s = 0.1  # the hard deadline passed
+        with pytest.raises(DriverHung, match=r"has not returned for \ds \(the driver-event reader\)"):
+            rig.poll(15)
     finally:
         rig.close()
 

@@ -218,7 +218,12 @@ def build_agent(
         )
         pipeline.open_devices()
         if settings.events.enabled and isinstance(backend, EventBackend):
-            pipeline.events = EventReader(backend, wait_s=settings.events.wait, retry_s=settings.events.retry)
+            pipeline.events = EventReader(
+                backend,
+                wait_s=settings.events.wait,
+                retry_s=settings.events.retry,
+                call_timeout_s=settings.watchdog.call_timeout,
+            )
         attributor = pipeline.attributor = _attributor(settings, node)
         priced: Costing | None = None
         if isinstance(costing, Costing):

@@ -16,6 +16,11 @@ The reader survives what the driver does to event sets:
   again every `retry_s` until the driver answers;
 - a GPU or a driver without events (NOT_SUPPORTED) is learned once and not asked again.
 
+A driver call can also hang for good (the watchdog's case, README "When the driver hangs"):
+a step of the thread (its wait, or opening the set) not done within its wait plus
+`call_timeout_s` is stuck. `stuck_since` says so, for /healthz and the hard deadline, and
+`events` then reads every GPU as not watched: nothing comes through a thread that waits in C.
+
 Without a thread (`simulate`, `snapshot`, tests that move a fake clock by hand), the pipeline
 calls `catch_up` at each poll: it takes what the driver has pending, without waiting.
 
@@ -28,9 +33,10 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 from agent.devices.backend import (
@@ -114,10 +120,13 @@ class EventReader:
         wait_s: float = 1.0,
         retry_s: float = 30.0,
         kinds: frozenset[EventKind] = ALL_EVENTS,
+        call_timeout_s: float = 15.0,
     ) -> None:
         self._backend = backend
         self.wait_s = wait_s
         self.retry_s = retry_s
+        self.call_timeout_s = call_timeout_s
+        self._step_began: float | None = None  # monotonic, while the thread is in a step
         self._kinds = kinds
         self._set: Any = None
         self._initialised = False
@@ -135,8 +144,21 @@ class EventReader:
 
     @property
     def events(self) -> DeviceEvents:
-        """What the reader has counted so far: a frozen value, replaced whenever it changes."""
-        return self._published
+        """What the reader has counted so far: a frozen value, replaced whenever it changes.
+        While the thread is stuck in a driver call, no GPU reads as watched."""
+        published = self._published
+        if self.stuck_since is None:
+            return published
+        return replace(published, gpus=tuple(replace(g, watched=False) for g in published.gpus), reading=False)
+
+    @property
+    def stuck_since(self) -> float | None:
+        """When (monotonic) the thread's step began, while it has been in it longer than its wait
+        plus `call_timeout_s`: a driver call that has not returned. None otherwise."""
+        began = self._step_began
+        if began is None or time.monotonic() - began <= self.wait_s + self.call_timeout_s:
+            return None
+        return began
 
     # -- running ------------------------------------------------------------------------------
 
@@ -189,6 +211,7 @@ class EventReader:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
+            self._step_began = time.monotonic()
             try:
                 outcome = self._step(self.wait_s)
             except Exception:
@@ -196,6 +219,8 @@ class EventReader:
                 log.exception("driver events: the reader failed; trying again")
                 self._close()
                 outcome = "idle"
+            finally:
+                self._step_began = None
             if outcome == "idle":
                 self._stopping.wait(self.wait_s)
             elif outcome == "reopened":
