@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -23,6 +24,7 @@ from exporters.prometheus import make_registry
 from fake_nvml import events as fake_events
 from fake_nvml.scenario import ScenarioError
 from tests.helpers import Rig
+from tests.test_cli import Daemon, polls_at_least
 
 HOUR = 3600.0
 
@@ -324,6 +326,21 @@ def test_a_reader_stuck_in_a_driver_call_fails_healthz_and_reads_as_not_watched(
             rig.poll(15)
     finally:
         rig.close()
+
+
+def test_sigterm_during_a_long_wait_ends_the_daemon_cleanly_within_the_grace(tmp_path: Path) -> None:
+    """events.wait may be up to 10 s. SIGTERM while the reader was in such a wait waited it
+    out, past the 4.5 s shutdown grace: the daemon was cut off with exit 1, saying a GPU driver
+    call was stuck, on a healthy node."""
+    daemon = Daemon(tmp_path, "--fake", env={"GPULEDGER_EVENTS__WAIT": "10s"})
+    daemon.wait_for(polls_at_least(1))
+    started = time.monotonic()
+    code = daemon.stop()
+    took_s = time.monotonic() - started
+    output = Path(daemon.log.name).read_text()
+    assert code == 0, output
+    assert took_s < 5.0
+    assert "shutdown did not finish" not in output
 
 
 def test_events_can_be_switched_off() -> None:

@@ -134,7 +134,10 @@ class Agent:
         self.closing = "an attribution source (the kubelet) does not answer"
         self.attributor.close()
         self.closing = "a GPU driver call is stuck"
-        events_stopped = self.events.stop() if self.events is not None else True
+        # The reader's wait in progress (events.wait, up to 10 s) is waited for only as long as
+        # the deadline leaves: past it the reader is left to end with the process, NVML open.
+        left_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+        events_stopped = self.events.stop(left_s) if self.events is not None else True
         if idle and events_stopped:
             self.sampler.close()
         if self.node is not None:
