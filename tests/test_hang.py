@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from agent import deadline
-from agent.attribution.sources.procfs import ProcessSource
+from agent.attribution.sources.procfs import Passwd, ProcessSource
 from agent.cli.wiring import build_agent
 from agent.config import Settings, WatchdogConfig
 from agent.deadline import CallTimeout, Worker
@@ -408,3 +408,27 @@ def test_a_proc_read_that_never_returns_delays_only_that_process(scenario: Path)
     finally:
         _unblock(environ)
         agent.close()
+
+
+def test_a_passwd_file_that_is_no_regular_file_neither_blocks_the_poll_nor_names_anyone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """attribution.passwd_file naming a FIFO (or /dev/stdin) blocked the poll for good in its
+    read, every poll after it waiting behind it. It is read only as a regular file: until it is
+    one, nobody is named, said once."""
+    passwd = tmp_path / "passwd"
+    os.mkfifo(passwd)
+    names = Passwd(passwd)
+    found: list[dict[int, str]] = []
+    reader = threading.Thread(target=lambda: found.extend(names.names({1000}) for _ in range(2)), daemon=True)
+    try:
+        reader.start()
+        reader.join(timeout=5)
+        assert not reader.is_alive(), "the poll is stuck reading the passwd file"
+    finally:
+        _unblock(passwd)
+    assert found == [{}, {}]
+    assert len([r for r in caplog.records if "not a regular file" in r.getMessage()]) == 1
+    passwd.unlink()
+    passwd.write_text("alice:x:1000:1000::/home/alice:/bin/bash\n")
+    assert names.names({1000}) == {1000: "alice"}

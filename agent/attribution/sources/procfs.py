@@ -36,6 +36,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from stat import S_ISREG
 
 from agent.attribution.facts import HostFacts
 from agent.attribution.recognise import recognise_model
@@ -194,6 +195,7 @@ class Passwd:
         self.path = Path(path)
         self._mtime: float | None = None
         self._names: Mapping[int, str] = {}
+        self._said_irregular = False
 
     def name(self, uid: int) -> str | None:
         self._refresh()
@@ -214,7 +216,16 @@ class Passwd:
             return
         names: dict[int, str] = {}
         try:
-            text = self.path.read_text(errors="replace")
+            # Not blocking in the open, and read only as a regular file: a FIFO (or /dev/stdin)
+            # named here would hold the poll for good, /dev/zero fill memory.
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            with open(fd, "rb") as file:
+                if not S_ISREG(os.fstat(fd).st_mode):
+                    if not self._said_irregular:
+                        self._said_irregular = True
+                        log.warning("passwd file %s is not a regular file: user names are not resolved", self.path)
+                    return
+                text = file.read().decode(errors="replace")
         except OSError:
             return
         for line in text.splitlines():
