@@ -30,7 +30,7 @@ from agent.config import Settings, WatchdogConfig
 from agent.deadline import CallTimeout, Worker
 from agent.model import AgentState
 from agent.pipeline import DriverHung
-from tests.test_cli import free_port
+from tests.test_cli import Daemon, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -432,3 +432,39 @@ def test_a_passwd_file_that_is_no_regular_file_neither_blocks_the_poll_nor_names
     passwd.unlink()
     passwd.write_text("alice:x:1000:1000::/home/alice:/bin/bash\n")
     assert names.names({1000}) == {1000: "alice"}
+
+
+def test_sigterm_ends_the_daemon_when_systemds_notify_queue_is_full(tmp_path: Path) -> None:
+    """A service manager that stops reading its notify socket (hung, or a wrapper that never
+    reads) fills its queue; STOPPING=1, sent before the shutdown's deadline is set, then waited
+    in sendto for good, and SIGTERM never ended the agent. A notification that cannot be
+    delivered now is dropped (and said)."""
+    path = tmp_path / "notify.sock"
+    manager = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    manager.bind(str(path))
+    manager.settimeout(30)
+    daemon = Daemon(tmp_path, "--fake", env={"NOTIFY_SOCKET": str(path)})
+    try:
+        assert manager.recv(100) == b"READY=1"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as flood:
+            flood.setblocking(False)
+            assert not _fill(flood, str(path))  # the queue's length is bounded: it fills
+        started = time.monotonic()
+        code = daemon.stop()
+        took_s = time.monotonic() - started
+    finally:
+        manager.close()
+    output = Path(daemon.log.name).read_text()
+    assert code == 0, output
+    assert took_s < 5.0
+    assert "cannot notify systemd" in output
+
+
+def _fill(sock: socket.socket, address: str, most: int = 100_000) -> bool:
+    """Send datagrams to `address` until its queue is full; True if it never filled."""
+    try:
+        for _ in range(most):
+            sock.sendto(b"x", address)
+    except BlockingIOError:
+        return False
+    return True

@@ -25,7 +25,10 @@ def notify(state: str) -> bool:
         address = "\0" + address[1:]  # an abstract socket
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.sendto(state.encode(), address)
+            # Never waiting: a manager that stops reading fills its queue, and a blocking send
+            # would then hold the agent for good (STOPPING=1 on the way out included). A state
+            # that cannot be delivered now is dropped, as a lost datagram would be.
+            sock.sendto(state.encode(), socket.MSG_DONTWAIT, address)
     except OSError as exc:
         log.warning("cannot notify systemd at %s: %s", address, exc.strerror or exc)
         return False
