@@ -363,15 +363,19 @@ def test_report_times_parse_into_range_or_value_error(value: str) -> None:
         ("web_config_file: NOWHERE/web.yaml\n", "missing/web.yaml: no such web config file"),
         ("ledger: {path: TMP}\n", "ledger.path: TMP is a directory, not a file"),
         ("ledger: {path: FILE/ledger.db}\n", "ledger.path: FILE is not a directory"),
+        # Its read at start-up waited for a writer for good.
+        ("actions: {state_file: FIFO}\n", "actions.state_file: FIFO is not a regular file"),
     ],
 )
 def test_check_config_refuses_what_run_refuses(tmp_path: Path, config: str, problem: str) -> None:
     (tmp_path / "file").write_text("")
+    os.mkfifo(tmp_path / "fifo")
     text = config.replace("NOWHERE", str(tmp_path / "missing")).replace("FILE", str(tmp_path / "file"))
-    text = text.replace("TMP", str(tmp_path))
+    text = text.replace("TMP", str(tmp_path)).replace("FIFO", str(tmp_path / "fifo"))
     path = tmp_path / "gpuledger.yaml"
     path.write_text(text)
     wanted = problem.replace("FILE", str(tmp_path / "file")).replace("TMP", str(tmp_path))
+    wanted = wanted.replace("FIFO", str(tmp_path / "fifo"))
     checked = gpuledger("check-config", str(path), timeout=30)
     assert checked.returncode == 2
     [line] = checked.stderr.splitlines()

@@ -168,6 +168,10 @@ def host_problems(actions: ActionsConfig, source: str, environ: dict[str, str] |
         state = Path(actions.state_file)
         if state.is_dir():
             problems.append(f"{source}: actions.state_file: {state} is a directory, not a file")
+        elif state.exists() and not state.is_file():
+            # A FIFO would hold the start-up in its read for good; a device (/dev/null) would be
+            # replaced by the first save.
+            problems.append(f"{source}: actions.state_file: {state} is not a regular file")
         else:
             parent = next((p for p in state.parents if p.exists()), None)
             if parent is not None and not parent.is_dir():
