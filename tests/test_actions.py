@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import stat
 import threading
 import time
@@ -220,6 +221,39 @@ def test_a_restarted_agent_does_not_act_twice_on_one_episode(receiver: Receiver,
         second.close()
     assert len(receiver.received) == 1
     assert counts(state, "page-idle-node") == {}
+
+
+def test_a_state_file_not_written_by_the_stop_is_said(
+    receiver: Receiver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The state file's filesystem stops answering: the decision to page went out, but its record
+    # never reaches the file, so a restarted agent pages again. The stop waited its second for
+    # the file and went on without a word.
+    gate = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            gate.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    trigger = Trigger("page-idle-node", "idle", "node", after_s=HOUR, dry_run=False, webhook_url=receiver.url)
+    rig = Rig({**IDLE_NODE, "processes": []}, settings=settings())
+    rig.pipeline.actions = actions = Actions([trigger], state_file=tmp_path / "actions.json")
+    try:
+        rig.poll()
+        run(rig, 80 * 60)  # the webhook went at 1h; its record waits on the file
+        settle(actions)
+        with caplog.at_level(logging.ERROR, logger="gpuledger.actions"):
+            actions.close(0.2)
+    finally:
+        gate.set()
+        rig.close()
+    assert len(receiver.received) == 1
+    [line] = [r.getMessage() for r in caplog.records if r.name == "gpuledger.actions"]
+    assert "not written within 0.2s" in line
+    assert "may act on them again" in line
 
 
 # -- commands --------------------------------------------------------------------------------

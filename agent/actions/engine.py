@@ -128,7 +128,12 @@ class _Saver:
             return self._cond.wait_for(lambda: self._pending is None and not self._writing, wait_s)
 
     def close(self, wait_s: float) -> None:
-        self.flush(wait_s)
+        if not self.flush(wait_s):
+            log.error(
+                "actions state %s: the latest decisions were not written within %gs (its filesystem does not "
+                "answer); a restarted agent may act on them again",
+                self._file.path, wait_s,
+            )  # fmt: skip
         with self._cond:
             self._closed = True
             self._cond.notify()
