@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -118,11 +119,17 @@ def test_workload_plus_idle_dollars_and_joules_add_up_to_each_gpus_cost(case: An
         reading = next(d for d in curr.gpus if d.uuid == g.uuid)
         if not reading.up and dt <= MAX_INTERVAL_S:  # a GPU down at the end: nothing observed, none idle
             assert (g.observed_s, g.idle_s, g.unobserved_reason) == (0.0, 0.0, reading.down_reason or "unreadable")
-    # Energy too, but for a GPU unobserved all the interval: what its counter counted is nobody's.
-    joules = sum(w.joules for w in charges.workloads) + sum(g.idle_joules for g in charges.gpus)
+    # Energy too, but for a GPU unobserved all the interval: what its counter counted is nobody's;
+    # a counter that went backwards (it restarted) measured nothing: unknown all through.
+    went_back = {g.uuid for g in curr.gpus if g.energy_j < next(d.energy_j for d in prev.gpus if d.uuid == g.uuid)}
+    for g in charges.gpus:
+        unknown = g.uuid in went_back
+        assert (g.joules is None, g.idle_joules is None) == (unknown, unknown)
+        assert all((w.joules is None) == unknown for w in charges.workloads if w.gpu == g.gpu)
+    joules = sum(w.joules or 0.0 for w in charges.workloads) + sum(g.idle_joules or 0.0 for g in charges.gpus)
     observed = [g for g in charges.gpus if g.observed_s > 0]
-    assert joules == pytest.approx(sum(g.joules for g in observed), rel=1e-9, abs=1e-9)
-    assert all(g.joules >= 0 for g in charges.gpus)
+    assert joules == pytest.approx(sum(g.joules or 0.0 for g in observed), rel=1e-9, abs=1e-9)
+    assert all(g.joules is None or g.joules >= 0 for g in charges.gpus)
     # Energy dollars: each figure is its joules at the price, so they add up like the joules.
     for g in charges.gpus:
         assert g.energy_dollars == energy_dollars(g.joules, per_kwh)
@@ -181,6 +188,35 @@ def test_energy_is_priced_once_at_the_price_per_kwh_and_unpriced_without_one() -
     assert [w.energy_dollars for w in unpriced.workloads] == [None, None]
     assert (unpriced.gpus[0].energy_dollars, unpriced.gpus[0].idle_energy_dollars) == (None, None)
     assert accumulate(CostTotals(), unpriced, forget_after_s=1e9).gpus[(0, "G")].energy_dollars is None
+
+
+def test_an_energy_counter_that_went_backwards_measured_nothing_not_0_joules() -> None:
+    # The driver reloaded (or the GPU reset) within the interval: the counter restarted from 0
+    # and reads 3 kJ where it read 5 MJ. When it restarted, and what it counted before, no
+    # reading says: the interval's energy is unknown, for the GPU, its holder and its idle time,
+    # as for a GPU without a counter. The next interval counts from the restarted reading:
+    # 3,000 J to 21,000 J, 18,000 J, all ann's. Dollars stay as they were: $3.60/h x 15 s = $0.015.
+    before = DeviceReading(index=0, uuid="G", name="x", up=True, energy_j=5_000_000.0)
+    restarted = replace(before, energy_j=3_000.0)
+    later = replace(before, energy_j=21_000.0)
+    node = NodeInfo("n")
+    attribution = Attribution(holdings=(Holding("G", Workload(user="ann"), sm_util=0.5),))
+    prices = {"G": Price(3.6, "t")}
+    reset = account(
+        Snapshot(0.0, node, (before,)), Snapshot(15.0, node, (restarted,)), attribution, prices,
+        max_interval_s=MAX_INTERVAL_S, energy_per_kwh=0.12,
+    )  # fmt: skip
+    [gpu], [ann] = reset.gpus, reset.workloads
+    assert (gpu.joules, gpu.idle_joules, gpu.energy_dollars) == (None, None, None)
+    assert (ann.joules, ann.energy_dollars) == (None, None)
+    assert ann.dollars == pytest.approx(0.015)
+    after = account(
+        Snapshot(15.0, node, (restarted,)), Snapshot(30.0, node, (later,)), attribution, prices,
+        max_interval_s=MAX_INTERVAL_S,
+    )  # fmt: skip
+    assert (after.gpus[0].joules, after.workloads[0].joules) == (pytest.approx(18_000.0), pytest.approx(18_000.0))
+    totals = accumulate(accumulate(CostTotals(), reset, forget_after_s=1e9), after, forget_after_s=1e9)
+    assert totals.gpus[(0, "G")].joules == pytest.approx(18_000.0)  # the measured interval only
 
 
 def test_finished_workloads_are_forgotten_after_the_horizon() -> None:

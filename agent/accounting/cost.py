@@ -231,7 +231,9 @@ def _energy_delta(
     held unobserved time (nobody saw who used the GPU), that time's share of it, pro rata by
     time (the gap's mean power), is nobody's: the holders are charged the rest. (None, None)
     where the counter measured nothing: the GPU has none, or it has not been read at both ends
-    (its energy is unknown, not 0; a later reading counts the gap)."""
+    (its energy is unknown, not 0; a later reading counts the gap), or it went backwards: it
+    restarts from 0 when the driver reloads or the GPU resets, at a moment no reading tells, so
+    the interval's energy is unknown too (0 J would read as measured)."""
     if curr.energy_j is None:
         return None, None
     if prev is not None and prev.energy_j is not None:
@@ -243,7 +245,7 @@ def _energy_delta(
     else:
         return None, None
     if delta < 0:
-        return 0.0, 0.0  # the counter restarts with the driver: skip, never go negative
+        return None, None
     if unseen_s <= 0 or span_s <= 0:
         return delta, delta
     return delta, delta * max(0.0, 1.0 - unseen_s / span_s)
