@@ -35,7 +35,15 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from agent.accounting.cost import LastEnergy, account, accumulate, cost_units, downtime, split_at_price_changes
+from agent.accounting.cost import (
+    LastEnergy,
+    account,
+    accumulate,
+    cost_units,
+    downtime,
+    split_at_price_changes,
+    spread_gap_energy,
+)
 from agent.accounting.unpriced import Unplaced, Unpriced
 from agent.accounting.usage import unit_usage
 from agent.attribution.gather import Attributor
@@ -513,6 +521,7 @@ class Pipeline:
             self._book_downtime(snapshot, costing)
             self._remember_holders(attribution)
             return None
+        polled_at = previous.taken_at
         booked = self._booked_until
         if booked is not None and snapshot.taken_at <= booked:
             self._clock_behind(snapshot.taken_at, booked)
@@ -533,6 +542,8 @@ class Pipeline:
             for placed in self._unplaced.place(snapshot, self._prices, costing.energy_per_kwh):
                 self._book(placed, snapshot, costing)
             return None
+        # Counters last read before the interval (an outage): their joules count from then.
+        counted_from = {u: e.at for u, e in self._last_energy.items() if e.at < polled_at}
         charges = account(
             previous,
             snapshot,
@@ -548,7 +559,7 @@ class Pipeline:
             charges = replace(charges, usage=unit_usage(snapshot, attribution))
         self._remember_holders(attribution)
         self._remember_energy(snapshot, charges)
-        self._book(charges, snapshot, costing)
+        self._book(charges, snapshot, costing, counted_from)
         return charges
 
     def _remember_energy(self, snapshot: Snapshot, charges: Charges | None) -> None:
@@ -572,16 +583,22 @@ class Pipeline:
             )  # fmt: skip
         self._behind_since = now
 
-    def _book(self, charges: Charges, snapshot: Snapshot, costing: Costing) -> None:
+    def _book(
+        self, charges: Charges, snapshot: Snapshot, costing: Costing, counted_from: Mapping[str, float] | None = None
+    ) -> None:
         """The one way charges reach the counters and the ledger: less the time of GPUs that
-        wait for a price, plus the waiting time of GPUs that have one now."""
+        wait for a price, plus the waiting time of GPUs that have one now. `counted_from`: when
+        each GPU's energy counter was last read, where that is before `charges` start."""
         kept = self._unpriced.hold(charges, snapshot, self._prices)
         for booked in (kept, *self._unpriced.release(snapshot, self._prices, costing.energy_per_kwh)):
             totals = accumulate(self._totals, booked, forget_after_s=costing.forget_after_s)
             if costing.sink is not None:
-                # The ledger splits a charge over its hours by time: cut where the price changes.
-                for piece in split_at_price_changes(booked, self._prices):
-                    costing.sink.add(piece)
+                # The ledger splits a charge over its hours by time: an outage's energy over the
+                # outage, and each part cut where the price changes.
+                gaps = spread_gap_energy(booked, counted_from) if booked is kept and counted_from else (booked,)
+                for part in gaps:
+                    for piece in split_at_price_changes(part, self._prices):
+                        costing.sink.add(piece)
             self._totals = totals  # only once the ledger has them too: counters and ledger agree
 
     def _remember_holders(self, attribution: Attribution) -> None:

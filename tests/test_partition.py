@@ -127,9 +127,9 @@ def test_a_driver_outage_is_unobserved_not_idle(run: Any) -> None:
     assert charged + idle + sum(unobserved.values()) == pytest.approx(1800 * PRICE / 3600)  # $1.80
 
 
-def report_by_user(tmp_path: Path, scenario: str, *simulate_args: str) -> dict[str, Any]:
-    """`report --by user --format json` of the scenario simulated (`simulate_args`: --for, ...)
-    into a fresh ledger at PRICE a GPU-hour and $0.12 a kWh."""
+def simulated_ledger(tmp_path: Path, scenario: str, *simulate_args: str) -> Path:
+    """The ledger of the scenario simulated (`simulate_args`: --for, ...) at PRICE a GPU-hour
+    and $0.12 a kWh."""
     path = tmp_path / "scenario.yaml"
     path.write_text(scenario)
     config = tmp_path / "config.yaml"
@@ -137,6 +137,12 @@ def report_by_user(tmp_path: Path, scenario: str, *simulate_args: str) -> dict[s
     ledger = tmp_path / "ledger.db"
     result = gpuledger("simulate", str(path), *simulate_args, "--config", str(config), "--ledger", str(ledger))
     assert result.returncode == 0, result.stderr
+    return ledger
+
+
+def report_by_user(tmp_path: Path, scenario: str, *simulate_args: str) -> dict[str, Any]:
+    """`report --by user --format json` of the scenario simulated into a fresh ledger."""
+    ledger = simulated_ledger(tmp_path, scenario, *simulate_args)
     report = gpuledger("report", "--ledger", str(ledger), "--by", "user", "--format", "json")
     assert report.returncode == 0, report.stderr
     document: dict[str, Any] = json.loads(report.stdout)
@@ -231,6 +237,38 @@ def test_energy_counted_while_a_gpu_was_lost_is_unobserved_not_dropped(tmp_path:
     total = document["total"]
     assert total["energy_kwh"] == pytest.approx(0.5)  # 1,800,000 J: all the counter counted
     assert total["energy_dollars"] == pytest.approx(0.06)
+
+
+def test_energy_counted_over_an_outage_goes_to_the_hours_of_the_outage_not_the_hour_it_ends(
+    tmp_path: Path,
+) -> None:
+    # As above, 250 W throughout (50 W idle + 50% of the 400 W up to the 450 W limit), but the
+    # GPU is lost from 30m to 90m, across the hour at 60m. The counter cannot be read meanwhile;
+    # its 250 W x the gap's seconds arrive at the poll that ends the outage. Every hour holds
+    # its own 250 W x 3600 s = 900,000 J, split by time like the outage's dollars: ann's
+    # 250 W x her observed seconds of the hour, and the rest, 250 W x its unobserved seconds,
+    # nobody's. Before, the second hour got all of the gap's energy (1,365,000 J) and the first
+    # only ann's (435,000 J), though the GPU drew the same power in both.
+    ledger = simulated_ledger(
+        tmp_path,
+        "start: 2026-11-20T18:00:00Z\n"
+        "node: {hostname: n1}\n"
+        "gpus: [{count: 1, power_limit_w: 450, idle_power_w: 50}]\n"
+        "processes: [{pid: 1, gpus: [0], sm_util: 50, memory_mib: 1000, uid: 1000, user: ann}]\n"
+        "faults: [{at: 30m, until: 90m, gpu: 0, error: GPU_IS_LOST}]\n",
+        "--for", "2h", "--step", "60s",
+    )  # fmt: skip
+    with sqlite3.connect(ledger) as db:
+        hours = db.execute(
+            "SELECT g.hour, g.observed_s, g.unobserved_s, g.joules, w.joules FROM gpu_hours g"
+            " JOIN workload_hours w ON w.hour = g.hour AND w.uuid = g.uuid ORDER BY g.hour"
+        ).fetchall()
+    assert len(hours) == 2
+    for _hour, observed_s, unobserved_s, gpu_joules, ann_joules in hours:
+        assert unobserved_s >= 1800  # half of each hour lost, and the polls around it
+        assert gpu_joules == pytest.approx(250 * 3600)  # 900,000 J
+        assert ann_joules == pytest.approx(250 * observed_s)
+        assert gpu_joules - ann_joules == pytest.approx(250 * unobserved_s)  # nobody's
 
 
 def test_a_clock_set_back_never_charges_the_same_time_twice(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -569,6 +569,53 @@ def downtime(
     return Charges(start=start, end=end, node=snapshot.node.hostname, energy_per_kwh=energy_per_kwh, gpus=gpus)
 
 
+def spread_gap_energy(charges: Charges, counted_from: Mapping[str, float]) -> tuple[Charges, ...]:
+    """`charges`, with the energy no holder was charged of each GPU whose counter counts from
+    before their start (`counted_from`, by uuid: its last reading before an outage) moved into a
+    charge of its own over that whole gap, so the ledger spreads it over the hours the gap spans,
+    pro rata by time (the gap's mean power), as it does the gap's dollars, and not all into the
+    hour that ends it. The holders' and idle joules stay in the interval. Only joules move: the
+    pieces add up to `charges`."""
+    moved: dict[str, float] = {}
+    for g in charges.gpus:
+        since = counted_from.get(g.uuid)
+        if since is None or not since < charges.start or g.joules is None:
+            continue
+        held = sum(w.joules or 0.0 for w in charges.workloads if w.gpu == g.gpu) + (g.idle_joules or 0.0)
+        if g.joules - held > 0:
+            moved[g.uuid] = g.joules - held
+    if not moved:
+        return (charges,)
+    per_kwh = charges.energy_per_kwh
+    gpus = tuple(
+        replace(g, joules=(j := g.joules - moved[g.uuid]), energy_dollars=energy_dollars(j, per_kwh))
+        if g.uuid in moved and g.joules is not None
+        else g
+        for g in charges.gpus
+    )
+    gaps = tuple(
+        Charges(
+            start=counted_from[g.uuid],
+            end=charges.end,
+            node=charges.node,
+            energy_per_kwh=per_kwh,
+            gpus=(_joules_only(g, moved[g.uuid], per_kwh),),
+        )
+        for g in charges.gpus
+        if g.uuid in moved
+    )
+    return (replace(charges, gpus=gpus), *gaps)
+
+
+def _joules_only(g: GpuCharge, joules: float, per_kwh: float | None) -> GpuCharge:
+    """`g` holding `joules` and no time, dollars or idle energy."""
+    return replace(
+        g, observed_s=0.0, dollars=0.0, idle_s=0.0, idle_dollars=0.0, unobserved_s=0.0, unobserved_dollars=0.0,
+        joules=joules, idle_joules=0.0, energy_dollars=energy_dollars(joules, per_kwh),
+        idle_energy_dollars=energy_dollars(0.0, per_kwh), idle_by=(), busy_s=None,
+    )  # fmt: skip
+
+
 def split_at_price_changes(charges: Charges, prices: Mapping[str, Price | None]) -> tuple[Charges, ...]:
     """`charges` cut at each price change that falls inside their interval: one piece per price.
 
