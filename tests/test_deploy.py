@@ -193,9 +193,59 @@ def test_helm_lint_finds_nothing(values: Path | None) -> None:
 # -- what the DaemonSet may do --------------------------------------------------------------------
 
 
+def _matches(expression: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """Whether a node with `labels` matches one nodeSelectorRequirement (the operators the
+    Kubernetes API defines for node affinity)."""
+    key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+    value = labels.get(key)
+    if operator == "Exists":
+        return value is not None
+    if operator == "DoesNotExist":
+        return value is None
+    if operator == "In":
+        return value in values
+    if operator == "NotIn":
+        return value not in values
+    assert operator in ("Gt", "Lt"), operator
+    if value is None or not value.lstrip("-").isdigit():
+        return False
+    return int(value) > int(values[0]) if operator == "Gt" else int(value) < int(values[0])
+
+
+def schedules_on(pod: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """Whether the scheduler may place `pod` on a node with `labels`, by its label constraints:
+    every nodeSelector label, and any one of its required node affinity's terms (each term
+    matching when all its expressions do)."""
+    if any(labels.get(key) != value for key, value in pod.get("nodeSelector", {}).items()):
+        return False
+    required = pod.get("affinity", {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    if required is None:
+        return True
+    return any(
+        all(_matches(e, labels) for e in term.get("matchExpressions", [])) for term in required["nodeSelectorTerms"]
+    )
+
+
+# Nodes as their providers label them: the GPU Operator's feature discovery sets
+# nvidia.com/gpu.present on GPU nodes; GKE sets cloud.google.com/gke-accelerator (the GPU type)
+# on its GPU nodes and not on CPU-only ones, which carry only its pool labels.
+GPU_OPERATOR_NODE = {"kubernetes.io/os": "linux", "nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": "8"}
+GKE_GPU_NODE = {
+    "kubernetes.io/os": "linux",
+    "cloud.google.com/gke-nodepool": "gpu-pool",
+    "cloud.google.com/gke-accelerator": "nvidia-l4",
+    "cloud.google.com/gke-accelerator-count": "1",
+}
+GKE_CPU_NODE = {"kubernetes.io/os": "linux", "cloud.google.com/gke-nodepool": "default-pool"}
+CPU_NODE = {"kubernetes.io/os": "linux", "nvidia.com/gpu.present": "false"}
+
+
 def test_the_pod_runs_on_gpu_nodes_through_the_nvidia_runtime(rendered: Objects) -> None:
     pod = the(rendered, "DaemonSet")["spec"]["template"]["spec"]
-    assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+    # ci/all-on-values.yaml adds a node role label and replaces the affinity with its own term.
+    extra = {"node-role.kubernetes.io/gpu": ""} if pod.get("nodeSelector") else {}
+    assert schedules_on(pod, GPU_OPERATOR_NODE | extra)
+    assert not schedules_on(pod, CPU_NODE | extra)
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["runtimeClassName"] == "nvidia"
     env = {e["name"]: e.get("value") for e in agent_container(rendered)["env"]}
@@ -204,6 +254,33 @@ def test_the_pod_runs_on_gpu_nodes_through_the_nvidia_runtime(rendered: Objects)
     # It takes no GPU from the workloads it watches.
     resources = agent_container(rendered)["resources"]
     assert not [name for amounts in resources.values() for name in amounts if name.startswith("nvidia.com/")]
+
+
+def test_by_default_the_pod_reaches_gke_gpu_nodes_too_and_no_cpu_only_node(defaults: Objects) -> None:
+    # GKE does not run the GPU Operator's feature discovery: its GPU nodes carry no
+    # nvidia.com/gpu.present label, and a nodeSelector on that label alone left them without an
+    # agent. Either label is enough now; a node with neither, on GKE or elsewhere, gets none.
+    pod = the(defaults, "DaemonSet")["spec"]["template"]["spec"]
+    assert schedules_on(pod, GPU_OPERATOR_NODE)
+    assert schedules_on(pod, GKE_GPU_NODE)
+    assert not schedules_on(pod, GKE_CPU_NODE)
+    assert not schedules_on(pod, CPU_NODE)
+    # GKE taints its GPU nodes nvidia.com/gpu=present:NoSchedule: tolerated.
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+
+
+def test_the_gpu_node_affinity_can_be_replaced_or_dropped() -> None:
+    # Terms of your own replace the two defaults (Helm replaces lists whole).
+    own_label = {"nodeSelectorTerms": [{"matchExpressions": [{"key": "example.com/gpu", "operator": "Exists"}]}]}
+    values = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": own_label}}}
+    pod = the(render(values), "DaemonSet")["spec"]["template"]["spec"]
+    assert schedules_on(pod, {"example.com/gpu": "a100"})
+    assert not schedules_on(pod, GKE_GPU_NODE)
+    # affinity: null leaves the pods placed by nodeSelector alone.
+    pod = the(render({"affinity": None, "nodeSelector": {"pool": "gpu"}}), "DaemonSet")["spec"]["template"]["spec"]
+    assert "affinity" not in pod
+    assert schedules_on(pod, {"pool": "gpu"})
+    assert not schedules_on(pod, GPU_OPERATOR_NODE)
 
 
 def test_the_pod_holds_only_the_privileges_its_reads_need(rendered: Objects) -> None:
