@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 from agent.cli.reportpage import html_from_ledgers
 from agent.config import load_config
+from agent.ledger import charts
 from agent.ledger.page import bucket_size, bucket_start, cents_adding_up, spend_over_time
 from agent.ledger.read import UsageRow
 from agent.ledger.report import build_report, parse_by
@@ -487,3 +489,19 @@ def test_ten_days_are_daily_bars_that_add_up_to_the_report() -> None:
     # Job 2, drawn as "other": $0.5 an hour for its first 24 hours: $3 on Nov 20, $9 on Nov 21.
     assert series["other (1)"] == pytest.approx((3.0, 9.0, *([0.0] * 9)))
     assert series["(idle)"] == (0.0,) * 11
+
+
+def dollar_ticks(svg: str) -> list[str]:
+    """The dollar tick labels of a chart: matplotlib draws each text as outlines and writes the
+    text itself in a comment beside them."""
+    return [text for text in re.findall(r"<!-- (.*?) -->", svg) if text.startswith("$")]
+
+
+def test_dollar_ticks_show_the_cents_of_steps_under_a_dollar() -> None:
+    idle = [charts.Series("idle dollars", (2.5, 1.2), charts.IDLE_COLOUR)]
+    small = charts.horizontal_bars(["job 1", "job 2"], idle, xlabel="idle dollars", title="idle")
+    # Ticks every $0.50 up to $2.50: each shown as it is, not rounded to "$0, $0, $1, $2, $2, $2".
+    assert dollar_ticks(small) == ["$0.00", "$0.50", "$1.00", "$1.50", "$2.00", "$2.50"]
+    spend = [charts.Series("job 1", (3000.0, 2000.0), charts.PALETTE[0])]
+    large = charts.time_bars([FRIDAY, FRIDAY + 3600], 3600, spend, ylabel="dollars per hour", title="spend")
+    assert dollar_ticks(large) == ["$0", "$500", "$1,000", "$1,500", "$2,000", "$2,500", "$3,000"]

@@ -144,7 +144,21 @@ def _figure(height_in: float) -> tuple[Any, Any]:
 
 
 def _money_axis(axis: Any) -> None:
-    axis.set_major_formatter(_module("matplotlib.ticker").StrMethodFormatter("${x:,.0f}"))
+    # Each tick gets the decimals all the axis's ticks need: whole dollars would label ticks at
+    # $0.50 steps "$0, $0, $1, $2, $2".
+    ticker = _module("matplotlib.ticker")
+    axis.set_major_formatter(ticker.FuncFormatter(lambda x, _pos: money_tick(x, axis.get_majorticklocs())))
+
+
+def money_tick(value: float, ticks: Sequence[float]) -> str:
+    """`value` in dollars with as many decimals as `ticks`, the axis's tick values, need to show
+    each as it is: none for whole dollars, cents where a step is under a dollar, more below a cent."""
+    decimals = next((d for d in (0, 2, 3, 4, 5, 6) if all(_whole(t * 10**d) for t in ticks)), 6)
+    return f"${value:,.{decimals}f}"
+
+
+def _whole(scaled: float) -> bool:
+    return abs(scaled - round(scaled)) < 1e-6
 
 
 def _legend(ax: Any, handles: list[tuple[Any, str]]) -> None:
