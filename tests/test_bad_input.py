@@ -73,6 +73,9 @@ ARGUMENT_CASES = [
     (("report", "--ledger", "pyproject.toml"), "ledger pyproject.toml: is not a ledger (not an SQLite database)"),
     (("report", "--ledger", "/dev/null"), "ledger /dev/null: is not a regular file"),  # it said "no such file"
     (("report", "--ledger", "pyproject.toml", "--since", "2026-13-45"), "gpuledger: --since: expected a time"),
+    # An empty time was read as no bound at all: the whole ledger, silently.
+    (("report", "--ledger", "pyproject.toml", "--since", ""), "gpuledger: --since: expected a time"),
+    (("export", "--ledger", "pyproject.toml", "--until", ""), "gpuledger: --until: expected a time"),
     (("report", "--ledger", "a\x1b[31mb.db"), "no such ledger file a\\x1b[31mb.db"),
     # 2.6 billion polls were accepted and would have run for days; a fake node faster than a year
     # a minute overflowed the clock at every poll, with a traceback each.

@@ -36,8 +36,9 @@ def positive_finite(value: float, option: str) -> float:
 
 
 def time_arg(text: str | None, option: str, now: float) -> float | None:
-    """--since / --until as unix seconds (None where not given); bad input names the option."""
-    if not text:
+    """--since / --until as unix seconds (None where not given); bad input names the option, an
+    empty value too (`--since "$START"` with START unset must not mean "from the beginning")."""
+    if text is None:
         return None
     try:
         return parse_time(text, now)
