@@ -197,6 +197,22 @@ def test_an_out_that_is_not_a_file_is_refused_and_left_alone(ledgers: list[Path]
     assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
+def test_an_out_that_is_a_ledger_is_refused_and_left_alone(ledgers: list[Path], tmp_path: Path) -> None:
+    # `--out demo.db` for `--out demo.csv` replaced the ledger with its own export: every charge
+    # it recorded was lost (and a running agent, finding its file replaced, started a new one).
+    ledger = tmp_path / "demo.db"
+    ledger.write_bytes(ledgers[0].read_bytes())
+    before = ledger.read_bytes()
+    for args in (("export", "--ledger", str(ledger)), ("report", "--ledger", str(ledgers[1]), "--format", "csv")):
+        result = gpuledger(*args, "--out", str(ledger))
+        assert (result.returncode, result.stderr.strip()) == (
+            2,
+            f"gpuledger: --out: {ledger} is an SQLite database (a ledger?): name another file",
+        )
+    assert ledger.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
 def test_an_out_that_is_a_symlink_is_written_through(ledgers: list[Path], tmp_path: Path) -> None:
     real = tmp_path / "real.csv"
     real.write_text("old\n")

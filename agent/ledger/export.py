@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from agent.errors import BadInputError
+from agent.ledger.files import is_sqlite_file
 from agent.ledger.pending import HOUR_S
 from agent.ledger.read import UsageRow, read_ledger
 from agent.ledger.report import check_overlaps, csv_text, measured_seconds
@@ -213,11 +214,16 @@ def replacing(target: Path, option: str = "--out") -> Iterator[IO[bytes]]:
     A symlink is written through (its target is replaced; the link stays). Anything else that
     is not a regular file is refused (BadInputError, naming `option`) before anything is
     written: renaming over a device, a FIFO or a socket would destroy it (`--out /dev/full`
-    once replaced the device with a file), and its reader would never see the output."""
+    once replaced the device with a file), and its reader would never see the output. So is an
+    SQLite database: a ledger, which no output may replace."""
     real = Path(os.path.realpath(target))
     if real.exists() and not real.is_file():
         kind = "a directory" if real.is_dir() else "not a regular file"
         raise BadInputError(f"gpuledger: {option}: {target} is {kind}: name a file to write")
+    if is_sqlite_file(real):
+        # No output is a database: this is a ledger (`--out ledger.db` for `--out ledger.csv`),
+        # and replacing it would lose every charge it records for their report.
+        raise BadInputError(f"gpuledger: {option}: {target} is an SQLite database (a ledger?): name another file")
     # The file keeps the mode of the one it replaces (a report kept private stays private);
     # a new one gets what the umask leaves of rw-rw-rw-, as any file the user creates.
     mode = stat.S_IMODE(real.stat().st_mode) if real.exists() else 0o666 & ~_umask()

@@ -113,14 +113,15 @@ def unusable(path: Path) -> str | None:
         return "is a directory"
     if not path.is_file():
         return "is not a regular file"
-    if path.stat().st_size and not _is_sqlite_file(path):
+    if path.stat().st_size and not is_sqlite_file(path):
         return "is not a ledger (not an SQLite database)"
     return None
 
 
-def _is_sqlite_file(path: Path) -> bool:
+def is_sqlite_file(path: Path) -> bool:
     """Whether `path` starts with SQLite's header: only such a file is ever moved aside as corrupt;
-    anything else at the ledger's path (a mistyped --ledger README.md) is refused and left alone."""
+    anything else at the ledger's path (a mistyped --ledger README.md) is refused and left alone.
+    Nor is such a file ever replaced by an output (`export.replacing`)."""
     try:
         with path.open("rb") as f:
             return f.read(len(_SQLITE_HEADER)) == _SQLITE_HEADER
@@ -175,7 +176,7 @@ def open_file(
     flush). `CorruptLedger` for damaged pages."""
     if path.exists() and not path.is_file():
         raise LedgerError(f"ledger {path}: {unusable(path)}")
-    existing = _is_sqlite_file(path)
+    existing = is_sqlite_file(path)
     try:
         # isolation_level=None: transactions are the explicit BEGIN/COMMIT in this module only.
         conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
