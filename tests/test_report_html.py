@@ -23,12 +23,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.cli.reportpage import html_from_ledgers
+from agent.cli.reportpage import GENERATOR, html_from_ledgers
 from agent.config import load_config
 from agent.ledger import charts
-from agent.ledger.page import bucket_size, bucket_start, cents_adding_up, spend_over_time
+from agent.ledger.page import bucket_size, bucket_start, cents_adding_up, render_html, spend_over_time
 from agent.ledger.read import UsageRow
-from agent.ledger.report import build_report, parse_by
+from agent.ledger.report import build_report, parse_by, render
 from agent.ledger.store import Ledger
 from agent.model import Workload
 from tests.test_cli import gpuledger
@@ -505,3 +505,26 @@ def test_dollar_ticks_show_the_cents_of_steps_under_a_dollar() -> None:
     spend = [charts.Series("job 1", (3000.0, 2000.0), charts.PALETTE[0])]
     large = charts.time_bars([FRIDAY, FRIDAY + 3600], 3600, spend, ylabel="dollars per hour", title="spend")
     assert dollar_ticks(large) == ["$0", "$500", "$1,000", "$1,500", "$2,000", "$2,500", "$3,000"]
+
+
+def test_each_column_of_the_table_and_the_page_adds_up_to_total_to_the_cent() -> None:
+    # Three jobs, one GPU-hour each, half of it used. Each rounded alone, the dollars read $1.01 +
+    # $2.01 + $3.01 = $6.03 under a TOTAL of $1.007 + $2.006 + $3.009 = $6.022, $6.02; the waste
+    # (half of each) $0.50 + $1.00 + $1.50 = $3.00 under $0.5035 + $1.003 + $1.5045 = $3.011, $3.01.
+    jobs = [(Workload(hpc_job="1"), 1.007), (Workload(hpc_job="2"), 2.006), (Workload(hpc_job="3"), 3.009)]
+    rows = [row for workload, dollars in jobs for row in hourly_rows(workload, dollars, 1)]
+    report = build_report(rows, ("hpc_job",))
+    # Largest remainder: the dollars' cents 100.7, 200.6, 300.9 floor to 600, two short of 602:
+    # the two largest remainders (.9, .7) take one each. The waste's 50.35, 100.3, 150.45 floor to
+    # 300, one short of 301: the largest (.45) takes it.
+    dollars = {"3": "3.01", "2": "2.00", "1": "1.01", "(idle)": "0.00", "(unobserved)": "0.00", "TOTAL": "6.02"}
+    waste = {"3": "1.51", "2": "1.00", "1": "0.50", "(idle)": "0.00", "(unobserved)": "-", "TOTAL": "3.01"}
+    table = [line.split() for line in render(report, "table").splitlines()[4:] if line and line[0] != "-"]
+    assert {cells[0]: cells[1] for cells in table} == dollars
+    assert {cells[0]: cells[5] for cells in table} == waste
+    # The page's table shows the same text; its data-value keeps each figure whole.
+    page = read_page(render_html(report, rows, None, generator=GENERATOR)).tables["rows"]
+    names = [*(json.loads(r["attrs"]["data-key"])["hpc_job"] for r in page[:3]), "(idle)", "(unobserved)", "TOTAL"]
+    assert dict(zip(names, (shown(r)["dollars"] for r in page), strict=True)) == dollars
+    assert dict(zip(names, (shown(r)["waste_dollars"] for r in page), strict=True)) == waste
+    assert figures(page[0])["dollars"] == 3.009

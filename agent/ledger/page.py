@@ -41,7 +41,9 @@ from agent.ledger.report import (
     _run_figures,
     _span,
     build_report,
+    cents_adding_up,
     left_by_name,
+    shown_figures,
 )
 from agent.model import Workload
 from agent.units import iso_time
@@ -222,19 +224,6 @@ def _tile(figure: str, label: str, value: float | None, shown: str, sub: str) ->
         f'<div class="label">{escape(label)}</div><div class="value">{escape(shown)}</div>'
         f'<div class="sub">{escape(sub)}</div></div>'
     )
-
-
-def cents_adding_up(parts: Sequence[float], total: float) -> list[float]:
-    """`parts` in whole cents that add up to `total` in whole cents (largest remainder): shown
-    side by side as a sum, each rounded alone can miss the total by a cent ($17.654 + $2.934 =
-    $20.588 reads $17.65 + $2.93 = $20.59)."""
-    cents = [p * 100 for p in parts]
-    kept = [math.floor(c) for c in cents]
-    short = round(total * 100) - sum(kept)
-    by_remainder = sorted(range(len(parts)), key=lambda i: cents[i] - kept[i], reverse=True)
-    for i in by_remainder[: max(0, min(short, len(parts)))]:
-        kept[i] += 1
-    return [k / 100 for k in kept]
 
 
 def _summary(report: Report) -> list[str]:
@@ -448,8 +437,11 @@ def _savings_section(advice: Sequence[Recommendation] | None) -> list[str]:
     return out
 
 
-def _num_cell(field: str, value: float | None) -> str:
-    return f'<td class="num" data-field="{field}" data-value="{_value(value)}">{escape(_shown(field, value))}</td>'
+def _num_cell(field: str, value: float | None, shown: float | None = None) -> str:
+    """A number cell: `value` at full precision in data-value; the text `shown` (the value
+    where not given), as `_shown` writes it."""
+    text = _shown(field, value if shown is None else shown)
+    return f'<td class="num" data-field="{field}" data-value="{_value(value)}">{escape(text)}</td>'
 
 
 def _table_section(report: Report) -> list[str]:
@@ -463,9 +455,14 @@ def _table_section(report: Report) -> list[str]:
     )
     blank = "<td></td>" * (len(report.by) + len(runs) - 1)
 
-    def numbers(line: ReportLine, *, efficiency: bool = True) -> str:
+    idle_rows = _idle_rows(report)
+    # The cells' text adds up to TOTAL's column by column, as `gpuledger report`'s table does.
+    shown = iter(shown_figures(report, [line for _, line in idle_rows]))
+
+    def numbers(line: ReportLine, *, efficiency: bool = True, total: bool = False) -> str:
         figures = _figures(line, efficiency=efficiency)
-        return "".join(_num_cell(field, figures[field]) for field, _ in columns)
+        text = figures if total else next(shown)
+        return "".join(_num_cell(field, figures[field], text[field]) for field, _ in columns)
 
     body = []
     for line in report.lines:
@@ -474,7 +471,7 @@ def _table_section(report: Report) -> list[str]:
         if report.runs:
             cells += "".join(f"<td>{escape(str(v or '-'))}</td>" for v in _run_figures(line).values())
         body.append(f'<tr class="group" data-kind="group" data-key="{escape(key)}">{cells}{numbers(line)}</tr>')
-    for name, line in _idle_rows(report):
+    for name, line in idle_rows:
         labels = json.dumps((line.left_by or Workload()).label_dict(), sort_keys=True)
         body.append(
             f'<tr class="idle" data-kind="idle" data-left-by="{escape(labels)}"><td>{escape(IDLE_LABEL)} left by '
@@ -484,7 +481,8 @@ def _table_section(report: Report) -> list[str]:
         f'<tr class="unobserved" data-kind="unobserved"><td>{escape(UNOBSERVED_LABEL)}</td>{blank}'
         f"{numbers(report.unobserved)}</tr>"
     )
-    body.append(f'<tr class="total" data-kind="total"><td>{TOTAL_LABEL}</td>{blank}{numbers(report.total)}</tr>')
+    total = numbers(report.total, total=True)
+    body.append(f'<tr class="total" data-kind="total"><td>{TOTAL_LABEL}</td>{blank}{total}</tr>')
     return [
         _section("table", "Every row"),
         '<p class="note">The same rows as <code>gpuledger report</code> prints, largest first.</p>',

@@ -26,7 +26,9 @@ Choices a reader of the output should know:
 - TOTAL is the sum of every workload row, the idle row and the unobserved row: all the GPU time
   paid for. Its figures are summed (math.fsum, exactly rounded) from the ledger's own, never
   from the rounded ones shown; its efficiency is GPU-hours used over all GPU-hours paid for
-  (time nobody observed counts as unused: as far as anyone saw).
+  (time nobody observed counts as unused: as far as anyone saw). The table shows each column's
+  rows in whole cents that add up to TOTAL's (`shown_figures`), so a row may read a cent off
+  what it rounds to alone; CSV and JSON carry every figure unrounded.
 - The ledger keeps hours, so a range is read as whole hours: every hour that overlaps
   [since, until) counts, and the output states the hours it covers.
 - Efficiency is used/charged: a percent in the table; in CSV and JSON `efficiency_ratio`, 0-1
@@ -485,14 +487,13 @@ def _maybe(value: float | None) -> str:
     return "-" if value is None else _amount(value)
 
 
-def _numbers(line: ReportLine, energy: tuple[bool, bool], *, efficiency: bool = True) -> list[str]:
-    """The line's figures, "-" where unknown; `energy` says whether the table shows (kWh, energy
-    dollars)."""
+def _numbers(figures: dict[str, float | None], energy: tuple[bool, bool]) -> list[str]:
+    """A line's figures (`shown_figures`), "-" where unknown; `energy` says whether the table shows
+    (kWh, energy dollars)."""
     with_kwh, with_energy_dollars = energy
-    figures = _figures(line, efficiency=efficiency)
     return [
-        _amount(line.dollars),
-        _amount(line.gpu_hours_charged),
+        _maybe(figures["dollars"]),
+        _maybe(figures["gpu_hours_charged"]),
         _maybe(figures["gpu_hours_used"]),
         _percent(figures["efficiency_ratio"]),
         _maybe(figures["waste_dollars"]),
@@ -539,18 +540,19 @@ def _render_table(report: Report) -> str:
     shown_energy = [name for name, shown in zip(_ENERGY_HEADERS, energy, strict=True) if shown]
     run_headers = list(_RUN_HEADERS) if report.runs else []
     header = [key.upper() for key in report.by] + run_headers + list(_NUMBER_HEADERS) + shown_energy
+    idle_lines = _idle_lines(report)
+    shown = shown_figures(report, [line for _, line in idle_lines])
     body = [
-        [value or NONE_LABEL for value in line.key] + (_run(line) if report.runs else []) + _numbers(line, energy)
-        for line in report.lines
+        [value or NONE_LABEL for value in line.key] + (_run(line) if report.runs else []) + _numbers(figures, energy)
+        for line, figures in zip(report.lines, shown, strict=False)
     ]
     key_count += len(run_headers)  # the run's columns align left, like the keys
-    # Nobody held the idle GPUs, so there is no used/charged to speak of.
     idle = [
-        [label] + [""] * (key_count - 1) + _numbers(line, energy, efficiency=False)
-        for label, line in _idle_lines(report)
+        [label] + [""] * (key_count - 1) + _numbers(figures, energy)
+        for (label, _), figures in zip(idle_lines, shown[len(report.lines) :], strict=False)
     ]
-    unobserved = [UNOBSERVED_LABEL] + [""] * (key_count - 1) + _numbers(report.unobserved, energy)
-    total = [TOTAL_LABEL] + [""] * (key_count - 1) + _numbers(report.total, energy)
+    unobserved = [UNOBSERVED_LABEL] + [""] * (key_count - 1) + _numbers(shown[-1], energy)
+    total = [TOTAL_LABEL] + [""] * (key_count - 1) + _numbers(_figures(report.total), energy)
     widths = [max(len(row[i]) for row in [header, *body, *idle, unobserved, total]) for i in range(len(header))]
 
     def fmt(row: list[str]) -> str:
@@ -605,6 +607,46 @@ def _figures(line: ReportLine, *, efficiency: bool = True) -> dict[str, float | 
         "energy_kwh": line.energy_kwh if line.observed or (line.joules or 0.0) > 0 else None,
         "energy_dollars": line.energy_dollars,
     }
+
+
+# The figures TOTAL sums: shown to the cent, the rows' add up to TOTAL's.
+_SUMMED_FIELDS = ("dollars", "gpu_hours_charged", "gpu_hours_used", "waste_dollars", "energy_kwh", "energy_dollars")
+
+
+def shown_figures(report: Report, idle: Sequence[ReportLine]) -> list[dict[str, float | None]]:
+    """The figures of the lines a table shows above TOTAL (the report's lines, `idle`: its idle line
+    or the lines by left_by, then the unobserved line), each summed figure in whole cents so that
+    the column adds up to TOTAL's to the cent (`cents_adding_up`): each rounded alone, five rows
+    can miss TOTAL by two cents. TOTAL stays the exact sum, rounded; CSV and JSON carry every
+    figure unrounded."""
+    shown = [
+        *(_figures(line) for line in report.lines),
+        # Nobody held the idle GPUs, so there is no used/charged to speak of.
+        *(_figures(line, efficiency=False) for line in idle),
+        _figures(report.unobserved),
+    ]
+    whole = _figures(report.total)
+    for name in _SUMMED_FIELDS:
+        wanted = whole[name]
+        known = [figures for figures in shown if figures[name] is not None]
+        if wanted is None or not known:
+            continue
+        for figures, cents in zip(known, cents_adding_up([f[name] or 0.0 for f in known], wanted), strict=True):
+            figures[name] = cents
+    return shown
+
+
+def cents_adding_up(parts: Sequence[float], total: float) -> list[float]:
+    """`parts` in whole cents that add up to `total` in whole cents (largest remainder): shown
+    side by side as a sum, each rounded alone can miss the total by a cent ($17.654 + $2.934 =
+    $20.588 reads $17.65 + $2.93 = $20.59)."""
+    cents = [p * 100 for p in parts]
+    kept = [math.floor(c) for c in cents]
+    short = round(total * 100) - sum(kept)
+    by_remainder = sorted(range(len(parts)), key=lambda i: cents[i] - kept[i], reverse=True)
+    for i in by_remainder[: max(0, min(short, len(parts)))]:
+        kept[i] += 1
+    return [k / 100 for k in kept]
 
 
 # A spreadsheet (Excel, LibreOffice, Google Sheets) runs a cell that starts with one of these as a
