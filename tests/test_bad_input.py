@@ -76,6 +76,8 @@ ARGUMENT_CASES = [
     # An empty time was read as no bound at all: the whole ledger, silently.
     (("report", "--ledger", "pyproject.toml", "--since", ""), "gpuledger: --since: expected a time"),
     (("export", "--ledger", "pyproject.toml", "--until", ""), "gpuledger: --until: expected a time"),
+    # An empty --ledger was the working directory: its *.db files, whatever they were, were read.
+    (("report", "--ledger", ""), "gpuledger: --ledger: an empty path names no ledger file"),
     (("report", "--ledger", "a\x1b[31mb.db"), "no such ledger file a\\x1b[31mb.db"),
     # 2.6 billion polls were accepted and would have run for days; a fake node faster than a year
     # a minute overflowed the clock at every poll, with a traceback each.

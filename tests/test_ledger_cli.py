@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from agent.ledger.read import read_info
+from agent.ledger.report import ledger_files
 from agent.ledger.store import Ledger
 from tests.test_cli import gpuledger
 
@@ -261,6 +262,16 @@ def test_report_reads_every_ledger_of_a_directory_once(two_nodes: Path) -> None:
     # The directory and one of its files: that file is read once.
     again = report_json(two_nodes, two_nodes / "gpu-node-01.db")
     assert again["total"]["dollars"] == pytest.approx(BOTH_TOTAL, rel=1e-9)
+
+
+def test_an_empty_ledger_path_is_refused_not_read_as_the_working_directory(
+    two_nodes: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `--ledger "$LEDGER"` with LEDGER unset: Path("") is ".", and every *.db here was reported.
+    monkeypatch.chdir(two_nodes)
+    with pytest.raises(ValueError, match=r"^an empty path names no ledger file$"):
+        ledger_files([""])
+    assert len(ledger_files(["."])) == 2  # the directory named as such is still read
 
 
 def test_a_ledger_copied_twice_is_refused(two_nodes: Path) -> None:

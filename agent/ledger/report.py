@@ -396,10 +396,13 @@ def check_overlaps(infos: Sequence[LedgerInfo]) -> None:
 def ledger_files(targets: Sequence[str | Path]) -> list[Path]:
     """The files `targets` name: a file as given, a directory's *.db files (sorted by name). A
     file named twice (itself and through its directory) is read once. ValueError naming a target
-    that does not exist or a directory with no ledger in it."""
+    that does not exist or a directory with no ledger in it, or for an empty target."""
     files: list[Path] = []
     seen: set[Path] = set()
     for target in targets:
+        if not str(target):
+            # Path("") is ".": `--ledger "$LEDGER"` with LEDGER unset read the working directory's ledgers.
+            raise ValueError("an empty path names no ledger file")
         path = Path(target)
         if path.is_dir():
             found = sorted(p for p in path.glob("*.db") if p.is_file())
