@@ -21,7 +21,8 @@ from agent.config import Settings
 from agent.ledger.export import COLUMNS, read_records, records, write, write_csv
 from agent.ledger.read import UsageRow
 from agent.ledger.report import report_from_ledgers
-from agent.model import Workload
+from agent.ledger.store import Ledger
+from agent.model import Charges, GpuCharge, Workload, WorkloadCharge
 from agent.pipeline import run_on_scenario_time
 from tests.test_cli import gpuledger
 
@@ -35,6 +36,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 SCENARIOS = Path(__file__).resolve().parent.parent / "fake_nvml" / "scenarios"
 PRICE = 2.5  # $/GPU-hour (pricing.gpu_hourly)
 HOURS = 3
+T0 = 1_795_802_400.0  # 2026-11-27T18:00:00Z
 
 # The schema README documents, column for column: a change here is a change for every warehouse.
 SCHEMA = [
@@ -46,8 +48,9 @@ SCHEMA = [
     ("left_by_model", "string"), ("left_by_team", "string"), ("dollars", "double"),
     ("gpu_hours_charged", "double"), ("gpu_hours_held", "double"), ("gpu_hours_used", "double"),
     ("energy_kwh", "double"), ("energy_dollars", "double"), ("gpu_hours_unmeasured", "double"),
+    ("account", "string"),
 ]  # fmt: skip
-KEY = ("hour", "node", "uuid", "kind", *(name for name, _ in SCHEMA[5:21]))
+KEY = ("hour", "node", "uuid", "kind", *(name for name, _ in SCHEMA[5:21]), "account")
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +115,25 @@ def test_two_nodes_exports_concatenate_into_one_table_that_adds_up(ledgers: list
     assert idle == pytest.approx(report.idle.dollars, rel=1e-12)
     used = math.fsum(row["gpu_hours_used"] or 0.0 for row in rows)
     assert used == pytest.approx(report.total.gpu_hours_used, rel=1e-12)
+
+
+def test_a_job_billed_to_two_accounts_in_an_hour_is_two_rows_told_apart(tmp_path: Path) -> None:
+    # Job 8812's first half hour was its allocation alone (the prolog's map file named no account),
+    # the second its process, whose SLURM_JOB_ACCOUNT says nlp: the ledger keeps a row of each.
+    # The export had two rows of one key, and a warehouse loading by that key kept one: $1.25 lost.
+    path = tmp_path / "ledger.db"
+    job = Workload(hpc_job="8812", user="alice")
+    with Ledger(path, retention_s=None) as ledger:
+        for start, account in ((T0, ""), (T0 + 1800, "nlp")):
+            # Half an hour at $2.50/h: $1.25.
+            held = WorkloadCharge(0, "GPU-0", job, 1800.0, 900.0, 1.25, 0.0, charged_s=1800.0, account=account)
+            gpu = GpuCharge(0, "GPU-0", "A100-SXM4-80GB", PRICE, 1800.0, 1.25, 0.0, 0.0, 0.0, 0.0, 0.0)
+            ledger.add(Charges(start, start + 1800, "gpu-node-01", (held,), (gpu,)))
+    rows = read_records([path])
+    assert max(Counter(tuple(row[c] for c in KEY) for row in rows).values()) == 1
+    assert {row["account"]: row["dollars"] for row in rows} == {"": 1.25, "nlp": 1.25}
+    report = report_from_ledgers([path], by=["account"])
+    assert {line.key[0]: line.dollars for line in report.lines} == {"": 1.25, "nlp": 1.25}
 
 
 def test_csv_and_parquet_hold_the_same_rows(ledgers: list[Path], tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 The schema is stable (README lists it): columns are only ever added at the end, never renamed,
 reordered or given another meaning. Every row names its node and nothing names the file it came
 from, so the exports of many nodes concatenate into one table without clashes; a row is unique
-by (hour, node, uuid, kind, the workload labels, the left_by labels).
+by (hour, node, uuid, kind, the workload labels, the left_by labels, account).
 
     hour                 start of the UTC hour (CSV: 2026-11-20T18:00:00Z; Parquet: timestamp[ms, UTC])
     node                 the node the ledger records
@@ -27,6 +27,9 @@ by (hour, node, uuid, kind, the workload labels, the left_by labels).
     energy_dollars       energy_kwh at pricing.energy_per_kwh; empty (null) where none was set
     gpu_hours_unmeasured the part of gpu_hours_charged whose use nothing measured (a MIG instance
                          without GPM): neither used nor idle; 0 on idle and unobserved rows
+    account              the Slurm account a job's row is billed to (`report --by account`); empty
+                         on the others, and where none was known (a job whose account became known
+                         within an hour has a row of each)
 
 A CSV text cell that starts with `=`, `+`, `-`, `@`, a tab or a carriage return (a label users
 named so) starts with a `'`, as in `report --format csv`, so that a spreadsheet never runs it as a
@@ -65,10 +68,10 @@ NUMBER_COLUMNS = (
     "dollars", "gpu_hours_charged", "gpu_hours_held", "gpu_hours_used", "energy_kwh", "energy_dollars",
     "gpu_hours_unmeasured",
 )  # fmt: skip
-COLUMNS = ("hour", "node", "gpu", "uuid", "kind", *WORKLOAD_LABELS, *LEFT_BY_COLUMNS, *NUMBER_COLUMNS)
+COLUMNS = ("hour", "node", "gpu", "uuid", "kind", *WORKLOAD_LABELS, *LEFT_BY_COLUMNS, *NUMBER_COLUMNS, "account")
 
 Record = dict[str, Any]
-_LABELS = (*WORKLOAD_LABELS, *LEFT_BY_COLUMNS)
+_LABELS = (*WORKLOAD_LABELS, *LEFT_BY_COLUMNS, "account")
 
 
 def records(rows: Iterable[UsageRow]) -> list[Record]:
@@ -99,6 +102,7 @@ def _record(row: UsageRow) -> Record:
         "energy_kwh": None if row.joules is None or (row.unobserved and not row.joules) else joules_to_kwh(row.joules),
         "energy_dollars": row.energy_dollars,
         "gpu_hours_unmeasured": row.unmeasured_s / HOUR_S,
+        "account": row.account,
     }
 
 
@@ -164,6 +168,7 @@ def parquet_schema() -> Any:
             pa.field("energy_kwh", pa.float64()),
             pa.field("energy_dollars", pa.float64()),
             pa.field("gpu_hours_unmeasured", pa.float64(), nullable=False),
+            pa.field("account", pa.string(), nullable=False),
         ]
     )
 
