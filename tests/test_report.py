@@ -550,6 +550,29 @@ def test_report_by_gpu_table_for_a_shared_gpu(shared_gpu_ledger: Path) -> None:
     )
 
 
+def test_a_gpu_swapped_within_an_hour_keeps_the_energy_nobody_carried(tmp_path: Path) -> None:
+    # GPU 0 was GPU-a for the first half hour, ann's: its counter read 900 kJ, all hers. A reboot
+    # put GPU-b at index 0, whose first half hour nobody could see the holders of: its 360 kJ are
+    # nobody's. Set against both GPUs' rows by index, GPU-b's 360 kJ less ann's 900 kJ was below
+    # 0, and TOTAL missed them.
+    path = tmp_path / "swap.db"
+    with Ledger(path, node="gpu-node-01", retention_s=None) as ledger:
+        half = H / 2
+        # Half an hour at $3.60/h: $1.80.
+        ann = WorkloadCharge(0, "GPU-a", ANN, half, half, 1.80, 900_000.0, charged_s=half)
+        held = GpuCharge(0, "GPU-a", "A100", 3.6, half, 1.80, 0.0, 0.0, 0.0, 900_000.0, 0.0)
+        ledger.add(Charges(T0, T0 + half, "gpu-node-01", (ann,), (held,)))
+        unseen = GpuCharge(0, "GPU-b", "A100", 3.6, 0.0, 0.0, 0.0, 0.0, half, 360_000.0, 0.0, unobserved_dollars=1.80)
+        ledger.add(Charges(T0 + half, T0 + H, "gpu-node-01", (), (unseen,)))
+    report = report_from_ledger(path, by=["user"])
+    # 900 kJ = 0.25 kWh ann's; 360 kJ = 0.1 kWh nobody's; 1.26 MJ = 0.35 kWh, what the counters counted.
+    assert [(line.key, line.energy_kwh) for line in report.lines] == [(("ann",), pytest.approx(0.25))]
+    assert report.unobserved.energy_kwh == pytest.approx(0.1)
+    assert report.total.energy_kwh == pytest.approx(0.35)
+    # $1.80 + $1.80 = $3.60: the hour of index 0 at $3.60/h.
+    assert report.total.dollars == pytest.approx(3.60)
+
+
 @settings(max_examples=40, deadline=None)
 @given(node_interval())
 def test_charged_gpu_hours_add_up_to_gpus_times_the_interval(case: Any) -> None:

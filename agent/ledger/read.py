@@ -339,12 +339,23 @@ def _read(
     )
     # A GPU-hour's unobserved energy: what its counter counted that no workload or idle row
     # carries (the energy of units whose holders could not be known, and of a gap in the counter
-    # beyond the interval after it). Derived, so every ledger ever written has it.
-    carried: dict[tuple[int, str, int], list[float]] = {}
-    for row in usage:
-        carried.setdefault((row.hour, row.node, row.gpu), []).append(row.joules or 0.0)
+    # beyond the interval after it). Derived, so every ledger ever written has it. A row belongs
+    # to the GPU-hour of its uuid, else (a MIG instance's) to its GPU's by index, the first uuid
+    # where two GPUs had that index within the hour (one swapped for another across a reboot,
+    # GPUs renumbered after one fell off the bus): by index alone, each GPU's energy was set
+    # against the other's rows, and what neither carried was lost from TOTAL's.
+    at_index: dict[tuple[int, str, int], str] = {}
     for r in gpu:
-        unseen = _unobserved_joules(r["joules"], carried.get((r["hour"], r["node"], r["gpu"]), []))
+        index = (r["hour"], r["node"], r["gpu"])
+        at_index[index] = min(at_index.get(index, r["uuid"]), r["uuid"])
+    gpu_uuids = {(r["hour"], r["node"], r["uuid"]) for r in gpu}
+    carried: dict[tuple[int, str, str], list[float]] = {}
+    for row in usage:
+        own = (row.hour, row.node, row.uuid)
+        uuid = row.uuid if own in gpu_uuids else at_index.get((row.hour, row.node, row.gpu), row.uuid)
+        carried.setdefault((row.hour, row.node, uuid), []).append(row.joules or 0.0)
+    for r in gpu:
+        unseen = _unobserved_joules(r["joules"], carried.get((r["hour"], r["node"], r["uuid"]), []))
         if not (r["unobserved_s"] or r["unobserved_dollars"] or unseen):
             continue
         # Priced at the hour's rate: its energy dollars over its joules.
