@@ -528,3 +528,19 @@ def test_each_column_of_the_table_and_the_page_adds_up_to_total_to_the_cent() ->
     assert dict(zip(names, (shown(r)["dollars"] for r in page), strict=True)) == dollars
     assert dict(zip(names, (shown(r)["waste_dollars"] for r in page), strict=True)) == waste
     assert figures(page[0])["dollars"] == 3.009
+
+
+def test_the_tiles_gpu_hours_add_up_to_the_windows_like_their_dollars() -> None:
+    # A job charged 0.3355 GPU-hours, the idle GPU 0.3365, 0.328 unobserved: 1.0000 GPU-hours.
+    # Each rounded alone they read 0.34 + 0.34 + 0.33 = 1.01 under a total of 1.00. Largest
+    # remainder: 33.55, 33.65, 32.8 hundredths floor to 98, two short of 100: the two largest
+    # remainders (.8, .65) take them, 0.33 + 0.34 + 0.33 = 1.00.
+    where = {"hour": int(FRIDAY), "node": "gpu-node-01", "gpu": 0, "uuid": "GPU-0", "busy_s": 0.0, "joules": 0.0}
+    parts = [(Workload(hpc_job="1"), 1207.8, {}), (Workload(), 1211.4, {"idle": True}),
+             (Workload(), 1180.8, {"unobserved": True})]  # fmt: skip
+    # Each at $2.50/h: seconds / 3600 x $2.50.
+    rows = [UsageRow(workload=w, held_s=s, dollars=s / 3600 * 2.5, charged_s=s, **where, **k) for w, s, k in parts]
+    page = render_html(build_report(rows, ("hpc_job",)), rows, None, generator=GENERATOR)
+    subs = dict(re.findall(r'data-figure="(\w+)"[^>]*>.*?<div class="sub">([\d.]+) GPU-hours</div>', page))
+    assert subs == {"total_dollars": "1.00", "workload_dollars": "0.33", "idle_dollars": "0.34",
+                    "unobserved_dollars": "0.33"}  # fmt: skip

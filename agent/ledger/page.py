@@ -230,17 +230,21 @@ def _summary(report: Report) -> list[str]:
     workloads = math.fsum(line.dollars for line in report.lines)
     workload_hours = math.fsum(line.charged_s for line in report.lines) / HOUR_S
     total = report.total
-    # The three parts of the time paid for, shown so that they add up to it to the cent.
+    # The three parts of the time paid for, shown so that they add up to it to the cent, its
+    # dollars and its GPU-hours alike.
     shown = cents_adding_up([workloads, report.idle.dollars, report.unobserved.dollars], total.dollars)
+    hours = cents_adding_up(
+        [workload_hours, report.idle.gpu_hours_charged, report.unobserved.gpu_hours_charged], total.gpu_hours_charged
+    )
     tiles = [
         _tile("total_dollars", "GPU time paid for", total.dollars, f"${_amount(total.dollars)}",
               f"{_amount(total.gpu_hours_charged)} GPU-hours"),
         _tile("workload_dollars", "Charged to workloads", workloads, f"${_amount(shown[0])}",
-              f"{_amount(workload_hours)} GPU-hours"),
+              f"{_amount(hours[0])} GPU-hours"),
         _tile("idle_dollars", "Idle (held by nobody)", report.idle.dollars, f"${_amount(shown[1])}",
-              f"{_amount(report.idle.gpu_hours_charged)} GPU-hours"),
+              f"{_amount(hours[1])} GPU-hours"),
         _tile("unobserved_dollars", "Unobserved (seen by nobody)", report.unobserved.dollars,
-              f"${_amount(shown[2])}", f"{_amount(report.unobserved.gpu_hours_charged)} GPU-hours"),
+              f"${_amount(shown[2])}", f"{_amount(hours[2])} GPU-hours"),
         _tile("waste_dollars", "Waste (paid for, unused)", total.waste_dollars,
               f"${_shown('waste_dollars', total.waste_dollars)}", "workloads' unused share + idle"),
         _tile("efficiency_ratio", "Efficiency", total.efficiency, _percent(total.efficiency),
