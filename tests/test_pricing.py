@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from agent.accounting.pricing import Catalogue, resolve_price
-from agent.config import PricingConfig, load_catalogue
+from agent.config import PricingConfig, load_catalogue, load_config
 from agent.model import Price
 
 REQUIRED_MODELS = [
@@ -416,3 +416,17 @@ def test_a_bad_catalogue_is_one_line_naming_the_entry(tmp_path: Path, text: str,
 def test_a_missing_catalogue_file_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no such price catalogue file"):
         load_catalogue(tmp_path / "absent.yaml")
+
+
+def test_a_uuid_price_set_by_an_environment_variable_applies(
+    catalogue: Catalogue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Variable names are read ignoring case, so this key arrives as "gpu-5d2c...-000000000001";
+    # the GPU (UUID above, as NVML spells it) is still priced at the $3.50/h asked for, not the
+    # catalogue's $3/h for its model.
+    monkeypatch.setenv(f"GPULEDGER_PRICING__BY_UUID__{UUID.upper()}", "3.5")
+    pricing = load_config(None).pricing
+    got = resolve_price(
+        model="A100-SXM4-40GB", uuid=UUID, gpu_count=8, instance_type=None, pricing=pricing, catalogue=catalogue
+    )
+    assert got == Price(3.5, f"config pricing.by_uuid[{UUID.lower()}]")

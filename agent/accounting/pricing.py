@@ -160,8 +160,13 @@ def _on_demand(
 ) -> Price | None:
     if pricing.gpu_hourly is not None:
         return Price(pricing.gpu_hourly, "config pricing.gpu_hourly", origin="config")
-    if uuid in pricing.by_uuid:
-        return Price(pricing.by_uuid[uuid], f"config pricing.by_uuid[{uuid}]", origin="config")
+    # A UUID is hex, which NVML prints in lower case and people copy in either; and a key set
+    # through GPULEDGER_PRICING__BY_UUID__<UUID> arrives lowercased (variable names are read
+    # ignoring case), so an exact match alone left that GPU at another price without a word.
+    found_uuid = _lookup(pricing.by_uuid, uuid, fuzzy=False)
+    if found_uuid is not None:
+        key, dollars = found_uuid
+        return Price(dollars, f"config pricing.by_uuid[{key}]", origin="config")
     found_model = _lookup(pricing.by_model, model)
     if found_model is not None:
         key, dollars = found_model
