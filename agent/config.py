@@ -58,6 +58,12 @@ Size = Annotated[int, BeforeValidator(parse_size_bytes)]
 Ratio = Annotated[float, BeforeValidator(_not_bool), Field(ge=0.0, le=1.0)]
 
 
+# The shortest interval between two rounds of work that repeat for ever (polls, kubelet queries,
+# driver re-registration): a misplaced unit (`poll_interval: 0.0000001s`) otherwise polled the
+# driver non-stop. Sub-second stays allowed: a fake node is polled every 0.2s in tests and demos.
+MIN_REPEAT_S = 0.1
+
+
 class _Section(BaseModel):
     # No setting is infinite or NaN: a price of inf passed, and then every charge was refused.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -152,7 +158,7 @@ def _iso(t: float) -> str:
 
 class LedgerConfig(_Section):
     path: str = "/var/lib/gpuledger/ledger.db"
-    flush_interval: Duration = Field(default=60.0, gt=0)
+    flush_interval: Duration = Field(default=60.0, ge=1.0)  # a disk write (and fsync) each time
     retention: Duration = Field(default=400 * 86400.0, gt=0)
     # Hourly rows kept in memory while the ledger cannot be written (about 750 bytes each);
     # beyond it the oldest hours are dropped, counted and logged.
@@ -186,9 +192,11 @@ class EventsConfig(_Section):
     # Read the driver's events (Xid errors, ECC errors, clock changes) on a thread of their own.
     enabled: bool = True
     # Each wait on the driver lasts at most this long (stopping the agent waits for one).
-    wait: Duration = Field(default=1.0, gt=0, le=10)
+    # The driver takes it in whole milliseconds: below 1 ms it is 0, an answer at once, and the
+    # thread would ask again without pause.
+    wait: Duration = Field(default=1.0, ge=0.01, le=10)
     # A GPU or driver that stopped answering is registered again this often.
-    retry: Duration = Field(default=30.0, gt=0)
+    retry: Duration = Field(default=30.0, ge=MIN_REPEAT_S)
 
 
 class AttributionRule(_Section):
@@ -223,7 +231,7 @@ class AttributionConfig(_Section):
     podresources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     slurm_map_dir: str = "/run/gpuledger/jobs"
     pod_logs_dir: str = "/var/log/pods"
-    kubelet_interval: Duration = Field(default=10.0, gt=0)
+    kubelet_interval: Duration = Field(default=10.0, ge=MIN_REPEAT_S)
     kubelet_timeout: Duration = Field(default=2.0, gt=0)
     # While the kubelet does not answer, its last allocations stand for this long; after that a
     # GPU no process holds is booked unobserved (attribution_unavailable), never idle.
@@ -425,7 +433,7 @@ class Settings(BaseSettings):
     node_name: str | None = None
     # Which device backend reads the GPUs (agent/devices/__init__.py registers them).
     backend: str = "nvml"
-    poll_interval: Duration = Field(default=5.0, gt=0)
+    poll_interval: Duration = Field(default=5.0, ge=MIN_REPEAT_S)
     listen: Annotated[str, BeforeValidator(_check_listen)] = "0.0.0.0:9835"
     proc_root: str = "/proc"
     # Where sysfs is: the GPUs on the PCI bus are listed from it while the driver cannot list them.

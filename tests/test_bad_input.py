@@ -40,6 +40,13 @@ CONFIG_CASES = [
         "rules: {custom: [{name: low_use, condition: underused, utilization_below: 0.2, for: 30m}]}\n",
         "rules.custom.0.window: an underused rule takes its mean over a window",
     ),
+    # A unit slip polled the driver (or wrote the ledger, asked the kubelet, waited on events)
+    # without pause.
+    ("poll_interval: 0.0000001s\n", "poll_interval: Input should be greater than or equal to 0.1"),
+    ("ledger: {flush_interval: 1ms}\n", "ledger.flush_interval"),
+    ("attribution: {kubelet_interval: 1ms}\n", "attribution.kubelet_interval"),
+    ("events: {wait: 0.0001s}\n", "events.wait"),
+    ("events: {retry: 1ms}\n", "events.retry"),
     # A second section of one name replaced the first whole: its prices were dropped unsaid.
     (
         "pricing: {gpu_hourly: 2.5}\npoll_interval: 5s\npricing: {energy_per_kwh: 0.1}\n",
