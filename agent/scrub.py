@@ -15,10 +15,12 @@ What is removed, and why each:
     reader knows why.
   - ``Bearer``/``Basic`` authorization values, and whatever an ``Authorization:`` (or
     ``Proxy-Authorization:``) header carries, however short, with or without its scheme word.
+  - Cookies: a ``Cookie:`` or ``Set-Cookie:`` header's every ``name=value`` pair (a session
+    cookie is a login), and curl's ``-b``/``--cookie`` value (a file name there goes too).
   - The short password options of programs known to take one there: ``-pSECRET`` and
     ``-p SECRET`` after mysql, mariadb (and their tools), sshpass, mongo's tools and
     ``docker login`` (podman, nerdctl, buildah, skopeo), ``-a SECRET`` after redis-cli, and
-    curl's ``-u``/``--user`` (``user:SECRET``, all of it goes). Only after those programs:
+    curl's ``-u``/``--user`` (``user:SECRET``, all of it goes) and ``-b``/``--cookie``. Only after those programs:
     elsewhere ``-p`` is a port (``-p 8000``), a path or a profile, ``-u`` a user. (For mysql,
     ``-p NAME`` prompts and NAME is the database: it goes too.)
   - Strings shaped like well-known token formats (Hugging Face, GitHub, GitLab, OpenAI, Slack
@@ -92,11 +94,18 @@ def _password_option(option: str, *, glued: bool) -> re.Pattern[str]:
     )
 
 
+# curl's cookies (-b, --cookie): "name=value; name2=value2", quoted, holds spaces. Only -b's
+# value may be glued on (`-bsid=x`); `--cookie-jar` is another option.
+_QUOTED_OR_WORD = r"\"[^\"]*\"|'[^']*'|[^\s'\"]+"
+_CURL_COOKIE = re.compile(
+    rf"(?<=\s)(?P<opt>-b|--cookie)(?:(?P<sep>=|(?<=-b))(?P<value>{_QUOTED_OR_WORD})"
+    rf"|(?P<gap>\s+)(?P<word>(?!-)(?:{_QUOTED_OR_WORD})))"
+)
 _PASSWORD_OPTIONS = {
     "p": (_password_option("-p", glued=True),),
     "a": (_password_option("-a", glued=True),),
     # curl's user:password, for the server (-u, --user) or the proxy (-U, --proxy-user).
-    "u": (_password_option("-[uU]", glued=True), _password_option("--(?:proxy-)?user", glued=False)),
+    "u": (_password_option("-[uU]", glued=True), _password_option("--(?:proxy-)?user", glued=False), _CURL_COOKIE),
 }
 # An HTTP authorization header as a command line gives it (`-H "Authorization: token abc"`,
 # `--header Authorization:abc`): its value is a credential whatever its scheme and length.
@@ -104,6 +113,11 @@ _AUTH_HEADER = re.compile(
     r"(?<![A-Za-z0-9])(?P<name>(?:Proxy-)?Authorization)(?P<sep>['\"]?\s*[:=]\s*['\"]?)"
     r"(?P<scheme>(?:Bearer|Basic|Token|Digest|Negotiate|NTLM|ApiKey|AWS4-HMAC-SHA256)\s+)?"
     r"(?P<value>[^\s'\"]+)",
+    re.IGNORECASE,
+)
+# A cookie header's value: its name=value pairs, "; "-separated, all of them (`-H "Cookie: a=1; b=2"`).
+_COOKIE_HEADER = re.compile(
+    r"(?<![A-Za-z0-9-])(?P<name>(?:Set-)?Cookie)(?P<sep>['\"]?\s*:\s*['\"]?)(?P<value>[^\s'\";]+(?:;\s*[^\s'\";]+)*;?)",
     re.IGNORECASE,
 )
 _TOKEN_SHAPES = re.compile(
@@ -151,6 +165,7 @@ def scrub(text: str) -> str:
     out = _URL_QUERY.sub(r"\g<url>", out)
     out = _AUTH_SCHEME.sub(rf"\g<scheme>\g<sep>{REDACTED}", out)
     out = _AUTH_HEADER.sub(lambda m: m["name"] + m["sep"] + (m["scheme"] or "") + _keep_redacted(m["value"]), out)
+    out = _COOKIE_HEADER.sub(lambda m: m["name"] + m["sep"] + _keep_redacted(m["value"]), out)
     out = _password_options(out)  # before the flags: `-psecret` is no flag named "psecret"
     out = _NAMED_VALUE.sub(lambda m: m["name"] + m["sep"] + _keep_redacted(m["value"]), out)
     out = _FLAG_VALUE.sub(lambda m: m["flag"] + m["sep"] + _keep_redacted(m["value"]), out)

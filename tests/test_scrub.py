@@ -73,6 +73,14 @@ SECRET_SHAPES = [
     # A passphrase (an SSH or signing key's) is a password by another name.
     f"--passphrase {CANARY}",
     f"SSH_KEY_PASSPHRASE={CANARY}",
+    # A session cookie is a login: in a header (every pair of it), or as curl's -b/--cookie.
+    f'curl -H "Cookie: theme=dark; session={CANARY}" https://hub.example.com',
+    f"wget --header=Cookie:sid={CANARY} https://hub.example.com",
+    f"Set-Cookie: sid={CANARY}; Path=/",
+    f'curl -b "theme=dark; sid={CANARY}" https://hub.example.com',
+    f"curl -bsid={CANARY} https://hub.example.com",
+    f"curl --cookie sid={CANARY} https://hub.example.com",
+    f"curl --cookie=sid={CANARY} https://hub.example.com",
 ]
 
 
@@ -103,6 +111,12 @@ def test_every_secret_shape_is_removed(shape: str) -> None:
         # Userinfo runs to the host's last "@"; an "@" in the path is the path's.
         ("postgres://app:p@ss@db.internal/orders", "postgres://db.internal/orders"),
         ("--model hf://org/llama@v2", "--model hf://org/llama@v2"),
+        # A cookie option's value goes; the URL and curl's other options stay.
+        (
+            'curl -b "a=1; sid=x" --cookie-jar jar.txt -o out https://hub.example.com/x',
+            f"curl -b {REDACTED} --cookie-jar jar.txt -o out https://hub.example.com/x",
+        ),
+        ("curl -H 'Cookie: a=1; sid=x' https://h/x", f"curl -H 'Cookie: {REDACTED}' https://h/x"),
     ],
 )
 def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
@@ -129,6 +143,8 @@ def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
         "docker run -p 8000:8000 vllm/vllm-openai",
         "curl --user-agent gpuledger https://hub.example.com",
         "kube-apiserver --authorization-mode=Node,RBAC",
+        "tar -b 20 -cf out.tar /data",  # -b is a cookie only after curl
+        "--cookie-policy strict",
         "",
     ],
 )
