@@ -56,6 +56,12 @@ _SECRET_NAME = rf"(?<![A-Za-z0-9])(?:{_NAME_BODY}|{_GLUED_BODY}(?![A-Za-z0-9]))"
 # Userinfo runs to the authority's last "@": a password written unencoded may hold "@", "?" or
 # "#" (`postgres://app:p@ss@db/x`), and cut at its first one, the rest of it stayed.
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s'\"]*@")
+# A password written unencoded may hold "/" too (`https://bob:pa/ss@host/x`), which ended the
+# authority above. user:pass with a "/" after the colon and an "@" later is taken for one, unless
+# the colon starts a port (`https://host:8080/org/m@v2` is a path's "@").
+_URL_USERINFO_SLASH = re.compile(
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s'\"@:]*:(?!\d*(?:[/\s'\"]|$))[^\s'\"@]*/[^\s'\"@]*@"
+)
 # A query string or fragment belongs to the URL it follows: from "?" or "#" to the next space.
 _URL_QUERY = re.compile(r"(?P<url>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s?#]*)[?#]\S*")
 # name=value or name: value (the value runs to whitespace, a quote, "&" or ";"), the name and
@@ -162,6 +168,7 @@ def scrub(text: str) -> str:
     if not text:
         return text
     out = _URL_USERINFO.sub(r"\g<scheme>", text)
+    out = _URL_USERINFO_SLASH.sub(r"\g<scheme>", out)
     out = _URL_QUERY.sub(r"\g<url>", out)
     out = _AUTH_SCHEME.sub(rf"\g<scheme>\g<sep>{REDACTED}", out)
     out = _AUTH_HEADER.sub(lambda m: m["name"] + m["sep"] + (m["scheme"] or "") + _keep_redacted(m["value"]), out)

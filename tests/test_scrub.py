@@ -63,6 +63,9 @@ SECRET_SHAPES = [
     f"postgres://app:x@{CANARY}@db.internal/orders",
     f"redis://:{CANARY}?x@cache:6379/0",
     f"mongodb+srv://admin:{CANARY}#x@cluster0.example.net/test",
+    # ... or "/", which ended the authority: all of the password stayed.
+    f"https://bob:{CANARY}/x@hub.example.com/org/model",
+    f"postgres://app:a/{CANARY}@db.internal:5432/orders",
     # Well-known token shapes that passed: GitLab, Google, npm, PyPI, Stripe, Databricks.
     f"glpat-{CANARY}abcdefghijk",
     f"AIza{CANARY}abcdefghijklmnopqrstuvwx",
@@ -111,6 +114,10 @@ def test_every_secret_shape_is_removed(shape: str) -> None:
         # Userinfo runs to the host's last "@"; an "@" in the path is the path's.
         ("postgres://app:p@ss@db.internal/orders", "postgres://db.internal/orders"),
         ("--model hf://org/llama@v2", "--model hf://org/llama@v2"),
+        ("https://bob:pa/ss@hub.example.com/org/m", "https://hub.example.com/org/m"),
+        # A port's colon is no password's: the "@" after it is the path's.
+        ("https://hub.example.com:8443/org/llama@v2", "https://hub.example.com:8443/org/llama@v2"),
+        ("git+https://git.example.com:/org/repo@main", "git+https://git.example.com:/org/repo@main"),
         # A cookie option's value goes; the URL and curl's other options stay.
         (
             'curl -b "a=1; sid=x" --cookie-jar jar.txt -o out https://hub.example.com/x',
