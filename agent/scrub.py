@@ -7,7 +7,8 @@ Every value that becomes a label, a log line, a ledger row or a report cell pass
 "looks like a credential" for all of them.
 
 What is removed, and why each:
-  - URL userinfo (``scheme://user:pass@host``): the classic leak through a model or repo URL.
+  - URL userinfo (``scheme://user:pass@host``): the classic leak through a model or repo URL;
+    also without a scheme (``user:pass@host:repo``, as git and ssh take it).
   - URL query strings and fragments: signed URLs (S3, GCS, Azure SAS) carry their keys there.
   - ``name=value`` / ``name: value`` / ``--name value`` where the name says token, key, secret,
     password, passphrase, credential or auth (as a segment, or password/secret/token glued on at
@@ -61,6 +62,12 @@ _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s'\"]*@
 # the colon starts a port (`https://host:8080/org/m@v2` is a path's "@").
 _URL_USERINFO_SLASH = re.compile(
     r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s'\"@:]*:(?!\d*(?:[/\s'\"]|$))[^\s'\"@]*/[^\s'\"@]*@"
+)
+# user:password@host with no scheme, as git, ssh, pip's `git+` and connection strings take it
+# (`alice:ghp_x@git.example.com:org/repo`). A word of its own with a host after the "@"; an
+# image's digest (`nginx:1.25@sha256:...`) and anything with a "/" before the "@" are no such.
+_BARE_USERINFO = re.compile(
+    r"(?<![^\s'\"=+,(])[A-Za-z0-9._~%-]+:[^\s'\"/]+@(?!sha\d+:)(?=[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*(?![A-Za-z0-9.@-]))"
 )
 # A query string or fragment belongs to the URL it follows: from "?" or "#" to the next space.
 _URL_QUERY = re.compile(r"(?P<url>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s?#]*)[?#]\S*")
@@ -169,6 +176,7 @@ def scrub(text: str) -> str:
         return text
     out = _URL_USERINFO.sub(r"\g<scheme>", text)
     out = _URL_USERINFO_SLASH.sub(r"\g<scheme>", out)
+    out = _BARE_USERINFO.sub("", out)
     out = _URL_QUERY.sub(r"\g<url>", out)
     out = _AUTH_SCHEME.sub(rf"\g<scheme>\g<sep>{REDACTED}", out)
     out = _AUTH_HEADER.sub(lambda m: m["name"] + m["sep"] + (m["scheme"] or "") + _keep_redacted(m["value"]), out)

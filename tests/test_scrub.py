@@ -66,6 +66,10 @@ SECRET_SHAPES = [
     # ... or "/", which ended the authority: all of the password stayed.
     f"https://bob:{CANARY}/x@hub.example.com/org/model",
     f"postgres://app:a/{CANARY}@db.internal:5432/orders",
+    # Userinfo without a scheme, as git, ssh and pip's git+ take it.
+    f"git clone alice:{CANARY}@git.example.com:org/repo.git",
+    f"pip install git+alice:{CANARY}@git.example.com/org/pkg",
+    f"--remote=bob:x@{CANARY}@git.example.com",
     # Well-known token shapes that passed: GitLab, Google, npm, PyPI, Stripe, Databricks.
     f"glpat-{CANARY}abcdefghijk",
     f"AIza{CANARY}abcdefghijklmnopqrstuvwx",
@@ -115,6 +119,7 @@ def test_every_secret_shape_is_removed(shape: str) -> None:
         ("postgres://app:p@ss@db.internal/orders", "postgres://db.internal/orders"),
         ("--model hf://org/llama@v2", "--model hf://org/llama@v2"),
         ("https://bob:pa/ss@hub.example.com/org/m", "https://hub.example.com/org/m"),
+        ("git clone alice:tok@git.example.com:org/repo", "git clone git.example.com:org/repo"),
         # A port's colon is no password's: the "@" after it is the path's.
         ("https://hub.example.com:8443/org/llama@v2", "https://hub.example.com:8443/org/llama@v2"),
         ("git+https://git.example.com:/org/repo@main", "git+https://git.example.com:/org/repo@main"),
@@ -150,6 +155,10 @@ def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
         "docker run -p 8000:8000 vllm/vllm-openai",
         "curl --user-agent gpuledger https://hub.example.com",
         "kube-apiserver --authorization-mode=Node,RBAC",
+        "git clone git@github.com:org/repo.git",
+        "nginx:1.25@sha256:0123456789abcdef0123456789abcdef",
+        "registry.example.com:5000/org/vllm@sha256:0123456789abcdef",
+        "vllm serve org/llama:v2@main --port 8000",
         "tar -b 20 -cf out.tar /data",  # -b is a cookie only after curl
         "--cookie-policy strict",
         "",
