@@ -13,7 +13,7 @@ What is removed, and why each:
   - ``name=value`` / ``name: value`` / ``--name value`` where the name says token, key, secret,
     password, passphrase, credential or auth (as a segment, or password/secret/token glued on at
     its end: PGPASSWORD, accessToken), the value maybe quoted: the value goes, the name stays so a
-    reader knows why.
+    reader knows why. Also ``config set NAME VALUE`` (aws, npm, yarn) with such a name.
   - ``Bearer``/``Basic`` authorization values, and whatever an ``Authorization:`` (or
     ``Proxy-Authorization:``) header carries, however short, with or without its scheme word.
   - Cookies: a ``Cookie:`` or ``Set-Cookie:`` header's every ``name=value`` pair (a session
@@ -79,6 +79,13 @@ _NAMED_VALUE = re.compile(
 # --name value (a command-line flag whose next word is the secret).
 _FLAG_VALUE = re.compile(
     rf"(?P<flag>--?(?:{_NAME_BODY}|{_GLUED_BODY}(?![A-Za-z0-9])))(?P<sep>\s+['\"]?)(?P<value>[^\s'\"-][^\s'\"]*)",
+    re.IGNORECASE,
+)
+# `aws configure set aws_secret_access_key VALUE`, `npm config set _authToken VALUE`: a name and
+# its value separated only by a space, after a tool's "config set".
+_CONFIG_SET_VALUE = re.compile(
+    rf"(?P<cmd>\b(?:configure|config)\s+set\s+(?:-\S+(?:\s+[^\s-]\S*)?\s+)*)"  # options, maybe with values
+    rf"(?P<name>[^\s=]*?(?:{_NAME_BODY}|{_GLUED_BODY}(?![A-Za-z0-9])))(?P<sep>\s+['\"]?)(?P<value>[^\s'\"]+)",
     re.IGNORECASE,
 )
 _AUTH_SCHEME = re.compile(
@@ -183,6 +190,7 @@ def scrub(text: str) -> str:
     out = _COOKIE_HEADER.sub(lambda m: m["name"] + m["sep"] + _keep_redacted(m["value"]), out)
     out = _password_options(out)  # before the flags: `-psecret` is no flag named "psecret"
     out = _NAMED_VALUE.sub(lambda m: m["name"] + m["sep"] + _keep_redacted(m["value"]), out)
+    out = _CONFIG_SET_VALUE.sub(lambda m: m["cmd"] + m["name"] + m["sep"] + _keep_redacted(m["value"]), out)
     out = _FLAG_VALUE.sub(lambda m: m["flag"] + m["sep"] + _keep_redacted(m["value"]), out)
     return _TOKEN_SHAPES.sub(REDACTED, out)
 

@@ -70,6 +70,10 @@ SECRET_SHAPES = [
     f"git clone alice:{CANARY}@git.example.com:org/repo.git",
     f"pip install git+alice:{CANARY}@git.example.com/org/pkg",
     f"--remote=bob:x@{CANARY}@git.example.com",
+    # A name and its value separated by a space only, after a tool's "config set".
+    f"aws configure set aws_secret_access_key {CANARY}",
+    f"aws configure set --profile prod aws_session_token {CANARY}",
+    f"npm config set _authToken {CANARY}",
     # Well-known token shapes that passed: GitLab, Google, npm, PyPI, Stripe, Databricks.
     f"glpat-{CANARY}abcdefghijk",
     f"AIza{CANARY}abcdefghijklmnopqrstuvwx",
@@ -120,6 +124,7 @@ def test_every_secret_shape_is_removed(shape: str) -> None:
         ("--model hf://org/llama@v2", "--model hf://org/llama@v2"),
         ("https://bob:pa/ss@hub.example.com/org/m", "https://hub.example.com/org/m"),
         ("git clone alice:tok@git.example.com:org/repo", "git clone git.example.com:org/repo"),
+        ("aws configure set aws_secret_access_key abc", f"aws configure set aws_secret_access_key {REDACTED}"),
         # A port's colon is no password's: the "@" after it is the path's.
         ("https://hub.example.com:8443/org/llama@v2", "https://hub.example.com:8443/org/llama@v2"),
         ("git+https://git.example.com:/org/repo@main", "git+https://git.example.com:/org/repo@main"),
@@ -155,6 +160,7 @@ def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
         "docker run -p 8000:8000 vllm/vllm-openai",
         "curl --user-agent gpuledger https://hub.example.com",
         "kube-apiserver --authorization-mode=Node,RBAC",
+        "aws configure set region us-east-1",
         "git clone git@github.com:org/repo.git",
         "nginx:1.25@sha256:0123456789abcdef0123456789abcdef",
         "registry.example.com:5000/org/vllm@sha256:0123456789abcdef",
