@@ -12,7 +12,8 @@ What is removed, and why each:
   - URL query strings and fragments: signed URLs (S3, GCS, Azure SAS) carry their keys there.
   - ``name=value`` / ``name: value`` / ``--name value`` where the name says token, key, secret,
     password, passphrase, credential or auth (as a segment, or password/secret/token glued on at
-    its end: PGPASSWORD, accessToken), the value maybe quoted: the value goes, the name stays so a
+    its end: PGPASSWORD, accessToken; pass/pwd glued to db, root, smtp and the like: --dbpass),
+    the value maybe quoted: the value goes, the name stays so a
     reader knows why. Also ``config set NAME VALUE`` (aws, npm, yarn) with such a name.
   - ``Bearer``/``Basic`` authorization values, and whatever an ``Authorization:`` (or
     ``Proxy-Authorization:``) header carries, however short, with or without its scheme word.
@@ -51,7 +52,16 @@ _SECRET_WORD = (
 _NAME_BODY = rf"(?:[A-Za-z0-9]+[_.-])*{_SECRET_WORD}(?:[_.-][A-Za-z0-9]+)*(?![A-Za-z0-9])"
 # A name that ends in a strong secret word glued on, in any case: PGPASSWORD, HFTOKEN,
 # accessToken, clientSecret (max_tokens, --tokenizer and author still keep their values).
-_GLUED_BODY = r"[A-Za-z0-9]*(?:password|passwd|passphrase|secret|token)"
+# "pass" and "pwd" only glued to what they are the password of (--dbpass, ROOTPWD, smtppass):
+# bypass, compass, surpass and OLDPWD (the previous directory) keep their values.
+# (The lookahead finds a word ending in pass/pwd in one scan before the prefixes are tried at
+# every position of it: without it every word of every label paid for the list.)
+_GLUED_BODY = (
+    r"(?:[A-Za-z0-9]*(?:password|passwd|passphrase|secret|token)"
+    r"|(?=[A-Za-z0-9]*(?:pass|pwd)(?![A-Za-z0-9]))"
+    r"[A-Za-z0-9]*(?:db|pg|my|mysql|sql|mongo|redis|root|admin|user|ldap|bind|smtp|mail|ftp|ssh|sudo|vnc|proxy"
+    r"|api|auth|app|login|client|server|store|key|trust)(?:pass|pwd))"
+)
 _SECRET_NAME = rf"(?<![A-Za-z0-9])(?:{_NAME_BODY}|{_GLUED_BODY}(?![A-Za-z0-9]))"
 
 # Userinfo runs to the authority's last "@": a password written unencoded may hold "@", "?" or

@@ -74,6 +74,10 @@ SECRET_SHAPES = [
     f"aws configure set aws_secret_access_key {CANARY}",
     f"aws configure set --profile prod aws_session_token {CANARY}",
     f"npm config set _authToken {CANARY}",
+    # "pass" glued to what it is the password of.
+    f"mytool --dbpass={CANARY}",
+    f"mytool --smtppass {CANARY}",
+    f"MYSQL_ROOTPWD={CANARY}",
     # Well-known token shapes that passed: GitLab, Google, npm, PyPI, Stripe, Databricks.
     f"glpat-{CANARY}abcdefghijk",
     f"AIza{CANARY}abcdefghijklmnopqrstuvwx",
@@ -161,6 +165,8 @@ def test_what_remains_is_the_harmless_part(text: str, expected: str) -> None:
         "curl --user-agent gpuledger https://hub.example.com",
         "kube-apiserver --authorization-mode=Node,RBAC",
         "aws configure set region us-east-1",
+        "--bypass=cache --compass=north --passes=3 --surpass 2",
+        "OLDPWD=/home/alice",
         "git clone git@github.com:org/repo.git",
         "nginx:1.25@sha256:0123456789abcdef0123456789abcdef",
         "registry.example.com:5000/org/vllm@sha256:0123456789abcdef",
