@@ -137,12 +137,14 @@ _PASSWORD_OPTIONS = {
     # curl's user:password, for the server (-u, --user) or the proxy (-U, --proxy-user).
     "u": (_password_option("-[uU]", glued=True), _password_option("--(?:proxy-)?user", glued=False), _CURL_COOKIE),
 }
+_AUTH_PARAM = r"[A-Za-z0-9_-]+=(?:\"[^\"]*\"|[^\s,'\"]*)"
 # An HTTP authorization header as a command line gives it (`-H "Authorization: token abc"`,
 # `--header Authorization:abc`): its value is a credential whatever its scheme and length.
 _AUTH_HEADER = re.compile(
     r"(?<![A-Za-z0-9])(?P<name>(?:Proxy-)?Authorization)(?P<sep>['\"]?\s*[:=]\s*['\"]?)"
     r"(?P<scheme>(?:Bearer|Basic|Token|Digest|Negotiate|NTLM|ApiKey|AWS4-HMAC-SHA256)\s+)?"
-    r"(?P<value>[^\s'\"]+)",
+    # Digest and AWS4 carry a list of parameters (`username="bob", response="..."`): all of it.
+    rf"(?P<value>{_AUTH_PARAM}(?:\s*,\s*{_AUTH_PARAM})*|[^\s'\"]+)",
     re.IGNORECASE,
 )
 # A cookie header's value: its name=value pairs, "; "-separated, all of them (`-H "Cookie: a=1; b=2"`).

@@ -78,6 +78,11 @@ SECRET_SHAPES = [
     f"mytool --dbpass={CANARY}",
     f"mytool --smtppass {CANARY}",
     f"MYSQL_ROOTPWD={CANARY}",
+    # A header whose scheme takes parameters: every one of them goes.
+    f'Authorization: Digest username="bob", realm="hub", nonce="abc", response="{CANARY}"',
+    f'curl -H \'Authorization: Digest username="bob", uri="/x", response="{CANARY}"\' https://hub.example.com',
+    f"Authorization: AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20260101/us-east-1/s3/aws4_request, "
+    f"SignedHeaders=host;x-amz-date, Signature={CANARY}",
     # Well-known token shapes that passed: GitLab, Google, npm, PyPI, Stripe, Databricks.
     f"glpat-{CANARY}abcdefghijk",
     f"AIza{CANARY}abcdefghijklmnopqrstuvwx",
@@ -129,6 +134,10 @@ def test_every_secret_shape_is_removed(shape: str) -> None:
         ("https://bob:pa/ss@hub.example.com/org/m", "https://hub.example.com/org/m"),
         ("git clone alice:tok@git.example.com:org/repo", "git clone git.example.com:org/repo"),
         ("aws configure set aws_secret_access_key abc", f"aws configure set aws_secret_access_key {REDACTED}"),
+        (
+            'curl -H \'Authorization: Digest username="bob", response="x"\' https://h/x',
+            f"curl -H 'Authorization: Digest {REDACTED}' https://h/x",
+        ),
         # A port's colon is no password's: the "@" after it is the path's.
         ("https://hub.example.com:8443/org/llama@v2", "https://hub.example.com:8443/org/llama@v2"),
         ("git+https://git.example.com:/org/repo@main", "git+https://git.example.com:/org/repo@main"),
