@@ -215,7 +215,9 @@ def test_scrubbing_is_idempotent_and_leaves_no_control_character(text: str) -> N
     assert not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in once)
 
 
-def test_a_log_line_stays_one_line_without_the_secret() -> None:
+def _logged(*, debug: bool) -> list[str]:
+    """The lines SafeFormatter writes for a warning quoting a forged line and a secret, then an
+    exception whose text quotes a URL with a password."""
     import io
     import logging
 
@@ -223,7 +225,7 @@ def test_a_log_line_stays_one_line_without_the_secret() -> None:
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(SafeFormatter(LOG_FORMAT))
+    handler.setFormatter(SafeFormatter(LOG_FORMAT, debug=debug))
     logger = logging.getLogger("gpuledger.test_scrub")
     logger.addHandler(handler)
     logger.propagate = False
@@ -231,20 +233,32 @@ def test_a_log_line_stays_one_line_without_the_secret() -> None:
         value = f"job-1\n2026-11-23 07:00:00 WARNING gpuledger: forged --hf-token {CANARY}"
         logger.warning("process %s left the GPU", value)
         try:
-            raise RuntimeError("boom")
+            raise RuntimeError(f"cannot reach https://bob:{CANARY}@hub.example.com/x")
         except RuntimeError:
             logger.exception("poll failed for %s", "x\ny")
     finally:
         logger.removeHandler(handler)
-    lines = stream.getvalue().splitlines()
     assert CANARY not in stream.getvalue()
+    return stream.getvalue().splitlines()
+
+
+def test_a_log_line_stays_one_line_without_the_secret() -> None:
+    lines = _logged(debug=True)
     assert lines[0].endswith(
         f"process job-1\\n2026-11-23 07:00:00 WARNING gpuledger: forged --hf-token {REDACTED} left the GPU"
     )
-    # The traceback (the agent's own code, not its inputs) keeps its lines; the message does not.
+    # With --debug the traceback (the agent's own code) keeps its lines; the message does not.
     assert lines[1].endswith("poll failed for x\\ny")
     assert lines[2] == "Traceback (most recent call last):"
-    assert lines[-1] == "RuntimeError: boom"
+    assert lines[-1] == "RuntimeError: cannot reach https://hub.example.com/x"
+
+
+def test_an_exception_without_debug_is_one_scrubbed_line() -> None:
+    # log.exception wrote the traceback at ERROR without --debug, and the exception's text
+    # (here a URL with its password) unscrubbed.
+    lines = _logged(debug=False)
+    assert len(lines) == 2
+    assert lines[1].endswith("poll failed for x\\ny (RuntimeError: cannot reach https://hub.example.com/x)")
 
 
 # -- end to end: a secret in a command line never leaves the agent ---------------------------
