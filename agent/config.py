@@ -7,9 +7,11 @@ problem is reported with the key it concerns (and the variable, when one set it)
 from __future__ import annotations
 
 import datetime
+import difflib
 import functools
 import itertools
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -43,6 +45,15 @@ from agent.units import parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
 
 ENV_PREFIX = "GPULEDGER_"
+# The variables Kubernetes adds to every pod for each Service of its namespace (service links):
+# a Service named gpuledger (or gpuledger-...) gives GPULEDGER_SERVICE_HOST, GPULEDGER_PORT,
+# GPULEDGER_PORT_9835_TCP_ADDR and the like. They set nothing, and are no typo.
+_SERVICE_LINK = re.compile(
+    r"GPULEDGER(?:_[A-Z0-9_]+)?_(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
+    r"|PORT(?:_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)?)"
+)
+
+log = logging.getLogger(__name__)
 
 
 def _not_bool(value: object) -> object:
@@ -619,11 +630,34 @@ def host_problems(settings: Settings, source: str = "config") -> list[str]:
 
 
 def load_config(path: str | Path | None = None) -> Settings:
-    """Settings from `path` (optional) and the environment. Raises ConfigError naming each problem."""
+    """Settings from `path` (optional) and the environment. Raises ConfigError naming each problem;
+    logs a warning for each GPULEDGER_* variable that sets nothing (`unknown_variables`)."""
     settings, problems = check_config(path)
     if problems or settings is None:
         raise ConfigError("; ".join(problems))
+    for line in unknown_variables():
+        log.warning("%s", line)
     return settings
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line for each GPULEDGER_* variable whose first key is no setting (GPULEDGER_POLL_INTERVALL),
+    with the nearest one: pydantic-settings reads only the names it knows at the top, so such a
+    variable was ignored without a word (a nested one, GPULEDGER_PRICING__GPU_HOURY, is an error
+    already). Only a warning: Kubernetes' service links (`_SERVICE_LINK`) and variables other tools
+    set must not stop the agent. Names only, never values."""
+    found = []
+    for name in sorted(os.environ if environ is None else environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or _SERVICE_LINK.fullmatch(upper):
+            continue
+        key = upper[len(ENV_PREFIX) :].split("__")[0].lower()
+        if key in Settings.model_fields:
+            continue
+        near = difflib.get_close_matches(key, list(Settings.model_fields), n=1)
+        hint = f" (did you mean {ENV_PREFIX}{near[0].upper()}?)" if near else ""
+        found.append(escape_control(f"environment: {name}: no such setting, ignored{hint}"))
+    return found
 
 
 # The price catalogue shipped with the package (see agent/accounting/pricing.py for its format).

@@ -417,6 +417,26 @@ def test_check_config_reports_every_problem_with_its_key(tmp_path: Path) -> None
     assert ok.stdout.strip().endswith("ok")
 
 
+def test_a_misspelt_top_level_variable_is_named_with_the_nearest_setting() -> None:
+    # GPULEDGER_POLL_INTERVALL was ignored without a word (the agent polled every 5s, not 30s),
+    # while a misspelt nested key is an error. Kubernetes' service links for a Service named
+    # gpuledger set nothing and are no typo: they pass unremarked.
+    env = {
+        "GPULEDGER_POLL_INTERVALL": "30s",
+        "GPULEDGER_SERVICE_HOST": "10.0.0.7",
+        "GPULEDGER_SERVICE_PORT_METRICS": "9835",
+        "GPULEDGER_PORT": "tcp://10.0.0.7:9835",
+        "GPULEDGER_PORT_9835_TCP_ADDR": "10.0.0.7",
+    }
+    result = gpuledger("check-config", os.devnull, env=env)
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == [
+        "warning: environment: GPULEDGER_POLL_INTERVALL: no such setting, ignored "
+        "(did you mean GPULEDGER_POLL_INTERVAL?)"
+    ]
+    assert "30s" not in result.stderr  # names only: a value may be a secret
+
+
 def test_environment_overrides_the_file_and_bad_values_name_the_variable(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("pricing: {gpu_hourly: 2.5}\n")

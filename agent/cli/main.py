@@ -35,7 +35,7 @@ from agent.cli.reportpage import write_output
 from agent.cli.rules import add_parser as add_rules_parser
 from agent.cli.rules import cmd_rules
 from agent.cli.systemd import notify, watchdog_interval_s
-from agent.config import Settings, check_config, host_problems, load_config
+from agent.config import Settings, check_config, host_problems, load_config, unknown_variables
 from agent.devices.backend import DriverLibraryMissing
 from agent.errors import BadInputError, ConfigError, GpuledgerError
 from agent.ledger.files import NotALedger
@@ -460,6 +460,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         for line in problems:
             print(line, file=sys.stderr)
         return EXIT_BAD_INPUT
+    for line in unknown_variables():
+        print(f"warning: {line}", file=sys.stderr)
     print(f"{args.file}: ok")
     return EXIT_OK
 
