@@ -181,7 +181,9 @@ class LedgerConfig(_Section):
 class WatchdogConfig(_Section):
     # A poll waits this long for a driver call before reading that GPU as down (TIMEOUT) and
     # polling the others without it; /healthz fails while any call is stuck.
-    call_timeout: Duration = Field(default=15.0, gt=0)
+    # At least 0.1s: a driver call takes milliseconds (PCIe throughput alone 20 ms), and a shorter
+    # timeout read every GPU as down (TIMEOUT), booking all their time unobserved.
+    call_timeout: Duration = Field(default=15.0, ge=0.1)
     # A call stuck this long ends the process (exit 1, ledger flushed) so that systemd
     # (Restart=on-failure, WatchdogSec=) or the kubelet (liveness probe) starts a fresh one:
     # a thread blocked in the driver cannot be freed from inside.

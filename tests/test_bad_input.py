@@ -47,6 +47,8 @@ CONFIG_CASES = [
     ("attribution: {kubelet_interval: 1ms}\n", "attribution.kubelet_interval"),
     ("events: {wait: 0.0001s}\n", "events.wait"),
     ("events: {retry: 1ms}\n", "events.retry"),
+    # Every driver call outlasted it: every GPU read as down, all its time unobserved.
+    ("watchdog: {call_timeout: 0.000001s}\n", "watchdog.call_timeout"),
     # A second section of one name replaced the first whole: its prices were dropped unsaid.
     (
         "pricing: {gpu_hourly: 2.5}\npoll_interval: 5s\npricing: {energy_per_kwh: 0.1}\n",
