@@ -400,6 +400,18 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_run_refuses_a_poll_interval_that_no_interval_is_charged_for() -> None:
+    # Polling every 10m on a real node with the default max_interval (5m) booked every interval,
+    # all the GPUs' time and dollars, unobserved.
+    env = {"GPULEDGER_POLL_INTERVAL": "10m"}
+    result = gpuledger("run", "--listen", f"127.0.0.1:{free_port()}", env=env, timeout=20)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "gpuledger: poll_interval (10m) must be shorter than accounting.max_interval (5m), "
+        "or every interval is booked unobserved"
+    ]
+
+
 def test_check_config_reports_every_problem_with_its_key(tmp_path: Path) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text(

@@ -250,6 +250,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise BadInputError(
             f"gpuledger: --fake-speed: at most {MAX_FAKE_SPEED:,.0f} (a year a minute), got {args.fake_speed:g}"
         )
+    if args.fake is None and settings.poll_interval >= settings.accounting.max_interval:
+        # Every interval would be longer than the longest charged: all GPU time booked unobserved.
+        # (A fake node's intervals follow --fake-speed, and wiring widens the limit for them.)
+        raise BadInputError(
+            f"gpuledger: poll_interval ({format_duration(settings.poll_interval)}) must be shorter than "
+            f"accounting.max_interval ({format_duration(settings.accounting.max_interval)}), "
+            "or every interval is booked unobserved"
+        )
     host, port = parse_listen(args.listen or settings.listen, "--listen" if args.listen else "listen")
     web_config_file = args.web_config or settings.web_config_file
     web = load_web_config(web_config_file) if web_config_file else None  # ConfigError: exit 2
