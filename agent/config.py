@@ -576,9 +576,32 @@ def _bad_nested_json(section: str) -> str | None:
     return None
 
 
+def _given_twice() -> str | None:
+    """A problem where one variable sets a mapping whole (GPULEDGER_PRICING__BY_MODEL='{...}') and
+    another a key of it (GPULEDGER_PRICING__BY_MODEL__L4): pydantic-settings keeps whichever it
+    meets last, so the other's prices were dropped, depending on the variables' order. (A whole
+    section, GPULEDGER_PRICING, does merge with its keys' variables.)"""
+    paths = {
+        tuple(name[len(ENV_PREFIX) :].lower().split("__")): name
+        for name in sorted(os.environ)
+        if name.upper().startswith(ENV_PREFIX)
+    }
+    for path, name in sorted(paths.items()):
+        inner = [other for other in paths if len(path) >= 2 and len(other) > len(path) and other[: len(path)] == path]
+        if inner:
+            return escape_control(
+                f"environment: {name} and {paths[min(inner)]} both set {'.'.join(path)}: "
+                "give it whole (JSON) or key by key, not both"
+            )
+    return None
+
+
 def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
     """The settings and every problem found, one line each (empty when the config is good)."""
     source = str(path) if path is not None else "environment"
+    twice = _given_twice()
+    if twice is not None:
+        return None, [twice]
     try:
         data = dict(_read_yaml(Path(path))) if path is not None else {}
     except ConfigError as exc:

@@ -429,6 +429,20 @@ def test_check_config_reports_every_problem_with_its_key(tmp_path: Path) -> None
     assert ok.stdout.strip().endswith("ok")
 
 
+def test_a_mapping_given_whole_and_key_by_key_is_refused() -> None:
+    # Whichever of the two variables came last won: the L4's price could be dropped unsaid.
+    env = {"GPULEDGER_PRICING__BY_MODEL__L4": "0.8", "GPULEDGER_PRICING__BY_MODEL": '{"H100-SXM5-80GB": 4.0}'}
+    result = gpuledger("check-config", os.devnull, env=env)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "environment: GPULEDGER_PRICING__BY_MODEL and GPULEDGER_PRICING__BY_MODEL__L4 both set "
+        "pricing.by_model: give it whole (JSON) or key by key, not both"
+    ]
+    # A whole section does merge with its keys' variables.
+    env = {"GPULEDGER_PRICING__BY_MODEL__L4": "0.8", "GPULEDGER_PRICING": '{"energy_per_kwh": 0.1}'}
+    assert gpuledger("check-config", os.devnull, env=env).returncode == 0
+
+
 def test_a_misspelt_top_level_variable_is_named_with_the_nearest_setting() -> None:
     # GPULEDGER_POLL_INTERVALL was ignored without a word (the agent polled every 5s, not 30s),
     # while a misspelt nested key is an error. Kubernetes' service links for a Service named
