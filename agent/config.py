@@ -576,17 +576,25 @@ def _bad_nested_json(section: str) -> str | None:
     return None
 
 
-def _given_twice() -> str | None:
+def _variables_problem() -> str | None:
     """A problem where one variable sets a mapping whole (GPULEDGER_PRICING__BY_MODEL='{...}') and
     another a key of it (GPULEDGER_PRICING__BY_MODEL__L4): pydantic-settings keeps whichever it
     meets last, so the other's prices were dropped, depending on the variables' order. (A whole
-    section, GPULEDGER_PRICING, does merge with its keys' variables.)"""
+    section, GPULEDGER_PRICING, does merge with its keys' variables.) Or where a variable sets a
+    key whose case matters, which its name cannot carry."""
     paths = {
         tuple(name[len(ENV_PREFIX) :].lower().split("__")): name
         for name in sorted(os.environ)
         if name.upper().startswith(ENV_PREFIX)
     }
     for path, name in sorted(paths.items()):
+        if path[:2] == ("actions", "triggers") and len(path) > 4 and path[3] == "env":
+            # Its key would be the command's variable name, lowercased (SLURM_CONF as slurm_conf).
+            return escape_control(
+                f"environment: {name}: the command's variable would be named {'__'.join(path[4:])} (names are "
+                f"read lowercased); give actions.triggers.{path[2]}.env whole as JSON in "
+                f"{ENV_PREFIX}ACTIONS__TRIGGERS__{path[2].upper()}__ENV"
+            )
         inner = [other for other in paths if len(path) >= 2 and len(other) > len(path) and other[: len(path)] == path]
         if inner:
             return escape_control(
@@ -599,9 +607,9 @@ def _given_twice() -> str | None:
 def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
     """The settings and every problem found, one line each (empty when the config is good)."""
     source = str(path) if path is not None else "environment"
-    twice = _given_twice()
-    if twice is not None:
-        return None, [twice]
+    problem = _variables_problem()
+    if problem is not None:
+        return None, [problem]
     try:
         data = dict(_read_yaml(Path(path))) if path is not None else {}
     except ConfigError as exc:

@@ -443,6 +443,19 @@ def test_a_mapping_given_whole_and_key_by_key_is_refused() -> None:
     assert gpuledger("check-config", os.devnull, env=env).returncode == 0
 
 
+def test_an_action_variable_set_key_by_key_is_refused(tmp_path: Path) -> None:
+    # The command was handed slurm_conf=/etc/slurm.conf, not the SLURM_CONF it was configured with.
+    config = tmp_path / "actions.yaml"
+    config.write_text("actions:\n  triggers:\n    drain: {flag: idle, scope: gpu, command: [/bin/true]}\n")
+    result = gpuledger("check-config", str(config), env={"GPULEDGER_ACTIONS__TRIGGERS__DRAIN__ENV__SLURM_CONF": "/x"})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "environment: GPULEDGER_ACTIONS__TRIGGERS__DRAIN__ENV__SLURM_CONF: the command's variable would be named "
+        "slurm_conf (names are read lowercased); give actions.triggers.drain.env whole as JSON in "
+        "GPULEDGER_ACTIONS__TRIGGERS__DRAIN__ENV"
+    ]
+
+
 def test_a_misspelt_top_level_variable_is_named_with_the_nearest_setting() -> None:
     # GPULEDGER_POLL_INTERVALL was ignored without a word (the agent polled every 5s, not 30s),
     # while a misspelt nested key is an error. Kubernetes' service links for a Service named
