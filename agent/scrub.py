@@ -126,7 +126,7 @@ def _password_option(option: str, *, glued: bool) -> re.Pattern[str]:
 
 # curl's cookies (-b, --cookie): "name=value; name2=value2", quoted, holds spaces. Only -b's
 # value may be glued on (`-bsid=x`); `--cookie-jar` is another option.
-_QUOTED_OR_WORD = r"\"[^\"]*\"|'[^']*'|[^\s'\"]+"
+_QUOTED_OR_WORD = r"(?:\"[^\"]*\"|'[^']*'|[^\s'\"])+"  # a shell word: quoted and bare parts run together
 _CURL_COOKIE = re.compile(
     rf"(?<=\s)(?P<opt>-b|--cookie)(?:(?P<sep>=|(?<=-b))(?P<value>{_QUOTED_OR_WORD})"
     rf"|(?P<gap>\s+)(?P<word>(?!-)(?:{_QUOTED_OR_WORD})))"
@@ -144,12 +144,12 @@ _AUTH_HEADER = re.compile(
     r"(?<![A-Za-z0-9])(?P<name>(?:Proxy-)?Authorization)(?P<sep>['\"]?\s*[:=]\s*['\"]?)"
     r"(?P<scheme>(?:Bearer|Basic|Token|Digest|Negotiate|NTLM|ApiKey|AWS4-HMAC-SHA256)\s+)?"
     # Digest and AWS4 carry a list of parameters (`username="bob", response="..."`): all of it.
-    rf"(?P<value>{_AUTH_PARAM}(?:\s*,\s*{_AUTH_PARAM})*|[^\s'\"]+)",
+    rf"(?P<value>{_AUTH_PARAM}(?:\s*,\s*{_AUTH_PARAM})*[^\s'\"]*|[^\s'\"]+)",
     re.IGNORECASE,
 )
 # A cookie header's value: its name=value pairs, "; "-separated, all of them (`-H "Cookie: a=1; b=2"`).
 _COOKIE_HEADER = re.compile(
-    r"(?<![A-Za-z0-9-])(?P<name>(?:Set-)?Cookie)(?P<sep>['\"]?\s*:\s*['\"]?)(?P<value>[^\s'\";]+(?:;\s*[^\s'\";]+)*;?)",
+    r"(?<![A-Za-z0-9-])(?P<name>(?:Set-)?Cookie)(?P<sep>['\"]?\s*:\s*['\"]?)(?P<value>[^\s'\";]+(?:;\s*[^\s'\";]+)*)",
     re.IGNORECASE,
 )
 _TOKEN_SHAPES = re.compile(
@@ -191,6 +191,22 @@ def scrub(text: str) -> str:
 
     Idempotent, and cached: labels repeat every poll, so each distinct value is scrubbed once.
     """
+    # One pass can leave what the next would take: a value redacted after a name that glued onto
+    # it (`key://;u:p@h` -> `key:[redacted];u:p@h`) makes `...:[redacted];u:p@` userinfo. Passes
+    # repeat until nothing changes; each only removes, so few are ever needed.
+    out = text
+    for _ in range(_MAX_PASSES):
+        again = _scrub_once(out)
+        if again == out:
+            break
+        out = again
+    return out
+
+
+_MAX_PASSES = 8
+
+
+def _scrub_once(text: str) -> str:
     if not text:
         return text
     out = _URL_USERINFO.sub(r"\g<scheme>", text)

@@ -101,6 +101,7 @@ SECRET_SHAPES = [
     f"curl -bsid={CANARY} https://hub.example.com",
     f"curl --cookie sid={CANARY} https://hub.example.com",
     f"curl --cookie=sid={CANARY} https://hub.example.com",
+    f"curl -b 'sid='{CANARY} https://hub.example.com",  # a shell word, quoted in part
 ]
 
 
@@ -213,6 +214,23 @@ def test_scrubbing_is_idempotent_and_leaves_no_control_character(text: str) -> N
     once = scrub_label(text)
     assert scrub_label(once) == once
     assert not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in once)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # Each was scrubbed again differently: one pass's redaction made the next pass's match.
+        'Authorization: username="b",',
+        'Authorization:response="c"x',
+        "Cookie: set;;x",
+        "curl -b ' x 'y=z' curl",
+        "-Haws_secret_access_keyhttps://;user:pw@host",
+        "https://config.io:org/r-p@user:pw@",
+    ],
+)
+def test_scrubbing_these_is_idempotent(text: str) -> None:
+    once = scrub(text)
+    assert scrub(once) == once
 
 
 def _logged(*, debug: bool) -> list[str]:
