@@ -41,7 +41,7 @@ from agent.errors import ConfigError
 from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS
 from agent.model import WORKLOAD_LABELS
 from agent.scrub import escape_control
-from agent.units import parse_duration, parse_size_bytes
+from agent.units import format_duration, parse_duration, parse_size_bytes
 from agent.yamlfile import YamlFileError, read_yaml
 
 ENV_PREFIX = "GPULEDGER_"
@@ -73,6 +73,8 @@ Ratio = Annotated[float, BeforeValidator(_not_bool), Field(ge=0.0, le=1.0)]
 # driver re-registration): a misplaced unit (`poll_interval: 0.0000001s`) otherwise polled the
 # driver non-stop. Sub-second stays allowed: a fake node is polled every 0.2s in tests and demos.
 MIN_REPEAT_S = 0.1
+# The shortest ledger retention: the ledger keeps hours, and a shorter one is a unit left out.
+MIN_RETENTION_S = 86400.0
 
 
 class _Section(BaseModel):
@@ -176,6 +178,17 @@ class LedgerConfig(_Section):
     max_pending_rows: Annotated[int, BeforeValidator(_not_bool)] = Field(
         default=DEFAULT_MAX_PENDING_ROWS, ge=1, le=10_000_000
     )
+
+    @field_validator("retention")
+    @classmethod
+    def _keeps_a_day(cls, value: float) -> float:
+        # Rows older than it are deleted at the next flush: `retention: 400`, meant as days, is
+        # 400 seconds, and deleted every hour but the current one.
+        if value < MIN_RETENTION_S:
+            raise ValueError(
+                f"at least 1d, got {format_duration(value)} (a bare number is seconds; older rows are deleted)"
+            )
+        return value
 
 
 class WatchdogConfig(_Section):

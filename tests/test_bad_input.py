@@ -49,6 +49,8 @@ CONFIG_CASES = [
     ("events: {retry: 1ms}\n", "events.retry"),
     # Every driver call outlasted it: every GPU read as down, all its time unobserved.
     ("watchdog: {call_timeout: 0.000001s}\n", "watchdog.call_timeout"),
+    # Meant as days, 400 is seconds: every hour of the ledger but the current one was deleted.
+    ("ledger: {retention: 400}\n", "ledger.retention: at least 1d, got 6m40s"),
     # A second section of one name replaced the first whole: its prices were dropped unsaid.
     (
         "pricing: {gpu_hourly: 2.5}\npoll_interval: 5s\npricing: {energy_per_kwh: 0.1}\n",
