@@ -31,7 +31,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from agent.accounting.pricing import Catalogue, parse_catalogue
-from agent.actions.config import ActionsConfig
+from agent.actions.config import CONTEXT_VARIABLES, ActionsConfig
 from agent.actions.config import cross_problems as action_problems
 from agent.actions.config import host_problems as action_host_problems
 from agent.attribution.labels import MATCH_ALIASES, MATCH_FIELDS, SET_FIELDS
@@ -691,11 +691,12 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     with the nearest one: pydantic-settings reads only the names it knows at the top, so such a
     variable was ignored without a word (a nested one, GPULEDGER_PRICING__GPU_HOURY, is an error
     already). Only a warning: Kubernetes' service links (`_SERVICE_LINK`) and variables other tools
-    set must not stop the agent. Names only, never values."""
+    set must not stop the agent; an action's context (CONTEXT_VARIABLES), which a gpuledger run by
+    the action's command inherits, passes unremarked. Names only, never values."""
     found = []
     for name in sorted(os.environ if environ is None else environ):
         upper = name.upper()
-        if not upper.startswith(ENV_PREFIX) or _SERVICE_LINK.fullmatch(upper):
+        if not upper.startswith(ENV_PREFIX) or _SERVICE_LINK.fullmatch(upper) or upper in CONTEXT_VARIABLES:
             continue
         key = upper[len(ENV_PREFIX) :].split("__")[0].lower()
         if key in Settings.model_fields:

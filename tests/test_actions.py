@@ -23,7 +23,7 @@ import pytest
 
 from agent.actions import Actions, Trigger
 from agent.actions.policy import Selector
-from agent.config import Settings
+from agent.config import Settings, unknown_variables
 from agent.model import AgentState
 from tests.helpers import Rig
 from tests.test_cli import gpuledger
@@ -320,6 +320,8 @@ def test_a_command_runs_once_with_the_flags_context(tmp_path: Path, monkeypatch:
     assert set(env) <= {"PATH", "LANG", "LC_ALL", "TZ", "PWD", "OUT", "AWS_REGION"} | {
         k for k in env if k.startswith("GPULEDGER_")
     }
+    # A gpuledger the command runs takes none of the context for a misspelt setting.
+    assert unknown_variables(env) == []
     assert counts(state, "scancel-idle") == {"executed": 1}
 
 

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from agent.model import WORKLOAD_LABELS
 from agent.units import parse_duration
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
@@ -41,6 +42,24 @@ UNHELD_CONDITIONS = frozenset({"idle"})
 # programs and print text. Nothing else of the agent's environment reaches a command.
 BASE_ENV = ("PATH", "LANG", "LC_ALL", "TZ")
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# The flag's context, as every command gets it (agent/actions/context.py sets each): a gpuledger
+# the command itself runs must not take them for misspelt settings (agent.config.unknown_variables).
+CONTEXT_VARIABLES = frozenset(
+    {
+        "GPULEDGER_ACTION",
+        "GPULEDGER_AT",
+        "GPULEDGER_RULE",
+        "GPULEDGER_SCOPE",
+        "GPULEDGER_NODE",
+        "GPULEDGER_GPUS",
+        "GPULEDGER_GPU_UUIDS",
+        "GPULEDGER_EPISODE_START",
+        "GPULEDGER_HELD_SECONDS",
+        "GPULEDGER_DOLLARS",
+        "GPULEDGER_SUMMARY",
+        *(f"GPULEDGER_{label.upper()}" for label in WORKLOAD_LABELS),
+    }
+)
 
 
 class _Section(BaseModel):
