@@ -28,7 +28,7 @@ from agent.config import load_config
 from agent.ledger import charts
 from agent.ledger.page import bucket_size, bucket_start, cents_adding_up, render_html, spend_over_time
 from agent.ledger.read import UsageRow
-from agent.ledger.report import build_report, parse_by, render
+from agent.ledger.report import build_report, parse_by, parse_time, render
 from agent.ledger.store import Ledger
 from agent.model import Workload
 from tests.test_cli import gpuledger
@@ -271,6 +271,28 @@ def test_spend_over_time_adds_up_hour_by_hour(made: Ledgers) -> None:
     for hour in hours:
         # Every hour: 4 GPUs x $2.5 = $10, whoever it went to.
         assert math.fsum(float(c["value"]) for c in hour["cells"] if c["value"]) == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize(("since", "until"), [("1970-01-01", None), ("1970-01-01", "8999-12-31")])
+def test_a_window_of_centuries_charts_the_hours_the_ledger_holds(made: Ledgers, since: str, until: str | None) -> None:
+    # The bars followed the window asked for: 1970 to now was 2,900 empty weekly bars (4.6 MB,
+    # 15 s), to 8999 millions (never done). They span the ledger's 12 hours, hour by hour, as the
+    # page of the ledger's own window does.
+    settings = load_config(str(made.config))
+    bounds = {name: parse_time(value, 0.0) for name, value in (("since", since), ("until", until)) if value}
+    text = html_from_ledgers(
+        [made.ledger], settings, by=parse_by(BY), since=bounds["since"], until=bounds.get("until"), runs=False,
+        headroom=0.2,
+    )  # fmt: skip
+    page = read_page(text)
+    bars = page.tables["over-time-table"]
+    assert len(bars) == HOURS  # 12 hourly bars
+    assert (bars[0]["attrs"]["data-start"], bars[-1]["attrs"]["data-start"]) == (
+        "2026-11-20T18:00:00Z",
+        "2026-11-21T05:00:00Z",
+    )
+    assert len(text) < 2 * len(made.html)
+    assert page.tiles["total_dollars"] == pytest.approx(TOTAL_DOLLARS)  # 4 GPUs x 12 h x $2.5 = $120
 
 
 def test_labels_are_text_never_markup(made: Ledgers) -> None:

@@ -93,14 +93,18 @@ def line_name(line: ReportLine) -> str:
 
 def spend_over_time(report: Report, rows: Sequence[UsageRow], *, top: int = TOP_SERIES) -> Timeline:
     """The report's dollars by bucket of time, each bucket's report built from its rows by
-    `build_report`, as the report itself is: the buckets of a series add up to its line."""
-    if report.since is None or report.until is None:
+    `build_report`, as the report itself is: the buckets of a series add up to its line.
+
+    The buckets span the hours the ledgers hold within the window (`Report.held_since`,
+    `held_until`), not the window asked for: `--since 1970-01-01` would otherwise draw 2,900
+    empty weekly bars (and `--until 8999-12-31` millions) around a week of figures."""
+    if report.held_since is None or report.held_until is None:
         return Timeline(HOUR_S, (), ())
-    size = bucket_size(report.since, report.until)
-    first = bucket_start(report.since, size)
+    size = bucket_size(report.held_since, report.held_until)
+    first = bucket_start(report.held_since, size)
     starts: list[float] = []
     t = first
-    while t < report.until:
+    while t < report.held_until:
         starts.append(t)
         t += size
     by_bucket: dict[float, list[UsageRow]] = {start: [] for start in starts}

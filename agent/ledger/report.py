@@ -164,6 +164,11 @@ class Report:
     idle_by: tuple[ReportLine, ...] = ()
     store: str | None = None  # where the figures come from when not ledgers ("Prometheus API at URL")
     runs: bool = False  # show each line's start, end and GPUs (report --runs)
+    # The hours the ledgers hold within [since, until): the start of the first, the end of the
+    # last (None: none). A window reaching before a ledger began or past its last flush covers
+    # more hours than there are figures for.
+    held_since: float | None = None
+    held_until: float | None = None
 
 
 # A run is a Slurm job or a pod: `--runs` shows when each ran and on how many GPUs.
@@ -227,10 +232,10 @@ def build_report(
         everything.add(row)
 
     lines = sorted((sums.line(key) for key, sums in groups.items()), key=lambda ln: (-ln.dollars, ln.key))
-    if since is None and hours:
-        since = float(min(hours))
-    if until is None and hours:
-        until = float(max(hours) + HOUR_S)
+    held_since = float(min(hours)) if hours else None
+    held_until = float(max(hours) + HOUR_S) if hours else None
+    since = held_since if since is None else since
+    until = held_until if until is None else until
     left = sorted(
         (replace(sums.line(()), left_by=w) for w, sums in idle_by.items()),
         key=lambda ln: (-ln.dollars, ln.left_by == Workload(), ln.left_by),
@@ -244,6 +249,8 @@ def build_report(
         until,
         unobserved=unobserved.line(()),
         idle_by=tuple(left),
+        held_since=held_since,
+        held_until=held_until,
     )
 
 
