@@ -232,6 +232,8 @@ def finance_report() -> Report:
         total=ReportLine((), 13986.178, 5594.2 * H, 4100.0 * H, waste_dollars=VLLM_WASTE + 80.5 + 1500.0),
         since=T0,
         until=T0 + 48 * H,
+        recorded_since=T0,  # the ledgers hold the whole window
+        recorded_until=T0 + 48 * H,
     )
 
 
@@ -301,7 +303,9 @@ def test_csv_reads_back_to_the_same_numbers(weekend_ledger: Path) -> None:
 def test_json_reads_back_to_the_same_numbers(weekend_ledger: Path) -> None:
     report = report_from_ledger(weekend_ledger, by=["team"], since=T0, until=T0 + 2 * H)
     document = json.loads(render(report, "json"))
-    assert list(document) == ["since", "until", "by", "rows", "idle", "unobserved", "total"]
+    assert list(document) == [
+        "since", "until", "recorded_since", "recorded_until", "by", "rows", "idle", "unobserved", "total",
+    ]  # fmt: skip
     assert (document["since"], document["until"], document["by"]) == (
         "2026-11-27T18:00:00Z",
         "2026-11-27T20:00:00Z",

@@ -295,6 +295,39 @@ def test_a_window_of_centuries_charts_the_hours_the_ledger_holds(made: Ledgers, 
     assert page.tiles["total_dollars"] == pytest.approx(TOTAL_DOLLARS)  # 4 GPUs x 12 h x $2.5 = $120
 
 
+def test_the_report_says_which_hours_of_the_window_the_ledger_holds(made: Ledgers) -> None:
+    # The window starts at midnight, the ledger at 18:00: its figures are 12 hours', not 30.
+    window = ("--ledger", str(made.ledger), "--by", BY, "--since", "2026-11-20")
+    as_json = json.loads(gpuledger("report", *window, "--format", "json").stdout)
+    assert (as_json["since"], as_json["until"]) == ("2026-11-20T00:00:00Z", "2026-11-21T06:00:00Z")
+    assert (as_json["recorded_since"], as_json["recorded_until"]) == ("2026-11-20T18:00:00Z", "2026-11-21T06:00:00Z")
+    held = "The ledger holds only 2026-11-20T18:00:00Z to 2026-11-21T06:00:00Z of these hours: the figures cover those."
+    assert gpuledger("report", *window).stdout.splitlines()[-1] == held
+    page = gpuledger("report", *window, "--format", "html").stdout
+    assert held in page
+    # 4 GPUs x 12 h = 48 GPU-hours x $2.5 = $120, every hour the ledger holds, not the window's 30.
+    assert (
+        "= $120.00, the price of 48.00 GPU-hours: every hour of every GPU the ledgers hold from "
+        "2026-11-20T18:00:00Z to 2026-11-21T06:00:00Z, once." in page
+    )
+    # Where the ledger holds the whole window, nothing more is said.
+    assert made.json["recorded_since"] == made.json["since"] == "2026-11-20T18:00:00Z"
+    assert "The ledger holds" not in gpuledger("report", "--ledger", str(made.ledger)).stdout
+    # Bounds inside an hour read it whole, idle time as charged time: 18:30 to 19:30 is the
+    # hours of 18:00 and 19:00, 4 GPUs x 2 h = 8 GPU-hours x $2.5 = $20, GPU 3 idle in both
+    # (2 GPU-hours x $2.5 = $5), GPU 0 held by the job (still running at 6h) = $5.
+    inside = gpuledger(
+        "report", "--ledger", str(made.ledger), "--by", BY, "--since", "2026-11-20T18:30", "--until",
+        "2026-11-20T19:30", "--format", "json",
+    )  # fmt: skip
+    hours = json.loads(inside.stdout)
+    assert (hours["since"], hours["recorded_until"]) == ("2026-11-20T18:00:00Z", "2026-11-20T20:00:00Z")
+    assert hours["total"]["gpu_hours_charged"] == pytest.approx(8.0)
+    assert hours["total"]["dollars"] == pytest.approx(20.0)
+    assert hours["idle"]["dollars"] == pytest.approx(5.0)
+    assert {r["hpc_job"]: r["dollars"] for r in hours["rows"]}["8812"] == pytest.approx(5.0)
+
+
 def test_labels_are_text_never_markup(made: Ledgers) -> None:
     page = read_page(made.html)
     assert page.scripts == 0

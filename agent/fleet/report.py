@@ -115,7 +115,8 @@ def report_from_prometheus(api: PrometheusAPI, query: StoreQuery, *, by: Sequenc
     growth = read_counters(api, window, query.node_label)
     rows = usage_rows(growth, query.node_label, hour=hour_start(window.since))
     report = build_report(rows, keys, since=window.since, until=window.until)
-    return replace(report, store=f"Prometheus API at {api.shown_url}")
+    # A store's figures are each counter's growth over the whole window: no hours of their own.
+    return replace(report, store=f"Prometheus API at {api.shown_url}", recorded_since=None, recorded_until=None)
 
 
 def read_counters(api: PrometheusAPI, window: Window, node_label: str) -> dict[str, Growth]:

@@ -43,6 +43,7 @@ from agent.ledger.report import (
     build_report,
     cents_adding_up,
     left_by_name,
+    recorded_note,
     shown_figures,
 )
 from agent.model import Workload
@@ -95,16 +96,16 @@ def spend_over_time(report: Report, rows: Sequence[UsageRow], *, top: int = TOP_
     """The report's dollars by bucket of time, each bucket's report built from its rows by
     `build_report`, as the report itself is: the buckets of a series add up to its line.
 
-    The buckets span the hours the ledgers hold within the window (`Report.held_since`,
-    `held_until`), not the window asked for: `--since 1970-01-01` would otherwise draw 2,900
+    The buckets span the hours the ledgers hold within the window (`Report.recorded_since`,
+    `recorded_until`), not the window asked for: `--since 1970-01-01` would otherwise draw 2,900
     empty weekly bars (and `--until 8999-12-31` millions) around a week of figures."""
-    if report.held_since is None or report.held_until is None:
+    if report.recorded_since is None or report.recorded_until is None:
         return Timeline(HOUR_S, (), ())
-    size = bucket_size(report.held_since, report.held_until)
-    first = bucket_start(report.held_since, size)
+    size = bucket_size(report.recorded_since, report.recorded_until)
+    first = bucket_start(report.recorded_since, size)
     starts: list[float] = []
     t = first
-    while t < report.held_until:
+    while t < report.recorded_until:
         starts.append(t)
         t += size
     by_bucket: dict[float, list[UsageRow]] = {start: [] for start in starts}
@@ -185,6 +186,9 @@ def render_html(
         f"<h1>{escape(title)}</h1>",
         f'<p class="span">{escape(_span(report))}</p>',
     ]
+    note = recorded_note(report)
+    if note is not None:
+        body.append(f'<p class="note" id="recorded">{escape(note)}</p>')
     if report.total.charged_s == 0 and report.total.dollars == 0:
         body.append(
             '<p class="empty" id="empty">No GPU time recorded in this window: nothing to show. '
@@ -260,8 +264,17 @@ def _summary(report: Report) -> list[str]:
         "</div>",
         f'<p class="note">Charged to workloads ${_amount(shown[0])} + idle ${_amount(shown[1])} + '
         f"unobserved ${_amount(shown[2])} = ${_amount(total.dollars)}, the price of "
-        f"{_amount(total.gpu_hours_charged)} GPU-hours: every hour of every GPU in the window, once.</p>",
+        f"{_amount(total.gpu_hours_charged)} GPU-hours: {escape(_hours_paid_for(report))}, once.</p>",
     ]
+
+
+def _hours_paid_for(report: Report) -> str:
+    """Which GPU-hours TOTAL is the price of: those the ledgers hold, which may start after the
+    window does or end before it; a store's report, the window's."""
+    if report.recorded_since is None or report.recorded_until is None:
+        return "every hour of every GPU in the window"
+    since, until = iso_time(report.recorded_since), iso_time(report.recorded_until)
+    return f"every hour of every GPU the ledgers hold from {since} to {until}"
 
 
 def _section(anchor: str, heading: str) -> str:

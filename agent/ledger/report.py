@@ -30,7 +30,10 @@ Choices a reader of the output should know:
   rows in whole cents that add up to TOTAL's (`shown_figures`), so a row may read a cent off
   what it rounds to alone; CSV and JSON carry every figure unrounded.
 - The ledger keeps hours, so a range is read as whole hours: every hour that overlaps
-  [since, until) counts, and the output states the hours it covers.
+  [since, until) counts, for charged, idle and unobserved time alike, and the output states the
+  hours it covers; where the ledgers hold only part of them (the window reaches before the first
+  ledger began or past the last flush), it says which (`recorded_note`, JSON `recorded_since` /
+  `recorded_until`).
 - Efficiency is used/charged: a percent in the table; in CSV and JSON `efficiency_ratio`, 0-1
   like every ratio gpuledger exports, empty / null where nothing was charged, for the idle row
   (nobody held it) and for the unobserved row (what it was used for is unknown; its GPU-hours
@@ -165,10 +168,10 @@ class Report:
     store: str | None = None  # where the figures come from when not ledgers ("Prometheus API at URL")
     runs: bool = False  # show each line's start, end and GPUs (report --runs)
     # The hours the ledgers hold within [since, until): the start of the first, the end of the
-    # last (None: none). A window reaching before a ledger began or past its last flush covers
-    # more hours than there are figures for.
-    held_since: float | None = None
-    held_until: float | None = None
+    # last (None: none, and for a store's report). A window reaching before a ledger began or
+    # past its last flush spans more hours than there are figures for (`recorded_note`).
+    recorded_since: float | None = None
+    recorded_until: float | None = None
 
 
 # A run is a Slurm job or a pod: `--runs` shows when each ran and on how many GPUs.
@@ -232,10 +235,10 @@ def build_report(
         everything.add(row)
 
     lines = sorted((sums.line(key) for key, sums in groups.items()), key=lambda ln: (-ln.dollars, ln.key))
-    held_since = float(min(hours)) if hours else None
-    held_until = float(max(hours) + HOUR_S) if hours else None
-    since = held_since if since is None else since
-    until = held_until if until is None else until
+    recorded_since = float(min(hours)) if hours else None
+    recorded_until = float(max(hours) + HOUR_S) if hours else None
+    since = recorded_since if since is None else since
+    until = recorded_until if until is None else until
     left = sorted(
         (replace(sums.line(()), left_by=w) for w, sums in idle_by.items()),
         key=lambda ln: (-ln.dollars, ln.left_by == Workload(), ln.left_by),
@@ -249,8 +252,8 @@ def build_report(
         until,
         unobserved=unobserved.line(()),
         idle_by=tuple(left),
-        held_since=held_since,
-        held_until=held_until,
+        recorded_since=recorded_since,
+        recorded_until=recorded_until,
     )
 
 
@@ -523,6 +526,18 @@ def _span(report: Report) -> str:
     return f"ledger hours {start} to {end}{merged}"
 
 
+def recorded_note(report: Report) -> str | None:
+    """What part of the window the ledgers hold, where not all of it (None where they hold it all,
+    and for a store's report): the figures are those hours', not the window's."""
+    if report.store is not None or (report.recorded_since, report.recorded_until) == (report.since, report.until):
+        return None
+    held = "The ledgers hold" if report.ledgers > 1 else "The ledger holds"
+    if report.recorded_since is None or report.recorded_until is None:
+        return f"{held} none of these hours."
+    since, until = iso_time(report.recorded_since), iso_time(report.recorded_until)
+    return f"{held} only {since} to {until} of these hours: the figures cover those."
+
+
 NOBODY_KNOWN = "nobody known"
 
 
@@ -584,6 +599,9 @@ def _render_table(report: Report) -> str:
         rule,
         fmt(total),
     ]
+    note = recorded_note(report)
+    if note is not None:
+        out += ["", note]
     return "\n".join(out) + "\n"
 
 
@@ -704,6 +722,9 @@ def _render_json(report: Report) -> str:
     document: dict[str, Any] = {
         "since": None if report.since is None else iso_time(report.since),
         "until": None if report.until is None else iso_time(report.until),
+        # The hours of the window the ledgers hold (null: none; and from a store)
+        "recorded_since": None if report.recorded_since is None else iso_time(report.recorded_since),
+        "recorded_until": None if report.recorded_until is None else iso_time(report.recorded_until),
         "by": list(report.by),
         "rows": [
             dict(zip(report.by, line.key, strict=True)) | (_run_figures(line) if report.runs else {}) | _figures(line)
