@@ -118,8 +118,49 @@ def expected(by: tuple[str, ...]) -> dict[tuple[str, ...], float]:
 def test_grouping_by_each_key(weekend_ledger: Path, key: str) -> None:
     report = report_from_ledger(weekend_ledger, by=[key])
     got = {line.key: line.dollars for line in report.lines}
-    assert got == pytest.approx(expected((key,)), rel=1e-12)
+    # A pod is named within its namespace, a GPU's index within its node: those group by both.
+    assert report.by == {"pod": ("namespace", "pod"), "gpu": ("node", "gpu")}.get(key, (key,))
+    assert got == pytest.approx(expected(report.by), rel=1e-12)
     assert [line.dollars for line in report.lines] == sorted(got.values(), reverse=True)
+
+
+def test_a_pod_is_named_within_its_namespace_and_a_gpu_within_its_node(weekend_ledger: Path, tmp_path: Path) -> None:
+    # GPU 0 of gpu-node-01 (vllm, $4.101/h) and of gpu-node-02 (job 8812, $3.333/h) were one row "0".
+    by_gpu = report_from_ledger(weekend_ledger, by=["gpu"])
+    assert by_gpu.by == ("node", "gpu")
+    got = {line.key: line.dollars for line in by_gpu.lines if line.key[1] == "0"}
+    assert got == {
+        ("gpu-node-01", "0"): pytest.approx(6 * 4.101),  # 6 h x $4.101 = $24.606
+        ("gpu-node-02", "0"): pytest.approx(6 * 3.333),  # 6 h x $3.333 = $19.998, not $44.604 in one
+    }
+    assert render(by_gpu, "csv").startswith("kind,node,gpu,dollars,")
+
+    # Two teams each run a pod named train-0, on GPUs 0 and 1 at $2.50/h: team-a's for 2 h, team-b's
+    # for 1 h, then GPU 1 sits idle.
+    team_a, team_b = Workload(namespace="team-a", pod="train-0"), Workload(namespace="team-b", pod="train-0")
+    path = tmp_path / "pods.db"
+    with Ledger(path, node="gpu-node-01", retention_s=None) as ledger:
+        for hour, holder in ((0, team_b), (1, None)):
+            start = T0 + hour * H
+            wcs = [WorkloadCharge(0, "GPU-0", team_a, H, H / 2, 2.5, 0.0, charged_s=H)]
+            gcs = [GpuCharge(0, "GPU-0", "A100", 2.5, H, 2.5, 0, 0, 0, 0, 0)]
+            if holder is None:
+                gcs.append(GpuCharge(1, "GPU-1", "A100", 2.5, H, 2.5, H, 2.5, 0, 0, 0))
+            else:
+                wcs.append(WorkloadCharge(1, "GPU-1", holder, H, H / 4, 2.5, 0.0, charged_s=H))
+                gcs.append(GpuCharge(1, "GPU-1", "A100", 2.5, H, 2.5, 0, 0, 0, 0, 0))
+            ledger.add(Charges(start, start + H, "gpu-node-01", tuple(wcs), tuple(gcs)))
+    pods = report_from_ledgers([path], by=["pod"], runs=True)
+    assert pods.by == ("namespace", "pod")
+    lines = {line.key: line for line in pods.lines}
+    assert list(lines) == [("team-a", "train-0"), ("team-b", "train-0")]  # two pods, two runs, not one
+    assert lines["team-a", "train-0"].dollars == pytest.approx(5.0)  # 2 h x $2.50
+    assert lines["team-b", "train-0"].dollars == pytest.approx(2.5)  # 1 h x $2.50
+    assert (lines["team-b", "train-0"].first_hour, lines["team-b", "train-0"].last_hour) == (T0, T0)
+    # Conservation: $5.00 + $2.50 + idle $2.50 = 2 GPUs x 2 h x $2.50 = $10.00.
+    assert pods.idle.dollars == pytest.approx(2.5)
+    assert pods.total.dollars == pytest.approx(10.0)
+    assert render(pods, "csv").startswith("kind,namespace,pod,first_hour,last_hour,gpus,dollars,")
 
 
 def test_grouping_by_two_keys(weekend_ledger: Path) -> None:
@@ -281,12 +322,12 @@ def test_csv_reads_back_to_the_same_numbers(weekend_ledger: Path) -> None:
     report = report_from_ledger(weekend_ledger, by=["node", "pod"])
     rows = list(csv.DictReader(io.StringIO(render(report, "csv"))))
     assert list(rows[0]) == [
-        "kind", "node", "pod", "dollars", "gpu_hours_charged", "gpu_hours_used", "efficiency_ratio",
+        "kind", "node", "namespace", "pod", "dollars", "gpu_hours_charged", "gpu_hours_used", "efficiency_ratio",
         "waste_dollars", "energy_kwh", "energy_dollars", "left_by",
     ]  # fmt: skip
     assert [r["kind"] for r in rows] == ["group"] * len(report.lines) + ["idle", "unobserved", "total"]
     for r, line in zip(rows, [*report.lines, report.idle, report.unobserved, report.total], strict=True):
-        assert (r["node"], r["pod"]) == (line.key or ("", ""))
+        assert (r["node"], r["namespace"], r["pod"]) == (line.key or ("", "", ""))
         assert float(r["dollars"]) == line.dollars
         assert float(r["gpu_hours_charged"]) == line.gpu_hours_charged
         if line.observed:
@@ -462,8 +503,8 @@ def shared_gpu_ledger(tmp_path: Path) -> Path:
 def test_a_shared_gpu_is_one_gpu_hour_by_gpu(shared_gpu_ledger: Path) -> None:
     report = report_from_ledger(shared_gpu_ledger, by=["gpu"])
     lines = {line.key: line for line in report.lines}
-    assert list(lines) == [("0",), ("2",)]  # dollars descending; GPU 1 is the idle row
-    shared = lines[("0",)]
+    assert list(lines) == [("gpu-node-01", "0"), ("gpu-node-01", "2")]  # dollars descending; GPU 1 is the idle row
+    shared = lines[("gpu-node-01", "0")]
     # Two workloads held GPU 0 for the hour; it is one GPU-hour, not two.
     assert shared.gpu_hours_charged == pytest.approx(1.0, rel=1e-12)
     assert shared.dollars == pytest.approx(3.60, rel=1e-12)  # an hour at $3.60
@@ -471,7 +512,7 @@ def test_a_shared_gpu_is_one_gpu_hour_by_gpu(shared_gpu_ledger: Path) -> None:
     assert shared.efficiency == pytest.approx(0.8, rel=1e-12)
     # Waste: $3.60 x (1 - 0.8 / 1.0) = $0.72 (ann's $0.54 and bob's $0.18 below)
     assert shared.waste_dollars == pytest.approx(0.72, rel=1e-12)
-    carol = lines[("2",)]
+    carol = lines[("gpu-node-01", "2")]
     # Carol's half hour: $1.80, 0.5 GPU-hours charged, 0.25 used (50%), waste $1.80 x 0.5 = $0.90
     assert (carol.dollars, carol.gpu_hours_charged) == (pytest.approx(1.80), pytest.approx(0.5))
     assert (carol.gpu_hours_used, carol.efficiency) == (pytest.approx(0.25), pytest.approx(0.5))
@@ -541,16 +582,16 @@ def test_report_by_gpu_table_for_a_shared_gpu(shared_gpu_ledger: Path) -> None:
     assert result.returncode == 0, result.stderr
     # The figures of the tests above, to the cent; TOTAL's 3.00 GPU-hours are 3 GPUs x 1 hour.
     assert result.stdout == (
-        "GPU cost by gpu; ledger hours 2026-11-27T18:00:00Z to 2026-11-27T19:00:00Z\n"
+        "GPU cost by node, gpu; ledger hours 2026-11-27T18:00:00Z to 2026-11-27T19:00:00Z\n"
         "\n"
-        "GPU           DOLLARS  GPU-HOURS CHARGED  GPU-HOURS USED  EFFICIENCY  WASTE $  ENERGY KWH  ENERGY $\n"
-        "------------  -------  -----------------  --------------  ----------  -------  ----------  --------\n"
-        "0                3.60               1.00            0.80       80.0%     0.72        0.50      0.10\n"
-        "2                1.80               0.50            0.25       50.0%     0.90        0.15      0.03\n"
-        "(idle)           3.60               1.00            0.00           -     3.60        0.20      0.04\n"
-        "(unobserved)     1.80               0.50               -           -        -           -         -\n"
-        "------------  -------  -----------------  --------------  ----------  -------  ----------  --------\n"
-        "TOTAL           10.80               3.00            1.05       35.0%     5.22        0.85      0.17\n"
+        "NODE          GPU  DOLLARS  GPU-HOURS CHARGED  GPU-HOURS USED  EFFICIENCY  WASTE $  ENERGY KWH  ENERGY $\n"
+        "------------  ---  -------  -----------------  --------------  ----------  -------  ----------  --------\n"
+        "gpu-node-01   0       3.60               1.00            0.80       80.0%     0.72        0.50      0.10\n"
+        "gpu-node-01   2       1.80               0.50            0.25       50.0%     0.90        0.15      0.03\n"
+        "(idle)                3.60               1.00            0.00           -     3.60        0.20      0.04\n"
+        "(unobserved)          1.80               0.50               -           -        -           -         -\n"
+        "------------  ---  -------  -----------------  --------------  ----------  -------  ----------  --------\n"
+        "TOTAL                10.80               3.00            1.05       35.0%     5.22        0.85      0.17\n"
     )
 
 
@@ -648,8 +689,8 @@ def test_mig_instances_without_a_busy_figure_have_unknown_efficiency_and_waste(t
     assert total["efficiency_ratio"] == pytest.approx(0.8 / (4 - 2 * 84 / 108), rel=1e-9)
     assert total["waste_dollars"] == pytest.approx(4.32 + 1.6, rel=1e-9)
     table = gpuledger("report", "--ledger", str(path), "--by", "gpu").stdout
-    gpu0 = next(line.split() for line in table.splitlines() if line.startswith("0 "))
-    assert gpu0[1:6] == ["5.60", "1.56", "-", "-", "-"]
+    gpu0 = next(line.split() for line in table.splitlines() if line.split()[1:2] == ["0"])
+    assert gpu0[2:7] == ["5.60", "1.56", "-", "-", "-"]
 
 
 def test_a_partly_measured_row_is_efficient_over_its_measured_part() -> None:

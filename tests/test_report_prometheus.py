@@ -252,7 +252,7 @@ def test_mig_instances_use_is_unknown_from_prometheus_as_from_the_ledger(tmp_pat
     with promstore.prometheus(tmp_path / "data", tmp_path) as server, PrometheusAPI(server.url) as api:
         prometheus, ledger = both(Store(api, [tmp_path / "mig.db"]), 0, 2, ("gpu",))
     assert_same(prometheus, ledger)
-    mig = next(line for line in prometheus.lines if line.key == ("0",))
+    mig = next(line for line in prometheus.lines if line.key == ("gpu-mig-01", "0"))
     # 2 h x 84/108 of the GPU, none of it measured: no efficiency, no waste.
     assert mig.unmeasured_s == pytest.approx(2 * H * 84 / 108, rel=1e-9)
     assert (mig.efficiency, mig.waste_dollars) == (None, None)

@@ -100,10 +100,10 @@ def test_runs_columns_in_the_table_and_csv_and_only_with_runs(runs_ledger: Path)
     assert job.split()[1:4] == ["2026-11-20T19:00:00Z", "2026-11-20T20:00:00Z", "2"]
 
     csv_text = gpuledger("report", "--ledger", str(runs_ledger), "--by", "pod", "--runs", "--format", "csv").stdout
-    assert csv_text.splitlines()[0].startswith("kind,pod,first_hour,last_hour,gpus,dollars,")
-    assert "group,trainer-0,2026-11-20T18:00:00Z,2026-11-20T20:00:00Z,1,3.98333" in csv_text
+    assert csv_text.splitlines()[0].startswith("kind,namespace,pod,first_hour,last_hour,gpus,dollars,")
+    assert "group,ml,trainer-0,2026-11-20T18:00:00Z,2026-11-20T20:00:00Z,1,3.98333" in csv_text
     # The idle, unobserved and total lines are no runs: their run columns stay empty.
-    assert any(line.startswith("idle,,,,,") for line in csv_text.splitlines())
+    assert any(line.startswith("idle,,,,,,") for line in csv_text.splitlines())
 
     plain = json.loads(gpuledger("report", "--ledger", str(runs_ledger), "--by", "hpc_job", "--format", "json").stdout)
     assert all("first_hour" not in row and "gpus" not in row for row in plain["rows"])

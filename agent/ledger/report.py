@@ -8,6 +8,8 @@ Choices a reader of the output should know:
   ledgers of many nodes, or one node's successive files. Two files that record the same node
   over overlapping periods are refused (`check_overlaps`): they are one ledger copied twice,
   or one simulation written twice, and summing them would count that time twice.
+- A pod is named within its namespace and a GPU's index within its node: grouping by `pod` groups
+  by `namespace` too, and by `gpu` by `node` too (`SCOPED_BY`), each shown as a column of its own.
 - Rows are sorted by dollars, largest first (ties by the group's names). The `(idle)` row, the
   cost of GPUs nobody held, and the `(unobserved)` row, the cost of GPU time nobody could see
   (the agent stopped, the driver or GPU unreadable, polls too far apart), are not workloads:
@@ -183,8 +185,16 @@ def parse_by(text: str) -> tuple[str, ...]:
     return check_by([part.strip() for part in text.split(",") if part.strip()])
 
 
+# Keys that name a thing only within another: a pod's name is unique only in its namespace, a
+# GPU's index only on its node. Grouping by one groups by both (the scope is added just before
+# it, unless asked for already), so that train-0 of two namespaces, or GPU 0 of every node, are
+# never summed into one row.
+SCOPED_BY = {"pod": "namespace", "gpu": "node"}
+
+
 def check_by(by: Sequence[str]) -> tuple[str, ...]:
-    """The grouping keys, aliases replaced by their names; ValueError for an unknown or repeated key."""
+    """The grouping keys, aliases replaced by their names and each key's scope (`SCOPED_BY`) added
+    where missing; ValueError for an unknown or repeated key."""
     keys = tuple(GROUP_ALIASES.get(key, key) for key in by)
     if not keys:
         raise ValueError(f"group by at least one of {', '.join(GROUP_KEYS)}")
@@ -193,7 +203,13 @@ def check_by(by: Sequence[str]) -> tuple[str, ...]:
             raise ValueError(f"cannot group by {key!r}: use any of {', '.join(GROUP_KEYS)}")
     if len(set(keys)) != len(keys):
         raise ValueError(f"each grouping key once, got {','.join(keys)}")
-    return keys
+    scoped: list[str] = []
+    for key in keys:
+        scope = SCOPED_BY.get(key)
+        if scope is not None and scope not in keys:
+            scoped.append(scope)
+        scoped.append(key)
+    return tuple(scoped)
 
 
 def _key_value(row: UsageRow, key: str) -> str:
