@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from html.parser import HTMLParser
 from pathlib import Path
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from agent.cli.reportpage import GENERATOR, html_from_ledgers
 from agent.config import load_config
 from agent.ledger import charts
-from agent.ledger.page import bucket_size, bucket_start, cents_adding_up, render_html, spend_over_time
+from agent.ledger.page import MAX_BARS, bucket_size, bucket_start, cents_adding_up, render_html, spend_over_time
 from agent.ledger.read import UsageRow
 from agent.ledger.report import build_report, parse_by, parse_time, render
 from agent.ledger.store import Ledger
@@ -525,6 +525,24 @@ def test_bucket_sizes_and_weeks_from_monday() -> None:
     assert (week.isoformat(), week.strftime("%A")) == ("2026-11-16T00:00:00+00:00", "Monday")
     day = bucket_start(FRIDAY, 86400)
     assert datetime.fromtimestamp(day, UTC).isoformat() == "2026-11-20T00:00:00+00:00"
+
+
+def test_hours_decades_apart_are_a_bounded_number_of_bars() -> None:
+    # A node that wrote an hour with its clock still at 1970 before it synced: two hours 57 years
+    # apart were 2,969 weekly bars (a 1 MB page, 5 s). At most MAX_BARS bars, of whole weeks from Monday.
+    job = Workload(hpc_job="1", user="alice")
+    rows = [hourly_rows(job, 2.5, 1)[0], replace(hourly_rows(job, 2.5, 1)[0], hour=3600)]
+    report = build_report(rows, ("hpc_job",))
+    timeline = spend_over_time(report, rows)
+    assert len(timeline.starts) <= MAX_BARS
+    assert timeline.bucket_s % (7 * 86400) == 0
+    assert datetime.fromtimestamp(timeline.starts[-1], UTC).strftime("%A") == "Monday"
+    assert timeline.starts[0] <= 3600  # the first bar holds 1970's hour, the last 2026's
+    assert timeline.starts[-1] + timeline.bucket_s > FRIDAY
+    # The bars add up to the report: 2 hours x $2.5 = $5.
+    assert math.fsum(dict(timeline.series)["1"]) == pytest.approx(5.0) == report.total.dollars
+    bars = read_page(render_html(report, rows, None, generator=GENERATOR)).tables["over-time-table"]
+    assert len(bars) == len(timeline.starts)
 
 
 def test_ten_days_are_daily_bars_that_add_up_to_the_report() -> None:

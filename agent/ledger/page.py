@@ -51,9 +51,12 @@ from agent.units import iso_time
 
 DAY_S = 86400.0
 WEEK_S = 7 * DAY_S
-# Bars on the spend-over-time chart: hourly up to four days, daily up to three months, weekly beyond.
+# Bars on the spend-over-time chart: hourly up to four days, daily up to three months, weekly beyond,
+# and beyond MAX_BARS weeks (five years) as many weeks a bar as keep them at most MAX_BARS: hours
+# decades apart (a node that wrote some with its clock still at 1970) are a chart, not 3,000 bars.
 HOURLY_UP_TO_S = 4 * DAY_S
 DAILY_UP_TO_S = 92 * DAY_S
+MAX_BARS = 260
 # Groups drawn on their own in the spend chart (the rest are one "other" part); workloads on the
 # waste and efficiency charts; savings on the right-sizing chart.
 TOP_SERIES = 8
@@ -76,15 +79,29 @@ def bucket_size(since: float, until: float) -> float:
     span = until - since
     if span <= HOURLY_UP_TO_S:
         return HOUR_S
-    return DAY_S if span <= DAILY_UP_TO_S else WEEK_S
+    if span <= DAILY_UP_TO_S:
+        return DAY_S
+    # One more bar than the span's weeks: the first week may start before `since`.
+    return WEEK_S * max(1, math.ceil((span / WEEK_S + 1) / MAX_BARS))
 
 
 def bucket_start(t: float, size: float) -> float:
-    """The UTC hour, day or week (from Monday 00:00) that `t` falls in."""
-    if size == WEEK_S:
+    """The UTC hour, day or week (or run of weeks, counted from the epoch's first Monday) that `t`
+    falls in; weeks start on Monday 00:00."""
+    if size >= WEEK_S:
         monday = 4 * DAY_S  # the epoch was a Thursday
-        return t - (t - monday) % WEEK_S
+        return t - (t - monday) % size
     return t - t % size
+
+
+def bucket_name(size: float) -> str:
+    """What a bar of `size` seconds is, for the chart's axis and table."""
+    if size == HOUR_S:
+        return "hour"
+    if size == DAY_S:
+        return "day (UTC)"
+    weeks = round(size / WEEK_S)
+    return "week (UTC, from Monday)" if weeks == 1 else f"{weeks} weeks (UTC, from Monday)"
 
 
 def line_name(line: ReportLine) -> str:
@@ -315,7 +332,7 @@ def _over_time(report: Report, rows: Sequence[UsageRow] | None) -> list[str]:
         for (name, values), colour in zip(timeline.series, _series_colours(names), strict=True)
         if any(values)
     ]
-    unit = {HOUR_S: "hour", DAY_S: "day (UTC)", WEEK_S: "week (UTC, from Monday)"}[timeline.bucket_s]
+    unit = bucket_name(timeline.bucket_s)
     out.append(charts.time_bars(timeline.starts, timeline.bucket_s, series, ylabel=f"dollars per {unit}",
                                 title=f"Dollars per {unit} by {by}"))  # fmt: skip
     head = "".join(f'<th class="num">{escape(s.name)}</th>' for s in series)
