@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import stat
+import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import pytest
 
 from agent.attribution.sources.kubelet import KubeletSource
 from agent.attribution.sources.procfs import ProcessSource
@@ -155,3 +160,18 @@ def operator_models() -> ModuleType:
     four thousand pydantic models takes seconds, which every xdist worker would otherwise pay
     at collection whether or not it runs a test that validates a manifest."""
     return importlib.import_module("cloudcoil.models.prometheus_operator.v1")
+
+
+def hang_file_syncs(monkeypatch: pytest.MonkeyPatch, module: Any = os) -> threading.Event:
+    """A filesystem that stops answering (a hung NFS mount): `module.fsync` of a regular file waits
+    until the returned gate is set (10 s at most), then syncs. A directory's fsync is not held."""
+    gate = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            gate.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(module, "fsync", fsync)
+    return gate

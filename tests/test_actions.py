@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import stat
 import threading
 import time
@@ -25,7 +24,7 @@ from agent.actions import Actions, Trigger
 from agent.actions.policy import Selector
 from agent.config import Settings, unknown_variables
 from agent.model import AgentState
-from tests.helpers import Rig
+from tests.helpers import Rig, hang_file_syncs
 from tests.test_cli import gpuledger
 
 START = datetime(2026, 11, 20, 18, 0, tzinfo=UTC).timestamp()
@@ -229,15 +228,7 @@ def test_a_state_file_not_written_by_the_stop_is_said(
     # The state file's filesystem stops answering: the decision to page went out, but its record
     # never reaches the file, so a restarted agent pages again. The stop waited its second for
     # the file and went on without a word.
-    gate = threading.Event()
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            gate.wait(10)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    gate = hang_file_syncs(monkeypatch)
     trigger = Trigger("page-idle-node", "idle", "node", after_s=HOUR, dry_run=False, webhook_url=receiver.url)
     rig = Rig({**IDLE_NODE, "processes": []}, settings=settings())
     rig.pipeline.actions = actions = Actions([trigger], state_file=tmp_path / "actions.json")

@@ -26,7 +26,7 @@ from agent.model import AgentHealth, AgentState
 from exporters.http import MetricsServer
 from exporters.prometheus import make_registry
 from exporters.textfile import TextfileWriter, write_atomic
-from tests.helpers import Rig
+from tests.helpers import Rig, hang_file_syncs
 from tests.test_cli import Daemon, gpuledger, value
 
 
@@ -279,15 +279,7 @@ def test_a_write_that_never_returns_is_said_once_and_holds_up_nothing(
     # A filesystem that stops answering (a hung NFS mount): syncing the new version does not
     # return. The check waited on it for as long as it took, nothing said so, and `stop` (the
     # daemon's shutdown) waited too, until its grace ran out and it exited 1.
-    gate = threading.Event()
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            gate.wait(10)
-        real_fsync(fd)
-
-    monkeypatch.setattr(exporters.textfile.os, "fsync", fsync)
+    gate = hang_file_syncs(monkeypatch, exporters.textfile.os)
     monkeypatch.setattr(exporters.textfile, "WRITE_STUCK_AFTER_S", 0.2, raising=False)
     path = tmp_path / "gpuledger.prom"
     source = Source(demo_states[0])
@@ -325,15 +317,7 @@ def test_a_write_left_under_way_counts_once_it_is_done(
 ) -> None:
     # A check waits on a write one check interval at most: a slower write is written all the
     # same, and must count as written, not be written a second time.
-    gate = threading.Event()
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            gate.wait(10)
-        real_fsync(fd)
-
-    monkeypatch.setattr(exporters.textfile.os, "fsync", fsync)
+    gate = hang_file_syncs(monkeypatch, exporters.textfile.os)
     path = tmp_path / "gpuledger.prom"
     writer = TextfileWriter(path, Source(demo_states[0]), render)
     before = set(threading.enumerate())

@@ -209,22 +209,13 @@ def _owner_of(segments: list[str]) -> CgroupOwner | None:
         if _SERVICE.fullmatch(segment):
             unit = segment
 
-    if pod_uid is not None:
-        container_id, runtime = pod_container or (None, None)
+    # A pod owns what runs in it, a Slurm job inside it included; else the job owns its tree,
+    # the container around it included.
+    container_id, runtime = (pod_container if pod_uid is not None else container) or (None, None)
+    if pod_uid is not None or slurm_job is not None:
         return CgroupOwner(
-            "pod",
+            "pod" if pod_uid is not None else "slurm",
             pod_uid=pod_uid,
-            container_id=container_id,
-            runtime=runtime,
-            slurm_job=slurm_job,
-            slurm_step=slurm_step,
-            uid=uid,
-            job_nested=job_nested,
-        )
-    container_id, runtime = container or (None, None)
-    if slurm_job is not None:
-        return CgroupOwner(
-            "slurm",
             container_id=container_id,
             runtime=runtime,
             slurm_job=slurm_job,
