@@ -88,8 +88,9 @@ CLEAN_WORKLOADS_KEPT = 4096
 # (at least a minute, or 12 intervals) makes the daemon exit so systemd or the kubelet restarts it.
 CALL_TIMEOUT_POLLS = 3
 EXIT_AFTER_MIN_S = 60.0
-# Downtime between runs longer than this is not booked: a ledger copied from another machine
-# or a clock that jumped, more likely than an agent stopped for over a year.
+# Downtime between runs, or an interval between two polls, longer than this is not booked: a
+# ledger copied from another machine or a clock that jumped (an agent started before NTP set
+# the clock, in 1970 or 2000), more likely than an agent stopped or a node asleep over a year.
 MAX_DOWNTIME_S = 366 * 86400.0
 STOP_WAIT_S = 2.0  # how long stop() waits for a poll in progress
 IDLE_RULES = frozenset({"idle"})  # flags whose log lines name who left the GPU idle (and any rule of that condition)
@@ -533,6 +534,11 @@ class Pipeline:
             log.info("the clock is past %s again: charging from there", iso_time(booked))
             previous = replace(previous, taken_at=booked)
         self._booked_until, self._behind_since = snapshot.taken_at, None
+        if snapshot.taken_at - previous.taken_at > MAX_DOWNTIME_S:
+            self._clock_jumped(previous.taken_at, snapshot.taken_at)
+            self._remember_holders(attribution)
+            self._remember_energy(snapshot, None)
+            return None
         if not previous.gpus or not snapshot.gpus:
             # No GPU known at one end (the driver could not list them and nothing else named
             # them): the interval waits, unobserved, until GPUs are known to book it to.
@@ -582,6 +588,17 @@ class Pipeline:
                 iso_time(now), format_duration(booked - now), iso_time(booked),
             )  # fmt: skip
         self._behind_since = now
+
+    @staticmethod
+    def _clock_jumped(before: float, now: float) -> None:
+        """Two polls over a year apart: the clock was set late, and the years between are no
+        GPU time. Booked (unobserved) they would put decades of dollars in the counters, which
+        the ledger refuses (`agent.ledger.pending.MAX_INTERVAL_S`)."""
+        log.warning(
+            "the clock jumped forward %s, from %s to %s: more than a year, so a clock set late "
+            "(at boot, before NTP), not time to charge; nothing is charged for it",
+            format_duration(now - before), iso_time(before), iso_time(now),
+        )  # fmt: skip
 
     def _book(
         self, charges: Charges, snapshot: Snapshot, costing: Costing, counted_from: Mapping[str, float] | None = None

@@ -356,6 +356,41 @@ def test_a_run_whose_clock_starts_before_the_ledgers_record_ends_charges_only_wh
     assert (idle_dollars, unobserved_dollars) == (0.0, 0.0)
 
 
+def test_a_clock_jumping_years_forward_is_charged_nowhere(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The agent starts before NTP has set the host's clock: it reads 1970-01-01T00:16:40Z. Polls
+    # every 15 s; at the fifth, NTP sets the clock to the scenario's 2026-11-20T18:01:15Z, a jump
+    # of nearly 57 years that no GPU time filled. ann is charged the 4 intervals before it and
+    # the 3 after: 7 x 15 s = 105 s, $0.105 at $0.001 a second, in the counters and the ledger
+    # alike; the jump is booked nowhere (as downtime over a year between two runs is not).
+    # Before, the counters booked it unobserved (no_poll): 57 years x $3.60 an hour, about
+    # $1.8 million, while the ledger refused it as too long.
+    caplog.set_level(logging.WARNING, logger="agent.pipeline")
+    ledger, offset = tmp_path / "ledger.db", [0.0]
+    agent = _stepped_agent(ledger, offset)
+    try:
+        offset[0] = 1000.0 - agent.node.clock.wall_time()
+        agent.pipeline.poll_once()
+        for step in range(1, 9):
+            agent.node.clock.advance(15)
+            if step == 5:
+                offset[0] = 0.0
+            state = agent.pipeline.poll_once()
+    finally:
+        agent.close()
+    [gpu] = state.costs.gpus.values()
+    assert gpu.dollars == pytest.approx(0.105)  # 105 s x $0.001
+    assert (gpu.idle_dollars, gpu.unobserved_dollars, dict(gpu.unobserved_by_reason)) == (0.0, 0.0, {})
+    assert gpu.dollars + gpu.idle_dollars + gpu.unobserved_dollars == pytest.approx(105 * PRICE / 3600)
+    observed, dollars, idle_dollars, unobserved_dollars = _ledger_time(ledger)
+    assert observed == pytest.approx(105.0)
+    assert dollars == pytest.approx(105 * PRICE / 3600)  # $0.105, as the counters
+    assert (idle_dollars, unobserved_dollars) == (0.0, 0.0)
+    assert [r.getMessage() for r in caplog.records if "jumped" in r.getMessage()] == [
+        "the clock jumped forward 20777d17h43m35s, from 1970-01-01T00:17:40Z to 2026-11-20T18:01:15Z: "
+        "more than a year, so a clock set late (at boot, before NTP), not time to charge; nothing is charged for it"
+    ]
+
+
 # -- utilization over the interval --------------------------------------------------------------
 
 
