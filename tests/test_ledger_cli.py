@@ -17,7 +17,7 @@ import pytest
 from agent.ledger.read import read_info
 from agent.ledger.report import ledger_files
 from agent.ledger.store import Ledger
-from tests.test_cli import gpuledger
+from tests.test_cli import Daemon, gpuledger, polls_at_least
 
 H = 3600.0
 START = 1_795_197_600.0  # 2026-11-20T18:00:00Z, the scenarios' start
@@ -148,6 +148,35 @@ def test_a_duration_that_is_not_whole_steps_is_simulated_to_its_end(tmp_path: Pa
     assert document["idle"]["dollars"] == pytest.approx(5.0, rel=1e-9)
     assert document["unobserved"]["dollars"] == pytest.approx(0.0, abs=1e-9)
     assert document["total"]["dollars"] == pytest.approx(10.0, rel=1e-9)  # 2 GPUs x 2 h x $2.50
+
+
+def test_run_on_a_fake_node_keeps_its_ledger_by_the_scenarios_clock(tmp_path: Path) -> None:
+    # `run --fake` on a scenario that starts 2020-01-06T09:00:00Z, with the default retention
+    # (400d): the charges are stamped with the scenario's clock, so they are the scenario's, and
+    # retention counts back from that clock too. Before, it counted back from the host's real
+    # clock: every hour of the scenario was older than 400 days, and each flush deleted them all,
+    # so the ledger held nothing after the run.
+    scenario, ledger = tmp_path / "2020.yaml", tmp_path / "run.db"
+    scenario.write_text(SCENARIO % {"node": "gpu-node-01", "start": "2020-01-06T09:00:00Z"})
+    (tmp_path / "gpuledger.yml").write_text(CONFIG)
+    d = Daemon(
+        tmp_path, "--fake", str(scenario), "--config", str(tmp_path / "gpuledger.yml"), "--ledger", str(ledger),
+        env={"GPULEDGER_POLL_INTERVAL": "0.2s"},
+    )  # fmt: skip
+    try:
+        d.wait_for(polls_at_least(5))
+    finally:
+        assert d.stop() == 0
+    with sqlite3.connect(ledger) as db:
+        rows = db.execute(
+            "SELECT hour, gpu, observed_s, unobserved_s, dollars, unobserved_dollars FROM gpu_hours ORDER BY gpu"
+        ).fetchall()
+    # A few real seconds at 1x: both GPUs, in the scenario's first hour, 2020-01-06T09:00:00Z.
+    assert [(hour, gpu) for hour, gpu, *_ in rows] == [(1_578_301_200, 0), (1_578_301_200, 1)]
+    for _hour, _gpu, observed_s, unobserved_s, dollars, unobserved_dollars in rows:
+        assert observed_s > 0  # charged, not deleted
+        # Each GPU's seconds at $2.50 an hour: observed plus unobserved dollars = price x time.
+        assert dollars + unobserved_dollars == pytest.approx((observed_s + unobserved_s) * 2.5 / H)
 
 
 def test_an_empty_file_or_a_ledger_without_charges_is_a_new_ledger(tmp_path: Path, files: dict[str, Path]) -> None:

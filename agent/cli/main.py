@@ -265,8 +265,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         settings,
         fake=args.fake,
         fake_speed=args.fake_speed if args.fake is not None else 0.0,
+        # The ledger keeps the backend's clock (its retention included): on a fake node the
+        # scenario's, which stamps every charge, however far it is from the host's.
         ledger_path=args.ledger or (None if args.fake is not None else settings.ledger.path),
-        clock=time.time,
     )
     node = agent.node
     try:
