@@ -16,12 +16,13 @@ import pytest
 
 from agent import __version__
 from agent.ledger.files import LedgerError
-from agent.ledger.read import read_info, read_usage
+from agent.ledger.read import read_info, read_usage, recorded_period
 from agent.ledger.report import report_from_ledger
 from agent.ledger.schema import MIGRATIONS, SCHEMA_VERSION
 from agent.ledger.store import Ledger
 from agent.model import WORKLOAD_LABELS, Charges, GpuCharge, IdleCharge, Workload, WorkloadCharge
 from tests.test_cli import gpuledger
+from tests.test_partition import PRICE, _stepped_agent, _watch
 
 H = 3600
 H0 = 1_795_802_400  # 2026-11-27T18:00:00Z
@@ -526,6 +527,43 @@ def test_a_renamed_node_is_known_by_the_name_most_of_its_rows_carry(v1_ledger: P
     assert info.node == "node-a"  # six GPU-hours against one
     assert info.nodes == frozenset({"node-a", "old-name"})
     assert (info.first_at, info.last_at) == (H0 - H, H1 + H)  # the old name's hour counts too
+
+
+def test_an_upgraded_agent_charges_from_where_the_first_releases_record_ended(v1_ledger: Path) -> None:
+    # The first release stopped at 19:15: its 19:00 hour holds a quarter of each GPU's 3600 s.
+    # Before version 3 a ledger does not say where its charges end; the migration read the end
+    # of its last hour (20:00), so an upgraded agent starting at 19:20 took its clock for one
+    # set back and charged nothing until 20:00. Read from the last hour's seconds, the record
+    # ends at 19:15 (H1 + 900 s): the agent books 19:15 to 19:20 unobserved (agent_down, 300 s,
+    # $0.300 at $0.001 a second) and charges ann 19:20 to 19:30 (600 s, $0.600); 0.300 + 0.600
+    # = 900 s x $0.001.
+    with sqlite3.connect(v1_ledger) as conn:
+        conn.execute(
+            "UPDATE gpu_hours SET observed_s = observed_s / 4, dollars = dollars / 4, idle_s = idle_s / 4,"
+            " idle_dollars = idle_dollars / 4 WHERE hour = ?",
+            (H1,),
+        )
+        conn.execute("UPDATE workload_hours SET held_s = held_s / 4, dollars = dollars / 4 WHERE hour = ?", (H1,))
+    assert recorded_period(v1_ledger) == (H0, H1 + 900)
+    offset = [0.0]
+    agent = _stepped_agent(v1_ledger, offset)
+    try:
+        offset[0] = H1 + 1200 - agent.node.clock.wall_time()  # the agent's clock reads 19:20
+        _watch(agent, 40)  # to 19:30
+    finally:
+        agent.close()
+    assert rows(
+        v1_ledger,
+        "SELECT sum(observed_s), sum(dollars), sum(unobserved_s), sum(unobserved_dollars) FROM gpu_hours"
+        " WHERE node = 'n1'",
+    ) == [
+        (
+            pytest.approx(600.0),
+            pytest.approx(600 * PRICE / 3600),
+            pytest.approx(300.0),
+            pytest.approx(300 * PRICE / 3600),
+        )
+    ]
 
 
 def test_a_new_ledger_records_its_node_creator_and_the_period_it_writes(tmp_path: Path) -> None:

@@ -201,6 +201,14 @@ def _stepped_agent(ledger: Path, offset: list[float], processes: tuple[dict[str,
     )
 
 
+def _watch(agent: Any, polls: int) -> None:
+    """A poll now, then `polls` more, 15 s of scenario time apart."""
+    agent.pipeline.poll_once()
+    for _ in range(polls):
+        agent.node.clock.advance(15)
+        agent.pipeline.poll_once()
+
+
 def _ledger_time(ledger: Path) -> tuple[float, float, float, float]:
     """(observed seconds, dollars, idle dollars, unobserved dollars) the ledger holds."""
     with sqlite3.connect(ledger) as db:
@@ -344,10 +352,7 @@ def test_a_run_whose_clock_starts_before_the_ledgers_record_ends_charges_only_wh
         agent = _stepped_agent(ledger, [offset])
         try:
             agent.node.clock.advance(start)  # run 2: 10:00 into the scenario, its clock at 5:00
-            agent.pipeline.poll_once()
-            for _ in range(40):
-                agent.node.clock.advance(15)
-                agent.pipeline.poll_once()
+            _watch(agent, 40)
         finally:
             agent.close()
     observed, dollars, idle_dollars, unobserved_dollars = _ledger_time(ledger)

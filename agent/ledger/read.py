@@ -79,7 +79,8 @@ class LedgerInfo:
 
     `first_at` / `last_at` bound the period it records: the earliest start and the latest end
     of the charges written to it (None while it records nothing). A file written before
-    schema version 3 is known only by its hours, so its period is whole hours.
+    schema version 3 is known only by its hours: its period starts at its first hour and ends
+    where the charges of its last hour end, read from their seconds.
     """
 
     path: Path

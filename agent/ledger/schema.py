@@ -141,8 +141,11 @@ def _is_hpc_job(value: str) -> bool:
 # Version 3: the ledger knows itself. One row: a random id (copies of a file share it), the node
 # it belongs to, when and by which release it was created, and the period it records (the
 # earliest charge start and latest charge end written; NULL while it records nothing). A file
-# from before version 3 gets the node most of its rows name, the hours its rows cover, the time
-# its first schema step was applied, and '' for the release that created it (not recorded).
+# from before version 3 gets the node most of its rows name, the time its first schema step was
+# applied, '' for the release that created it (not recorded), and the hours its rows cover, up
+# to where its last hour's charges end: that hour's start plus the most seconds (observed and
+# unobserved) one GPU's row holds. Not the hour's end: an upgraded agent starting within that
+# hour would take the rest for time already charged, and charge none of it.
 _SCHEMA_V3 = (
     """CREATE TABLE ledger_meta (
         id INTEGER PRIMARY KEY CHECK (id = 1),
@@ -153,7 +156,9 @@ _SCHEMA_V3 = (
     SELECT 1, gpuledger_new_ledger_id(),
         coalesce((SELECT node FROM gpu_hours GROUP BY node ORDER BY count(*) DESC, node LIMIT 1), ''),
         (SELECT min(applied_at) FROM schema_version), '',
-        (SELECT min(hour) FROM gpu_hours), (SELECT max(hour) + 3600 FROM gpu_hours)""",
+        (SELECT min(hour) FROM gpu_hours),
+        (SELECT hour + min(3600, max(observed_s + unobserved_s)) FROM gpu_hours
+            WHERE hour = (SELECT max(hour) FROM gpu_hours))""",
 )
 
 
