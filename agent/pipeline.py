@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from agent.accounting.cost import (
     LastEnergy,
@@ -75,7 +75,8 @@ from rules.engine import GpuObservation, RuleSpec, RuleState, Transition, evalua
 
 if TYPE_CHECKING:  # imported where `run` starts the scheduler: simulate, snapshot and report never do
     from apscheduler.events import JobExecutionEvent
-    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from agent.schedule import Schedule
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -274,7 +275,7 @@ class Pipeline:
         self._overran = 0
         self._failed = 0
         self._polls = 0
-        self._scheduler: BackgroundScheduler | None = None
+        self._scheduler: Schedule | None = None
         self._overrun_lock = threading.Lock()
         self._polling = threading.Lock()  # held by a scheduled poll while it runs
         self.actions: ActionHook | None = None  # set by the wiring when actions are configured
@@ -881,20 +882,15 @@ class Pipeline:
     def start(self) -> None:
         """Run `jobs()` on real time, in background threads, until `stop`."""
         from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED  # noqa: PLC0415 - run only
-        from apscheduler.schedulers.background import BackgroundScheduler  # noqa: PLC0415 - run only
 
-        scheduler = BackgroundScheduler(daemon=True)
-        scheduler.add_listener(self._on_missed, EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
-        now = datetime.now(UTC)
+        from agent.schedule import Schedule  # noqa: PLC0415 - run only
+
+        schedule = Schedule("poll")
+        schedule.add_listener(self._on_missed, EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
         for job in self.jobs():
-            options: dict[str, Any] = {"max_instances": 1, "coalesce": True, "id": job.name}
-            if job.at_start:
-                options["next_run_time"] = now
-            if job.misfire_grace_s is not None:
-                options["misfire_grace_time"] = job.misfire_grace_s
-            scheduler.add_job(job.run, "interval", seconds=job.interval_s, **options)
-        scheduler.start()
-        self._scheduler = scheduler
+            schedule.add(job.name, job.run, job.interval_s, at_start=job.at_start, misfire_grace_s=job.misfire_grace_s)
+        schedule.start()
+        self._scheduler = schedule
 
     def _scheduled_poll(self) -> None:
         try:

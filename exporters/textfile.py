@@ -37,7 +37,7 @@ from agent.deadline import CallTimeout, Worker
 from agent.model import AgentState
 
 if TYPE_CHECKING:  # imported by `start`: a one-off write (simulate --textfile) never schedules
-    from apscheduler.schedulers.background import BackgroundScheduler
+    from agent.schedule import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class TextfileWriter:
         self._last: AgentState | None = None
         self._last_error: str | None = None
         self._lock = threading.Lock()
-        self._scheduler: BackgroundScheduler | None = None
+        self._scheduler: Schedule | None = None
         self._worker = Worker("gpuledger-textfile")
         # A write still under way after its check stopped waiting: its thread, and the write.
         self._writing: tuple[threading.Thread, _Write] | None = None
@@ -188,14 +188,14 @@ class TextfileWriter:
 
     def start(self, poll_interval_s: float) -> None:
         """Check for a new poll four times per poll interval, and at least once a second."""
-        from apscheduler.schedulers.background import BackgroundScheduler  # noqa: PLC0415 - run only
+        from agent.schedule import Schedule  # noqa: PLC0415 - run only
 
         check_s = min(1.0, poll_interval_s / 4)
-        scheduler = BackgroundScheduler(daemon=True)
+        scheduler = Schedule("textfile", says_steps=False)  # the poll's schedule says it
         # Each check waits on the write for one check interval at most: a hung filesystem must
         # not hold the schedule's thread (APScheduler would warn at every check it skipped).
         write = partial(self.write_if_new, check_s)
-        scheduler.add_job(write, "interval", seconds=check_s, max_instances=1, coalesce=True, id="textfile")
+        scheduler.add("textfile", write, check_s)
         scheduler.start()
         self._scheduler = scheduler
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
+from datetime import datetime, timedelta, tzinfo
 from pathlib import Path
 from typing import Any
 
+import apscheduler.executors.base
+import apscheduler.schedulers.base
 import pytest
 
 import agent.pipeline
+import agent.schedule
 import fake_nvml
 from agent.cli.wiring import build_agent
 from agent.config import AttributionConfig, LedgerConfig, Settings
@@ -115,6 +119,54 @@ def test_the_scheduler_polls_on_its_interval(sampler: Sampler) -> None:
     polls = state.health.polls_total
     time.sleep(0.2)
     assert pipeline.state.health.polls_total == polls  # stopped means stopped
+
+
+class SteppedDatetime(datetime):
+    """`datetime` whose `now` is the real wall clock plus `step_s`: a clock stepped by NTP."""
+
+    step_s = 0.0
+
+    @classmethod
+    def now(cls, tz: tzinfo | None = None) -> SteppedDatetime:
+        return super().now(tz) + timedelta(seconds=cls.step_s)
+
+
+@pytest.fixture
+def wall_clock(monkeypatch: pytest.MonkeyPatch) -> type[SteppedDatetime]:
+    """The wall clock that APScheduler (its scheduler and its executors) and the agent's
+    schedule read, all through `datetime.now`; set its `step_s` to step it."""
+    for module in (apscheduler.schedulers.base, apscheduler.executors.base, agent.schedule):
+        monkeypatch.setattr(module, "datetime", SteppedDatetime)
+    monkeypatch.setattr(SteppedDatetime, "step_s", 0.0)
+    return SteppedDatetime
+
+
+@pytest.mark.parametrize(("step_s", "said"), [(-3600.0, "back by 1h"), (30 * 86400.0, "forward by 30d")])
+def test_a_stepped_wall_clock_neither_stops_nor_bunches_the_polls(
+    sampler: Sampler,
+    wall_clock: type[SteppedDatetime],
+    caplog: pytest.LogCaptureFixture,
+    step_s: float,
+    said: str,
+) -> None:
+    pipeline = Pipeline(sampler, poll_interval_s=0.2)
+    pipeline.start()
+    try:
+        time.sleep(0.5)
+        wall_clock.step_s = step_s
+        before = pipeline.state.health.polls_total
+        time.sleep(3.0)
+        after = pipeline.state.health.polls_total
+    finally:
+        pipeline.stop()
+    # Back on the interval within the second that sees the step (about ten polls in the 2s left)...
+    assert after - before >= 4
+    assert pipeline.healthy()
+    # ...and no burst of the runs the step skipped.
+    assert after - before <= 3.0 / 0.2 + 2
+    steps = [r.getMessage() for r in caplog.records if r.name == "agent.schedule"]
+    assert len(steps) == 1
+    assert said in steps[0]
 
 
 # -- stages -------------------------------------------------------------------------------------
