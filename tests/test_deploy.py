@@ -283,6 +283,20 @@ def test_the_gpu_node_affinity_can_be_replaced_or_dropped() -> None:
     assert not schedules_on(pod, GPU_OPERATOR_NODE)
 
 
+def test_an_upgrade_that_kept_its_own_node_selector_keeps_its_agents() -> None:
+    # A release of the chart before the GPU-node affinity placed the pods by nodeSelector alone;
+    # its users' own label (their GPU nodes carry neither the GPU Operator's nor GKE's) must go
+    # on placing them, not be combined with the default affinity their nodes cannot match.
+    own_gpu_node = {"kubernetes.io/os": "linux", "example.com/accelerator": "a100"}
+    pod = the(render({"nodeSelector": {"example.com/accelerator": "a100"}}), "DaemonSet")["spec"]["template"]["spec"]
+    assert schedules_on(pod, own_gpu_node)
+    assert not schedules_on(pod, GPU_OPERATOR_NODE)
+    assert "affinity" not in pod
+    # The default placement can still be dropped: every node gets an agent.
+    pod = the(render({"gpuNodeAffinity": None}), "DaemonSet")["spec"]["template"]["spec"]
+    assert schedules_on(pod, CPU_NODE)
+
+
 def test_the_pod_holds_only_the_privileges_its_reads_need(rendered: Objects) -> None:
     pod = the(rendered, "DaemonSet")["spec"]["template"]["spec"]
     assert pod["hostPID"] is True

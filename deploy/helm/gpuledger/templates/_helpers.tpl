@@ -83,3 +83,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "gpuledger.ledgerDir" -}}
 {{- dir (required "config.ledger.path must be set" .Values.config.ledger.path) }}
 {{- end }}
+
+{{/* The pod's affinity: the user's, or the GPU-node default while they set neither an affinity
+nor a nodeSelector of their own (a nodeSelector from before the default existed would
+otherwise be ANDed with terms their nodes may not match). */}}
+{{- define "gpuledger.affinity" -}}
+{{- if or .Values.affinity .Values.nodeSelector }}
+{{- with .Values.affinity }}{{ toYaml . }}{{ end }}
+{{- else }}
+{{- with .Values.gpuNodeAffinity }}{{ toYaml . }}{{ end }}
+{{- end }}
+{{- end }}
