@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
+from collections import OrderedDict
 from functools import lru_cache
 
 REDACTED = "[redacted]"
@@ -185,12 +187,53 @@ def escape_control(text: str) -> str:
     return _CONTROL.sub(_control_escape, text) if _CONTROL.search(text) else text
 
 
-@lru_cache(maxsize=16384)
+# The longest text a cache keyed by whole texts (here and in attribution) remembers. Such a
+# cache keeps its keys after the process they came from has gone, thousands of them: a node
+# running a 10,000-task job array whose tasks each carry a 100 KiB cmdline (a whole config in
+# the arguments) would hold gigabytes. Longer texts go to `_LongTexts`, bounded by their size.
+CACHED_TEXT_MAX_CHARS = 4096
+# What `_LongTexts` holds at most, texts and their scrubbed forms together: room for the long
+# cmdlines of a node's running GPU processes, which attribution scrubs again whenever their
+# readings change (up to every poll, for each rule that matches on the cmdline).
+LONG_TEXTS_MAX_CHARS = 1024 * 1024
+
+
+class _LongTexts:
+    """Scrubbed forms of long texts, the most recently asked for first, dropped oldest first
+    once they hold more than `max_chars`: a finished process's cmdline goes as others come."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self._kept: OrderedDict[str, str] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()  # scrub is called from the poll, HTTP and action threads
+
+    def scrub(self, text: str) -> str:
+        with self._lock:
+            found = self._kept.get(text)
+            if found is not None:
+                self._kept.move_to_end(text)
+                return found
+        out = _scrub(text)
+        with self._lock:
+            if text not in self._kept:
+                self._kept[text] = out
+                self._chars += len(text) + len(out)
+            while self._chars > self.max_chars and self._kept:
+                old, old_out = self._kept.popitem(last=False)
+                self._chars -= len(old) + len(old_out)
+        return out
+
+
 def scrub(text: str) -> str:
     """`text` with everything that looks like a credential removed (see the module docstring).
 
     Idempotent, and cached: labels repeat every poll, so each distinct value is scrubbed once.
     """
+    return _scrub_cached(text) if len(text) <= CACHED_TEXT_MAX_CHARS else _long_texts.scrub(text)
+
+
+def _scrub(text: str) -> str:
     # One pass can leave what the next would take: a value redacted after a name that glued onto
     # it (`key://;u:p@h` -> `key:[redacted];u:p@h`) makes `...:[redacted];u:p@` userinfo. Passes
     # repeat until nothing changes; each only removes, so few are ever needed.
@@ -203,6 +246,8 @@ def scrub(text: str) -> str:
     return out
 
 
+_scrub_cached = lru_cache(maxsize=16384)(_scrub)
+_long_texts = _LongTexts(LONG_TEXTS_MAX_CHARS)
 _MAX_PASSES = 8
 
 

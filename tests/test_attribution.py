@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import shutil
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from agent.attribution.sources.procfs import (
 )
 from agent.config import Settings
 from agent.model import WORKLOAD_LABELS, AgentState, ProcessFacts, ProcessIdentity, Workload
-from agent.scrub import REDACTED
+from agent.scrub import LONG_TEXTS_MAX_CHARS, REDACTED
 from fake_nvml.podresources import FakePodResourcesServer
 from tests.helpers import Rig
 from tests.test_cli import gpuledger
@@ -36,6 +38,7 @@ DEMO_RULES = [
     ({"account": "^nlp$"}, {"team": "nlp"}),
     ({"namespace": "^serving$"}, {"team": "inference"}),
 ]
+MODEL_RULE = [({"cmdline": "--model[= ]([^ ]+)"}, {"model": "$1"})]
 
 
 @pytest.fixture
@@ -134,6 +137,41 @@ def test_a_reused_pid_is_reported_with_its_new_owner_from_the_next_poll(rig: Any
     assert r.processes.full_reads == reads  # same process: served from the cache
     second = owners(r.poll(120))["0"]
     assert second == [Workload(namespace="ml", pod="trainer-0", container="main", model="qwen2-7b")]
+
+
+@pytest.mark.parametrize("rules", [(), MODEL_RULE], ids=["recognisers", "rules"])
+def test_finished_tasks_long_cmdlines_are_not_kept(rig: Any, rules: Any) -> None:
+    """A job array's tasks, one after another, each with a 100 KiB cmdline (its config in the
+    arguments): what is kept of finished tasks' cmdlines stays within the long-text memo's bound,
+    not one for each task."""
+    tasks, cmdline_chars = 30, 100 * 1024
+    processes = [
+        {
+            "pid": 900 + i,
+            "gpus": [0],
+            "start": f"{60 * i + 1}s",
+            "end": f"{60 * i + 45}s",
+            "slurm_job": f"77_{i}",
+            "cmdline": f"python task.py --model m{i} --cfg={i:x}" + "y" * cmdline_chars,
+        }
+        for i in range(tasks)
+    ]
+    r = rig({"gpus": [{"count": 1}], "processes": processes}, rules=rules)
+    r.poll()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        state = r.run(60 * tasks, 30)
+        gc.collect()
+        kept_bytes = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert owners(state)["0"] == []  # every task has gone
+    # Each task's cmdline was read, scrubbed and matched. What stays: at most the memo's 1 MiB of
+    # ASCII text, and the last task's facts (which attribution may still hold) with a little
+    # more, under 4 cmdlines; keeping every task's would be 30 x 100 KiB, 2.9 MiB, or more.
+    assert kept_bytes < LONG_TEXTS_MAX_CHARS + 4 * cmdline_chars
 
 
 def test_steady_state_polls_read_only_each_process_stat(rig: Any) -> None:

@@ -18,10 +18,12 @@ from functools import lru_cache
 
 from agent.attribution.recognise import recognise_model
 from agent.model import ProcessFacts, Workload
-from agent.scrub import scrub, scrub_named
+from agent.scrub import CACHED_TEXT_MAX_CHARS, scrub, scrub_named
 
-# Pure, and sees the same few cmdlines every poll: remember its answers.
-_model_of = lru_cache(maxsize=8192)(recognise_model)
+# Pure, and sees the same few cmdlines every poll: remember its answers, for cmdlines of a usual
+# length only (`agent.scrub.CACHED_TEXT_MAX_CHARS` says why); a longer one is recognised anew,
+# which costs little next to reading it.
+_model_cached = lru_cache(maxsize=8192)(recognise_model)
 
 # Fields a rule may match on, beyond `env.<KEY>` for allowlisted environment variables.
 MATCH_FIELDS = ("cmdline", "namespace", "pod", "container", "hpc_job", "unit", "user", "account")
@@ -86,7 +88,10 @@ def apply_rules(
     allocation without a process has only the account its map file names."""
     inherited = facts.inherited_model if facts is not None else None
     if not rules:
-        return _recognised(w, tuple(cmdline), account if team_from_account and account else "", inherited)
+        argv, team = tuple(cmdline), account if team_from_account and account else ""
+        if _cacheable(argv):
+            return _recognised(w, argv, team, inherited)
+        return _recognise(w, argv, team, inherited)
     chosen: dict[str, str] = {}
     for rule in rules:
         if all(name in chosen for name, _ in rule.set):
@@ -111,17 +116,27 @@ def apply_rules(
     return replace(w, **chosen) if chosen else w
 
 
-@lru_cache(maxsize=8192)
-def _recognised(w: Workload, cmdline: tuple[str, ...], team: str, inherited: str | None = None) -> Workload:
+def _cacheable(cmdline: Sequence[str]) -> bool:
+    return sum(map(len, cmdline)) <= CACHED_TEXT_MAX_CHARS
+
+
+def _model_of(cmdline: tuple[str, ...]) -> str | None:
+    return _model_cached(cmdline) if _cacheable(cmdline) else recognise_model(cmdline)
+
+
+def _recognise(w: Workload, cmdline: tuple[str, ...], team: str, inherited: str | None = None) -> Workload:
     """`apply_rules` without configured rules: the model the built-in recognisers see in the
     cmdline, else the `inherited` one, and `team` (the account, where it names the team) where
-    set. Remembered, as every poll asks about the same few; answering with the same object each
-    time also lets later lookups find it by identity."""
+    set. Remembered (`_recognised`), as every poll asks about the same few; answering with the
+    same object each time also lets later lookups find it by identity."""
     model = (_model_of(cmdline) if cmdline else None) or inherited
     chosen = {"model": model} if model else {}
     if team:
         chosen["team"] = team
     return replace(w, **chosen) if chosen else w
+
+
+_recognised = lru_cache(maxsize=8192)(_recognise)
 
 
 def _expand(template: str, groups: Sequence[str]) -> str:
