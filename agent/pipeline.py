@@ -69,7 +69,7 @@ from agent.model import (
     StageHealth,
     Workload,
 )
-from agent.scrub import bound_label
+from agent.scrub import CACHED_TEXT_MAX_CHARS, bound_label
 from agent.units import format_duration, iso_time
 from rules.engine import GpuObservation, RuleSpec, RuleState, Transition, evaluate
 
@@ -494,10 +494,15 @@ class Pipeline:
             workload = holding.workload
             scrubbed = clean.get(workload, workload)
             if scrubbed is workload:  # not seen yet
-                values = {name: bound_label(value) for name, value in workload.label_dict().items()}
+                raw = workload.label_dict()
+                values = {name: bound_label(value) for name, value in raw.items()}
                 # None: nothing to scrub. Each poll's attribution may build its workloads anew,
                 # so "the same" means equal, not the object first remembered.
-                scrubbed = clean[workload] = None if values == workload.label_dict() else Workload.from_labels(values)
+                scrubbed = None if values == raw else Workload.from_labels(values)
+                # Not one with a long label (a model a rule took from a long argument): kept,
+                # thousands of them would hold a long text each (CACHED_TEXT_MAX_CHARS says more).
+                if sum(map(len, raw.values())) <= CACHED_TEXT_MAX_CHARS:
+                    clean[workload] = scrubbed
             # The Slurm account is no label but reaches the ledger and `report --by account`; the
             # process's own SLURM_JOB_ACCOUNT can hold anything.
             account = bound_label(holding.account) if holding.account else ""

@@ -139,11 +139,15 @@ def test_a_reused_pid_is_reported_with_its_new_owner_from_the_next_poll(rig: Any
     assert second == [Workload(namespace="ml", pod="trainer-0", container="main", model="qwen2-7b")]
 
 
-@pytest.mark.parametrize("rules", [(), MODEL_RULE], ids=["recognisers", "rules"])
-def test_finished_tasks_long_cmdlines_are_not_kept(rig: Any, rules: Any) -> None:
+@pytest.mark.parametrize(
+    ("rules", "model_chars"),
+    [((), 0), (MODEL_RULE, 0), (MODEL_RULE, 100 * 1024)],
+    ids=["recognisers", "rules", "long-model"],
+)
+def test_finished_tasks_long_cmdlines_are_not_kept(rig: Any, rules: Any, model_chars: int) -> None:
     """A job array's tasks, one after another, each with a 100 KiB cmdline (its config in the
-    arguments): what is kept of finished tasks' cmdlines stays within the long-text memo's bound,
-    not one for each task."""
+    arguments; with `model_chars`, the rule's model label is as long): what is kept of finished
+    tasks' cmdlines and labels stays within the long-text memo's bound, not one for each task."""
     tasks, cmdline_chars = 30, 100 * 1024
     processes = [
         {
@@ -152,7 +156,10 @@ def test_finished_tasks_long_cmdlines_are_not_kept(rig: Any, rules: Any) -> None
             "start": f"{60 * i + 1}s",
             "end": f"{60 * i + 45}s",
             "slurm_job": f"77_{i}",
-            "cmdline": f"python task.py --model m{i} --cfg={i:x}" + "y" * cmdline_chars,
+            "cmdline": f"python task.py --model m{i}"
+            + "z" * model_chars
+            + f" --cfg={i:x}"
+            + "y" * (cmdline_chars - model_chars),
         }
         for i in range(tasks)
     ]
