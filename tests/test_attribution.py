@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import agent.scrub
 from agent.attribution.labels import apply_rules, compile_rules, rule_env_keys
 from agent.attribution.recognise import recognise_model
 from agent.attribution.sources.kubelet import PodResourcesClient
@@ -28,7 +29,7 @@ from agent.attribution.sources.procfs import (
 )
 from agent.config import Settings
 from agent.model import WORKLOAD_LABELS, AgentState, ProcessFacts, ProcessIdentity, Workload
-from agent.scrub import LONG_TEXTS_MAX_CHARS, REDACTED
+from agent.scrub import REDACTED
 from fake_nvml.podresources import FakePodResourcesServer
 from tests.helpers import Rig
 from tests.test_cli import gpuledger
@@ -141,14 +142,19 @@ def test_a_reused_pid_is_reported_with_its_new_owner_from_the_next_poll(rig: Any
 
 @pytest.mark.parametrize(
     ("rules", "model_chars"),
-    [((), 0), (MODEL_RULE, 0), (MODEL_RULE, 100 * 1024)],
+    [((), 0), (MODEL_RULE, 0), (MODEL_RULE, 16 * 1024)],
     ids=["recognisers", "rules", "long-model"],
 )
-def test_finished_tasks_long_cmdlines_are_not_kept(rig: Any, rules: Any, model_chars: int) -> None:
-    """A job array's tasks, one after another, each with a 100 KiB cmdline (its config in the
-    arguments; with `model_chars`, the rule's model label is as long): what is kept of finished
-    tasks' cmdlines and labels stays within the long-text memo's bound, not one for each task."""
-    tasks, cmdline_chars = 30, 100 * 1024
+def test_finished_tasks_long_cmdlines_are_not_kept(
+    rig: Any, rules: Any, model_chars: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job array's tasks, one after another, each with a 32 KiB cmdline (its config in the
+    arguments; with `model_chars`, the rule's model label is that long): what is kept of finished
+    tasks' cmdlines and labels stays within the long-text memo's bound, not one for each task.
+    The memo is cut to 64 KiB here (1 MiB in the agent) so that a dozen tasks tell the two apart."""
+    memo_chars = 64 * 1024
+    monkeypatch.setattr(agent.scrub._long_texts, "max_chars", memo_chars)
+    tasks, cmdline_chars = 12, 32 * 1024
     processes = [
         {
             "pid": 900 + i,
@@ -175,10 +181,10 @@ def test_finished_tasks_long_cmdlines_are_not_kept(rig: Any, rules: Any, model_c
     finally:
         tracemalloc.stop()
     assert owners(state)["0"] == []  # every task has gone
-    # Each task's cmdline was read, scrubbed and matched. What stays: at most the memo's 1 MiB of
+    # Each task's cmdline was read, scrubbed and matched. What stays: at most the memo's 64 KiB of
     # ASCII text, and the last task's facts (which attribution may still hold) with a little
-    # more, under 4 cmdlines; keeping every task's would be 30 x 100 KiB, 2.9 MiB, or more.
-    assert kept_bytes < LONG_TEXTS_MAX_CHARS + 4 * cmdline_chars
+    # more, under 4 cmdlines; keeping every task's would be 12 x 32 KiB, 384 KiB, or more.
+    assert kept_bytes < memo_chars + 4 * cmdline_chars
 
 
 def test_steady_state_polls_read_only_each_process_stat(rig: Any) -> None:
