@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from agent.cli.reportpage import GENERATOR, html_from_ledgers
 from agent.config import load_config
-from agent.ledger import charts
+from agent.ledger import charts, page
 from agent.ledger.page import MAX_BARS, bucket_size, bucket_start, cents_adding_up, render_html, spend_over_time
 from agent.ledger.read import UsageRow
 from agent.ledger.report import build_report, parse_by, parse_time, render
@@ -617,3 +617,27 @@ def test_the_tiles_gpu_hours_add_up_to_the_windows_like_their_dollars() -> None:
     subs = dict(re.findall(r'data-figure="(\w+)"[^>]*>.*?<div class="sub">([\d.]+) GPU-hours</div>', page))
     assert subs == {"total_dollars": "1.00", "workload_dollars": "0.33", "idle_dollars": "0.34",
                     "unobserved_dollars": "0.33"}  # fmt: skip
+
+
+def test_dollars_whose_use_nothing_measured_are_not_drawn_as_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An hour at $3.60 per GPU-hour: job 1 on a MIG instance without GPM (weight 42/108: $1.40,
+    # its use unknown), job 2 on a whole GPU 40% busy ($3.60: $1.44 used, $2.16 wasted). The
+    # waste chart drew job 1's $1.40 as used, as if its waste (unknown) were 0.
+    mig_s = 3600 * 42 / 108
+    rows = [
+        UsageRow(int(FRIDAY), "n", 0, "MIG-1", Workload(hpc_job="1"), mig_s, 0.0, 3.6 * 42 / 108, 0.0,
+                 charged_s=mig_s, unmeasured_s=mig_s),
+        UsageRow(int(FRIDAY), "n", 1, "GPU-1", Workload(hpc_job="2"), 3600.0, 1440.0, 3.6, 0.0, charged_s=3600.0),
+    ]  # fmt: skip
+    drawn: dict[str, dict[str, float]] = {}
+
+    def bars(labels: Any, series: Any, **_: Any) -> str:
+        for part in series:
+            drawn[part.name] = dict(zip(labels, part.values, strict=True))
+        return "<svg/>"
+
+    monkeypatch.setattr(charts, "horizontal_bars", bars)
+    page._waste_section(build_report(rows, parse_by("hpc_job")))
+    assert drawn["used"] == pytest.approx({"2": 1.44, "1": 0.0})  # $3.60 x 0.4
+    assert drawn["wasted"] == pytest.approx({"2": 2.16, "1": 0.0})  # $3.60 x 0.6
+    assert drawn["use not measured"] == pytest.approx({"2": 0.0, "1": 1.40})  # $3.60 x 42/108

@@ -401,17 +401,22 @@ def _waste_section(report: Report) -> list[str]:
     if not lines:
         return [*out, '<p class="note">No workload held a GPU in this window.</p>']
     waste = tuple(line.waste_dollars or 0.0 for line in lines)
-    used = tuple(max(line.dollars - w, 0.0) for line, w in zip(lines, waste, strict=True))
+    # Dollars of time whose use nothing measured (a MIG instance without GPM): neither used nor
+    # wasted, drawn as such, not as used (waste unknown is not waste 0).
+    unknown = tuple(
+        line.dollars * min(line.unmeasured_s / line.charged_s, 1.0) if line.charged_s > 0 else 0.0 for line in lines
+    )
+    used = tuple(max(line.dollars - w - u, 0.0) for line, w, u in zip(lines, waste, unknown, strict=True))
     out.append(
         '<p class="note">What each workload paid for and did not use: its dollars x (1 - used/charged), '
         "hour by hour. Idle GPUs are all waste too (above).</p>"
     )
+    parts = [Series("used", used, charts.USED_COLOUR), Series("wasted", waste, charts.WASTE_COLOUR)]
+    if any(unknown):
+        parts.append(Series("use not measured", unknown, charts.OTHER_COLOUR))
     out.append(
         charts.horizontal_bars(
-            [line_name(line) for line in lines],
-            [Series("used", used, charts.USED_COLOUR), Series("wasted", waste, charts.WASTE_COLOUR)],
-            xlabel="dollars",
-            title="Dollars used and wasted by workload",
+            [line_name(line) for line in lines], parts, xlabel="dollars", title="Dollars used and wasted by workload"
         )
     )
     out.append(_more(report, len(lines)))
