@@ -321,7 +321,9 @@ class BudgetEntry(_Strict):
         if len(set_) != 1:
             raise ValueError(f"give exactly one of {', '.join(BUDGET_KINDS)} (got {', '.join(set_) or 'none'})")
         value = getattr(self, set_[0])
-        if not value or any(ord(ch) < 32 for ch in value):
+        # A lone surrogate (YAML's "\ud800") is no UTF-8: the dumper writes it as an escape that
+        # Prometheus's YAML parser refuses, so the whole rule file would fail to load.
+        if not value or any(ord(ch) < 32 or 0xD800 <= ord(ch) <= 0xDFFF for ch in value):
             raise ValueError(f"{set_[0]}: not a label value: {value!r}")
         return self
 

@@ -416,6 +416,8 @@ BAD_BUDGETS = [
     ("forecast_window: 90m\nbudgets: [{team: a, monthly_dollars: 10}]\n", "forecast_window: whole hours"),
     ("forecast_window: soon\nbudgets: [{team: a, monthly_dollars: 10}]\n", "forecast_window: expected a duration"),
     ("budgets: [{team: a, monthly_dollars: 10}, {team: a, monthly_dollars: 20}]\n", "team 'a' has two budgets"),
+    # A lone surrogate rendered a rule file (exit 0) that promtool and Prometheus refuse to load.
+    ('budgets: [{team: "a\\ud800", monthly_dollars: 10}]\n', "budgets.0: team: not a label value: 'a\\ud800'"),
     ("budgets: [{team: a, monthly_dollars: 10}\n", "budgets.yaml: line"),
     ("- team: a\n", "expected a mapping with budgets:"),
     ("resolution: 7s\nbudgets: [{team: a, monthly_dollars: 10}]\n", "resolution: whole seconds that divide 1h"),
