@@ -315,6 +315,14 @@ class BudgetEntry(_Strict):
     model: str | None = None
     monthly_dollars: float = Field(gt=0, allow_inf_nan=False)
 
+    @field_validator("monthly_dollars", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: object) -> object:
+        # pydantic reads true as 1.0: `monthly_dollars: yes` (or on) was a budget of $1.
+        if isinstance(value, bool):
+            raise ValueError(f"a number of dollars, got {str(value).lower()}")
+        return value
+
     @model_validator(mode="after")
     def _one_owner(self) -> BudgetEntry:
         set_ = [kind for kind in BUDGET_KINDS if getattr(self, kind) is not None]

@@ -411,6 +411,8 @@ BAD_BUDGETS = [
     ("budgets: [{monthly_dollars: 10}]\n", "budgets.0: give exactly one of"),
     ("budgets: [{team: a, monthly_dollars: -5}]\n", "budgets.0.monthly_dollars"),
     ("budgets: [{team: a, monthly_dollars: .nan}]\n", "budgets.0.monthly_dollars"),
+    # YAML's yes/on/true was read as a budget of $1.
+    ("budgets: [{team: a, monthly_dollars: yes}]\n", "budgets.0.monthly_dollars: a number of dollars, got true"),
     ("budgets: [{team: a, monthly_dollars: 10, teams: b}]\n", "budgets.0.teams: unknown key"),
     ("timezone: Mars/Olympus\nbudgets: [{team: a, monthly_dollars: 10}]\n", "timezone: unknown time zone"),
     ("forecast_window: 90m\nbudgets: [{team: a, monthly_dollars: 10}]\n", "forecast_window: whole hours"),
