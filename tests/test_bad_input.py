@@ -96,6 +96,12 @@ ARGUMENT_CASES = [
     (("run", "--fake", "--fake-speed", "1e15"), "--fake-speed: at most 525,600 (a year a minute)"),
     # A directory as --metrics-out failed with exit 1 after the whole simulation ran.
     (("simulate", "demo", "--for", "10m", "--metrics-out", "/tmp"), "--metrics-out: /tmp is a directory"),
+    # The label went into the store's matchers as given: a matcher of its own, or a parse error
+    # only once a counter fell.
+    (
+        ("report", "--prometheus", "http://127.0.0.1:9", "--node-label", 'instance=~".*",x'),
+        """gpuledger: --node-label: 'instance=~".*",x' is not a label name""",
+    ),
     # The Slurm account is no metric label: the store's rows were all grouped under an empty one.
     (
         ("report", "--prometheus", "http://127.0.0.1:9", "--by", "team,account"),

@@ -12,7 +12,9 @@ from agent.cli.reportpage import write_output
 from agent.errors import BadInputError
 from agent.fleet import DEFAULT_NODE_LABEL, DEFAULT_TIMEOUT_S
 from agent.ledger.report import parse_by, render
+from agent.scrub import escape_control
 from agent.units import format_duration
+from exporters.promrules import LABEL_NAME
 
 # A store has no beginning the query API tells: without --since, the last 30 days (a month's
 # showback; Prometheus keeps 15 days by default, long-term stores a year or more).
@@ -71,8 +73,13 @@ def cmd_report_prometheus(args: argparse.Namespace) -> int:
     timeout_s = duration_arg(args.query_timeout, "--query-timeout")
     if timeout_s <= 0:
         raise BadInputError("gpuledger: --query-timeout: must be above 0")
-    if not args.node_label.strip():
-        raise BadInputError("gpuledger: --node-label: must name a label")
+    if not LABEL_NAME.fullmatch(args.node_label):
+        # It goes into the queries' label matchers as is: anything else broke them only when a
+        # counter fell (the store's parse error, mid-report) or added a matcher of its own.
+        raise BadInputError(
+            f"gpuledger: --node-label: {escape_control(repr(args.node_label))} is not a label name "
+            "(letters, digits and _, not starting with a digit)"
+        )
     try:
         headers = dict(parse_header(text) for text in args.header)
     except ValueError as exc:
