@@ -300,6 +300,22 @@ def test_snapshot_prints_a_table_of_the_demo_node() -> None:
     assert rows["5"][4] == "29.3/80"
 
 
+def test_snapshot_escapes_the_node_and_model_names_it_prints(tmp_path: Path) -> None:
+    # Workload labels were escaped already; the node's name, the driver's model name and the
+    # price notes reached the terminal raw (\x1b[2J clears the screen, \x1b]0;..\x07 sets its title).
+    scenario = tmp_path / "escapes.yaml"
+    scenario.write_text('{node: {hostname: "node\\e[2J"}, gpus: [{model: "A100\\e]0;x\\a"}]}\n')
+    result = gpuledger("snapshot", "--fake", str(scenario))
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout
+    assert "\x07" not in result.stdout
+    title, header, row = result.stdout.splitlines()[:3]
+    assert title.startswith("node\\x1b[2J  driver ")
+    assert row.split()[:3] == ["0", "A100\\x1b]0;x\\x07", "yes"]
+    # The widths are those of the escaped text: the columns stay aligned.
+    assert row.index("yes") == header.index("UP")
+
+
 def test_snapshot_json_carries_every_device() -> None:
     import json
 

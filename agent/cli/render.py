@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from agent.model import AgentState, Attribution, DeviceReading, Telemetry
+from agent.scrub import escape_control
 from agent.units import format_duration
 
 
@@ -64,7 +65,10 @@ def render_table(state: AgentState) -> str:
         sm_mhz = _fmt(d.telemetry.sm_clock_hz if d.telemetry else None, ".0f", 1e-6)
         health = ",".join(health_notes(d.telemetry)) if d.telemetry else ""
         flagged = ", ".join(flags.get(d.uuid, [])) or "-"
-        rows.append((*_row(d), sm_mhz, hourly, flagged, health or "-", _owners(attribution, d)))
+        row = (*_row(d), sm_mhz, hourly, flagged, health or "-", _owners(attribution, d))
+        # Escaped before the widths are taken: the driver's model name, as the node's name and
+        # the price notes below, is printed to a terminal that would act on an escape sequence.
+        rows.append(tuple(escape_control(cell) for cell in row))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(snapshot.taken_at))
@@ -77,7 +81,7 @@ def render_table(state: AgentState) -> str:
         )
         sources.setdefault(source, []).append(str(d.index))
     notes = [f"$/H for GPU {','.join(gpus)}: {source}" for source, gpus in sources.items()]
-    return "\n".join([title, *lines, "", *notes])
+    return "\n".join([escape_control(title), *lines, "", *map(escape_control, notes)])
 
 
 def health_notes(t: Telemetry) -> list[str]:
