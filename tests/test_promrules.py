@@ -403,6 +403,44 @@ def test_a_half_hour_zone_sums_quarter_hours_and_resets_at_its_midnight(
     promtool_test(tmp_path, [out], [{"interval": "5m", "input_series": inputs, "promql_expr_test": checks}], "5m")
 
 
+# A team whose name holds what a PromQL string, a regex, a selector and a Go template treat
+# specially, beside one named like a regex that matches every team.
+ODD_TEAM = 'a"b\\c}d|x ü'
+
+
+@needs_promtool
+def test_a_budget_alerts_for_the_team_it_names_and_only_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    budgets = write(
+        tmp_path / "budgets.yaml",
+        {"budgets": [{"team": ODD_TEAM, "monthly_dollars": 30}, {"team": ".*", "monthly_dollars": 30}]},
+    )
+    out = tmp_path / "budgets.rules.yml"
+    assert run(capsys, "rules", "--budgets", str(budgets), "--out", str(out))[0] == 0
+    result = promtool("check", "rules", out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # ODD_TEAM spends $12/h from 00:05: an hour tile holds 12 5m rates of $12/h, $12; its three
+    # tiles to 03:00 are $36 (3 x 12), over its $30; at 02:55 two, $24. Team ".*" spends nothing.
+    quoted = ODD_TEAM.replace("\\", "\\\\").replace('"', '\\"')
+    inputs = [
+        {"series": f'team:gpuledger_workload_cost_dollars_per_hour:rate5m{{team="{quoted}"}}', "values": "_ 12x100"}
+    ]
+    fired = {
+        "exp_labels": {"severity": "critical", "team": ODD_TEAM},
+        "exp_annotations": {
+            "summary": f"GPU spend of team {ODD_TEAM} has passed its budget this month (UTC)",
+            "description": f"team {ODD_TEAM} has spent $36 this month (UTC), its monthly budget is $30.",
+        },
+    }
+    alerts = [
+        {"eval_time": "2h55m", "alertname": "GPUBudgetExceeded"},
+        {"eval_time": "3h", "alertname": "GPUBudgetExceeded", "exp_alerts": [fired]},
+    ]
+    spend = "budget:gpuledger_cost_dollars:month_to_date"
+    checks = [sample(f'{spend}{{team=".*"}}', "3h", f'{spend}{{team=".*"}}', 0)]
+    tests = [{"interval": "5m", "input_series": inputs, "alert_rule_test": alerts, "promql_expr_test": checks}]
+    promtool_test(tmp_path, [out], tests, "5m")
+
+
 BAD_BUDGETS = [
     ("budgets: []\n", "budgets: List should have at least 1 item"),
     ("timezone: UTC\n", "budgets: Field required"),
