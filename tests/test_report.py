@@ -293,6 +293,28 @@ def test_table_for_a_finance_reader() -> None:
     )
 
 
+def test_the_table_escapes_the_names_ledgers_and_stores_hold() -> None:
+    # A node's name is recorded as given (workload labels are escaped when attributed), and a
+    # ledger or a store may have been written anywhere: "\x1b[2J" in one cleared the terminal.
+    lines = (
+        ReportLine(("gpu\x1b[2J01",), 2.5, H, H, waste_dollars=0.0),
+        ReportLine(("gpu-02",), 2.5, H, 0.0, waste_dollars=2.5),  # used nothing: all waste
+    )
+    left = Workload(namespace="ns", pod="p\x1b]0;x\x07")
+    idle = ReportLine((), 5.0, 2 * H, 0.0, waste_dollars=5.0, left_by=left)
+    # $2.50 + $2.50 + $5.00 idle = $10.00 over 1 + 1 + 2 = 4 GPU-hours; waste $2.50 + $5.00 = $7.50
+    total = ReportLine((), 10.0, 4 * H, H, waste_dollars=7.5)
+    table = render(Report(("node",), lines, idle, total, idle_by=(idle,)), "table")
+    assert "\x1b" not in table
+    assert "\x07" not in table
+    rows = table.splitlines()
+    assert rows[4].split() == ["gpu\\x1b[2J01", "2.50", "1.00", "1.00", "100.0%", "0.00"]
+    assert rows[6].startswith("(idle) left by ns/p\\x1b]0;x\\x07  ")
+    assert rows[9].split() == ["TOTAL", "10.00", "4.00", "1.00", "25.0%", "7.50"]
+    # The widths are the escaped text's: every row ends in the same column.
+    assert len({len(row) for row in rows[2:]}) == 1
+
+
 def test_efficiency_is_a_dash_when_nothing_was_charged() -> None:
     report = Report(("pod",), (ReportLine(("p",), 0.0, 0.0, 0.0),), ReportLine((), 0, 0, 0), ReportLine((), 0, 0, 0))
     line = render(report, "table").splitlines()[4]

@@ -81,6 +81,7 @@ from typing import Any
 from agent.ledger.pending import HOUR_S, hour_start
 from agent.ledger.read import LedgerInfo, UsageRow, read_ledger
 from agent.model import WORKLOAD_LABELS, Workload
+from agent.scrub import escape_control
 from agent.units import iso_time, joules_to_kwh, parse_duration
 
 # `account`: the Slurm account a job is billed to, kept in the ledger (it is no metric label).
@@ -583,13 +584,17 @@ def _render_table(report: Report) -> str:
     header = [key.upper() for key in report.by] + run_headers + list(_NUMBER_HEADERS) + shown_energy
     idle_lines = _idle_lines(report)
     shown = shown_figures(report, [line for _, line in idle_lines])
+    # Keys come from ledgers and stores, which may have been written anywhere: a node's name is
+    # not escaped when recorded, as workload labels are. Escaped before the widths are taken.
     body = [
-        [value or NONE_LABEL for value in line.key] + (_run(line) if report.runs else []) + _numbers(figures, energy)
+        [escape_control(value) or NONE_LABEL for value in line.key]
+        + (_run(line) if report.runs else [])
+        + _numbers(figures, energy)
         for line, figures in zip(report.lines, shown, strict=False)
     ]
     key_count += len(run_headers)  # the run's columns align left, like the keys
     idle = [
-        [label] + [""] * (key_count - 1) + _numbers(figures, energy)
+        [escape_control(label)] + [""] * (key_count - 1) + _numbers(figures, energy)
         for (label, _), figures in zip(idle_lines, shown[len(report.lines) :], strict=False)
     ]
     unobserved = [UNOBSERVED_LABEL] + [""] * (key_count - 1) + _numbers(shown[-1], energy)
@@ -605,7 +610,7 @@ def _render_table(report: Report) -> str:
 
     rule = "  ".join("-" * width for width in widths)
     out = [
-        f"GPU cost by {', '.join(report.by)}; {_span(report)}",
+        escape_control(f"GPU cost by {', '.join(report.by)}; {_span(report)}"),
         "",
         fmt(header),
         rule,
