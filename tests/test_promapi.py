@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from agent.fleet.promapi import (
     PrometheusAPI,
     QueryTimeout,
     StoreError,
+    StoreOptions,
     StoreUnauthorized,
     StoreUnreachable,
     parse_header,
@@ -118,6 +120,26 @@ def test_a_header_without_a_name_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="Name: value") as raised:
         parse_header(text)
     # The message quoted the text, the token with it when the colon was missed.
+    assert "s3cret" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [("Authorization: Bearer s3cret\nsecond-line", "a line break"), ("X-Token: s3cret\x1b", "other than printable")],
+)
+def test_a_header_value_that_cannot_be_sent_is_refused_without_quoting_it(text: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem) as raised:
+        parse_header(text)
+    assert "s3cret" not in str(raised.value)
+
+
+def test_a_token_file_of_more_than_the_token_is_refused_without_quoting_it(tmp_path: Path) -> None:
+    # Its second line went out with the token: httpx refused the header at the first query, with
+    # "cannot connect: Illegal header value b'Bearer s3cret\\nline2'" on the terminal.
+    token = tmp_path / "token"
+    token.write_text("s3cret\nline2\n", encoding="utf-8")
+    with pytest.raises(BadInputError, match="the token holds a line break") as raised:
+        PrometheusAPI("http://store:9090", StoreOptions(bearer_token_file=str(token)))
     assert "s3cret" not in str(raised.value)
 
 

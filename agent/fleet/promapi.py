@@ -105,7 +105,21 @@ def parse_header(text: str) -> tuple[str, str]:
         raise ValueError("expected 'Name: value', got no name before the ':'")
     if any(c.isspace() for c in name.strip()):
         raise ValueError("expected 'Name: value', got spaces in the name before the ':'")
+    problem = _unsendable(value.strip())
+    if problem:
+        raise ValueError(f"the value of {name.strip()} holds {problem}")
     return name.strip(), value.strip()
+
+
+def _unsendable(value: str) -> str | None:
+    """What keeps `value` from going out as a header value, in words that do not quote it: httpx
+    refuses it only at the first request, with a message that does (`Illegal header value
+    b'Bearer TOKEN\\n...'`, a token file's second line with it)."""
+    if any(c in "\r\n" for c in value):
+        return "a line break"
+    if any(not (" " <= c <= "~" or c == "\t") for c in value):
+        return "a character other than printable ASCII"
+    return None
 
 
 class PrometheusAPI:
@@ -242,6 +256,9 @@ def _read_token(path: str) -> str:
         raise BadInputError(f"--bearer-token-file {path}: {exc.strerror or exc}") from None
     if not token:
         raise BadInputError(f"--bearer-token-file {path}: empty")
+    problem = _unsendable(token)
+    if problem:
+        raise BadInputError(f"--bearer-token-file {path}: the token holds {problem} (one line, the token alone)")
     return token
 
 
