@@ -818,8 +818,15 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
+# What YAML 1.1 also reads as line breaks: PyYAML writes them as they are, each followed by the
+# indentation, in a block or a plain or single-quoted scalar, so a name holding one came back
+# with spaces after it (a budget matching no series) or, as a newline, broke the expression.
+_OTHER_BREAKS = ("\x85", "\u2028", "\u2029")
+
+
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
+    # Double quotes escape them (\N, \L, \P), which Prometheus's YAML parser reads back.
+    style = '"' if any(br in value for br in _OTHER_BREAKS) else "|" if "\n" in value else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 

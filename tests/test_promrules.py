@@ -403,32 +403,37 @@ def test_a_half_hour_zone_sums_quarter_hours_and_resets_at_its_midnight(
     promtool_test(tmp_path, [out], [{"interval": "5m", "input_series": inputs, "promql_expr_test": checks}], "5m")
 
 
-# A team whose name holds what a PromQL string, a regex, a selector and a Go template treat
-# specially, beside one named like a regex that matches every team.
-ODD_TEAM = 'a"b\\c}d|x ü'
+# Teams whose names hold what a PromQL string, a regex, a selector and a Go template treat
+# specially, and what YAML 1.1 reads as line breaks (NEL, the line and paragraph separators: the
+# rule file held "\u2028" followed by spaces, or NEL as a newline), each beside a team named like a
+# regex that matches every team.
+ODD_TEAMS = ['a"b\\c}d|x ü', "line\u2028para\u2029next\x85line"]
 
 
 @needs_promtool
-def test_a_budget_alerts_for_the_team_it_names_and_only_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("odd_team", ODD_TEAMS, ids=ascii)
+def test_a_budget_alerts_for_the_team_it_names_and_only_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], odd_team: str
+) -> None:
     budgets = write(
         tmp_path / "budgets.yaml",
-        {"budgets": [{"team": ODD_TEAM, "monthly_dollars": 30}, {"team": ".*", "monthly_dollars": 30}]},
+        {"budgets": [{"team": odd_team, "monthly_dollars": 30}, {"team": ".*", "monthly_dollars": 30}]},
     )
     out = tmp_path / "budgets.rules.yml"
     assert run(capsys, "rules", "--budgets", str(budgets), "--out", str(out))[0] == 0
     result = promtool("check", "rules", out)
     assert result.returncode == 0, result.stdout + result.stderr
-    # ODD_TEAM spends $12/h from 00:05: an hour tile holds 12 5m rates of $12/h, $12; its three
+    # The odd team spends $12/h from 00:05: an hour tile holds 12 5m rates of $12/h, $12; its three
     # tiles to 03:00 are $36 (3 x 12), over its $30; at 02:55 two, $24. Team ".*" spends nothing.
-    quoted = ODD_TEAM.replace("\\", "\\\\").replace('"', '\\"')
+    quoted = odd_team.replace("\\", "\\\\").replace('"', '\\"')
     inputs = [
         {"series": f'team:gpuledger_workload_cost_dollars_per_hour:rate5m{{team="{quoted}"}}', "values": "_ 12x100"}
     ]
     fired = {
-        "exp_labels": {"severity": "critical", "team": ODD_TEAM},
+        "exp_labels": {"severity": "critical", "team": odd_team},
         "exp_annotations": {
-            "summary": f"GPU spend of team {ODD_TEAM} has passed its budget this month (UTC)",
-            "description": f"team {ODD_TEAM} has spent $36 this month (UTC), its monthly budget is $30.",
+            "summary": f"GPU spend of team {odd_team} has passed its budget this month (UTC)",
+            "description": f"team {odd_team} has spent $36 this month (UTC), its monthly budget is $30.",
         },
     }
     alerts = [
