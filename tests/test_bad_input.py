@@ -51,6 +51,11 @@ CONFIG_CASES = [
     ("watchdog: {call_timeout: 0.000001s}\n", "watchdog.call_timeout"),
     # Meant as days, 400 is seconds: every hour of the ledger but the current one was deleted.
     ("ledger: {retention: 400}\n", "ledger.retention: at least 1d, got 6m40s"),
+    # check-config printed an action's program as the file spells it, an escape sequence with it.
+    (
+        'actions: {triggers: {x: {flag: idle, scope: gpu, command: ["/no/such\\e[2J"]}}}\n',
+        "actions.triggers.x.command: /no/such\\x1b[2J: no such executable file",
+    ),
     # A second section of one name replaced the first whole: its prices were dropped unsaid.
     (
         "pricing: {gpu_hourly: 2.5}\npoll_interval: 5s\npricing: {energy_per_kwh: 0.1}\n",

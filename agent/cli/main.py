@@ -466,11 +466,13 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
             except ConfigError as exc:
                 problems = [str(exc)]
     if problems:
+        # Not every check escapes the values it quotes (an action's program, from the file), and
+        # `run` prints the same line escaped.
         for line in problems:
-            print(line, file=sys.stderr)
+            print(escape_control(line), file=sys.stderr)
         return EXIT_BAD_INPUT
     for line in unknown_variables():
-        print(f"warning: {line}", file=sys.stderr)
+        print(escape_control(f"warning: {line}"), file=sys.stderr)
     print(f"{args.file}: ok")
     return EXIT_OK
 
