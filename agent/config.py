@@ -444,6 +444,14 @@ def _check_listen(value: object) -> str:
     return value
 
 
+def _check_node_name(value: object) -> object:
+    # It is a label value, a ledger key and an action's GPULEDGER_NODE: a NUL there fails every
+    # command an action runs, a newline or an escape sequence reaches logs and terminals.
+    if isinstance(value, str) and escape_control(value) != value:
+        raise ValueError(f"holds a control character ({escape_control(value)}): a node's name is one line of text")
+    return value
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -456,7 +464,7 @@ class Settings(BaseSettings):
 
     # The node's name in the ledger, logs and rule selectors; default the hostname (in a pod,
     # set it from the downward API's spec.nodeName: the chart does).
-    node_name: str | None = None
+    node_name: Annotated[str | None, BeforeValidator(_check_node_name)] = None
     # Which device backend reads the GPUs (agent/devices/__init__.py registers them).
     backend: str = "nvml"
     poll_interval: Duration = Field(default=5.0, ge=MIN_REPEAT_S)

@@ -51,6 +51,8 @@ CONFIG_CASES = [
     ("watchdog: {call_timeout: 0.000001s}\n", "watchdog.call_timeout"),
     # Meant as days, 400 is seconds: every hour of the ledger but the current one was deleted.
     ("ledger: {retention: 400}\n", "ledger.retention: at least 1d, got 6m40s"),
+    # Taken as it was: a label value, ledger key and GPULEDGER_NODE with a NUL or an escape in it.
+    ('node_name: "gpu\\0-01\\e[2J"\n', "node_name: holds a control character (gpu\\x00-01\\x1b[2J)"),
     # check-config printed an action's program as the file spells it, an escape sequence with it.
     (
         'actions: {triggers: {x: {flag: idle, scope: gpu, command: ["/no/such\\e[2J"]}}}\n',
