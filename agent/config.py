@@ -42,7 +42,7 @@ from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS
 from agent.model import WORKLOAD_LABELS
 from agent.scrub import escape_control
 from agent.units import format_duration, parse_duration, parse_size_bytes
-from agent.yamlfile import YamlFileError, read_yaml
+from agent.yamlfile import YamlFileError, read_yaml, undecodable_locs
 
 ENV_PREFIX = "GPULEDGER_"
 # The variables Kubernetes adds to every pod for each Service of its namespace (service links):
@@ -552,31 +552,6 @@ def _problem(source: str, loc: list[str], message: str) -> str:
     return escape_control(f"{source}: {where}: {message}")
 
 
-def _undecodable(value: object, loc: list[str]) -> list[list[str]]:
-    """Where `value` holds text with bytes that were not UTF-8: Python hands an environment
-    variable's undecodable bytes on as lone surrogates, which no log line, label or ledger row
-    can encode (the ledger's first write failed with a traceback)."""
-    if isinstance(value, str):
-        return [] if value.isascii() or _encodes(value) else [loc]
-    found: list[list[str]] = []
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            where = [*loc, str(key)]
-            found += [where] if isinstance(key, str) and not _encodes(key) else _undecodable(item, where)
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            found += _undecodable(item, [*loc, str(i)])
-    return found
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _bad_nested_json(section: str) -> str | None:
     """The GPULEDGER_<SECTION>__<KEY> variable, if any, whose key takes a mapping or a list and
     whose value is not JSON: what a SettingsError about <section> was about."""
@@ -647,7 +622,7 @@ def check_config(path: str | Path | None) -> tuple[Settings | None, list[str]]:
         if nested is not None:
             return None, [f"environment: {nested}: not JSON (a mapping or list is given as JSON)"]
         return None, [f"environment: {name}: not a JSON object (or set its keys as {name}__KEY)"]
-    undecodable = _undecodable(settings.model_dump(), [])
+    undecodable = undecodable_locs(settings.model_dump(), [])
     if undecodable:
         return None, [_problem(source, loc, "not UTF-8 text") for loc in undecodable]
     problems = action_problems(settings.actions, rule_conditions(settings.rules), source)

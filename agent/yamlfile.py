@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,28 @@ def _non_string_key(node: object, where: tuple[str, ...]) -> tuple[tuple[str, ..
             if found is not None:
                 return found
     return None
+
+
+def undecodable_locs(value: object, loc: list[str]) -> list[list[str]]:
+    """Where `value` holds text with bytes that were not UTF-8: Python hands an environment
+    variable's undecodable bytes on as lone surrogates, and YAML's "\\ud800" gives one, which no
+    log line, label or ledger row can encode (the ledger's first write failed with a traceback)."""
+    if isinstance(value, str):
+        return [] if value.isascii() or _encodes(value) else [loc]
+    found: list[list[str]] = []
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            where = [*loc, str(key)]
+            found += [where] if isinstance(key, str) and not _encodes(key) else undecodable_locs(item, where)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found += undecodable_locs(item, [*loc, str(i)])
+    return found
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

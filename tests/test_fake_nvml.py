@@ -1675,6 +1675,13 @@ BAD_SCENARIOS = [
         "node.device_plugin: expected one of nvidia, gke, got 'amd'",
         id="device plugin",
     ),
+    # A lone surrogate (YAML's "\\ud800") went on to the GPUs' UUIDs and the fake's files: a traceback.
+    pytest.param({"node": {"hostname": "n\ud800"}, "gpus": ONE_GPU}, "node.hostname: not UTF-8 text", id="surrogate"),
+    pytest.param(
+        {"gpus": ONE_GPU, "processes": [process(environ={"A": "x\udc80"})]},
+        "processes[0].environ.A: not UTF-8 text",
+        id="surrogate in a process",
+    ),
 ]
 
 

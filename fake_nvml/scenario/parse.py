@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.units import parse_duration
+from agent.yamlfile import undecodable_locs
 from fake_nvml.scenario.facts import (
     BOARD_FACTS,
     DEFAULT_BOARD,
@@ -727,6 +728,11 @@ def _parse_start(top: _Reader) -> datetime:
 def parse_scenario(data: object, source: str = "scenario") -> Scenario:
     """Validate a scenario mapping (as loaded from YAML) into a `Scenario`."""
     top = _Reader(source, "", data)
+    undecodable = undecodable_locs(data, [])
+    if undecodable:
+        # A lone surrogate ("\\ud800") went on to the fake's files and the GPUs' UUIDs: a traceback.
+        where = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in undecodable[0]).lstrip(".")
+        raise ScenarioError(f"{source}: {where}: not UTF-8 text")
     top.check_keys(["name", "start", "node", "gpus", "processes", "allocations", "faults"])
     node_r = top.child("node", top.data.get("node") or {})
     node_r.check_keys(
