@@ -18,6 +18,11 @@ from fake_nvml.scenario.model import ReadingRow
 # and how many it keeps per process (the real driver keeps a short ring buffer too).
 PROCESS_SAMPLE_PERIOD_S = 1.0
 PROCESS_SAMPLES_KEPT = 32
+# The driver stamps a process's sample when it records that process, not at one instant shared by
+# every process on the GPU: one GPU's processes show different sub-second stamps (NVIDIA/go-nvml
+# issue 51, Syllo/nvtop issue 110). Each process's stamps sit up to this much before the period's
+# end, by its pid; under a millisecond, so a sample still falls in the poll it fell in before.
+PROCESS_STAMP_SPREAD_US = 1000
 # The device's own utilization samples (nvmlDeviceGetSamples, GPU_UTILIZATION_SAMPLES): one per
 # period whether or not anything ran (0 then), and a longer ring than the per-process one.
 DEVICE_SAMPLE_PERIOD_S = 1.0
@@ -345,7 +350,8 @@ class FakeNode:
     def process_samples(self, gpu: int, last_seen_us: int, t: float) -> list[tuple[int, int, int]]:
         """(pid, timestamp_us, sm_util) samples newer than `last_seen_us`, as the driver keeps them.
 
-        Samples are taken every PROCESS_SAMPLE_PERIOD_S of scenario time; only the newest
+        Samples are taken every PROCESS_SAMPLE_PERIOD_S of scenario time, each process's stamped
+        a little apart from the others' (PROCESS_STAMP_SPREAD_US); only the newest
         PROCESS_SAMPLES_KEPT per process survive; a process at 0% leaves no sample (the real
         driver reports only processes with non-zero utilization in the sample period).
         """
@@ -365,12 +371,13 @@ class FakeNode:
             # as samples move forward in time that boundary only moves forward too, so it is
             # walked once per process rather than searched for every sample (`sm_util_at`).
             segments, start_s, pid = process.segments, process.start_s, process.pid
+            early_us = pid % PROCESS_STAMP_SPREAD_US
             count = len(segments)
             in_force, util = 0, 0
             next_change_s = segments[0].at_s if count else math.inf
             for k in range(max(first_k, 0), newest_k + 1):
                 at = k * PROCESS_SAMPLE_PERIOD_S
-                stamp_us = round((start_epoch + at) * 1_000_000)
+                stamp_us = round((start_epoch + at) * 1_000_000) - early_us
                 if stamp_us <= last_seen_us:
                     continue
                 if at - start_s >= next_change_s:

@@ -414,7 +414,7 @@ READING_TABLE: dict[str, Reading] = {
     "process utilization samples": Reading(
         "nvmlDeviceGetProcessUtilization",
         lambda d: [(s.pid, s.timeStamp, s.smUtil) for s in pynvml.nvmlDeviceGetProcessUtilization(d.gpu(1), 0)],
-        [(201, START_US, 25)],
+        [(201, START_US - 201 % fake_nvml.node.PROCESS_STAMP_SPREAD_US, 25)],
     ),
     "no process utilization samples on an idle GPU": Reading(
         "nvmlDeviceGetProcessUtilization",
@@ -1079,32 +1079,40 @@ def samples(gpu: int, last_seen_us: int) -> set[tuple[int, int, int]]:
     return {(s.pid, s.timeStamp, s.smUtil) for s in found}
 
 
+def stamp(pid: int, second: int) -> int:
+    """A process's sample at scenario second `second`: a whole second, less the process's own
+    offset (each process is stamped when the driver records it, not at one shared instant)."""
+    return START_US + second * 1_000_000 - pid % fake_nvml.node.PROCESS_STAMP_SPREAD_US
+
+
 def test_process_samples_are_stamped_in_wall_clock_microseconds(install_fake: InstallFake) -> None:
     node = install_fake(SAMPLED)
     node.clock.advance(6)
-    second = 1_000_000
-    assert samples(0, 0) == {(20, START_US + k * second, 30) for k in range(7)} | {
-        (21, START_US + 3 * second, 50),
-        (21, START_US + 4 * second, 50),
-        (21, START_US + 5 * second, 80),
-        (21, START_US + 6 * second, 80),
+    assert samples(0, 0) == {(20, stamp(20, k), 30) for k in range(7)} | {
+        (21, stamp(21, 3), 50),
+        (21, stamp(21, 4), 50),
+        (21, stamp(21, 5), 80),
+        (21, stamp(21, 6), 80),
     }
+    # two processes' samples of one period are stamped apart, as on a real GPU
+    assert stamp(20, 6) - stamp(21, 6) == 1
 
 
 def test_process_samples_are_only_those_newer_than_last_seen(install_fake: InstallFake) -> None:
     node = install_fake(SAMPLED)
     node.clock.advance(6)
-    second = 1_000_000
-    assert samples(0, START_US + 4 * second) == {
-        (20, START_US + 5 * second, 30),
-        (20, START_US + 6 * second, 30),
-        (21, START_US + 5 * second, 80),
-        (21, START_US + 6 * second, 80),
+    assert samples(0, START_US + 4 * 1_000_000) == {
+        (20, stamp(20, 5), 30),
+        (20, stamp(20, 6), 30),
+        (21, stamp(21, 5), 80),
+        (21, stamp(21, 6), 80),
     }
+    # Between two processes' stamps of one period: only the later of them is newer.
+    assert samples(0, stamp(21, 6)) == {(20, stamp(20, 6), 30)}
     with pytest.raises(pynvml.NVMLError_NotFound):
-        samples(0, START_US + 6 * second)
+        samples(0, stamp(20, 6))
     node.clock.advance(1)
-    assert samples(0, START_US + 6 * second) == {(20, START_US + 7 * second, 30), (21, START_US + 7 * second, 80)}
+    assert samples(0, stamp(20, 6)) == {(20, stamp(20, 7), 30), (21, stamp(21, 7), 80)}
 
 
 def test_process_samples_not_found_on_a_gpu_without_processes(install_fake: InstallFake) -> None:
@@ -1118,8 +1126,8 @@ def test_the_driver_keeps_only_the_newest_process_samples(install_fake: InstallF
     node.clock.advance(100)
     stamps = sorted(stamp for pid, stamp, _ in samples(0, 0) if pid == 20)
     assert len(stamps) == fake_nvml.node.PROCESS_SAMPLES_KEPT
-    assert stamps[-1] == START_US + 100_000_000
-    assert stamps[0] == START_US + (100 - fake_nvml.node.PROCESS_SAMPLES_KEPT + 1) * 1_000_000
+    assert stamps[-1] == stamp(20, 100)
+    assert stamps[0] == stamp(20, 100 - fake_nvml.node.PROCESS_SAMPLES_KEPT + 1)
 
 
 def test_processes_come_and_go_with_the_clock(install_fake: InstallFake) -> None:

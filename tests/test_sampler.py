@@ -95,6 +95,23 @@ def test_process_utilization_is_the_mean_of_samples_since_the_previous_poll(inst
     assert reading.processes[0].sm_util == pytest.approx((4 * 0.20 + 6 * 0.80) / 10)
 
 
+def test_processes_stamped_apart_each_read_their_own_rate(install: Any) -> None:
+    # The driver stamps each process's samples at its own time, so two processes' stamps are
+    # apart by any amount (1 us here): that gap is no sampling period. Taken for one, the 10 s
+    # between polls held ten million periods, and each process read a millionth of its rate.
+    node, sampler = install(
+        {"gpus": [{"count": 1}], "processes": [{"pid": p, "gpus": [0], "sm_util": 30 * (p - 9)} for p in (10, 11)]}
+    )
+    sampler.poll()
+    node.clock.advance(10)
+    sampler.poll()
+    node.clock.advance(10)
+    reading = by_label(sampler.poll())["0"]
+    stamps = {pid: stamp for pid, stamp, _util in node.process_samples(0, 0, node.clock.now())}
+    assert 0 < stamps[10] - stamps[11] < 1000
+    assert {p.pid: p.sm_util for p in reading.processes} == {10: pytest.approx(0.30), 11: pytest.approx(0.60)}
+
+
 def test_field_values_batch_power_energy_and_nvlink_into_one_call(install: Any) -> None:
     node, sampler = install("demo")
     sampler.poll()

@@ -150,6 +150,7 @@ class TraceRecorder:
         self._events_seen_until = float("-inf")
         self._samples_seen: dict[str, int] = {}  # GPU uuid -> how many of the tap's samples were looked at
         self._ring: dict[str, int] = {}  # GPU uuid -> the most samples one process had in one poll
+        self._period_us: dict[str, int] = {}  # GPU uuid -> the smallest gap between two samples of a process
         self._previous_taken: float | None = None
 
     # -- each poll ----------------------------------------------------------------------------
@@ -313,8 +314,11 @@ class TraceRecorder:
             for pid, stamp_us, util in batch:
                 by_pid.setdefault(pid, []).append((stamp_us, util))
             ring = self._ring[uuid] = max([self._ring.get(uuid, 0), *map(len, by_pid.values())])
-            stamps = sorted({stamp_us for _pid, stamp_us, _util in batch})
-            gaps = [b - a for a, b in itertools.pairwise(stamps) if b > a]
+            # One process's samples only: the driver stamps each process at its own time (see
+            # the sampler), so two processes' stamps are no period apart.
+            gaps = [b - a for kept in by_pid.values() for (a, _), (b, _) in itertools.pairwise(sorted(kept)) if b > a]
+            if gaps:
+                self._period_us[uuid] = min(*gaps, self._period_us.get(uuid, gaps[0]))
             if previous is None or ring < MIN_RING_SAMPLES or not gaps:
                 continue
             period_us = min(gaps)
@@ -477,12 +481,15 @@ class TraceRecorder:
         reused pid's samples are its own: none from before it started (procfs's start time)."""
         start = self._start or 0.0
         born_s = max(0.0, track.started_s or 0.0)
+        # A process's sample is stamped at its own point of a period, before the period's end: one
+        # within half a period before its start (or the trace's) is of the period it started in.
+        early_s = born_s - self._period_us.get(track.gpu_uuid, 0) / 2_000_000
         found = dict(track.lost)
         for pid, stamp_us, util in self._tap.samples.get(track.gpu_uuid, ()):
             if pid == track.pid:
                 at = stamp_us / 1_000_000 - start
-                if at >= born_s and (track.gone_s is None or at < track.gone_s):
-                    found[round(at, 6)] = util
+                if at >= early_s and (track.gone_s is None or at < track.gone_s):
+                    found[round(max(at, born_s), 6)] = util
         return found
 
     def _cmdline(self, track: _Process) -> str:

@@ -149,7 +149,7 @@ class _Gpu:
     mig_by_instance: dict[tuple[int, int], _Mig] | None = None
     last_seen_us: int = 0
     # When this poll and the one before read the GPU (backend clock), and the driver's
-    # per-process sampling period as observed (the smallest gap between two sample times).
+    # per-process sampling period as observed (the smallest gap between two samples of a process).
     poll_at: float | None = None
     previous_poll_at: float | None = None
     sample_period_us: int | None = None
@@ -959,8 +959,9 @@ class Sampler:
         work in it: a period with no sample is a period at 0%. So the sum of a process's samples
         is divided by the periods the interval holds, not by the samples present: a job at 90%
         for 5 s of every 15 s reads 30%, not 90%. The period is learned from the samples (the
-        smallest gap between two sample times); until it is known, and at the first poll, the
-        mean of the samples present is all there is.
+        smallest gap between two samples of one process); until it is known, and at the first
+        poll, the mean of the samples present is all there is (a driver that answers one sample
+        per process, each stamped at its own time, gives no period: that sample is the figure).
 
         The driver keeps a short ring of samples per process. A process with fewer samples than
         the ring holds lost none; one with a full ring may have lost older ones. Where it was on
@@ -980,12 +981,15 @@ class Sampler:
         # A busy GPU gives thousands of samples a poll: one dict lookup per sample.
         fresh = [sample for sample in samples if sample[1] > since]
         by_pid: defaultdict[int, list[int]] = defaultdict(list)
-        for pid, _stamp_us, util in fresh:
+        stamps_by_pid: defaultdict[int, list[int]] = defaultdict(list)
+        for pid, stamp_us, util in fresh:
             by_pid[pid].append(util)
-        stamps = {stamp_us for _pid, stamp_us, _util in fresh}
-        gpu.last_seen_us = max(since, max(stamps, default=since))
-        ordered = sorted(stamps)
-        gaps = [b - a for a, b in itertools.pairwise(ordered) if b > a]
+            stamps_by_pid[pid].append(stamp_us)
+        gpu.last_seen_us = max(since, max((sample[1] for sample in fresh), default=since))
+        # A period is the gap between two samples of one process. The driver stamps each
+        # process's sample when it records that process, so two processes' stamps are any
+        # distance apart (microseconds, on one GPU: NVIDIA/go-nvml issue 51), never a period.
+        gaps = [b - a for stamps in stamps_by_pid.values() for a, b in itertools.pairwise(sorted(stamps)) if b > a]
         if gaps:
             gpu.sample_period_us = min(*gaps, gpu.sample_period_us or min(gaps))
         gpu.samples_kept = max(gpu.samples_kept, max(map(len, by_pid.values()), default=0))
@@ -1001,9 +1005,10 @@ class Sampler:
             if kept >= MIN_RING_SAMPLES and len(utils) >= kept and interval_periods > kept and pid in listed_before:
                 # A full ring over an interval longer than it, of a process that ran all of it:
                 # older samples may be gone, so only the span its samples cover (oldest to now)
-                # is known.
-                oldest_us = min(stamp_us for other, stamp_us, _util in fresh if other == pid)
-                periods = min(periods, (now_us - oldest_us) / period_us + 1)
+                # is known: whole periods, as the driver stamps each process at its own point of
+                # a period, and the part of a period after that point is not sampled yet.
+                oldest_us = min(stamps_by_pid[pid])
+                periods = min(periods, (now_us - oldest_us) // period_us + 1)
             found[pid] = min(sum(utils) / max(periods, len(utils)) / 100, 1.0)
         return found
 
