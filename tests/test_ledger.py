@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -322,15 +324,25 @@ def test_flush_failure_keeps_rows_logs_once_and_recovers_exactly_once(
     assert len(caplog.records) == 2
 
 
+@contextmanager
+def another_writer_holds(path: Path) -> Iterator[sqlite3.Connection]:
+    """Another connection holding the ledger's write lock (a `sqlite3` shell, a backup) until
+    the block ends; then it lets go of it, having written nothing."""
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        yield holder
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
 def test_close_logs_what_it_could_not_write(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "ledger.db"
     ledger = Ledger(path, busy_timeout_s=0.01)
-    holder = sqlite3.connect(path, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    ledger.add(charges(T0, T0 + 60, workloads=((0, VLLM, 1.25),), idle=((1, 1.0),)))
-    assert ledger.close() is False
-    holder.execute("ROLLBACK")
-    holder.close()
+    with another_writer_holds(path):
+        ledger.add(charges(T0, T0 + 60, workloads=((0, VLLM, 1.25),), idle=((1, 1.0),)))
+        assert ledger.close() is False
     assert ledger.close() is False  # asked again, the answer stands
     assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]
     assert "closing with 3 hourly rows ($2.25) that could not be written" in caplog.records[1].getMessage()
@@ -343,16 +355,11 @@ def test_close_within_a_bound_waits_on_a_locked_file_no_longer_than_the_bound(
     by what the grace leaves gives up on the locked file in time to log the lost rows."""
     path = tmp_path / "ledger.db"
     ledger = Ledger(path)  # the default busy timeout, 5 s
-    holder = sqlite3.connect(path, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
+    with another_writer_holds(path):
         ledger.add(charges(T0, T0 + 60, workloads=((0, VLLM, 1.25),), idle=((1, 1.0),)))
         started = time.monotonic()
         assert ledger.close(within_s=0.3) is False
         assert time.monotonic() - started < 2.0
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == [f"ledger {path}: closing with 3 hourly rows ($2.25) that could not be written"]
 
@@ -364,25 +371,23 @@ def test_close_within_a_bound_does_not_wait_out_a_flush_already_waiting_on_a_loc
     not queue behind it for the flush lock past its bound, and says the rows are lost."""
     path = tmp_path / "ledger.db"
     ledger = Ledger(path)
-    holder = sqlite3.connect(path, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    ledger.add(charges(T0, T0 + 60, workloads=((0, VLLM, 1.25),), idle=((1, 1.0),)))
     flushed: list[bool] = []
     flushing = threading.Thread(target=lambda: flushed.append(ledger.flush()))
-    flushing.start()
     try:
-        until = time.monotonic() + 2.0
-        while ledger._flushing_since is None and time.monotonic() < until:  # the flush waits on the lock
-            time.sleep(0.01)
-        time.sleep(0.05)
-        ledger.add(charges(T0 + H, T0 + H + 60, workloads=((0, VLLM, 1.0),)))  # pending beside the flush's
-        started = time.monotonic()
-        assert ledger.close(within_s=0.3) is False
-        assert time.monotonic() - started < 2.0
+        with another_writer_holds(path):
+            ledger.add(charges(T0, T0 + 60, workloads=((0, VLLM, 1.25),), idle=((1, 1.0),)))
+            flushing.start()
+            until = time.monotonic() + 2.0
+            while ledger._flushing_since is None and time.monotonic() < until:  # the flush waits on the lock
+                time.sleep(0.01)
+            time.sleep(0.05)
+            ledger.add(charges(T0 + H, T0 + H + 60, workloads=((0, VLLM, 1.0),)))  # pending beside the flush's
+            started = time.monotonic()
+            assert ledger.close(within_s=0.3) is False
+            assert time.monotonic() - started < 2.0
     finally:
-        holder.execute("ROLLBACK")
-        holder.close()
-        flushing.join(10)
+        if flushing.ident is not None:  # started
+            flushing.join(10)
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1
     assert errors[0].startswith(f"ledger {path}: closing while a flush has not returned in 0.3s")
