@@ -59,6 +59,7 @@ from agent.devices.backend import DeviceBackend
 from agent.devices.instance import detect_instance_type
 from agent.devices.sampler import MIN_RING_SAMPLES
 from agent.devices.tap import Failure, TappedBackend
+from agent.devices.tap import tap as tap_backend
 from agent.errors import BadInputError, GpuledgerError
 from agent.ledger.export import replacing
 from agent.model import (
@@ -824,7 +825,7 @@ def build_recording_agent(
     taps: list[TappedBackend] = []
 
     def tap(backend: DeviceBackend) -> DeviceBackend:
-        taps.append(TappedBackend(backend))
+        taps.append(tap_backend(backend))
         return taps[-1]
 
     agent = build_agent(settings, fake=fake, poll_interval_s=step_s, monotonic=monotonic, wrap_backend=tap)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+from agent.devices.activity import ActivityBackend
 from agent.devices.backend import (
     DeviceBackend,
     DeviceError,
@@ -23,6 +24,8 @@ from agent.devices.backend import (
     ReadingKey,
     ReadResult,
 )
+from agent.devices.events import DeviceEvent, EventBackend, EventKind
+from agent.model import Activity
 
 T = TypeVar("T")
 
@@ -145,10 +148,61 @@ class TappedBackend:
         self.samples.setdefault(self._uuids.get(id(handle), ""), []).extend(samples)
         return samples
 
-    def register_events(self, event_set: Any, handle: Handle, kinds: Any, token: int) -> None:
-        inner = self._inner.register_events  # type: ignore[attr-defined]
-        self._tapped(handle, lambda: inner(event_set, handle, kinds, token))
+
+# The capabilities beyond `DeviceBackend`, forwarded by methods of their own, never through
+# `__getattr__`: from Python 3.12, isinstance() against a runtime-checkable protocol looks
+# attributes up statically (inspect.getattr_static), so a forwarded-on-demand method is not seen,
+# and a tap of a GPM-capable driver was taken for one without GPM or driver events: `record` on
+# Python 3.12 wrote no GPM rows and no Xids from a real H200 (scripts/realgpu). The tap is made
+# with exactly the capabilities of what it wraps (`tap`).
+
+
+class _TappedActivity(TappedBackend):
+    def activity_supported(self, handle: Handle) -> bool:
+        return cast(ActivityBackend, self._inner).activity_supported(handle)
+
+    def new_activity_sample(self) -> Any:
+        return cast(ActivityBackend, self._inner).new_activity_sample()
 
     def take_activity_sample(self, handle: Handle, sample: Any, gpu_instance_id: int | None) -> None:
-        inner = self._inner.take_activity_sample  # type: ignore[attr-defined]
-        self._tapped(handle, lambda: inner(handle, sample, gpu_instance_id))
+        inner = cast(ActivityBackend, self._inner)
+        self._tapped(handle, lambda: inner.take_activity_sample(handle, sample, gpu_instance_id))
+
+    def activity_between(self, earlier: Any, later: Any) -> Activity:
+        return cast(ActivityBackend, self._inner).activity_between(earlier, later)
+
+    def free_activity_sample(self, sample: Any) -> None:
+        cast(ActivityBackend, self._inner).free_activity_sample(sample)
+
+
+class _TappedEvents(TappedBackend):
+    def supported_events(self, handle: Handle) -> frozenset[EventKind]:
+        return cast(EventBackend, self._inner).supported_events(handle)
+
+    def open_event_set(self) -> Any:
+        return cast(EventBackend, self._inner).open_event_set()
+
+    def register_events(self, event_set: Any, handle: Handle, kinds: frozenset[EventKind], token: int) -> None:
+        inner = cast(EventBackend, self._inner)
+        self._tapped(handle, lambda: inner.register_events(event_set, handle, kinds, token))
+
+    def wait_event(self, event_set: Any, timeout_s: float) -> DeviceEvent | None:
+        return cast(EventBackend, self._inner).wait_event(event_set, timeout_s)
+
+    def close_event_set(self, event_set: Any) -> None:
+        cast(EventBackend, self._inner).close_event_set(event_set)
+
+
+class _TappedActivityAndEvents(_TappedActivity, _TappedEvents):
+    pass
+
+
+def tap(inner: DeviceBackend) -> TappedBackend:
+    """A tap of `inner` that has the capabilities `inner` has (activity, driver events), no more."""
+    kind = {
+        (False, False): TappedBackend,
+        (True, False): _TappedActivity,
+        (False, True): _TappedEvents,
+        (True, True): _TappedActivityAndEvents,
+    }[isinstance(inner, ActivityBackend), isinstance(inner, EventBackend)]
+    return kind(inner)
