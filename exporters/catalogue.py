@@ -61,7 +61,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("gpuledger_gpu_memory_used_bytes", Kind.GAUGE, "Device memory in use.", DEVICE, "bytes"),
     MetricSpec("gpuledger_gpu_memory_total_bytes", Kind.GAUGE, "Device memory in total.", DEVICE, "bytes"),
     MetricSpec("gpuledger_gpu_temperature_celsius", Kind.GAUGE, "GPU core temperature.", DEVICE, "celsius"),
-    MetricSpec("gpuledger_gpu_power_watts", Kind.GAUGE, "Power draw of the board.", DEVICE, "watts"),
+    MetricSpec(
+        "gpuledger_gpu_power_watts",
+        Kind.GAUGE,
+        "Mean power draw of the board since the previous poll, from the energy counter (the driver's own"
+        " reading, a 1 s average from Ampere on, where there is no counter or no previous poll).",
+        DEVICE,
+        "watts",
+    ),
     MetricSpec("gpuledger_gpu_power_limit_watts", Kind.GAUGE, "Enforced power limit.", DEVICE, "watts"),
     MetricSpec(
         "gpuledger_gpu_energy_joules_total",

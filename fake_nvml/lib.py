@@ -44,8 +44,10 @@ FI_MEMORY_TEMP = 82
 FI_TOTAL_ENERGY_CONSUMPTION = 83
 FI_NVLINK_LINK_COUNT = 91
 FI_NVLINK_GET_STATE = 165
+FI_POWER_AVERAGE = 185
 FI_POWER_INSTANT = 186
 _FIELD_CALLS = {
+    FI_POWER_AVERAGE: "nvmlDeviceGetPowerUsage",
     FI_TOTAL_ENERGY_CONSUMPTION: "nvmlDeviceGetTotalEnergyConsumption",
     FI_POWER_INSTANT: "nvmlDeviceGetPowerUsage",
     FI_NVLINK_GET_STATE: "nvmlDeviceGetNvLinkState",
@@ -80,6 +82,7 @@ FUNCTION_SINCE_DRIVER: dict[str, int] = {
 # Fields newer than the field-values call itself (instant power arrived with the R530 fields,
 # row remapping with R460, the per-link NVLink error fields scoped by link with R520).
 FIELD_SINCE_DRIVER = {
+    FI_POWER_AVERAGE: 530,
     FI_POWER_INSTANT: 530,
     **dict.fromkeys(range(142, 146), 460),
     **dict.fromkeys(range(161, 164), 520),
@@ -825,11 +828,20 @@ def _num_fans(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     return SUCCESS
 
 
+def power_averaged(model: str) -> bool:
+    """Whether the board reports power averaged over a second (NVML_FI_DEV_POWER_AVERAGE, and
+    nvmlDeviceGetPowerUsage): Ampere on, except GA100 (A100, A30), which, like the GPUs before
+    Ampere (V100, T4), reports the instant power."""
+    return model[:1] in "HBL" or (model[:1] == "A" and not model.startswith(("A100", "A30")))
+
+
 @_c("nvmlDeviceGetPowerUsage")
 def _power(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     if dev.mig is not None:
         return NOT_SUPPORTED
-    _obj(out).value = round(lib._node.power_w(dev.gpu, t) * 1000)
+    node = lib._node
+    watts = node.power_average_w(dev.gpu, t) if power_averaged(node.gpu(dev.gpu).model) else node.power_w(dev.gpu, t)
+    _obj(out).value = round(watts * 1000)
     return SUCCESS
 
 
@@ -1036,6 +1048,12 @@ def _power_many(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> 
     return _VALUE_TYPE_UINT, [round(node.power_w(gpu, t) * 1000)] * len(scopes)
 
 
+def _power_average_many(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
+    if not power_averaged(node.gpu(gpu).model):
+        return [NOT_SUPPORTED] * len(scopes)
+    return _VALUE_TYPE_UINT, [round(node.power_average_w(gpu, t) * 1000)] * len(scopes)
+
+
 def _energy_many(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
     return _VALUE_TYPE_ULONGLONG, [node.energy_mj(gpu, t)] * len(scopes)
 
@@ -1067,6 +1085,7 @@ _MANY_READERS: dict[int, _ManyReader] = {
     162: _per_link(_nvlink_errors("recovery")),
     163: _per_link(_nvlink_errors("crc")),
     FI_NVLINK_GET_STATE: _nvlink_state_many,
+    FI_POWER_AVERAGE: _power_average_many,
     FI_POWER_INSTANT: _power_many,
     FI_TOTAL_ENERGY_CONSUMPTION: _energy_many,
     FI_NVLINK_LINK_COUNT: _link_count_many,

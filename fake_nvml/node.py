@@ -292,6 +292,22 @@ class FakeNode:
             self._energy_cache[gpu] = (t, energy)
             return energy
 
+    def power_average_w(self, gpu: int, t: float, window_s: float = 1.0) -> float:
+        """Mean power over the last `window_s` (or since t=0): what the driver reports as its
+        averaged power (NVML_FI_DEV_POWER_AVERAGE: one second)."""
+        lo = max(0.0, t - window_s)
+        if t <= lo:
+            return self.power_w(gpu, t)
+        points = self._breakpoints[gpu]
+        i = bisect.bisect_right(points, lo)
+        energy, a = 0.0, lo
+        while a < t:
+            b = min(points[i], t) if i < len(points) else t
+            energy += self.power_w(gpu, a) * (b - a)
+            a = b
+            i += 1
+        return energy / (t - lo)
+
     def energy_mj(self, gpu: int, t: float) -> int:
         """The energy counter as the driver reports it, in whole millijoules."""
         row = self.reading_row(gpu, t)

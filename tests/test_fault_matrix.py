@@ -93,7 +93,9 @@ READINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
         ("gpuledger_gpu_temperature_celsius",),
     ),
-    "power": (("nvmlDeviceGetPowerUsage",), ("gpuledger_gpu_power_watts",)),
+    # Power is the mean since the previous poll from the energy counter, which a fault on the
+    # driver's own power reading leaves alone: the series stays (sampler._mean_power).
+    "power": (("nvmlDeviceGetPowerUsage",), ()),
     "energy": (("nvmlDeviceGetTotalEnergyConsumption",), ("gpuledger_gpu_energy_joules_total",)),
     "field values": (
         ("nvmlDeviceGetFieldValues",),

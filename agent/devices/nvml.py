@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _FI_TOTAL_ENERGY_CONSUMPTION = pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
+_FI_POWER_AVERAGE = getattr(pynvml, "NVML_FI_DEV_POWER_AVERAGE", 185)
 _FI_POWER_INSTANT = getattr(pynvml, "NVML_FI_DEV_POWER_INSTANT", 186)
 _FI_NVLINK_GET_STATE = getattr(pynvml, "NVML_FI_DEV_NVLINK_GET_STATE", 165)
 _FI_NVLINK_LINK_COUNT = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
@@ -58,7 +59,9 @@ Q = Quantity
 # first. A field the driver refuses on a device is replaced by the next, and the last by the
 # quantity's single call (or, where it has none, it is not supported).
 _FIELD_IDS: dict[Quantity, tuple[int, ...]] = {
-    Q.POWER: (_FI_POWER_INSTANT,),
+    # The 1 s average (Ampere on, GA100 aside), else the instant; the sampler reports the mean
+    # since the previous poll from the energy counter where it can (sampler._mean_power).
+    Q.POWER: (_FI_POWER_AVERAGE, _FI_POWER_INSTANT),
     Q.ENERGY: (_FI_TOTAL_ENERGY_CONSUMPTION,),
     # Perf-policy counters (74-81): nvmlDeviceGetViolationStatus is deprecated in their favour.
     Q.VIOLATION_POWER: (74,),
