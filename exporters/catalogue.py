@@ -183,8 +183,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuledger_gpu_events_total",
         Kind.COUNTER,
-        "Driver events received for the GPU since the agent started: xid, single_bit_ecc, double_bit_ecc, "
-        "clock_change.",
+        "Driver events received for the GPU since the agent started: xid, single_bit_ecc, double_bit_ecc.",
         (*DEVICE, "event"),
     ),
     MetricSpec(

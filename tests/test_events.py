@@ -186,15 +186,15 @@ def test_the_reader_counts_every_event_in_order_and_exports_them() -> None:
             (1, EventKind.XID, 48),
             (0, EventKind.SINGLE_BIT_ECC, 0),
             (1, EventKind.XID, 94),
-            (2, EventKind.CLOCK_CHANGE, 0),
             (1, EventKind.XID, 48),
-        ]
+        ]  # not GPU 2's clock change: the agent does not listen for those
         uuid = [d.uuid for d in state.snapshot.gpus] if state.snapshot else []
         assert sample(state, "gpuledger_gpu_xid_errors_total", gpu="1", uuid=uuid[1], xid="48") == 2
         assert sample(state, "gpuledger_gpu_xid_errors_total", gpu="1", uuid=uuid[1], xid="94") == 1
         assert sample(state, "gpuledger_gpu_events_total", gpu="1", uuid=uuid[1], event="xid") == 3
         assert sample(state, "gpuledger_gpu_events_total", gpu="0", uuid=uuid[0], event="single_bit_ecc") == 1
-        assert sample(state, "gpuledger_gpu_events_total", gpu="2", uuid=uuid[2], event="clock_change") == 1
+        # Clock changes are not listened for (a real H200 sends ~40 a second under load).
+        assert sample(state, "gpuledger_gpu_events_total", gpu="2", uuid=uuid[2], event="clock_change") is None
         assert sample(state, "gpuledger_gpu_xid_errors_total", gpu="0", uuid=uuid[0], xid="48") is None
         # Received at the poll that caught up with them: the clock then, 2 h after the start.
         start = rig.node.clock.start_epoch
