@@ -192,13 +192,26 @@ class DeviceReading:
     busy_source: str = BUSY_NVML  # BUSY_GPM, BUSY_NVML, or "" where the device has no busy measure
 
     @property
+    def utilization_mean(self) -> float | None:
+        """The share (0-1) of the interval since the previous poll in which a kernel ran: the
+        device's own samples averaged over it (GPM's graphics activity, the same share measured
+        end to end, where GPM is the busy source), else the driver's latest reading (a first poll,
+        samples that could not be read). The latest reading alone is one sample period, 1/6 s to
+        1 s: a real H200 in half-second bursts read 0% at every poll while it was busy half the
+        time (scripts/realgpu/README.md)."""
+        return self.interval_utilization if self.interval_utilization is not None else self.utilization
+
+    @property
     def busy(self) -> float | None:
-        """How busy the device was (0-1), by its busy source: what accounting's busy seconds and
-        the flag rules measure. None where that source has no figure this poll."""
+        """How busy the device was (0-1) over the interval since the previous poll, by its busy
+        source: what accounting's busy seconds and the flag rules measure (NVML's: the interval's
+        utilization, `utilization_mean`; the latest reading alone flagged a GPU busy half the time
+        idle where its work pulsed in step with the polls). None where the source has no figure
+        this poll."""
         if self.busy_source == BUSY_GPM:
             return self.activity.sm_active if self.activity is not None else None
         if self.busy_source == BUSY_NVML:
-            return self.utilization
+            return self.utilization_mean
         return None
 
     # Clocks, throttling, memory errors, links (a whole GPU's; None on a MIG instance or down GPU).

@@ -157,7 +157,8 @@ def test_the_webhook_arrives_once_per_episode(receiver: Receiver) -> None:
         settle(actions)
         assert len(receiver.received) == 1
         # 3h: the job takes GPU 0, the episode ends; 4h: it leaves, the node is idle again (a
-        # new episode from 4h), the flag raises at 4h30 and has held 1h at 5h.
+        # new episode from the first poll that measures it idle, 4h1m), the flag raises at 4h31
+        # and has held 1h at 5h1m.
         state = run(rig, 7 * HOUR)
         settle(actions)
         state = rig.poll(STEP_S)
@@ -182,7 +183,9 @@ def test_the_webhook_arrives_once_per_episode(receiver: Receiver) -> None:
     assert alert["annotations"]["held_seconds"] == "3600"
     # What the two GPUs cost while idle up to t=1h: $2/GPU-hour x 2 GPUs x 1h = $4.00.
     assert alert["annotations"]["dollars"] == "4.00"
-    assert second["alerts"][0]["startsAt"] == "2026-11-20T22:00:00Z"  # t=4h
+    # t=4h1m: the poll at 4h measures the minute before it, when the job still kept GPU 0 busy;
+    # the first interval measured idle ends at the next poll.
+    assert second["alerts"][0]["startsAt"] == "2026-11-20T22:01:00Z"
     assert counts(state, "page-idle-node") == {"executed": 2}
     assert 'gpuledger_actions_total{action="page-idle-node",result="executed"} 2.0' in rig.metrics(state)
 

@@ -36,10 +36,12 @@ def test_the_idle_weekend_is_flagged_and_priced(weekend_idle: WeekendIdleRun) ->
     state = weekend_idle.last
     raised = sorted({t for t, _gpu, up in transitions if up})
     cleared = sorted({t for t, _gpu, up in transitions if not up})
-    # The job dies at 4 h (Friday 22:00); the first poll that sees its GPUs idle is at 4 h, so
-    # `idle` raises on all eight 30 minutes later, stays up all weekend, and clears at the first
-    # poll after Monday's job starts at 63 h (Monday 09:00).
-    assert raised == [4 * HOUR + 1800]
+    # The job dies at 4 h (Friday 22:00). The rules judge each poll's interval: the poll at 4 h
+    # measures the minute before, when the job still ran, so the first poll that sees its GPUs
+    # idle is at 4 h 1 min; `idle` raises on all eight 30 minutes later, stays up all weekend,
+    # and clears at the first poll after Monday's job starts at 63 h (Monday 09:00): nobody-holds
+    # is false from then.
+    assert raised == [4 * HOUR + 60 + 1800]
     assert cleared == [63 * HOUR]
     assert sorted(gpu for _t, gpu, up in transitions if up) == list(range(8))
     assert not any(f.raised for f in state.flags if f.rule == "idle")  # Monday: busy again

@@ -104,7 +104,7 @@ def device_busy_ratio(device: DeviceReading | None) -> float | None:
         return None
     if device.busy_source == BUSY_GPM:
         return device.busy  # SM activity over the interval: GPM samples are interval means already
-    return device.interval_utilization if device.interval_utilization is not None else device.utilization
+    return device.utilization_mean
 
 
 def holder_utilization(
