@@ -609,3 +609,30 @@ def test_sigterm_while_another_process_holds_the_ledger_lost_rows_are_logged_wit
     assert took_s < 5.0, log  # the README's bound: the grace, from when the main loop sees the signal
     assert "that could not be written" in log
     assert "driver" not in log.split("shutting down", 1)[1], log
+
+
+def test_snapshot_of_a_real_driver_polls_twice_so_gpm_has_an_interval(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --fake the driver is the one pynvml loads: here the fake installed in its place,
+    its clock running with the wall clock, as a real H200's would. A single poll had no GPM
+    figure at all (the first GPM sample has nothing to compare with): `snapshot` on a real H200
+    showed no busy figure where `snapshot --fake` did."""
+    import json
+
+    import fake_nvml
+    from agent.cli.main import main
+
+    node = {
+        "gpus": [{"model": "H200"}],
+        "processes": [{"pid": 7000, "gpus": [0], "sm_util": 100, "sm_active": 25, "memory_mib": 3000}],
+    }
+    fake_nvml.install(node, host=False, speed=1.0)
+    try:
+        assert main(["snapshot", "--json"]) == 0
+    finally:
+        fake_nvml.uninstall()
+    device = json.loads(capsys.readouterr().out)["devices"][0]
+    assert device["busy_source"] == "gpm"
+    activity = device["activity"]
+    assert activity["sm_active"] == pytest.approx(0.25)
+    # Its span: the second of wall time between the two polls (give or take the polls' own time).
+    assert activity["until"] - activity["since"] == pytest.approx(1.0, abs=0.5)

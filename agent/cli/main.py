@@ -57,6 +57,11 @@ MAX_FAKE_SPEED = 525_600.0  # scenario seconds per real second: a year of the fa
 # snapshot --at polls each scenario minute up to that moment: a year is half a million polls
 # (minutes of work); beyond that the question is not one a snapshot answers.
 MAX_SNAPSHOT_AT_S = 366 * 86400.0
+# On a real node, snapshot's two polls are this far apart: what is measured over an interval (GPM
+# activity, per-process utilization, the mean power) needs one. A single poll on a real H200 had
+# no busy figure at all (GPM's first sample has nothing to compare with), where `snapshot --fake`,
+# polling twice, showed one.
+SNAPSHOT_SPAN_S = 1.0
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -389,6 +394,9 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
                     bar.update()
             pipeline.poll_once()
             node.clock.advance(max(0.0, at - node.clock.now()) if at >= 5 else 5.0)
+        else:
+            pipeline.poll_once()
+            time.sleep(SNAPSHOT_SPAN_S)
         state = pipeline.poll_once()
     finally:
         agent.close()
