@@ -464,6 +464,36 @@ def test_polls_further_apart_than_the_drivers_sample_ring_replay_the_gpus_busy_t
     assert busy == [pytest.approx(16 * 0.50 + 584 * 1.00)]
 
 
+def test_the_first_poll_replays_the_mean_of_the_samples_the_driver_kept_from_before_the_trace() -> None:
+    # The recording starts at 100 s of a node whose process has run since 0 s: at 30% to 84 s,
+    # 90% from 85 s. The first poll reads the driver's ring, 32 samples stamped before it (69 to
+    # 100 s): 16 at 30%, 16 at 90%, mean (16 x 30 + 16 x 90) / 32 = 60%. The trace kept only the
+    # sample within half a period of its start (90%), so the replay's first poll read 90% where
+    # the node read 60%. On a real H200 (tests/traces), whose one sample lay 92 ms before the
+    # first poll with no period learned yet, it kept none: the replay's first poll read 0%.
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB"}],
+        "processes": [
+            {"pid": 551, "gpus": [0], "memory_mib": 876, "user": "root",
+             "sm_util": [{"at": "0s", "sm_util": 30}, {"at": "85s", "sm_util": 90}]},
+        ],
+    }  # fmt: skip
+    agent, tap = build_recording_agent(settings(), node, STEP_S, monotonic=lambda: 0.0)
+    assert agent.node is not None
+    agent.node.clock.advance(100)
+    polls: list[Series] = []
+    try:
+        trace = record(agent, tap, 30, STEP_S, on_poll=lambda state: polls.append(series(agent, state)))
+    finally:
+        agent.close()
+    assert trace["processes"][0]["sm_util"][0] == {"at": 0, "sm_util": 60, "memory_mib": 876}
+    replayed = replayed_series(trace, duration_s=30)
+    first = [v for (name, _labels), v in replayed[0].items() if name == "gpuledger_workload_gpu_utilization_ratio"]
+    assert first == [0.60]
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
+
+
 def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:
     # GPU 1 is lost from the start: never identified, its handle refused with GPU_IS_LOST. The
     # trace listed GPUs only up to the last one ever readable and dropped the failure (it named

@@ -14,7 +14,8 @@ What goes in, and how it comes back:
   serves in place of its physics;
 - each GPU process with its GPUs, its lifetime, its memory over time and its per-process
   utilization as segments that reproduce the driver's samples (those a full ring lost at the
-  mean of those it kept), its uid and user name, its
+  mean of those it kept; those the first poll read, from before the trace, at their mean from
+  its start), its uid and user name, its
   cgroup, and its pod or Slurm job where the scheduler allocated it the GPU; its command line
   is anonymised (the executable's name, and `--model` with the model the agent recognised)
   unless `--keep-cmdlines` (whole, but scrubbed of credentials); no environment variable is
@@ -150,6 +151,7 @@ class TraceRecorder:
         self._failures_seen = 0
         self._events_seen_until = float("-inf")
         self._samples_seen: dict[str, int] = {}  # GPU uuid -> how many of the tap's samples were looked at
+        self._first_read: dict[str, int] = {}  # GPU uuid -> how many of the tap's samples the first poll read
         self._ring: dict[str, int] = {}  # GPU uuid -> the most samples one process had in one poll
         self._period_us: dict[str, int] = {}  # GPU uuid -> the smallest gap between two samples of a process
         self._previous_taken: float | None = None
@@ -181,6 +183,8 @@ class TraceRecorder:
         self._down(snapshot, t)
         self._processes_of(snapshot, state, t)
         self._fill_lost_samples()
+        if not k:
+            self._first_read = dict(self._samples_seen)
         self._previous_taken = snapshot.taken_at
         self._allocations_of(state, t)
         new = [(index, kind, value) for received, index, kind, value in events if received > self._events_seen_until]
@@ -486,7 +490,16 @@ class TraceRecorder:
         # within half a period before its start (or the trace's) is of the period it started in.
         early_s = born_s - self._period_us.get(track.gpu_uuid, 0) / 2_000_000
         found = dict(track.lost)
-        for pid, stamp_us, util in self._tap.samples.get(track.gpu_uuid, ()):
+        samples = self._tap.samples.get(track.gpu_uuid, [])
+        # The first poll read the samples the driver kept from before the trace (a full ring on a
+        # busy GPU, all stamped before the poll), and the agent's figure was their mean. The trace
+        # cannot go back before its start: that mean holds from it, so the replay's first poll
+        # reads it (in one whole-percent sample, as the driver hands out none finer).
+        first = self._first_read.get(track.gpu_uuid, 0) if track.first_s == 0 else 0
+        before = [util for pid, _stamp_us, util in samples[:first] if pid == track.pid]
+        if before:
+            found[0.0] = round(sum(before) / len(before))
+        for pid, stamp_us, util in samples[first:]:
             if pid == track.pid:
                 at = stamp_us / 1_000_000 - start
                 if at >= early_s and (track.gone_s is None or at < track.gone_s):
