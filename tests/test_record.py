@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 import yaml
 
@@ -492,6 +493,45 @@ def test_the_first_poll_replays_the_mean_of_the_samples_the_driver_kept_from_bef
     assert first == [0.60]
     for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
         assert not same(original, again), f"poll {k}"
+
+
+def test_a_reading_the_gpu_lacks_stays_refused_all_through_the_replay_and_a_passing_refusal_does_not() -> None:
+    # GPU 0's driver refuses fan speed (as the real H200's did): the agent learns it at the
+    # first poll and never asks again, so the trace held `{at: 0, until: 5}`, and from 5 s on
+    # the replayed GPU answered 30% to every other reader (nvitop, a fresh agent's snapshot):
+    # a fan the recorded GPU never showed. GPU 1's fan, read before, is refused for 10 s only:
+    # a passing failure, which must stay one.
+    node = {
+        "gpus": [{"model": "RTX A6000", "count": 2}],  # boards with a fan
+        "processes": [{"pid": 5, "gpus": [0], "sm_util": 50, "memory_mib": 100}],
+        "faults": [
+            {"gpu": 0, "call": "nvmlDeviceGetFanSpeed", "error": "NOT_SUPPORTED"},
+            {"at": "60s", "until": "70s", "gpu": 1, "call": "nvmlDeviceGetFanSpeed", "error": "NOT_SUPPORTED"},
+        ],
+    }
+    trace, polls = record_node(node)
+    fan = [f for f in trace["faults"] if f.get("call") == "nvmlDeviceGetFanSpeed"]
+    assert fan == [
+        {"gpu": 0, "call": "nvmlDeviceGetFanSpeed", "error": "NOT_SUPPORTED"},
+        {"at": 60, "until": 70, "gpu": 1, "call": "nvmlDeviceGetFanSpeed", "error": "NOT_SUPPORTED"},
+    ]
+    for k, (original, again) in enumerate(zip(polls, replayed_series(trace), strict=True)):
+        assert not same(original, again), f"poll {k}"
+    # Another reader of the replay, through pynvml as nvitop reads it.
+    replay = fake_nvml.install(trace, host=False)
+    pynvml.nvmlInit()
+    try:
+        gpus = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
+        for at_s, refused in ((30, {0}), (65, {0, 1}), (80, {0})):
+            replay.clock.advance(at_s - replay.clock.now())
+            for i, handle in enumerate(gpus):
+                if i in refused:
+                    with pytest.raises(pynvml.NVMLError_NotSupported):
+                        pynvml.nvmlDeviceGetFanSpeed(handle)
+                else:
+                    assert pynvml.nvmlDeviceGetFanSpeed(handle) == 30, (at_s, i)
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:

@@ -21,8 +21,10 @@ What goes in, and how it comes back:
   unless `--keep-cmdlines` (whole, but scrubbed of credentials); no environment variable is
   ever read into a trace;
 - scheduler allocations without a process (`allocations:`), each driver call that failed (as a
-  fault over the poll it failed in, so the replayed agent meets the same errors), and every Xid
-  and driver event at the poll that received it.
+  fault over the poll it failed in, so the replayed agent meets the same errors; a reading or
+  call the GPU refused as NOT_SUPPORTED and never answered, as one over the whole trace: the
+  device lacks it, for every reader of the replay), and every Xid and driver event at the poll
+  that received it.
 
 Ctrl-C (or SIGTERM) ends a recording early; the trace holds every poll taken, each whole.
 Poll times are written on the --step grid (the k-th poll at k x step), so `simulate trace.yaml
@@ -147,6 +149,8 @@ class TraceRecorder:
         self._processes: dict[tuple[int, int | None], _Process] = {}
         self._allocations: dict[tuple[Workload, str], list[_Window]] = {}
         self._faults: dict[tuple[int | None, str | None, str], list[_Window]] = {}
+        # What each refusal (NOT_SUPPORTED) was asked for: the tap's readings and methods.
+        self._refused: dict[tuple[int | None, str | None, str], set[object]] = {}
         self._events: list[dict[str, Any]] = []
         self._failures_seen = 0
         self._events_seen_until = float("-inf")
@@ -393,6 +397,8 @@ class TraceRecorder:
                     self._open_outages[scope] = key
             elif not failure.lost:
                 key = (gpu, failure.call, failure.error)
+                if failure.error == "NOT_SUPPORTED":
+                    self._refused.setdefault(key, set()).update(failure.asked)
                 spans = self._faults.get(key)
                 if not spans or spans[-1].last_s != t:
                     self._extend(self._faults, key, t)
@@ -550,11 +556,33 @@ class TraceRecorder:
                 entries.append(entry)
         return entries
 
+    def _lacks(self, key: tuple[int | None, str | None, str]) -> bool:
+        """Whether the fault `key` is a reading or call the GPU does not have: refused as
+        NOT_SUPPORTED, and never answered on that GPU (or its MIG devices) in the whole
+        recording. The agent asks such a thing once and never again, so the recording holds one
+        failure of it, at the poll that asked; written over that poll alone, the replayed GPU
+        answered it from then on to every reader but that agent (nvitop, a fresh agent's
+        snapshot), with readings the recorded GPU never had. One that answered at any time
+        failed only for a while (a driver mid-reset): it keeps its spans."""
+        gpu, call, _error = key
+        asked = self._refused.get(key)
+        if gpu is None or call is None or not asked:
+            return False
+        answered: set[object] = set()
+        for uuid, index in self._index_of.items():
+            if index == gpu:
+                answered |= self._tap.answered.get(uuid, set())
+        return not asked & answered
+
     def _fault_entries(self) -> list[dict[str, Any]]:
         entries = []
         still_out = set(self._open_outages.values())
         for key, spans in self._faults.items():
             gpu, call, error = key
+            if self._lacks(key):
+                # Lacking it is a fact about the device, from the trace's start to its end.
+                entries.append({"gpu": gpu, "call": call, "error": error})
+                continue
             for span in spans:
                 fault: dict[str, Any] = {"at": span.start_s}
                 # An outage no poll saw end lasts to the end of the trace: a GPU still lost when
@@ -567,7 +595,7 @@ class TraceRecorder:
                     fault["call"] = call
                 fault["error"] = error
                 entries.append(fault)
-        return sorted(entries, key=lambda f: f["at"])
+        return sorted(entries, key=lambda f: f.get("at", 0.0))
 
 
 class _Flow(dict[str, Any]):

@@ -34,7 +34,8 @@ T = TypeVar("T")
 class Failure:
     """A call that failed: at (backend clock), on `uuid` ("" for the driver itself, or a GPU not
     identified yet: then `index`, where the call named one), the call and the library's error
-    name; `lost` for a device gone, `driver` for the driver gone."""
+    name; `lost` for a device gone, `driver` for the driver gone; `asked`, what it was asked for
+    (the readings, or the backend method), as `TappedBackend.answered` keeps it."""
 
     at: float
     uuid: str
@@ -43,6 +44,7 @@ class Failure:
     lost: bool = False
     driver: bool = False
     index: int | None = None
+    asked: tuple[object, ...] = ()
 
 
 class TappedBackend:
@@ -55,21 +57,32 @@ class TappedBackend:
         self._uuids: dict[int, str] = {}  # id(handle) -> the uuid it answered
         self.samples: dict[str, list[ProcessSample]] = {}  # GPU uuid -> every sample, in order
         self.failures: list[Failure] = []
+        # Device uuid -> each reading (a ReadingKey) and backend method (its name) that answered
+        # at least once: a reading refused as NOT_SUPPORTED that never answered is one the device
+        # lacks, as the sampler takes it; one that answered before failed for a while.
+        self.answered: dict[str, set[object]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def _failed(self, handle: Handle | None, exc: DeviceError, index: int | None = None) -> None:
-        uuid = "" if handle is None else self._uuids.get(id(handle), "")
-        lost, driver = isinstance(exc, DeviceLost), isinstance(exc, DriverUnavailable)
-        self.failures.append(Failure(self.clock(), uuid, exc.call, exc.error, lost, driver, index))
+    def _uuid(self, handle: Handle | None) -> str:
+        return "" if handle is None else self._uuids.get(id(handle), "")
 
-    def _tapped(self, handle: Handle | None, call: Callable[[], T], index: int | None = None) -> T:
+    def _failed(
+        self, handle: Handle | None, exc: DeviceError, index: int | None = None, asked: tuple[object, ...] = ()
+    ) -> None:
+        lost, driver = isinstance(exc, DeviceLost), isinstance(exc, DriverUnavailable)
+        self.failures.append(Failure(self.clock(), self._uuid(handle), exc.call, exc.error, lost, driver, index, asked))
+
+    def _tapped(self, handle: Handle | None, call: Callable[[], T], index: int | None = None, what: str = "") -> T:
         try:
-            return call()
+            result = call()
         except DeviceError as exc:
-            self._failed(handle, exc, index)
+            self._failed(handle, exc, index, (what,) if what else ())
             raise
+        if what:
+            self.answered.setdefault(self._uuid(handle), set()).add(what)
+        return result
 
     # -- the library and discovery: forwarded, errors kept ------------------------------------
 
@@ -133,18 +146,23 @@ class TappedBackend:
 
     def read(self, handle: Handle, keys: Sequence[ReadingKey]) -> ReadResult:
         result = self._tapped(handle, lambda: self._inner.read(handle, keys))
-        seen: set[int] = set()
-        for failure in result.errors.values():
-            if id(failure) not in seen:  # one failed call answering several keys is one failure
-                seen.add(id(failure))
-                self._failed(handle, failure)
+        if result.values:
+            self.answered.setdefault(self._uuid(handle), set()).update(result.values)
+        # One failed call answering several keys is one failure, asked for all of them.
+        asked: dict[int, tuple[DeviceError, list[object]]] = {}
+        for key, failure in result.errors.items():
+            asked.setdefault(id(failure), (failure, []))[1].append(key)
+        for failure, keys_asked in asked.values():
+            self._failed(handle, failure, asked=tuple(keys_asked))
         return result
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
-        return self._tapped(handle, lambda: self._inner.running_processes(handle))
+        return self._tapped(handle, lambda: self._inner.running_processes(handle), what="running_processes")
 
     def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:
-        samples = self._tapped(handle, lambda: self._inner.process_utilization(handle, since_us))
+        samples = self._tapped(
+            handle, lambda: self._inner.process_utilization(handle, since_us), what="process_utilization"
+        )
         self.samples.setdefault(self._uuids.get(id(handle), ""), []).extend(samples)
         return samples
 
@@ -166,7 +184,7 @@ class _TappedActivity(TappedBackend):
 
     def take_activity_sample(self, handle: Handle, sample: Any, gpu_instance_id: int | None) -> None:
         inner = cast(ActivityBackend, self._inner)
-        self._tapped(handle, lambda: inner.take_activity_sample(handle, sample, gpu_instance_id))
+        self._tapped(handle, lambda: inner.take_activity_sample(handle, sample, gpu_instance_id), what="activity")
 
     def activity_between(self, earlier: Any, later: Any) -> Activity:
         return cast(ActivityBackend, self._inner).activity_between(earlier, later)
@@ -184,7 +202,7 @@ class _TappedEvents(TappedBackend):
 
     def register_events(self, event_set: Any, handle: Handle, kinds: frozenset[EventKind], token: int) -> None:
         inner = cast(EventBackend, self._inner)
-        self._tapped(handle, lambda: inner.register_events(event_set, handle, kinds, token))
+        self._tapped(handle, lambda: inner.register_events(event_set, handle, kinds, token), what="events")
 
     def wait_event(self, event_set: Any, timeout_s: float) -> DeviceEvent | None:
         return cast(EventBackend, self._inner).wait_event(event_set, timeout_s)
