@@ -329,9 +329,12 @@ class FakeNode:
         the whole percents of the processes running then, summed and capped at 100. Unlike the
         per-process ones, a period with no work has its sample too (0%), and a process that has
         ended still shows in the samples of the periods it ran. Only the newest
-        DEVICE_SAMPLES_KEPT survive.
+        DEVICE_SAMPLES_KEPT survive. Where a recorded row gives the interval's mean
+        (`interval_utilization`), the samples of that interval give it instead (`_recorded_sample`).
         """
         start_epoch = self.clock.start_epoch
+        times, rows = self._rows[gpu]
+        recorded = any(row.interval_utilization is not None for row in rows)
         newest_k = int(t // DEVICE_SAMPLE_PERIOD_S)
         unseen_k = math.floor((last_seen_us / 1_000_000 - start_epoch) / DEVICE_SAMPLE_PERIOD_S)
         entries = self._by_gpu[gpu]
@@ -346,6 +349,9 @@ class FakeNode:
             at = k * DEVICE_SAMPLE_PERIOD_S
             stamp_us = round((start_epoch + at) * 1_000_000)
             if stamp_us <= last_seen_us:
+                continue
+            if recorded and (value := _recorded_sample(times, rows, k)) is not None:
+                samples.append((stamp_us, value))
                 continue
             if stretch < 0 or (stretch < len(points) and at >= points[stretch] - _ROUNDING_S):
                 stretch = bisect.bisect_right(points, at)
@@ -466,3 +472,24 @@ class FakeNode:
 
     def gpu(self, index: int) -> Gpu:
         return self.scenario.gpus[index]
+
+
+def _recorded_sample(times: list[float], rows: tuple[ReadingRow, ...], k: int) -> int | None:
+    """The k-th device sample where a recorded row gives its interval's mean; None elsewhere.
+
+    A sample stands for the period before its stamp, so the one stamped at a row's `at` is of
+    the row before. The samples after a row's `at` share its whole-percent mean out in whole
+    percents (its floor or its ceiling, the running sum rounded), so that any run of them from
+    the row's start sums to the mean times their count, rounded: the agent's time-weighted mean
+    over a replayed interval is the recorded one wherever the recording's samples were as many
+    (a recording of the fake), and within half a percent over their count elsewhere."""
+    at = k * DEVICE_SAMPLE_PERIOD_S
+    i = bisect.bisect_left(times, at - _ROUNDING_S) - 1
+    if i < 0:
+        return None
+    mean = rows[i].interval_utilization
+    if mean is None:
+        return None
+    j = k - math.floor((times[i] + _ROUNDING_S) / DEVICE_SAMPLE_PERIOD_S)  # 1 for the row's first
+    value = math.floor(mean * j + 0.5) - math.floor(mean * (j - 1) + 0.5)
+    return min(max(value, 0), 100)

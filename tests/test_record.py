@@ -534,6 +534,38 @@ def test_a_reading_the_gpu_lacks_stays_refused_all_through_the_replay_and_a_pass
         pynvml.nvmlShutdown()
 
 
+def test_the_replay_gives_the_interval_utilization_the_device_samples_gave() -> None:
+    # An A100 whose driver refuses per-process utilization (as some vGPU drivers do) while its
+    # own utilization samples read: the job runs at 92%, then 41% from 2m13s. The agent books
+    # NVML busy time from the device's samples; the replayed fake made them up from the
+    # processes' segments, which held no samples at all: the replay booked the GPU idle.
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB"}],
+        "processes": [
+            {"pid": 5, "gpus": [0], "memory_mib": 100, "user": "ann",
+             "sm_util": [{"at": "0s", "sm_util": 92}, {"at": "2m13s", "sm_util": 41}]},
+        ],
+        "faults": [{"gpu": 0, "call": "nvmlDeviceGetProcessUtilization", "error": "NOT_SUPPORTED"}],
+    }  # fmt: skip
+    trace, polls = record_node(node)
+    assert [s["sm_util"] for s in trace["processes"][0]["sm_util"]] == [0]  # no per-process samples
+    rows = {row["at"]: row for row in trace["gpus"][0]["readings"]}
+    # The interval from 130 s to 135 s: samples at 131, 132 s at 92%, 133-135 s at 41%:
+    # (2 x 92 + 3 x 41) / 5 = 61.4%, on the row at 130 s, whose interval it is.
+    assert (rows[125]["interval_utilization"], rows[130]["interval_utilization"]) == (92, 61.4)
+    assert "interval_utilization" not in rows[600]  # no poll read the interval after the last
+    replayed = replayed_series(trace)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
+    busy = {name: v for (name, _labels), v in replayed[-1].items() if name.endswith("busy_seconds_total")}
+    # Samples at 1-132 s at 92%, 133-600 s at 41%: 132 x 0.92 + 468 x 0.41 = 121.44 + 191.88 =
+    # 313.32 s, all of it the one job's.
+    assert busy == {
+        "gpuledger_gpu_busy_seconds_total": pytest.approx(313.32),
+        "gpuledger_workload_gpu_busy_seconds_total": pytest.approx(313.32),
+    }
+
+
 def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:
     # GPU 1 is lost from the start: never identified, its handle refused with GPU_IS_LOST. The
     # trace listed GPUs only up to the last one ever readable and dropped the failure (it named

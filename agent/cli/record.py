@@ -7,7 +7,8 @@ send the trace of a node that misbehaves, and the replayed node gives the metric
 What goes in, and how it comes back:
 
 - each GPU as discovery saw it (model, uuid, PCI bus, memory, power limit, SMs, NVLinks, MIG
-  layout) and its readings as a time series (`readings:`, one row per poll: utilization, memory,
+  layout) and its readings as a time series (`readings:`, one row per poll: utilization (and the
+  mean of the device's own samples over the interval that starts at the row), memory,
   temperature, power, the energy counter, NVLinks down, GPM activity over the span the row lies
   in (the interval that starts at it; on the slow rhythm, the whole slow span's mean on each of
   its rows), and every health reading the poll took, in the driver's units), which the fake
@@ -141,6 +142,7 @@ class TraceRecorder:
         self._gpus: dict[int, dict[str, Any]] = {}  # index -> its scenario entry
         self._rows: dict[int, list[dict[str, Any]]] = {}
         self._taken: dict[int, list[float]] = {}  # index -> when each of its rows' polls was taken
+        self._unmeasured: dict[int, int] = {}  # index -> its first row the interval utilization has not covered
         self._index_of: dict[str, int] = {}  # GPU or MIG uuid -> GPU index
         self._refs: dict[str, str] = {}  # GPU or MIG uuid -> "0" or "0:1", as scenarios name them
         # Lost GPUs and a driver gone: the fault key of each outage still open (no poll has seen
@@ -251,6 +253,16 @@ class TraceRecorder:
         # A poll that carries a figure read earlier adds nothing.
         for earlier in self._span_rows(gpu.index, gpu.activity, snapshot.taken_at):
             earlier.update(_activity(gpu.activity))
+        # The interval's utilization (the device's own samples since the last poll that read
+        # some) is what NVML-measured busy time and the flags follow: the replay's samples must
+        # give it, not the fake's sum of the per-process samples, which a real driver's differ
+        # from (or lacks: per-process utilization refused, as under some vGPU drivers). It covers
+        # the rows since the last poll it was read at, each holding it over its own interval.
+        rows = self._rows.get(gpu.index, [])
+        if gpu.interval_utilization is not None:
+            for earlier in rows[self._unmeasured.get(gpu.index, 0) :]:
+                earlier["interval_utilization"] = round(gpu.interval_utilization * 100, 6)
+            self._unmeasured[gpu.index] = len(rows)
         by_slot = sorted(migs, key=lambda m: m.mig_index or 0)
         for slot, mig in enumerate(by_slot):
             for earlier in self._span_rows(gpu.index, mig.activity, snapshot.taken_at):

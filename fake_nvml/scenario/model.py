@@ -90,6 +90,10 @@ class ReadingRow:
 
     at_s: float
     utilization: float | None = None  # percent
+    # Percent: the mean of the device's own utilization samples over the interval from this row
+    # to the next (what the agent reads as the interval's utilization), which the samples the
+    # fake hands out for that interval reproduce; None: they follow the processes.
+    interval_utilization: float | None = None
     memory_used_bytes: int | None = None
     temperature_c: float | None = None
     power_w: float | None = None

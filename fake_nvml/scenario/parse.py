@@ -254,8 +254,8 @@ def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ..
         r = gpu.child(f"readings[{k}]", item)
         r.check_keys(
             [
-                "at", "utilization", "memory_used_mib", "temperature_c", "power_w", "energy_j", "nvlink_down",
-                *_ACTIVITY_KEYS, "migs", *_HEALTH_KEYS,
+                "at", "utilization", "interval_utilization", "memory_used_mib", "temperature_c", "power_w",
+                "energy_j", "nvlink_down", *_ACTIVITY_KEYS, "migs", *_HEALTH_KEYS,
             ]
         )  # fmt: skip
         at = r.duration("at")
@@ -283,6 +283,7 @@ def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ..
             ReadingRow(
                 at_s=at,
                 utilization=r.num("utilization", None, maximum=100),
+                interval_utilization=r.num("interval_utilization", None, maximum=100),
                 memory_used_bytes=None if memory is None else round(memory * 2**20),
                 temperature_c=r.num("temperature_c", None, maximum=200),
                 power_w=r.num("power_w", maximum=MAX_WATTS),
