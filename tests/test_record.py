@@ -566,6 +566,29 @@ def test_the_replay_gives_the_interval_utilization_the_device_samples_gave() -> 
     }
 
 
+def test_a_failed_read_of_the_devices_own_samples_is_a_fault_of_the_trace() -> None:
+    # The device's utilization samples time out at the polls at 60 and 65 s. The tap forwarded
+    # that call unseen (through `__getattr__`), so the trace had no fault: the replayed agent read
+    # samples the recorded one could not, counted no error, and booked other busy time.
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB"}],
+        "processes": [
+            {"pid": 5, "gpus": [0], "memory_mib": 100, "user": "ann",
+             "sm_util": [{"at": "0s", "sm_util": 92}, {"at": "62s", "sm_util": 41}]},
+        ],
+        "faults": [{"at": "60s", "until": "70s", "gpu": 0, "call": "nvmlDeviceGetSamples", "error": "TIMEOUT"}],
+    }  # fmt: skip
+    trace, polls = record_node(node)
+    assert {"at": 60, "until": 70, "gpu": 0, "call": "nvmlDeviceGetSamples", "error": "TIMEOUT"} in trace["faults"]
+    replayed = replayed_series(trace)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
+    errors = {
+        dict(labels)["call"]: v for (name, labels), v in replayed[-1].items() if name == "gpuledger_nvml_errors_total"
+    }
+    assert errors.get("nvmlDeviceGetSamples") == 2  # the polls at 60 and 65 s
+
+
 def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:
     # GPU 1 is lost from the start: never identified, its handle refused with GPU_IS_LOST. The
     # trace listed GPUs only up to the last one ever readable and dropped the failure (it named

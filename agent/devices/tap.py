@@ -23,6 +23,7 @@ from agent.devices.backend import (
     ProcessSample,
     ReadingKey,
     ReadResult,
+    UtilizationSample,
 )
 from agent.devices.events import DeviceEvent, EventBackend, EventKind
 from agent.model import Activity
@@ -165,6 +166,14 @@ class TappedBackend:
         )
         self.samples.setdefault(self._uuids.get(id(handle), ""), []).extend(samples)
         return samples
+
+    def utilization_samples(self, handle: Handle, since_us: int) -> list[UtilizationSample]:
+        # Its own method, not `__getattr__`'s forwarding: a failure of it (a TIMEOUT, say) is a
+        # fault of the trace like any other call's, or the replay reads the samples the recorded
+        # poll could not, and books another busy time.
+        return self._tapped(
+            handle, lambda: self._inner.utilization_samples(handle, since_us), what="utilization_samples"
+        )
 
 
 # The capabilities beyond `DeviceBackend`, forwarded by methods of their own, never through
