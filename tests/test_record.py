@@ -589,6 +589,28 @@ def test_a_failed_read_of_the_devices_own_samples_is_a_fault_of_the_trace() -> N
     assert errors.get("nvmlDeviceGetSamples") == 2  # the polls at 60 and 65 s
 
 
+def test_a_call_discovery_was_refused_is_refused_in_the_replay() -> None:
+    # The driver refuses GPU 0's enforced power limit (read once, at discovery). The tap did not
+    # see discovery's calls, so the trace held neither the limit nor the refusal, and the
+    # replayed A100 answered its model's 400 W: a power-limit gauge the recorded node never had.
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB", "count": 2}],
+        "processes": [{"pid": 5, "gpus": [0], "sm_util": 50, "memory_mib": 100}],
+        "faults": [{"gpu": 0, "call": "nvmlDeviceGetEnforcedPowerLimit", "error": "NOT_SUPPORTED"}],
+    }
+    trace, polls = record_node(node)
+    assert "power_limit_w" not in trace["gpus"][0]
+    assert trace["gpus"][1]["power_limit_w"] == 400
+    assert {"gpu": 0, "call": "nvmlDeviceGetEnforcedPowerLimit", "error": "NOT_SUPPORTED"} in trace["faults"]
+    replayed = replayed_series(trace)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
+    limits = {
+        dict(labels)["gpu"]: v for (name, labels), v in replayed[-1].items() if name.endswith("power_limit_watts")
+    }
+    assert limits == {"1": 400}
+
+
 def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:
     # GPU 1 is lost from the start: never identified, its handle refused with GPU_IS_LOST. The
     # trace listed GPUs only up to the last one ever readable and dropped the failure (it named

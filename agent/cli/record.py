@@ -580,11 +580,7 @@ class TraceRecorder:
         asked = self._refused.get(key)
         if gpu is None or call is None or not asked:
             return False
-        answered: set[object] = set()
-        for uuid, index in self._index_of.items():
-            if index == gpu:
-                answered |= self._tap.answered.get(uuid, set())
-        return not asked & answered
+        return not asked & self._tap.answered.get(gpu, set())
 
     def _fault_entries(self) -> list[dict[str, Any]]:
         entries = []

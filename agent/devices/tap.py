@@ -8,7 +8,7 @@ wrapped backend's answers and errors exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -56,12 +56,13 @@ class TappedBackend:
         self._inner = inner
         self.clock = inner.clock
         self._uuids: dict[int, str] = {}  # id(handle) -> the uuid it answered
+        self._indexes: dict[int, int] = {}  # id(handle) -> its GPU's index (a MIG device's: its GPU's)
         self.samples: dict[str, list[ProcessSample]] = {}  # GPU uuid -> every sample, in order
         self.failures: list[Failure] = []
-        # Device uuid -> each reading (a ReadingKey) and backend method (its name) that answered
-        # at least once: a reading refused as NOT_SUPPORTED that never answered is one the device
-        # lacks, as the sampler takes it; one that answered before failed for a while.
-        self.answered: dict[str, set[object]] = {}
+        # GPU index -> each reading (a ReadingKey) and backend method (its name) that answered at
+        # least once on it or its MIG devices: a reading refused as NOT_SUPPORTED that never
+        # answered is one the GPU lacks, as the sampler takes it; one that answered failed a while.
+        self.answered: dict[int, set[object]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -73,7 +74,14 @@ class TappedBackend:
         self, handle: Handle | None, exc: DeviceError, index: int | None = None, asked: tuple[object, ...] = ()
     ) -> None:
         lost, driver = isinstance(exc, DeviceLost), isinstance(exc, DriverUnavailable)
+        if index is None and handle is not None:
+            index = self._indexes.get(id(handle))
         self.failures.append(Failure(self.clock(), self._uuid(handle), exc.call, exc.error, lost, driver, index, asked))
+
+    def _answered(self, handle: Handle | None, what: Iterable[object]) -> None:
+        index = None if handle is None else self._indexes.get(id(handle))
+        if index is not None:
+            self.answered.setdefault(index, set()).update(what)
 
     def _tapped(self, handle: Handle | None, call: Callable[[], T], index: int | None = None, what: str = "") -> T:
         try:
@@ -82,7 +90,7 @@ class TappedBackend:
             self._failed(handle, exc, index, (what,) if what else ())
             raise
         if what:
-            self.answered.setdefault(self._uuid(handle), set()).add(what)
+            self._answered(handle, (what,))
         return result
 
     # -- the library and discovery: forwarded, errors kept ------------------------------------
@@ -103,52 +111,63 @@ class TappedBackend:
         return self._tapped(None, self._inner.device_count)
 
     def handle_by_index(self, index: int) -> Handle:
-        return self._tapped(None, lambda: self._inner.handle_by_index(index), index)
+        handle = self._tapped(None, lambda: self._inner.handle_by_index(index), index)
+        self._indexes[id(handle)] = index
+        return handle
+
+    # Discovery's calls are tapped too: one the GPU refuses (a power limit, the SM count of a
+    # whole H200) is a fault of the trace, or the replayed GPU answers it from the fake's model
+    # (a power-limit gauge the recorded node never had).
 
     def name(self, handle: Handle) -> str:
-        return self._inner.name(handle)
+        return self._tapped(handle, lambda: self._inner.name(handle), what="name")
 
     def uuid(self, handle: Handle) -> str:
-        uuid = self._inner.uuid(handle)
+        uuid = self._tapped(handle, lambda: self._inner.uuid(handle), what="uuid")
         self._uuids[id(handle)] = uuid
         return uuid
 
     def pci_bus_id(self, handle: Handle) -> str:
-        return self._inner.pci_bus_id(handle)
+        return self._tapped(handle, lambda: self._inner.pci_bus_id(handle), what="pci_bus_id")
 
     def minor_number(self, handle: Handle) -> int:
-        return self._inner.minor_number(handle)
+        return self._tapped(handle, lambda: self._inner.minor_number(handle), what="minor_number")
 
     def power_limit_w(self, handle: Handle) -> float:
-        return self._inner.power_limit_w(handle)
+        return self._tapped(handle, lambda: self._inner.power_limit_w(handle), what="power_limit_w")
 
     def sm_count(self, handle: Handle) -> int:
-        return self._inner.sm_count(handle)
+        return self._tapped(handle, lambda: self._inner.sm_count(handle), what="sm_count")
 
     def nvlink_count(self, handle: Handle) -> int:
-        return self._inner.nvlink_count(handle)
+        return self._tapped(handle, lambda: self._inner.nvlink_count(handle), what="nvlink_count")
 
     def mig_enabled(self, handle: Handle) -> bool:
-        return self._inner.mig_enabled(handle)
+        return self._tapped(handle, lambda: self._inner.mig_enabled(handle), what="mig_enabled")
 
     def mig_handles(self, handle: Handle) -> list[tuple[int, Handle]]:
-        return self._inner.mig_handles(handle)
+        found = self._tapped(handle, lambda: self._inner.mig_handles(handle), what="mig_handles")
+        index = self._indexes.get(id(handle))
+        if index is not None:
+            for _slot, mig in found:
+                self._indexes[id(mig)] = index  # a MIG device's failures are its GPU's
+        return found
 
     def mig_profile(self, handle: Handle) -> str:
-        return self._inner.mig_profile(handle)
+        return self._tapped(handle, lambda: self._inner.mig_profile(handle), what="mig_profile")
 
     def gpu_instance_id(self, handle: Handle) -> int:
-        return self._inner.gpu_instance_id(handle)
+        return self._tapped(handle, lambda: self._inner.gpu_instance_id(handle), what="gpu_instance_id")
 
     def compute_instance_id(self, handle: Handle) -> int:
-        return self._inner.compute_instance_id(handle)
+        return self._tapped(handle, lambda: self._inner.compute_instance_id(handle), what="compute_instance_id")
 
     # -- every poll ---------------------------------------------------------------------------
 
     def read(self, handle: Handle, keys: Sequence[ReadingKey]) -> ReadResult:
         result = self._tapped(handle, lambda: self._inner.read(handle, keys))
         if result.values:
-            self.answered.setdefault(self._uuid(handle), set()).update(result.values)
+            self._answered(handle, result.values)
         # One failed call answering several keys is one failure, asked for all of them.
         asked: dict[int, tuple[DeviceError, list[object]]] = {}
         for key, failure in result.errors.items():
