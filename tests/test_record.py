@@ -36,6 +36,7 @@ from agent.cli.record import (
 )
 from agent.cli.wiring import Agent, build_agent
 from agent.config import PricingConfig, ReadingsConfig, Settings
+from agent.devices.tap import tap
 from agent.model import AgentState
 from tests.test_cli import gpuledger
 
@@ -609,6 +610,58 @@ def test_a_call_discovery_was_refused_is_refused_in_the_replay() -> None:
         dict(labels)["gpu"]: v for (name, labels), v in replayed[-1].items() if name.endswith("power_limit_watts")
     }
     assert limits == {"1": 400}
+
+
+def test_a_driver_sampling_each_process_less_often_than_the_replay_replays_each_polls_figure() -> None:
+    # A driver that hands out one sample per process every 2 s, stamped 92 ms before the poll,
+    # as the real H200 did (tests/traces): this one thins the fake's own samples so. The sample
+    # read at 32 s (50%) stands for the 2 s before it; written from its stamp on, it held over
+    # the next 2 s, so each replayed poll read the mean of its sample and the one before:
+    # 89.5% at 30 s where the recording read 79%, 64.5% at 32 s where it read 50%.
+    def one_sample_each_poll(backend: Any) -> Any:
+        every = backend.process_utilization
+
+        def thinned(handle: Any, since_us: int) -> list[tuple[int, int, int]]:
+            kept = []
+            for pid, stamp_us, util in every(handle, since_us):
+                second = round(stamp_us / 1_000_000)
+                if second % 2 == 0 and second * 1_000_000 - 92_000 > since_us:
+                    kept.append((pid, second * 1_000_000 - 92_000, util))
+            return kept
+
+        backend.process_utilization = thinned
+        return backend
+
+    taps: list[Any] = []
+
+    def tapped(backend: Any) -> Any:
+        taps.append(tap(one_sample_each_poll(backend)))
+        return taps[-1]
+
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB"}],
+        "processes": [
+            {"pid": 551, "gpus": [0], "memory_mib": 876, "user": "root",
+             "sm_util": [{"at": "0s", "sm_util": 100}, {"at": "29s", "sm_util": 79}, {"at": "31s", "sm_util": 50},
+                         {"at": "41s", "sm_util": 51}]},
+        ],
+    }  # fmt: skip
+    agent = build_agent(settings(), fake=node, poll_interval_s=2, monotonic=lambda: 0.0, wrap_backend=tapped)
+    polls: list[Series] = []
+    try:
+        trace = record(agent, taps[0], 60, 2, on_poll=lambda state: polls.append(series(agent, state)))
+    finally:
+        agent.close()
+
+    def process_util(poll: Series) -> float:
+        [value] = [v for (name, _labels), v in poll.items() if name == "gpuledger_workload_gpu_utilization_ratio"]
+        return value
+
+    assert [process_util(polls[k]) for k in (14, 15, 16, 21)] == [1.0, 0.79, 0.50, 0.51]
+    replayed = replayed_series(trace, duration_s=60, step_s=2)
+    assert [process_util(replayed[k]) for k in (14, 15, 16, 21)] == [1.0, 0.79, 0.50, 0.51]
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
 
 
 def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:

@@ -84,6 +84,8 @@ log = logging.getLogger("gpuledger")
 MIB = 2**20
 # The Xids a driver logs with an uncorrectable ECC error (NVIDIA's Xid catalogue).
 UNCORRECTABLE_ECC_XIDS = frozenset({48, 94, 95})
+# How often the replayed driver takes a per-process sample (fake_nvml's PROCESS_SAMPLE_PERIOD_S).
+REPLAY_SAMPLE_PERIOD_S = 1.0
 # The most scenario time `record --fake` covers, and the most real time a recording may last.
 MAX_RECORD_S = 7 * 86400.0
 
@@ -466,7 +468,7 @@ class TraceRecorder:
             entry["end"] = track.gone_s
         # The process's own figure is whole MiB in a scenario; its segments carry the exact ones.
         entry["memory_mib"] = round(track.memory[0][1]) if track.memory else 0
-        entry["sm_util"] = _segments(stamps, track.memory, start_s, track.gone_s or end_s)
+        entry["sm_util"] = _segments(stamps, track.memory, start_s, track.gone_s or end_s, self._sample_period(track))
         if track.uid is not None:
             entry["uid"] = track.uid
         if track.user:
@@ -523,6 +525,15 @@ class TraceRecorder:
                 if at >= early_s and (track.gone_s is None or at < track.gone_s):
                     found[round(max(at, born_s), 6)] = util
         return found
+
+    def _sample_period(self, track: _Process) -> float | None:
+        """How often the driver sampled the process (the smallest gap between two of its samples),
+        in seconds; None where it left fewer than two."""
+        stamps = sorted(
+            {stamp_us for pid, stamp_us, _util in self._tap.samples.get(track.gpu_uuid, ()) if pid == track.pid}
+        )
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        return min(gaps) / 1_000_000 if gaps else None
 
     def _cmdline(self, track: _Process) -> str:
         if self._keep_cmdlines and not track.argv:
@@ -738,21 +749,34 @@ def _health(telemetry: Telemetry | None) -> dict[str, Any]:
 
 
 def _segments(
-    samples: Mapping[float, int], memory: list[tuple[float, float]], start_s: float, end_s: float
+    samples: Mapping[float, int],
+    memory: list[tuple[float, float]],
+    start_s: float,
+    end_s: float,
+    driver_period_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """Segments (relative to the process's start) that make the fake hand out these very samples:
     each sample's value from its time on, 0 where the driver left a period without one (it only
     keeps samples of processes that did some work), and the memory the process held from each
-    poll that saw it change."""
+    poll that saw it change.
+
+    A sample stands for the driver's sampling period before its stamp. The replayed driver
+    samples every REPLAY_SAMPLE_PERIOD_S; a driver that samples less often (a real H200 gave one
+    sample per process each 2 s poll, 92 ms before it) has each of its samples stand for the
+    replayed ones of its whole period: its value is written from its period less one replayed
+    period before its stamp. Written from the stamp, it held over the next period instead, and
+    each replayed poll read the mean of the sample it had read and the one before (89.5% where
+    the H200's poll read 79%, then 64.5% where it read 50%)."""
     times = sorted(samples)
     gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
-    period = min(gaps) if gaps else 1.0
+    period = driver_period_s or (min(gaps) if gaps else REPLAY_SAMPLE_PERIOD_S)
+    lead = max(0.0, period - REPLAY_SAMPLE_PERIOD_S)
     changes: list[tuple[float, str, float]] = []
     for i, at in enumerate(times):
-        changes.append((at, "util", samples[at]))
+        changes.append((at - lead, "util", samples[at]))
         following = times[i + 1] if i + 1 < len(times) else end_s
         if following - at > period * 1.5:
-            changes.append((at + period, "util", 0))
+            changes.append((at + period - lead, "util", 0))
     changes += [(at, "memory", mib) for at, mib in memory]
     util, mib = 0.0, memory[0][1] if memory else 0.0
     segments: list[dict[str, Any]] = [{"at": 0, "sm_util": 0, "memory_mib": mib}]
