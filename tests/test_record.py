@@ -664,6 +664,58 @@ def test_a_driver_sampling_each_process_less_often_than_the_replay_replays_each_
         assert not same(original, again), f"poll {k}"
 
 
+def test_a_driver_sampling_each_process_more_often_than_the_replay_replays_each_polls_figure() -> None:
+    # A driver that samples each process every 1/6 s (as A100s do), here of a job at 80% for the
+    # first half of every second and idle the second half: three samples a second, the idle
+    # periods without one. The recording's figure is (3 x 80%) / 6 periods = 40% each poll. The
+    # trace wrote every sample from its stamp, with 0 after each run, so the replayed driver's one
+    # sample a second (at the second's end) always fell in the idle half: the replay read 0%.
+    def six_a_second(backend: Any) -> Any:
+        every = backend.process_utilization
+
+        def dense(handle: Any, since_us: int) -> list[tuple[int, int, int]]:
+            found = []
+            for pid, stamp_us, util in every(handle, 0):
+                for j in (1, 2, 3):  # 1/6, 2/6 and 3/6 s into the second the fake's sample ends
+                    at_us = stamp_us - 1_000_000 + j * 1_000_000 // 6
+                    if at_us > since_us:
+                        found.append((pid, at_us, util))
+            return sorted(found, key=lambda sample: sample[1])
+
+        backend.process_utilization = dense
+        return backend
+
+    taps: list[Any] = []
+
+    def tapped(backend: Any) -> Any:
+        taps.append(tap(six_a_second(backend)))
+        return taps[-1]
+
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB"}],
+        "processes": [{"pid": 7, "gpus": [0], "memory_mib": 876, "user": "root", "sm_util": 80}],
+    }
+    agent = build_agent(settings(), fake=node, poll_interval_s=STEP_S, monotonic=lambda: 0.0, wrap_backend=tapped)
+    polls: list[Series] = []
+    try:
+        trace = record(agent, taps[0], 60, STEP_S, on_poll=lambda state: polls.append(series(agent, state)))
+    finally:
+        agent.close()
+    replayed = replayed_series(trace, duration_s=60)
+
+    def workload(poll: Series, name: str) -> float:
+        [value] = [v for (series_name, _labels), v in poll.items() if series_name == name]
+        return value
+
+    for k in range(1, 13):
+        # The agent's period is 166,666 us, not 1/6 s: 40.00008% recorded, 40% replayed.
+        for got in (polls[k], replayed[k]):
+            assert workload(got, "gpuledger_workload_gpu_utilization_ratio") == pytest.approx(0.40, abs=1e-5), k
+    # 12 intervals of 5 s at 40%: 24 busy seconds, recorded and replayed.
+    for got in (polls[-1], replayed[-1]):
+        assert workload(got, "gpuledger_workload_gpu_busy_seconds_total") == pytest.approx(24.0, abs=1e-3)
+
+
 def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:
     # GPU 1 is lost from the start: never identified, its handle refused with GPU_IS_LOST. The
     # trace listed GPUs only up to the last one ever readable and dropped the failure (it named

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import math
 import shlex
 import signal
 import sys
@@ -766,10 +767,14 @@ def _segments(
     replayed ones of its whole period: its value is written from its period less one replayed
     period before its stamp. Written from the stamp, it held over the next period instead, and
     each replayed poll read the mean of the sample it had read and the one before (89.5% where
-    the H200's poll read 79%, then 64.5% where it read 50%)."""
+    the H200's poll read 79%, then 64.5% where it read 50%). A driver that samples more often
+    has its samples of each replayed period summed into one (`_per_replayed_period`)."""
     times = sorted(samples)
     gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
     period = driver_period_s or (min(gaps) if gaps else REPLAY_SAMPLE_PERIOD_S)
+    if period < REPLAY_SAMPLE_PERIOD_S:
+        samples = _per_replayed_period(samples, period)
+        times, period = sorted(samples), REPLAY_SAMPLE_PERIOD_S
     lead = max(0.0, period - REPLAY_SAMPLE_PERIOD_S)
     changes: list[tuple[float, str, float]] = []
     for i, at in enumerate(times):
@@ -792,6 +797,28 @@ def _segments(
         elif (segments[-1]["sm_util"], segments[-1]["memory_mib"]) != (util, mib):
             segments.append(segment)
     return segments
+
+
+def _per_replayed_period(samples: Mapping[float, int], period_s: float) -> dict[float, int]:
+    """A driver's samples, taken every `period_s` (under REPLAY_SAMPLE_PERIOD_S), as the replayed
+    driver's: one per replayed period, the busy time its samples found in it (each stands for
+    its own period; a period without one was idle) over the replayed period, in whole percents,
+    placed inside that period, so that the replayed poll's mean over its samples is the one the
+    recorded poll's samples gave. The last sample of each replayed period alone was what it
+    replayed: an A100-like driver sampling a process busy the first half of every second every
+    1/6 s gave 40%, and the replay 0% (every second's last samples were idle).
+    The first poll's mean (at 0, from before the trace) stays as it is."""
+    found: dict[float, int] = {}
+    busy: dict[int, float] = {}
+    for at, util in samples.items():
+        if at <= 0:
+            found[at] = util
+            continue
+        k = math.ceil(at / REPLAY_SAMPLE_PERIOD_S - 1e-9)  # its replayed period: (k - 1, k] periods
+        busy[k] = busy.get(k, 0.0) + util * period_s
+    for k, util_s in busy.items():
+        found[(k - 0.5) * REPLAY_SAMPLE_PERIOD_S] = min(100, round(util_s / REPLAY_SAMPLE_PERIOD_S))
+    return found
 
 
 # -- the command --------------------------------------------------------------------------------
