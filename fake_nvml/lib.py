@@ -756,12 +756,17 @@ def _memory_bytes(lib: FakeNvmlLibrary, dev: Dev, t: float) -> tuple[int, int]:
 def _memory(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     total, used = _memory_bytes(lib, dev, t)
     memory = _obj(out)
+    free = total - used
+    # A recorded row's free figure: the recorded driver's reservation is in neither used nor free.
+    row = lib._node.reading_row(dev.gpu, t) if dev.mig is None else None
+    if row is not None and row.memory_free_bytes is not None:
+        free = max(0, min(free, row.memory_free_bytes))
     if hasattr(memory, "version"):
         # The v2 struct separates the driver's reservation from what processes use.
-        memory.reserved = 0
+        memory.reserved = total - used - free
     memory.total = total
     memory.used = used
-    memory.free = total - used
+    memory.free = free
     return SUCCESS
 
 

@@ -35,7 +35,7 @@ from agent.cli.record import (
     write_trace,
 )
 from agent.cli.wiring import Agent, build_agent
-from agent.config import PricingConfig, ReadingsConfig, Settings
+from agent.config import ExportersConfig, PricingConfig, ReadingsConfig, Settings
 from agent.devices.tap import tap
 from agent.model import AgentState
 from tests.test_cli import gpuledger
@@ -714,6 +714,34 @@ def test_a_driver_sampling_each_process_more_often_than_the_replay_replays_each_
     # 12 intervals of 5 s at 40%: 24 busy seconds, recorded and replayed.
     for got in (polls[-1], replayed[-1]):
         assert workload(got, "gpuledger_workload_gpu_busy_seconds_total") == pytest.approx(24.0, abs=1e-3)
+
+
+def test_memory_the_driver_reserves_is_reserved_in_the_replay() -> None:
+    # A driver that keeps 600 MiB of the A100's 81,920 for itself: free is total - used - 600
+    # (the v2 call's `reserved`), and dcgm's FB_FREE says so. The trace held only `used`, so the
+    # replayed driver reserved nothing and FB_FREE read 600 MiB more than the node's.
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB", "readings": [
+            {"at": "0s", "memory_used_mib": 1000, "memory_free_mib": 80320},
+            {"at": "20s", "memory_used_mib": 5000, "memory_free_mib": 76320},
+        ]}],
+        "processes": [{"pid": 5, "gpus": [0], "sm_util": 50, "memory_mib": 1000}],
+    }  # fmt: skip
+    with_dcgm = settings().model_copy(update={"exporters": ExportersConfig(dcgm_compat=True)})
+    agent, tapped = build_recording_agent(with_dcgm, node, STEP_S, monotonic=lambda: 0.0)
+    polls: list[Series] = []
+    try:
+        trace = record(agent, tapped, 60, STEP_S, on_poll=lambda state: polls.append(series(agent, state)))
+    finally:
+        agent.close()
+    rows = {row["at"]: row for row in trace["gpus"][0]["readings"]}
+    assert (rows[15]["memory_free_mib"], rows[20]["memory_free_mib"]) == (80320, 76320)
+    replayed = replayed_series(trace, with_dcgm, duration_s=60)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
+    # 81,920 MiB - 5,000 used - 600 reserved = 76,320 MiB free at the end.
+    free = [v for (name, _labels), v in replayed[-1].items() if name == "DCGM_FI_DEV_FB_FREE"]
+    assert free == [76320]
 
 
 def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:

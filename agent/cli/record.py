@@ -242,6 +242,7 @@ class TraceRecorder:
             "utilization": None if gpu.utilization is None else round(gpu.utilization * 100, 6),
             # A MIG GPU's memory is its instances' sum, which the replayed processes give.
             "memory_used_mib": None if gpu.memory_used_bytes is None or migs else gpu.memory_used_bytes / MIB,
+            "memory_free_mib": _free_mib(gpu) if not migs else None,
             "temperature_c": gpu.temperature_c,
             "power_w": gpu.power_w,
             "energy_j": gpu.energy_j,
@@ -674,6 +675,16 @@ def _activity(activity: Activity | None) -> dict[str, float]:
         if value is not None:
             found[key] = value * 100
     return found
+
+
+def _free_mib(gpu: DeviceReading) -> float | None:
+    """What the driver said was free, where that is less than total - used: it reserves memory
+    for itself (R510's v2 call keeps that apart from `used`), which dcgm's FB_FREE leaves out.
+    Written, the replay's driver reserves the same; unwritten, it reserves none."""
+    used, total, free = gpu.memory_used_bytes, gpu.memory_total_bytes, gpu.memory_free_bytes
+    if used is None or total is None or free is None or free >= total - used:
+        return None
+    return free / MIB
 
 
 def _percent(ratio: float | None) -> int | None:

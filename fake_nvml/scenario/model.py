@@ -95,6 +95,9 @@ class ReadingRow:
     # fake hands out for that interval reproduce; None: they follow the processes.
     interval_utilization: float | None = None
     memory_used_bytes: int | None = None
+    # What the driver said was free, where it reserves memory for itself: the reservation is then
+    # total - used - free (nvmlDeviceGetMemoryInfo_v2's `reserved`). None: nothing reserved.
+    memory_free_bytes: int | None = None
     temperature_c: float | None = None
     power_w: float | None = None
     energy_mj: int | None = None  # the driver's own unit, so a replayed counter reads exactly

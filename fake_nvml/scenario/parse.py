@@ -254,8 +254,8 @@ def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ..
         r = gpu.child(f"readings[{k}]", item)
         r.check_keys(
             [
-                "at", "utilization", "interval_utilization", "memory_used_mib", "temperature_c", "power_w",
-                "energy_j", "nvlink_down", *_ACTIVITY_KEYS, "migs", *_HEALTH_KEYS,
+                "at", "utilization", "interval_utilization", "memory_used_mib", "memory_free_mib",
+                "temperature_c", "power_w", "energy_j", "nvlink_down", *_ACTIVITY_KEYS, "migs", *_HEALTH_KEYS,
             ]
         )  # fmt: skip
         at = r.duration("at")
@@ -278,6 +278,7 @@ def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ..
             m.check_keys(list(_ACTIVITY_KEYS))
             mig_rows.append(_activity_row(m))
         memory = r.num("memory_used_mib", maximum=MAX_MIB)
+        free = r.num("memory_free_mib", maximum=MAX_MIB)
         energy = r.num("energy_j")
         rows.append(
             ReadingRow(
@@ -285,6 +286,7 @@ def _parse_readings(gpu: _Reader, links: int, migs: int) -> tuple[ReadingRow, ..
                 utilization=r.num("utilization", None, maximum=100),
                 interval_utilization=r.num("interval_utilization", None, maximum=100),
                 memory_used_bytes=None if memory is None else round(memory * 2**20),
+                memory_free_bytes=None if free is None else round(free * 2**20),
                 temperature_c=r.num("temperature_c", None, maximum=200),
                 power_w=r.num("power_w", maximum=MAX_WATTS),
                 energy_mj=None if energy is None else round(energy * 1000),
