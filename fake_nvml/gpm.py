@@ -100,6 +100,12 @@ def gpm_supported(model: str) -> bool:
     return model[:1] in ("H", "B", "G")
 
 
+def _has_gpm(lib: FakeNvmlLibrary, gpu: int) -> bool:
+    """Whether the GPU has GPM: as its scenario entry says (a recorded GPU's answer), else its model."""
+    spec = lib._node.gpu(gpu)
+    return spec.gpm if spec.gpm is not None else gpm_supported(spec.model)
+
+
 def activity_at(node: FakeNode, gpu: int, mig: int | None, t: float) -> Activity:
     """A GPU's (mig None) or MIG instance's activity at scenario time t."""
     spec = node.gpu(gpu)
@@ -177,7 +183,7 @@ def _query_support(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     support = _obj(out)
     if support.version != SUPPORT_VERSION:
         return ARGUMENT_VERSION_MISMATCH
-    support.isSupportedDevice = 1 if gpm_supported(lib._node.gpu(dev.gpu).model) else 0
+    support.isSupportedDevice = 1 if _has_gpm(lib, dev.gpu) else 0
     return SUCCESS
 
 
@@ -206,7 +212,7 @@ def _fill(lib: FakeNvmlLibrary, t: float, sample: Any, gpu: int, mig: int | None
     found = _sample(lib, sample)
     if found is None:
         return INVALID_ARGUMENT
-    if not gpm_supported(lib._node.gpu(gpu).model):
+    if not _has_gpm(lib, gpu):
         return NOT_SUPPORTED
     found.gpu, found.mig, found.t = gpu, mig, t
     return SUCCESS

@@ -744,6 +744,35 @@ def test_memory_the_driver_reserves_is_reserved_in_the_replay() -> None:
     assert free == [76320]
 
 
+def test_a_hopper_without_gpm_replays_without_it() -> None:
+    # An H100 whose driver says it has no GPM (isSupportedDevice 0, as under some vGPU drivers):
+    # the agent's busy source is NVML. The trace did not say, and the fake gives every Hopper GPM:
+    # the replayed agent's busy source was GPM, its busy time the fake's SM activity (25% of the
+    # recorded 100%).
+    node = {
+        "gpus": [{"model": "H100-SXM5-80GB", "gpm": False}, {"model": "H100-SXM5-80GB"}],
+        "processes": [{"pid": 5, "gpus": [0, 1], "sm_util": 100, "sm_active": 25, "memory_mib": 100}],
+    }
+    trace, polls = record_node(node)
+    assert [gpu.get("gpm") for gpu in trace["gpus"]] == [False, True]
+    replayed = replayed_series(trace)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
+    sources = {
+        dict(labels)["gpu"]: dict(labels)["source"]
+        for (name, labels), _v in replayed[-1].items()
+        if name == "gpuledger_gpu_busy_source_info"
+    }
+    assert sources == {"0": "nvml", "1": "gpm"}
+    # 600 s at 100% (NVML) on GPU 0, at 25% SM activity (GPM) on GPU 1.
+    busy = {
+        dict(labels)["gpu"]: v
+        for (name, labels), v in replayed[-1].items()
+        if name == "gpuledger_gpu_busy_seconds_total"
+    }
+    assert busy == {"0": pytest.approx(600.0), "1": pytest.approx(150.0)}
+
+
 def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:
     # GPU 1 is lost from the start: never identified, its handle refused with GPU_IS_LOST. The
     # trace listed GPUs only up to the last one ever readable and dropped the failure (it named

@@ -233,6 +233,8 @@ class TraceRecorder:
             if gpu.sm_count is not None:
                 entry["sm_count"] = gpu.sm_count
             entry["nvlink_links"] = len(gpu.nvlinks)
+            if gpu.index in self._tap.gpm:
+                entry["gpm"] = self._tap.gpm[gpu.index]
             if migs:
                 entry["mig"] = [m.mig_profile for m in sorted(migs, key=lambda m: m.mig_index or 0)]
             self._gpus[gpu.index] = entry

@@ -63,6 +63,9 @@ class TappedBackend:
         # least once on it or its MIG devices: a reading refused as NOT_SUPPORTED that never
         # answered is one the GPU lacks, as the sampler takes it; one that answered failed a while.
         self.answered: dict[int, set[object]] = {}
+        # GPU index -> whether it said it has GPM, where asked: a replay must not take a Hopper
+        # without it (a vGPU) for one with it, nor a GPU the fake does not know for one without.
+        self.gpm: dict[int, bool] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -205,7 +208,12 @@ class TappedBackend:
 
 class _TappedActivity(TappedBackend):
     def activity_supported(self, handle: Handle) -> bool:
-        return cast(ActivityBackend, self._inner).activity_supported(handle)
+        inner = cast(ActivityBackend, self._inner)
+        supported = self._tapped(handle, lambda: inner.activity_supported(handle), what="activity_supported")
+        index = self._indexes.get(id(handle))
+        if index is not None:
+            self.gpm[index] = supported
+        return supported
 
     def new_activity_sample(self) -> Any:
         return cast(ActivityBackend, self._inner).new_activity_sample()

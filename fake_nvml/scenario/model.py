@@ -124,6 +124,10 @@ class Gpu:
     mig: tuple[MigInstance, ...]
     readings: tuple[ReadingRow, ...] = ()  # a recorded time series, in time order
     minor: int = 0  # its device node, /dev/nvidia<minor>: the index unless the scenario says
+    # Whether it has GPM (nvmlGpmQueryDeviceSupport); None: as its model says (Hopper and later).
+    # A recorded GPU's own answer: a Hopper under a vGPU driver may have none, a model the fake
+    # does not know may have it.
+    gpm: bool | None = None
 
     @property
     def name(self) -> str:

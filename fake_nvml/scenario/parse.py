@@ -181,7 +181,7 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
             [
                 "model", "count", "memory_total_mib", "power_limit_w", "idle_power_w",
                 "idle_temp_c", "max_temp_c", "nvlink_links", "mig", "sm_count",
-                "uuid", "pci_bus_id", "readings", "minor",
+                "uuid", "pci_bus_id", "readings", "minor", "gpm",
             ]
         )  # fmt: skip
         model = r.str_("model", "A100-SXM4-80GB") or "A100-SXM4-80GB"
@@ -199,6 +199,9 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
         nvlink_links = r.int_("nvlink_links", 0, maximum=MAX_NVLINKS) or 0
         sm_count = r.int_("sm_count", facts.sm_count, minimum=1, maximum=1024) or facts.sm_count
         profiles = r.list_("mig")
+        gpm = r.data.get("gpm")
+        if gpm is not None and not isinstance(gpm, bool):
+            raise r.fail("gpm", f"expected true or false, got {gpm!r}")
         if count > 1 and {"uuid", "pci_bus_id", "readings", "minor"} & set(r.data):
             raise r.fail(
                 "count", "uuid, pci_bus_id and readings belong to one GPU (a minor too): give each its own entry"
@@ -233,6 +236,7 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
                     mig=mig,
                     readings=readings,
                     minor=minor,
+                    gpm=gpm,
                 )
             )
     return tuple(gpus)
