@@ -122,8 +122,19 @@ def _event_set(lib: FakeNvmlLibrary, arg: Any) -> tuple[int, _EventSet] | None:
     return None if found is None else (set_id, found)
 
 
-def _supported(dev: Dev) -> int:
-    return MIG_EVENTS if dev.mig is not None else GPU_EVENTS
+_KIND_BITS = {
+    "xid": XID_CRITICAL_ERROR,
+    "single_bit_ecc": SINGLE_BIT_ECC,
+    "double_bit_ecc": DOUBLE_BIT_ECC,
+    "clock_change": CLOCK,
+}
+
+
+def _supported(lib: FakeNvmlLibrary, dev: Dev) -> int:
+    if dev.mig is not None:
+        return MIG_EVENTS
+    kinds = lib._node.gpu(dev.gpu).events  # a recorded GPU's own answer, where the scenario gives it
+    return GPU_EVENTS if kinds is None else sum(_KIND_BITS[kind] for kind in set(kinds))
 
 
 @_c("nvmlEventSetCreate", device=False)
@@ -149,7 +160,7 @@ def _free(lib: FakeNvmlLibrary, t: float, event_set: Any) -> int:
 
 @_c("nvmlDeviceGetSupportedEventTypes")
 def _supported_types(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
-    _obj(out).value = _supported(dev)
+    _obj(out).value = _supported(lib, dev)
     return SUCCESS
 
 
@@ -159,7 +170,7 @@ def _register(lib: FakeNvmlLibrary, t: float, dev: Dev, types: Any, event_set: A
     if found is None:
         return INVALID_ARGUMENT
     wanted = _int(types)
-    if wanted & ~_supported(dev):
+    if wanted & ~_supported(lib, dev):
         return NOT_SUPPORTED  # as the driver answers a request for a type the device lacks
     _, events = found
     gpu = dev.gpu

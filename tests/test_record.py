@@ -773,6 +773,42 @@ def test_a_hopper_without_gpm_replays_without_it() -> None:
     assert busy == {"0": pytest.approx(600.0), "1": pytest.approx(150.0)}
 
 
+def test_the_driver_events_a_gpu_reports_are_the_replays() -> None:
+    # GPU 0 reports no driver events (as a vGPU may), GPU 1 Xids only, GPU 2 every kind. The
+    # trace did not say, and the fake reports every kind on every GPU: the replayed agent watched
+    # GPU 0's events (events_up 1 where the node's was 0) and would have counted GPU 1's ECC
+    # events. GPU 3's driver refuses the question (NOT_SUPPORTED), which the tap did not see.
+    node = {
+        "gpus": [
+            {"model": "A100-SXM4-80GB", "events": []},
+            {"model": "A100-SXM4-80GB", "events": ["xid"]},
+            {"model": "A100-SXM4-80GB", "count": 2},
+        ],
+        "processes": [{"pid": 5, "gpus": [0], "memory_mib": 100, "sm_util": 50}],
+        "faults": [
+            {"gpu": 3, "call": "nvmlDeviceGetSupportedEventTypes", "error": "NOT_SUPPORTED"},
+            {"at": "1m", "gpu": 1, "xid": 31},
+            {"at": "2m", "gpu": 1, "event": "single_bit_ecc"},
+            {"at": "2m", "gpu": 2, "event": "single_bit_ecc"},
+        ],
+    }
+    trace, polls = record_node(node)
+    assert [gpu.get("events") for gpu in trace["gpus"]] == [[], ["xid"], None, None]
+    assert {"gpu": 3, "call": "nvmlDeviceGetSupportedEventTypes", "error": "NOT_SUPPORTED"} in trace["faults"]
+    replayed = replayed_series(trace)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        assert not same(original, again), f"poll {k}"
+    up = {dict(labels)["gpu"]: v for (name, labels), v in replayed[-1].items() if name == "gpuledger_gpu_events_up"}
+    assert up == {"0": 0, "1": 1, "2": 1, "3": 0}
+    # GPU 1's Xid and GPU 2's ECC event; GPU 1's ECC event is not reported.
+    events = {
+        (dict(labels)["gpu"], dict(labels)["event"]): v
+        for (name, labels), v in replayed[-1].items()
+        if name == "gpuledger_gpu_events_total"
+    }
+    assert events == {("1", "xid"): 1, ("2", "single_bit_ecc"): 1}
+
+
 def test_a_gpu_lost_all_through_the_recording_is_in_the_trace() -> None:
     # GPU 1 is lost from the start: never identified, its handle refused with GPU_IS_LOST. The
     # trace listed GPUs only up to the last one ever readable and dropped the failure (it named

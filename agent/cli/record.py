@@ -61,6 +61,7 @@ from agent.cli.args import EXIT_OK, duration_arg
 from agent.cli.wiring import Agent, build_agent
 from agent.config import Settings, load_config
 from agent.devices.backend import DeviceBackend
+from agent.devices.events import ALL_EVENTS
 from agent.devices.instance import detect_instance_type
 from agent.devices.sampler import MIN_RING_SAMPLES
 from agent.devices.tap import Failure, TappedBackend
@@ -235,6 +236,9 @@ class TraceRecorder:
             entry["nvlink_links"] = len(gpu.nvlinks)
             if gpu.index in self._tap.gpm:
                 entry["gpm"] = self._tap.gpm[gpu.index]
+            events = self._tap.events.get(gpu.index)
+            if events is not None and events != ALL_EVENTS:  # every kind: the fake's default
+                entry["events"] = sorted(kind.value for kind in events)
             if migs:
                 entry["mig"] = [m.mig_profile for m in sorted(migs, key=lambda m: m.mig_index or 0)]
             self._gpus[gpu.index] = entry

@@ -66,6 +66,8 @@ class TappedBackend:
         # GPU index -> whether it said it has GPM, where asked: a replay must not take a Hopper
         # without it (a vGPU) for one with it, nor a GPU the fake does not know for one without.
         self.gpm: dict[int, bool] = {}
+        # GPU index -> the driver events it said it reports, where asked (a vGPU may report none).
+        self.events: dict[int, frozenset[EventKind]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -231,7 +233,12 @@ class _TappedActivity(TappedBackend):
 
 class _TappedEvents(TappedBackend):
     def supported_events(self, handle: Handle) -> frozenset[EventKind]:
-        return cast(EventBackend, self._inner).supported_events(handle)
+        inner = cast(EventBackend, self._inner)
+        kinds = self._tapped(handle, lambda: inner.supported_events(handle), what="supported_events")
+        index = self._indexes.get(id(handle))
+        if index is not None:
+            self.events[index] = kinds
+        return kinds
 
     def open_event_set(self) -> Any:
         return cast(EventBackend, self._inner).open_event_set()

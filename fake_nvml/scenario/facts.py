@@ -45,6 +45,8 @@ ERROR_CODES: dict[str, int] = {
 # Driver events a scenario fault can raise besides an Xid (`event:`), as NVML's event API names
 # them: nvmlEventTypeSingleBitEccError, nvmlEventTypeDoubleBitEccError, nvmlEventTypeClock.
 DRIVER_EVENTS = ("single_bit_ecc", "double_bit_ecc", "clock_change")
+# The kinds of driver event a GPU entry's `events:` may name (what it reports).
+DEVICE_EVENT_KINDS = ("xid", "single_bit_ecc", "double_bit_ecc", "clock_change")
 # The ECC events, each the event of one memory error of a kind (`EccErrors`' field): a scenario's
 # `event: double_bit_ecc` is read as `ecc: {uncorrected: 1}`, so counters and events agree.
 ECC_EVENTS = {"single_bit_ecc": "corrected", "double_bit_ecc": "uncorrected"}

@@ -128,6 +128,9 @@ class Gpu:
     # A recorded GPU's own answer: a Hopper under a vGPU driver may have none, a model the fake
     # does not know may have it.
     gpm: bool | None = None
+    # The driver events it reports (names of DEVICE_EVENT_KINDS); None: every kind. A recorded
+    # GPU's own answer (a vGPU may report none).
+    events: tuple[str, ...] | None = None
 
     @property
     def name(self) -> str:

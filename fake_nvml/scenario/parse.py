@@ -20,6 +20,7 @@ from fake_nvml.scenario.facts import (
     BOARD_FACTS,
     DEFAULT_BOARD,
     DEFAULT_FACTS,
+    DEVICE_EVENT_KINDS,
     DRIVER_EVENTS,
     ECC_EVENTS,
     ERROR_CODES,
@@ -181,7 +182,7 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
             [
                 "model", "count", "memory_total_mib", "power_limit_w", "idle_power_w",
                 "idle_temp_c", "max_temp_c", "nvlink_links", "mig", "sm_count",
-                "uuid", "pci_bus_id", "readings", "minor", "gpm",
+                "uuid", "pci_bus_id", "readings", "minor", "gpm", "events",
             ]
         )  # fmt: skip
         model = r.str_("model", "A100-SXM4-80GB") or "A100-SXM4-80GB"
@@ -202,6 +203,12 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
         gpm = r.data.get("gpm")
         if gpm is not None and not isinstance(gpm, bool):
             raise r.fail("gpm", f"expected true or false, got {gpm!r}")
+        events = None
+        if "events" in r.data:
+            events = tuple(r.list_("events"))
+            for kind in events:
+                if kind not in DEVICE_EVENT_KINDS:
+                    raise r.fail("events", f"unknown driver event {kind!r} (use: {', '.join(DEVICE_EVENT_KINDS)})")
         if count > 1 and {"uuid", "pci_bus_id", "readings", "minor"} & set(r.data):
             raise r.fail(
                 "count", "uuid, pci_bus_id and readings belong to one GPU (a minor too): give each its own entry"
@@ -237,6 +244,7 @@ def _parse_gpus(top: _Reader, hostname: str) -> tuple[Gpu, ...]:
                     readings=readings,
                     minor=minor,
                     gpm=gpm,
+                    events=events,
                 )
             )
     return tuple(gpus)
