@@ -255,6 +255,9 @@ class Ledger:
         except CorruptLedger as corrupt:
             self._move_aside(corrupt.detail)
             conn = open_file(self._path, self._busy_timeout_s, self._node, fsync_each_flush=self._fsync_each_flush)
+        # Registered once per connection, not at each flush: SQLite expires every prepared
+        # statement when a function is (re)registered, so each flush prepared its upserts anew.
+        conn.create_function("gpuledger_merge_sketch", 2, merge_encoded, deterministic=True)
         self.file_id = file_id(self._path)
         return conn
 
@@ -354,7 +357,6 @@ class Ledger:
                 ],
             )
             conn.executemany(UPSERT_IDLE, batch.idle_columns())
-            conn.create_function("gpuledger_merge_sketch", 2, merge_encoded, deterministic=True)
             conn.executemany(UPSERT_SIZING, batch.sizing_columns())
             if batch.first_at is not None and batch.last_at is not None:
                 conn.execute(_RECORD_PERIOD, {"first": batch.first_at, "last": batch.last_at})
