@@ -94,3 +94,30 @@ def test_the_fake_driver_averages_power_where_the_architecture_does(
         pynvml.nvmlShutdown()
     finally:
         fake_nvml.uninstall()
+
+
+def test_polls_under_a_second_apart_take_the_mean_over_a_second_or_more(h100: fake_nvml.InstalledNode) -> None:
+    sampler = Sampler(NvmlBackend(clock=h100.clock.wall_time))
+    sampler.start()
+    sampler.poll()  # t=0: the counter at 0 J
+    h100.clock.advance(0.5)
+    # 0.5 s since the counter was read: too short a span for its steps; the driver's 1 s average
+    # (0-0.5 s busy: 700 W) stands, and the mean waits.
+    assert sampler.poll().gpus[0].power_w == 700.0
+    h100.clock.advance(1.0)
+    # 1.5 s since t=0: busy 1 s (700 J) and idle 0.5 s (50 J): 750 J / 1.5 s = 500 W.
+    assert sampler.poll().gpus[0].power_w == 500.0
+    sampler.close()
+
+
+def test_a_clock_set_a_day_forward_does_not_spread_seconds_of_energy_over_it(h100: fake_nvml.InstalledNode) -> None:
+    clock = {"offset": 0.0}
+    sampler = Sampler(NvmlBackend(clock=lambda: h100.clock.wall_time() + clock["offset"]))
+    sampler.start()
+    sampler.poll()
+    h100.clock.advance(3.5)
+    clock["offset"] = 86400.0  # the host's clock jumps a day; the board ran 3.5 s
+    # 3.5 s of energy over a day would read ~0.02 W; the driver's 1 s average at 3.5 s stands:
+    # 2.5-3 s busy, 3-3.5 s idle: (350 + 50) J / 1 s = 400 W.
+    assert sampler.poll().gpus[0].power_w == 400.0
+    sampler.close()

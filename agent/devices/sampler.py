@@ -1053,6 +1053,14 @@ def _split_by_instance(
     return {slot: tuple(readings) for slot, readings in found.items()}
 
 
+# The spans _mean_power takes a mean over. Shorter: the energy counter moves in steps (the driver
+# updates it a few times a second), so at 0.1 s polls a mean would jump between 0 and double; the
+# mean then spans the polls since the last one at least this long ago. Longer: a clock set forward
+# (a year, say) would spread a few seconds' energy over it and read ~0 W.
+MEAN_POWER_MIN_SPAN_S = 1.0
+MEAN_POWER_MAX_SPAN_S = 3600.0
+
+
 def _mean_power(gpu: _Gpu, values: Mapping[ReadingKey, float]) -> float | None:
     """The board's mean power since the previous poll, from the energy counter: what a gauge
     scraped every few seconds should say. The driver's own power reading is a 1 s average at best
@@ -1060,13 +1068,21 @@ def _mean_power(gpu: _Gpu, values: Mapping[ReadingKey, float]) -> float | None:
     instant at worst, and either lands where it lands in a workload that pulses: on an H200
     running half-second bursts of matrix products, polls read 129 W where the board drew 448 W
     on average (scripts/realgpu). The driver's reading stands where there is no mean: a first poll,
-    one after a loss, a GPU without the counter, a counter that went back (driver reload)."""
+    one after a loss, a GPU without the counter, a counter that went back (driver reload), a span
+    under MEAN_POWER_MIN_SPAN_S (the mean then waits for one that long) or over MEAN_POWER_MAX_SPAN_S."""
     energy, now = values.get(_ENERGY), gpu.poll_at
-    previous, gpu.energy_seen = gpu.energy_seen, None if energy is None or now is None else (now, energy)
-    if previous is None or energy is None or now is None:
+    previous = gpu.energy_seen
+    if energy is None or now is None:
+        gpu.energy_seen = None
+        return values.get(_POWER)
+    if previous is None or now <= previous[0] or energy < previous[1]:
+        gpu.energy_seen = (now, energy)
         return values.get(_POWER)
     since, before = previous
-    if now <= since or energy < before:
+    if now - since < MEAN_POWER_MIN_SPAN_S:
+        return values.get(_POWER)  # the anchor stays: the mean spans this poll's interval too
+    gpu.energy_seen = (now, energy)
+    if now - since > MEAN_POWER_MAX_SPAN_S:
         return values.get(_POWER)
     return round((energy - before) / (now - since), 3)  # the driver's own resolution: milliwatts
 
