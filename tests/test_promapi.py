@@ -4,10 +4,16 @@ in for the store)."""
 
 from __future__ import annotations
 
+import datetime
+import http.server
+import ipaddress
 import json
 import re
+import ssl
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -148,3 +154,103 @@ def test_a_token_file_of_more_than_the_token_is_refused_without_quoting_it(tmp_p
 def test_only_http_urls_are_stores(url: str) -> None:
     with pytest.raises(BadInputError, match="http:// or https://"):
         PrometheusAPI(url)
+
+
+def _private_ca_chain(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA and a certificate for 127.0.0.1 issued by it, as a minimal private CA makes them: the
+    X.509 extensions that verification needs (basic constraints, the name), none of the
+    identifier extensions (Subject and Authority Key Identifier) RFC 5280 asks CAs to add.
+    Returns the CA certificate, the server's certificate and its key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def issue(cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None, *, ca: bool) -> Any:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+        issuer_name, signing_key = (issuer[0].subject, issuer[1]) if issuer else (subject, key)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+            builder = builder.add_extension(san, critical=False)
+        return builder.sign(signing_key, hashes.SHA256()), key
+
+    ca = issue("internal CA", None, ca=True)
+    server_cert, server_key = issue("store", ca, ca=False)
+    paths = directory / "ca.pem", directory / "store.pem", directory / "store.key"
+    paths[0].write_bytes(ca[0].public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        server_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return paths
+
+
+def test_a_store_certified_by_a_private_ca_is_trusted_through_the_ca_file_as_python_3_13_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python 3.13's default context sets VERIFY_X509_STRICT (and VERIFY_X509_PARTIAL_CHAIN); on 3.13
+    # the same --ca-file that Prometheus and Grafana trust was refused ("Missing Authority Key
+    # Identifier"). Made here as 3.13 makes it, so that 3.11 checks what 3.13 does.
+    default_context = ssl.create_default_context
+
+    def as_python_3_13(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        context = default_context(*args, **kwargs)
+        context.verify_flags |= ssl.VERIFY_X509_STRICT | ssl.VERIFY_X509_PARTIAL_CHAIN
+        return context
+
+    monkeypatch.setattr(ssl, "create_default_context", as_python_3_13)
+    ca_file, cert, key = _private_ca_chain(tmp_path)
+    body = json.dumps(vector(({"gpu": "0"}, 1.0))).encode()
+
+    class Store(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Store)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{server.server_address[1]}"
+    try:
+        store = PrometheusAPI(url, StoreOptions(ca_file=str(ca_file), timeout_s=10.0))
+        try:
+            [series] = store.instant("up", 0.0)
+        finally:
+            store.close()
+        assert series.value == 1.0
+        # Still verified: against another CA the certificate is refused.
+        (tmp_path / "other").mkdir()
+        other_ca, _, _ = _private_ca_chain(tmp_path / "other")
+        stranger = PrometheusAPI(url, StoreOptions(ca_file=str(other_ca), timeout_s=10.0))
+        try:
+            with pytest.raises(StoreUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
+                stranger.instant("up", 0.0)
+        finally:
+            stranger.close()
+    finally:
+        server.shutdown()
+        server.server_close()
