@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sqlite3
 from collections.abc import Mapping
 from dataclasses import replace
@@ -450,6 +451,41 @@ def test_recorded_gpus_reads_the_latest_hour_of_a_first_release_ledger(tmp_path:
     assert recorded_gpus(path, "node-a") == [(0, "GPU-0", name), (1, "GPU-1", name), (2, "GPU-2", name)]
     assert recorded_gpus(path, "another-node") == []
     assert recorded_gpus(tmp_path / "missing.db", "node-a") == []
+
+
+# SQLite's numbered (?1) and named (:name, @name, $name) placeholders.
+_NAMED_PLACEHOLDER = re.compile(r"\?\d+|[:@$][A-Za-z_]\w*")
+
+
+class _BindsAsPython312:
+    """A ledger connection that binds as Python 3.12.0 to 3.12.3 do: a sequence of parameters for
+    a numbered or named placeholder is refused (they warn, and the suite's warnings are errors)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, parameters: Any = ()) -> sqlite3.Cursor:
+        if parameters and not isinstance(parameters, Mapping) and _NAMED_PLACEHOLDER.search(sql):
+            raise AssertionError(f"a sequence bound to a named placeholder: {sql}")
+        return self._conn.execute(sql, parameters)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def test_recorded_gpus_binds_the_node_as_python_3_12_takes_placeholders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On Python 3.12.1 the restarted agent's read of its ledger warned that `?1` bound from a
+    # sequence will be an error (with -W error, as this suite runs, the agent did not start).
+    import agent.ledger.known
+
+    opened = agent.ledger.known.open_read_only
+    monkeypatch.setattr(agent.ledger.known, "open_read_only", lambda path: _BindsAsPython312(opened(path)))
+    path = tmp_path / "v1.db"
+    write_v1_ledger(path)
+    assert [uuid for _, uuid, _ in recorded_gpus(path, "node-a")] == ["GPU-0", "GPU-1", "GPU-2"]
+    assert recorded_gpus(path, "another-node") == []
 
 
 def write_device(root: Path, name: str, vendor: int, pci_class: int, driver: str | None = None) -> None:

@@ -33,8 +33,10 @@ def recorded_gpus(path: str | Path, node: str | None) -> list[tuple[int, str, st
             if node is None:
                 rows = conn.execute(latest.format(node="", of="") + " ORDER BY gpu, uuid").fetchall()
             else:
-                sql = latest.format(node="node = ?1 AND ", of=" WHERE node = ?1") + " ORDER BY gpu, uuid"
-                rows = conn.execute(sql, (node,)).fetchall()
+                # A named placeholder with a mapping: Python 3.12.0 to 3.12.3 take `?1` for a named
+                # one and warn when a sequence binds it (an error under -W error).
+                sql = latest.format(node="node = :node AND ", of=" WHERE node = :node") + " ORDER BY gpu, uuid"
+                rows = conn.execute(sql, {"node": node}).fetchall()
     except sqlite3.Error as exc:
         raise LedgerError(f"ledger {path}: cannot read: {exc}") from exc
     found: dict[int, tuple[int, str, str]] = {}
