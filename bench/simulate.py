@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if elapsed is None:
             return 1
         size = sum(p.stat().st_size for p in Path(tmp).glob("ledger.db*"))
-        with sqlite3.connect(ledger) as conn:
+        with closing(sqlite3.connect(ledger)) as conn, conn:
             workload_rows = conn.execute("SELECT count(*) FROM workload_hours").fetchone()[0]
             gpu_rows = conn.execute("SELECT count(*) FROM gpu_hours").fetchone()[0]
     print(f"gpuledger simulate {args.scenario} --for {args.duration} --step {args.step}")

@@ -7,6 +7,7 @@ import json
 import math
 import sqlite3
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,7 @@ def test_metrics_ledger_and_report_show_the_same_energy_dollars(an_hour: tuple[A
         pytest.approx(900_000, rel=1e-12)
     )
 
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         ((ledger_workload, hours),) = conn.execute("SELECT SUM(energy_dollars), COUNT(*) FROM workload_hours")
         ((ledger_gpu, ledger_idle),) = conn.execute("SELECT energy_dollars, idle_energy_dollars FROM gpu_hours")
     assert hours == 1  # 18:00 to 19:00: one ledger hour
@@ -130,7 +131,7 @@ def test_energy_no_counter_measured_is_unknown_and_a_counter_at_0_joules_is_0(tm
     for name in ("gpuledger_gpu_idle_energy_joules_total", "gpuledger_gpu_energy_cost_dollars_total"):
         assert registry.get_sample_value(name, ann_gpu) is None
         assert registry.get_sample_value(name, idle_gpu) == 0.0  # measured: 0 W x 3600 s = 0 J, $0.00
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         assert conn.execute("SELECT joules, energy_dollars FROM workload_hours").fetchall() == [(None, None)]
         assert conn.execute("SELECT gpu, joules, idle_joules FROM gpu_hours ORDER BY gpu").fetchall() == [
             (0, None, None),

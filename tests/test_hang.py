@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -322,7 +323,7 @@ def daemon(scenario: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[st
 
 
 def ledger_rows(ledger: Path) -> int:
-    with sqlite3.connect(ledger) as db:
+    with closing(sqlite3.connect(ledger)) as db, db:
         return int(db.execute("SELECT count(*) FROM gpu_hours").fetchone()[0])
 
 

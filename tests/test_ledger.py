@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +69,13 @@ def charges(
 
 
 def stored(path: Path, sql: str) -> list[tuple[object, ...]]:
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         return conn.execute(sql).fetchall()
 
 
 def total_dollars(path: Path) -> float:
     """Workload dollars plus idle dollars, as `report` counts them, summed exactly."""
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         workload = [d for (d,) in conn.execute("SELECT dollars FROM workload_hours")]
         idle = [d for (d,) in conn.execute("SELECT idle_dollars FROM gpu_hours")]
     return math.fsum(workload + idle)
@@ -214,7 +214,7 @@ def test_a_file_that_is_not_a_database_is_a_ledger_error_naming_it(tmp_path: Pat
 
 def test_another_programs_database_is_left_alone(tmp_path: Path) -> None:
     path = tmp_path / "other.db"
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("CREATE TABLE invoices (id INTEGER)")
     with pytest.raises(LedgerError, match="not a gpuledger ledger"):
         Ledger(path)
@@ -225,7 +225,7 @@ def test_a_newer_schema_is_refused_in_one_line_naming_the_file_and_versions(tmp_
     path = tmp_path / "ledger.db"
     Ledger(path).close()
     newer = SCHEMA_VERSION + 1
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("INSERT INTO schema_version VALUES (?, 0)", (newer,))
     for opening in (lambda: Ledger(path), lambda: read_usage(path)):
         with pytest.raises(LedgerError) as caught:
@@ -393,6 +393,7 @@ def test_close_within_a_bound_does_not_wait_out_a_flush_already_waiting_on_a_loc
     assert errors[0].startswith(f"ledger {path}: closing while a flush has not returned in 0.3s")
     assert errors[0].endswith("2 more hourly rows ($1.00) could not be written")
     assert flushed == [True]  # the lock went: the flush that waited wrote its rows
+    ledger.close()  # the bounded close left the file open to the flush that waited on it
 
 
 def test_a_flush_stuck_in_the_filesystem_reads_as_failing_and_never_blocks_a_poll(
@@ -541,7 +542,7 @@ def test_sigkill_at_random_moments_never_corrupts_or_loses_a_flush(tmp_path: Pat
 
         with Ledger(path, retention_s=None):  # the agent can open it again
             pass
-        with sqlite3.connect(path) as conn:
+        with closing(sqlite3.connect(path)) as conn, conn:
             assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)], f"seed {seed} run {run}"
         on_disk = total_dollars(path)
         assert on_disk >= (flushed_so_far + flushed) * (1 - 1e-9), f"seed {seed} run {run}: a flush was lost"

@@ -9,6 +9,7 @@ import json
 import shutil
 import sqlite3
 import subprocess
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,7 @@ def test_run_on_a_fake_node_keeps_its_ledger_by_the_scenarios_clock(tmp_path: Pa
         d.wait_for(polls_at_least(5))
     finally:
         assert d.stop() == 0
-    with sqlite3.connect(ledger) as db:
+    with closing(sqlite3.connect(ledger)) as db, db:
         rows = db.execute(
             "SELECT hour, gpu, observed_s, unobserved_s, dollars, unobserved_dollars FROM gpu_hours ORDER BY gpu"
         ).fetchall()

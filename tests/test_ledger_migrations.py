@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -271,7 +272,7 @@ WRITERS = {
 
 
 def rows(path: Path, sql: str) -> list[tuple[object, ...]]:
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         return conn.execute(sql).fetchall()
 
 
@@ -401,7 +402,7 @@ def test_the_latest_schema_has_a_column_for_every_workload_label(tmp_path: Path)
 def test_a_ledger_from_a_newer_gpuledger_is_refused_in_one_line(v1_ledger: Path) -> None:
     Ledger(v1_ledger).close()
     newer = SCHEMA_VERSION + 1
-    with sqlite3.connect(v1_ledger) as conn:
+    with closing(sqlite3.connect(v1_ledger)) as conn, conn:
         conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, 0)", (newer,))
     expected = (
         f"ledger {v1_ledger}: schema version {newer} is newer than this gpuledger reads "
@@ -478,7 +479,7 @@ def test_version_4_fills_charged_seconds_from_dollars_or_else_held_seconds(tmp_p
         " idle_dollars, unobserved_s, unobserved_dollars, joules, idle_joules, energy_dollars, idle_energy_dollars)"
         " VALUES (?, 'node-a', ?, ?, 'A100-SXM4-80GB', ?, 3600.0, ?, ?, ?, 0.0, 0.0, 0.0, 0.0, NULL, NULL)"
     )
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         conn.executemany(
             workload_sql,
             [
@@ -517,7 +518,7 @@ def test_version_4_fills_charged_seconds_from_dollars_or_else_held_seconds(tmp_p
 
 
 def test_a_renamed_node_is_known_by_the_name_most_of_its_rows_carry(v1_ledger: Path) -> None:
-    with sqlite3.connect(v1_ledger) as conn:
+    with closing(sqlite3.connect(v1_ledger)) as conn, conn:
         conn.execute(
             "INSERT INTO gpu_hours VALUES (?, 'old-name', 'GPU-0', 0, 'A100-SXM4-80GB', 2.5,"
             " 3600.0, 2.5, 3600.0, 2.5, 0.0, 0.0, 0.0, 0.0)",
@@ -537,7 +538,7 @@ def test_an_upgraded_agent_charges_from_where_the_first_releases_record_ended(v1
     # ends at 19:15 (H1 + 900 s): the agent books 19:15 to 19:20 unobserved (agent_down, 300 s,
     # $0.300 at $0.001 a second) and charges ann 19:20 to 19:30 (600 s, $0.600); 0.300 + 0.600
     # = 900 s x $0.001.
-    with sqlite3.connect(v1_ledger) as conn:
+    with closing(sqlite3.connect(v1_ledger)) as conn, conn:
         conn.execute(
             "UPDATE gpu_hours SET observed_s = observed_s / 4, dollars = dollars / 4, idle_s = idle_s / 4,"
             " idle_dollars = idle_dollars / 4 WHERE hour = ?",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def test_a_ledger_that_cannot_open_keeps_charges_until_it_can(tmp_path: Path, ca
     finally:
         rig.close()
         sink.close()
-    with sqlite3.connect(blocker / "ledger.db") as conn:
+    with closing(sqlite3.connect(blocker / "ledger.db")) as conn, conn:
         (dollars,) = conn.execute("SELECT sum(dollars) FROM workload_hours").fetchone()
     assert dollars == pytest.approx(600 * 3.6 / 3600)  # ann held the GPU for all ten minutes
 
@@ -71,7 +72,7 @@ def test_only_simulate_leaves_the_fsync_of_each_flush_to_the_checkpoints(
     daemon = build_agent(load_config(None), fake="demo", ledger_path=tmp_path / "daemon.db")
     daemon.close()
     assert levels == {"simulated.db": 1, "daemon.db": 2}
-    with sqlite3.connect(tmp_path / "simulated.db") as conn:
+    with closing(sqlite3.connect(tmp_path / "simulated.db")) as conn, conn:
         hours = conn.execute("SELECT count(DISTINCT hour) FROM gpu_hours").fetchone()[0]
     assert hours == 2  # both scenario hours reached the file
 

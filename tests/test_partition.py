@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +212,7 @@ def _watch(agent: Any, polls: int) -> None:
 
 def _ledger_time(ledger: Path) -> tuple[float, float, float, float]:
     """(observed seconds, dollars, idle dollars, unobserved dollars) the ledger holds."""
-    with sqlite3.connect(ledger) as db:
+    with closing(sqlite3.connect(ledger)) as db, db:
         found: tuple[float, float, float, float] = db.execute(
             "SELECT sum(observed_s), sum(dollars), sum(idle_dollars), sum(unobserved_dollars) FROM gpu_hours"
         ).fetchone()
@@ -266,7 +267,7 @@ def test_energy_counted_over_an_outage_goes_to_the_hours_of_the_outage_not_the_h
         "faults: [{at: 30m, until: 90m, gpu: 0, error: GPU_IS_LOST}]\n",
         "--for", "2h", "--step", "60s",
     )  # fmt: skip
-    with sqlite3.connect(ledger) as db:
+    with closing(sqlite3.connect(ledger)) as db, db:
         hours = db.execute(
             "SELECT g.hour, g.observed_s, g.unobserved_s, g.joules, w.joules FROM gpu_hours g"
             " JOIN workload_hours w ON w.hour = g.hour AND w.uuid = g.uuid ORDER BY g.hour"
@@ -479,7 +480,7 @@ def test_the_time_between_two_runs_is_unobserved_in_the_ledger(tmp_path: Path) -
     second = watch(3600)
     [gpu] = second.costs.gpus.values()
     assert gpu.unobserved_by_reason == {"agent_down": (pytest.approx(3000.0), pytest.approx(3.000))}
-    with sqlite3.connect(ledger) as db:
+    with closing(sqlite3.connect(ledger)) as db, db:
         idle, unobserved, observed = db.execute(
             "SELECT sum(idle_dollars), sum(unobserved_dollars), sum(observed_s) FROM gpu_hours"
         ).fetchone()
@@ -532,7 +533,7 @@ def test_the_idle_flag_and_the_metrics_name_who_left_the_gpu_idle(caplog: pytest
 
 
 def job_dollars(ledger: Path, job: str) -> float:
-    with sqlite3.connect(ledger) as db:
+    with closing(sqlite3.connect(ledger)) as db, db:
         (dollars,) = db.execute("SELECT sum(dollars) FROM workload_hours WHERE hpc_job = ?", (job,)).fetchone()
     return float(dollars)
 

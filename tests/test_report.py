@@ -11,6 +11,7 @@ import json
 import math
 import sqlite3
 import tempfile
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ def weekend_ledger(tmp_path: Path) -> Path:
 
 
 def raw(path: Path, sql: str) -> list[float]:
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         return [v for (v,) in conn.execute(sql)]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -258,7 +259,7 @@ def test_a_version_5_ledger_gains_sizing_hours_and_keeps_its_rows(tmp_path: Path
     path = tmp_path / "v5.db"
     write_v5_ledger(path)
     Ledger(path, retention_s=None).close()
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         assert conn.execute("SELECT max(version) FROM schema_version").fetchone() == (SCHEMA_VERSION,)
         assert conn.execute("SELECT count(*) FROM sizing_hours").fetchone() == (0,)  # nothing recorded sizing then
         assert conn.execute("SELECT count(*) FROM workload_hours").fetchone()[0] > 0

@@ -6,6 +6,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -316,6 +317,10 @@ def test_a_credential_in_the_model_argument_reaches_no_output(tmp_path: Path) ->
         assert result.returncode == 0, result.stderr
         return result.stdout + result.stderr
 
+    def ledger_rows() -> str:
+        with closing(sqlite3.connect(ledger)) as conn:
+            return "\n".join(str(row) for row in conn.execute("SELECT * FROM workload_hours").fetchall())
+
     outputs = {
         "simulate": gpuledger(
             "simulate",
@@ -335,9 +340,7 @@ def test_a_credential_in_the_model_argument_reaches_no_output(tmp_path: Path) ->
         "export": gpuledger("export", "--ledger", str(ledger)),
         "snapshot": gpuledger("snapshot", "--fake", str(scenario), "--json"),
         "snapshot table": gpuledger("snapshot", "--fake", str(scenario)),
-        "ledger rows": "\n".join(
-            str(row) for row in sqlite3.connect(ledger).execute("SELECT * FROM workload_hours").fetchall()
-        ),
+        "ledger rows": ledger_rows(),
     }
     for name, text in outputs.items():
         assert "s3cretpw" not in text, name
