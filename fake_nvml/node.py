@@ -123,7 +123,8 @@ class FakeNode:
         self._by_gpu: list[list[ProcessOnGpu]] = [[] for _ in scenario.gpus]
         for process in scenario.processes:
             for ref in process.gpus:
-                self._by_gpu[ref.gpu].append(ProcessOnGpu(process, ref.mig))
+                # Its figures there: `per_gpu`'s where it gives some for this GPU.
+                self._by_gpu[ref.gpu].append(ProcessOnGpu(process.on(ref), ref.mig))
         self._faults_by_gpu: dict[int | None, list[Fault]] = {}
         for fault in scenario.faults:
             self._faults_by_gpu.setdefault(fault.gpu, []).append(fault)

@@ -986,3 +986,65 @@ def test_a_bad_health_reading_fails_at_load_naming_it() -> None:
     ):
         with pytest.raises(fake_nvml.ScenarioError, match=message):
             fake_nvml.load_scenario({"gpus": [{"nvlink_links": 1, "readings": [row]}]})
+
+
+def test_a_process_on_two_gpus_replays_each_gpus_own_memory_and_load() -> None:
+    # One pid on GPUs 0 and 1 (a model split unevenly, device_map=auto): 60 GB and 90% busy on
+    # GPU 0, 20 GB and 30% (then 10 GB and 50% from 4m) on GPU 1, beside another job on GPU 1.
+    # The trace took the process's figures from GPU 0 alone, and the replay booked GPU 1 at
+    # GPU 0's: the two jobs' shares of GPU 1, and so their dollars, came out wrong.
+    node: dict[str, Any] = {
+        "start": "2026-11-20T18:00:00Z",
+        "node": {"hostname": "split-node", "driver_version": "550.54.15"},
+        "gpus": [{"model": "A100-SXM4-80GB", "count": 2}],
+        "processes": [
+            {
+                "pid": 4101, "gpus": [0, 1], "sm_util": 90, "memory_mib": 60000, "slurm_job": "7",
+                "per_gpu": {1: {"sm_util": [{"at": 0, "sm_util": 30}, {"at": "4m", "sm_util": 50, "memory_mib": 10000}],
+                                "memory_mib": 20000}},
+            },
+            {"pid": 4102, "gpus": [1], "sm_util": 20, "memory_mib": 1000, "slurm_job": "8"},
+        ],
+    }  # fmt: skip
+    trace, polls = record_node(node)
+    fake_nvml.uninstall()
+    replayed = replayed_series(yaml.safe_load(trace_text(trace, "")))
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        problems = same(original, again)
+        assert not problems, f"poll {k} (t={k * STEP_S:g}s): " + "\n".join(problems[:20])
+    # GPU 0's figures are the process's, GPU 1's its own; a process on one GPU has none.
+    split = next(p for p in trace["processes"] if p["pid"] == 4101)
+    assert (split["gpus"], split["memory_mib"]) == (["0", "1"], 60000)
+    assert split["per_gpu"]["1"]["memory_mib"] == 20000
+    assert "per_gpu" not in next(p for p in trace["processes"] if p["pid"] == 4102)
+
+    # The node booked GPU 1 by each job's share of the busy time: 30 / (30 + 20) = 0.6 of it to
+    # job 7 before 4m. At $3.00 an hour, the minute from 2m to 3m (1/60 h) is $0.05 of GPU 1, and
+    # job 7's share of it 0.6 x $0.05 = $0.03 (the replay gives the same, checked above).
+    def cost(poll: Series) -> float:
+        return sum(
+            v
+            for (name, labels), v in poll.items()
+            if name == "gpuledger_workload_cost_dollars_total" and {("gpu", "1"), ("hpc_job", "7")} <= labels
+        )
+
+    assert cost(polls[36]) - cost(polls[24]) == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize(
+    ("per_gpu", "message"),
+    [
+        ({2: {"memory_mib": 5}}, r"processes\[0\]\.per_gpu: GPU 2 does not exist"),
+        ({"0:1": {"memory_mib": 5}}, r"processes\[0\]\.per_gpu: GPU 0 has no MIG instance 1"),
+        ({1: {"memory_mib": 5}}, r"processes\[0\]\.per_gpu: GPU 1 is not one of its gpus"),
+        ({0: {"power": 5}}, r"processes\[0\]\.per_gpu\[0\]\.power: unknown key"),
+        ([0], r"processes\[0\]\.per_gpu: expected a mapping"),
+    ],
+)
+def test_a_bad_per_gpu_fails_at_load_naming_it(per_gpu: Any, message: str) -> None:
+    scenario = {
+        "gpus": [{"model": "A100-SXM4-80GB", "count": 2}],
+        "processes": [{"pid": 7, "gpus": [0], "per_gpu": per_gpu}],
+    }
+    with pytest.raises(fake_nvml.ScenarioError, match=message):
+        fake_nvml.load_scenario(scenario)

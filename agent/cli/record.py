@@ -14,7 +14,8 @@ What goes in, and how it comes back:
   its rows), and every health reading the poll took, in the driver's units), which the fake
   serves in place of its physics;
 - each GPU process with its GPUs, its lifetime, its memory over time and its per-process
-  utilization as segments that reproduce the driver's samples (those a full ring lost at the
+  utilization on each of its GPUs (those of a GPU that differ from its first's under `per_gpu`)
+  as segments that reproduce the driver's samples (those a full ring lost at the
   mean of those it kept; those the first poll read, from before the trace, at their mean from
   its start), its uid and user name, its
   cgroup, and its pod or Slurm job where the scheduler allocated it the GPU; its command line
@@ -98,18 +99,20 @@ class _Process:
     first_s: float
     refs: list[str] = field(default_factory=list)  # "0", or "0:1" for MIG instance 1 of GPU 0
     gpu_uuid: str = ""  # the first GPU it was seen on, whose samples it takes
+    uuids: dict[str, str] = field(default_factory=dict)  # each of its refs -> its GPU's uuid
     last_s: float = 0.0  # the last poll that listed it
     started_s: float | None = None  # when it started (procfs), scenario time; None: not known
     gone_s: float | None = None
-    memory: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB), at each change
+    # Each of its refs -> the memory it holds there: (t, MiB), at each change.
+    memories: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     uid: int | None = None
     user: str | None = None
     argv: tuple[str, ...] = ()
     cgroup: str = ""
     holding: Holding | None = None
-    # Samples a full ring lost (scenario time -> percent): the mean of those it kept, as the agent
-    # took them to be, so that a replay's device samples sum what the recording's did.
-    lost: dict[float, int] = field(default_factory=dict)
+    # Samples a full ring lost (GPU uuid -> scenario time -> percent): the mean of those it kept,
+    # as the agent took them to be, so that a replay's device samples sum what the recording's did.
+    lost: dict[str, dict[float, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -315,12 +318,15 @@ class TraceRecorder:
                 track.last_s = t
                 if ref not in track.refs:
                     track.refs.append(ref)
+                    track.uuids[ref] = device.parent_uuid or device.uuid
                 if not track.gpu_uuid:
                     track.gpu_uuid = device.parent_uuid or device.uuid
-                if ref == track.refs[0] and process.used_memory_bytes is not None:
+                if process.used_memory_bytes is not None:
+                    # Each GPU's own: a process spread over several holds a different share on each.
                     mib = process.used_memory_bytes / MIB
-                    if not track.memory or track.memory[-1][1] != mib:
-                        track.memory.append((t, mib))
+                    memory = track.memories.setdefault(ref, [])
+                    if not memory or memory[-1][1] != mib:
+                        memory.append((t, mib))
                 held = holding_of.get((device.uuid, process.pid))
                 if held is not None and track.holding is None:
                     track.holding = held
@@ -355,7 +361,7 @@ class TraceRecorder:
             period_us = min(gaps)
             for pid, kept in by_pid.items():
                 track = current.get(pid)
-                if track is None or track.gpu_uuid != uuid or len(kept) < ring:
+                if track is None or uuid not in track.uuids.values() or len(kept) < ring:
                     continue
                 # After the previous poll's samples (read then), from the process's start (a
                 # sample may fall on it: within half a period of it counts).
@@ -363,7 +369,7 @@ class TraceRecorder:
                 mean = round(sum(util for _stamp, util in kept) / len(kept))
                 stamp_us = min(stamp for stamp, _util in kept) - period_us
                 while stamp_us / 1_000_000 > previous and stamp_us / 1_000_000 >= born_s:
-                    track.lost[round(stamp_us / 1_000_000 - start, 6)] = mean
+                    track.lost.setdefault(uuid, {})[round(stamp_us / 1_000_000 - start, 6)] = mean
                     stamp_us -= period_us
 
     def _identity(self, pid: int) -> tuple[int, int | None]:
@@ -465,18 +471,33 @@ class TraceRecorder:
         return sorted(self._processes.values(), key=lambda p: (p.first_s, p.pid))
 
     def _process_entry(self, track: _Process, end_s: float) -> dict[str, Any]:
-        stamps = self._samples(track)
+        stamps = {ref: self._samples(track, track.uuids.get(ref, track.gpu_uuid)) for ref in track.refs}
         # When it started, where procfs said (a process that started between two polls is held
-        # from then, not from the poll that first saw it); never after its first sample or the
-        # poll that first listed it, nor before the trace.
+        # from then, not from the poll that first saw it); never after its first sample (on any
+        # of its GPUs) or the poll that first listed it, nor before the trace.
         known = () if track.started_s is None else (track.started_s,)
-        start_s = max(0.0, min([track.first_s, *stamps, *known]))
+        start_s = max(0.0, min([track.first_s, *(at for found in stamps.values() for at in found), *known]))
         entry: dict[str, Any] = {"pid": track.pid, "gpus": list(track.refs), "start": start_s}
         if track.gone_s is not None and track.gone_s <= end_s:
             entry["end"] = track.gone_s
-        # The process's own figure is whole MiB in a scenario; its segments carry the exact ones.
-        entry["memory_mib"] = round(track.memory[0][1]) if track.memory else 0
-        entry["sm_util"] = _segments(stamps, track.memory, start_s, track.gone_s or end_s, self._sample_period(track))
+        # Its figures on each GPU, those of the first as the process's: the memory it holds there
+        # (whole MiB in a scenario; its segments carry the exact ones) and segments that give the
+        # driver's samples there. A process spread over several GPUs holds and does a different
+        # share on each (a model split unevenly): a GPU whose figures differ from the first's has
+        # its own under `per_gpu`, or the replay books the first GPU's on every one.
+        figures = {}
+        for ref in track.refs or [""]:
+            memory = track.memories.get(ref, [])
+            uuid = track.uuids.get(ref, track.gpu_uuid)
+            segments = _segments(
+                stamps.get(ref, {}), memory, start_s, track.gone_s or end_s, self._sample_period(track, uuid)
+            )
+            figures[ref] = {"memory_mib": round(memory[0][1]) if memory else 0, "sm_util": segments}
+        first = figures.pop(track.refs[0] if track.refs else "")
+        entry.update(first)
+        per_gpu = {ref: found for ref, found in figures.items() if found != first}
+        if per_gpu:
+            entry["per_gpu"] = per_gpu
         if track.uid is not None:
             entry["uid"] = track.uid
         if track.user:
@@ -509,21 +530,21 @@ class TraceRecorder:
                 return f"{owner.slurm_job}={job}"
         return job
 
-    def _samples(self, track: _Process) -> dict[float, int]:
-        """The driver's samples of the process on its first GPU: scenario time -> percent. A
+    def _samples(self, track: _Process, uuid: str) -> dict[float, int]:
+        """The driver's samples of the process on GPU `uuid`: scenario time -> percent. A
         reused pid's samples are its own: none from before it started (procfs's start time)."""
         start = self._start or 0.0
         born_s = max(0.0, track.started_s or 0.0)
         # A process's sample is stamped at its own point of a period, before the period's end: one
         # within half a period before its start (or the trace's) is of the period it started in.
-        early_s = born_s - self._period_us.get(track.gpu_uuid, 0) / 2_000_000
-        found = dict(track.lost)
-        samples = self._tap.samples.get(track.gpu_uuid, [])
+        early_s = born_s - self._period_us.get(uuid, 0) / 2_000_000
+        found = dict(track.lost.get(uuid, {}))
+        samples = self._tap.samples.get(uuid, [])
         # The first poll read the samples the driver kept from before the trace (a full ring on a
         # busy GPU, all stamped before the poll), and the agent's figure was their mean. The trace
         # cannot go back before its start: that mean holds from it, so the replay's first poll
         # reads it (in one whole-percent sample, as the driver hands out none finer).
-        first = self._first_read.get(track.gpu_uuid, 0) if track.first_s == 0 else 0
+        first = self._first_read.get(uuid, 0) if track.first_s == 0 else 0
         before = [util for pid, _stamp_us, util in samples[:first] if pid == track.pid]
         if before:
             found[0.0] = round(sum(before) / len(before))
@@ -534,12 +555,10 @@ class TraceRecorder:
                     found[round(max(at, born_s), 6)] = util
         return found
 
-    def _sample_period(self, track: _Process) -> float | None:
-        """How often the driver sampled the process (the smallest gap between two of its samples),
-        in seconds; None where it left fewer than two."""
-        stamps = sorted(
-            {stamp_us for pid, stamp_us, _util in self._tap.samples.get(track.gpu_uuid, ()) if pid == track.pid}
-        )
+    def _sample_period(self, track: _Process, uuid: str) -> float | None:
+        """How often the driver sampled the process on GPU `uuid` (the smallest gap between two of
+        its samples), in seconds; None where it left fewer than two."""
+        stamps = sorted({stamp_us for pid, stamp_us, _util in self._tap.samples.get(uuid, ()) if pid == track.pid})
         gaps = [b - a for a, b in itertools.pairwise(stamps)]
         return min(gaps) / 1_000_000 if gaps else None
 
@@ -662,7 +681,13 @@ def _styled(scenario: Mapping[str, Any]) -> dict[str, Any]:
         for gpu in scenario["gpus"]
     ]
     styled["processes"] = [
-        {**p, "gpus": _FlowList(p["gpus"]), "sm_util": [_Flow(s) for s in p["sm_util"]]} for p in scenario["processes"]
+        {**p, "gpus": _FlowList(p["gpus"]), "sm_util": [_Flow(s) for s in p["sm_util"]]}
+        | (
+            {"per_gpu": {ref: {**g, "sm_util": [_Flow(s) for s in g["sm_util"]]} for ref, g in p["per_gpu"].items()}}
+            if "per_gpu" in p
+            else {}
+        )
+        for p in scenario["processes"]
     ]
     if "allocations" in scenario:
         styled["allocations"] = [_Flow(a) for a in scenario["allocations"]]

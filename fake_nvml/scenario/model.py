@@ -8,7 +8,7 @@ looked like, and the defaults and checks stay in one place.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -181,6 +181,16 @@ class Process:
     decoder_util: float = 0.0
     # Its parent's pid (procfs's ppid); None: init's (1). A server's workers name the server.
     parent: int | None = None
+    # Its figures on some of its GPUs where they differ from the ones above (`per_gpu:`): on each
+    # GPU named here, its own load segments and memory (a model split over two GPUs unevenly).
+    per_gpu: Mapping[GpuRef, tuple[tuple[UtilSegment, ...], int]] = field(default_factory=dict)
+
+    def on(self, ref: GpuRef) -> Process:
+        """The process as GPU `ref` sees it: its own figures there, where `per_gpu` gives some."""
+        figures = self.per_gpu.get(ref)
+        if figures is None:
+            return self
+        return replace(self, segments=figures[0], memory_mib=figures[1], per_gpu={})
 
     def running_at(self, t: float) -> bool:
         return self.start_s <= t and (self.end_s is None or t < self.end_s)

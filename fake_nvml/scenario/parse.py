@@ -11,6 +11,7 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -507,6 +508,28 @@ def _parse_segments(r: _Reader) -> tuple[UtilSegment, ...]:
     return (UtilSegment(0.0, util, *_activity(r, util, tensor_default)),)
 
 
+def _parse_per_gpu(
+    r: _Reader, process: Process, gpus: tuple[Gpu, ...]
+) -> dict[GpuRef, tuple[tuple[UtilSegment, ...], int]]:
+    """`per_gpu:`: GPU ("1", "0:1") -> its own `sm_util` (a number or segments), `sm_active`,
+    `tensor` and `memory_mib` there; what an entry leaves out is the process's."""
+    value = r.data.get("per_gpu")
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise r.fail("per_gpu", f"expected a mapping of its GPUs to their figures, got {_kind(value)}")
+    found: dict[GpuRef, tuple[tuple[UtilSegment, ...], int]] = {}
+    for key, item in value.items():
+        (ref,) = _parse_gpu_refs(_Reader(r.source, r.path, {"per_gpu": [key]}), "per_gpu", gpus)
+        if ref not in process.gpus:
+            raise r.fail("per_gpu", f"GPU {ref} is not one of its gpus")
+        g = r.child(f"per_gpu[{key}]", item)
+        g.check_keys(["sm_util", "sm_active", "tensor", "memory_mib"])
+        segments = _parse_segments(g) if "sm_util" in g.data else process.segments
+        found[ref] = (segments, g.int_("memory_mib", process.memory_mib, maximum=MAX_MIB) or 0)
+    return found
+
+
 def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]:
     processes: list[Process] = []
     seen: dict[int, Process] = {}
@@ -516,7 +539,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
             [
                 "pid", "gpus", "start", "end", "sm_util", "sm_active", "tensor", "memory_mib", "uid", "user",
                 "cmdline", "environ", "cgroup", "pod", "slurm_job", "container_id", "encoder_util",
-                "decoder_util", "parent",
+                "decoder_util", "parent", "per_gpu",
             ]
         )  # fmt: skip
         pid = r.int_("pid", minimum=1, maximum=MAX_PID)
@@ -558,6 +581,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
             decoder_util=r.num("decoder_util", 0.0, maximum=100) or 0.0,
             parent=parent,
         )
+        process = replace(process, per_gpu=_parse_per_gpu(r, process, gpus))
         seen[pid] = process
         processes.append(process)
     return tuple(processes)
