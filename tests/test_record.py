@@ -1048,3 +1048,34 @@ def test_a_bad_per_gpu_fails_at_load_naming_it(per_gpu: Any, message: str) -> No
     }
     with pytest.raises(fake_nvml.ScenarioError, match=message):
         fake_nvml.load_scenario(scenario)
+
+
+def test_a_node_whose_event_api_failed_for_a_while_replays_with_it_failing_then() -> None:
+    # The driver could not make an event set in the first minute, and could not wait on one from
+    # 3m to 4m: the node's reader read no events then (events_up 0) and tried again later. The
+    # tap kept no failure of the reader's own calls (making a set, waiting on it), so the trace
+    # had no fault for them, and the replay read events all along: events_up 1 where it was 0.
+    node = {
+        "gpus": [{"model": "A100-SXM4-80GB", "count": 2}],
+        "processes": [{"pid": 5, "gpus": [0], "memory_mib": 100, "sm_util": 50}],
+        "faults": [
+            {"until": "1m", "call": "nvmlEventSetCreate", "error": "UNKNOWN"},
+            {"at": "3m", "until": "4m", "call": "nvmlEventSetWait_v2", "error": "UNKNOWN"},
+            {"at": "5m", "gpu": 1, "xid": 31},
+        ],
+    }
+    trace, polls = record_node(node)
+    replayed = replayed_series(trace)
+    for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
+        problems = same(original, again)
+        assert not problems, f"poll {k} (t={k * STEP_S:g}s): " + "\n".join(problems[:20])
+
+    def up(poll: Series) -> dict[str, float]:
+        return {dict(labels)["gpu"]: v for (name, labels), v in poll.items() if name == "gpuledger_gpu_events_up"}
+
+    # No GPU watched at first (no set, so none registered), all of them once a set was made, none
+    # in the minute waits failed (the reader tries again every 30 s), all of them after.
+    assert (up(polls[0]), up(polls[30]), up(polls[40]), up(polls[60])) == (
+        {}, {"0": 1, "1": 1}, {"0": 0, "1": 0}, {"0": 1, "1": 1},
+    )  # fmt: skip
+    assert {"at": 0, "until": 5, "call": "nvmlEventSetCreate", "error": "UNKNOWN"} in trace["faults"]

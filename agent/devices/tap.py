@@ -240,15 +240,22 @@ class _TappedEvents(TappedBackend):
             self.events[index] = kinds
         return kinds
 
+    # The reader's own calls are tapped as the others are: a driver that could not make an event
+    # set, or wait on one, for a while is a fault of the trace, or the replayed reader watches the
+    # GPUs all along (gpuledger_gpu_events_up 1 where the node's was 0). A wait that times out is
+    # an answer (None), not a failure.
+
     def open_event_set(self) -> Any:
-        return cast(EventBackend, self._inner).open_event_set()
+        inner = cast(EventBackend, self._inner)
+        return self._tapped(None, inner.open_event_set)
 
     def register_events(self, event_set: Any, handle: Handle, kinds: frozenset[EventKind], token: int) -> None:
         inner = cast(EventBackend, self._inner)
         self._tapped(handle, lambda: inner.register_events(event_set, handle, kinds, token), what="events")
 
     def wait_event(self, event_set: Any, timeout_s: float) -> DeviceEvent | None:
-        return cast(EventBackend, self._inner).wait_event(event_set, timeout_s)
+        inner = cast(EventBackend, self._inner)
+        return self._tapped(None, lambda: inner.wait_event(event_set, timeout_s))
 
     def close_event_set(self, event_set: Any) -> None:
         cast(EventBackend, self._inner).close_event_set(event_set)
