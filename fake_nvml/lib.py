@@ -1273,50 +1273,48 @@ def _answer(group: _FieldGroup, answers: _Answers, kinds: list[int], numbers: li
 _NO_INSTANCE = 0xFFFFFFFF
 
 
-def _running_processes(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, infos: Any) -> int:
-    node = lib._node
-    gpu = node.gpu(dev.gpu)
-    if dev.mig is None:
-        entries = [(e.process, e.mig) for e in node.process_entries(dev.gpu, t)]
-    else:
-        entries = [(p, dev.mig) for p in node.processes_on(dev.gpu, dev.mig, t)]
-    counter = _obj(count)
-    if infos is None:
+def _process_list(context: str) -> Callable[[FakeNvmlLibrary, float, Dev, Any, Any], int]:
+    """One of NVML's process-list calls (compute, graphics, MPS clients): the running scenario
+    processes holding that kind of context, with the C contract of all of them: `*count` in is
+    the array's size; too small (or a NULL array with processes running) answers
+    INSUFFICIENT_SIZE with the size needed in `*count`."""
+
+    def running(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, infos: Any) -> int:
+        node = lib._node
+        gpu = node.gpu(dev.gpu)
+        if dev.mig is None:
+            entries = [(e.process, e.mig) for e in node.process_entries(dev.gpu, t)]
+        else:
+            entries = [(p, dev.mig) for p in node.processes_on(dev.gpu, dev.mig, t)]
+        entries = [(p, mig) for p, mig in entries if context in p.contexts]
+        counter = _obj(count)
+        if infos is None:
+            counter.value = len(entries)
+            return INSUFFICIENT_SIZE if entries else SUCCESS
+        if counter.value < len(entries):
+            counter.value = len(entries)
+            return INSUFFICIENT_SIZE
+        array = _obj(infos)
+        for i, (process, mig) in enumerate(entries):
+            info = array[i]
+            info.pid = process.pid
+            info.usedGpuMemory = process.memory_bytes_at(t - process.start_s)
+            if hasattr(info, "gpuInstanceId"):
+                info.gpuInstanceId = _NO_INSTANCE if mig is None else gpu.mig[mig].gpu_instance_id
+                info.computeInstanceId = _NO_INSTANCE if mig is None else 0
         counter.value = len(entries)
-        return INSUFFICIENT_SIZE if entries else SUCCESS
-    if counter.value < len(entries):
-        counter.value = len(entries)
-        return INSUFFICIENT_SIZE
-    array = _obj(infos)
-    for i, (process, mig) in enumerate(entries):
-        info = array[i]
-        info.pid = process.pid
-        info.usedGpuMemory = process.memory_bytes_at(t - process.start_s)
-        if hasattr(info, "gpuInstanceId"):
-            info.gpuInstanceId = _NO_INSTANCE if mig is None else gpu.mig[mig].gpu_instance_id
-            info.computeInstanceId = _NO_INSTANCE if mig is None else 0
-    counter.value = len(entries)
-    return SUCCESS
+        return SUCCESS
+
+    return running
 
 
-for _name_ in (
-    "nvmlDeviceGetComputeRunningProcesses",
-    "nvmlDeviceGetComputeRunningProcesses_v2",
-    "nvmlDeviceGetComputeRunningProcesses_v3",
+for _list_, _context_ in (
+    ("nvmlDeviceGetComputeRunningProcesses", "compute"),
+    ("nvmlDeviceGetGraphicsRunningProcesses", "graphics"),
+    ("nvmlDeviceGetMPSComputeRunningProcesses", "mps"),
 ):
-    _c(_name_)(_running_processes)
-
-
-@_c("nvmlDeviceGetGraphicsRunningProcesses")
-@_c("nvmlDeviceGetGraphicsRunningProcesses_v2")
-@_c("nvmlDeviceGetGraphicsRunningProcesses_v3")
-@_c("nvmlDeviceGetMPSComputeRunningProcesses")
-@_c("nvmlDeviceGetMPSComputeRunningProcesses_v2")
-@_c("nvmlDeviceGetMPSComputeRunningProcesses_v3")
-def _no_processes(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, infos: Any) -> int:
-    # Scenario processes are compute contexts; the fake node runs no graphics or MPS clients.
-    _obj(count).value = 0
-    return SUCCESS
+    for _suffix_ in ("", "_v2", "_v3"):
+        _c(_list_ + _suffix_)(_process_list(_context_))
 
 
 @_c("nvmlDeviceGetProcessUtilization")

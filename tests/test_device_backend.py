@@ -147,6 +147,12 @@ class TinyBackend:
             return [*on_halves["g1/0"], *on_halves["g1/1"]]
         return on_halves[handle]
 
+    def mps_processes(self, handle: Handle) -> list[ProcessInfo]:
+        raise ReadingNotSupported(f"mps processes {handle}", "NOT_SUPPORTED")
+
+    def graphics_processes(self, handle: Handle) -> list[ProcessInfo]:
+        raise ReadingNotSupported(f"graphics processes {handle}", "NOT_SUPPORTED")
+
     def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:
         self._ask(f"samples {handle}", handle)
         samples = [(10, 1_000_000, 40), (10, 2_000_000, 60), (11, 1_500_000, 10)]

@@ -384,3 +384,51 @@ def test_a_long_process_list_is_read_in_one_call_once_the_buffer_fits(install: A
     assert calls["nvmlDeviceGetSamples"] == 1  # the device's own utilization samples, in one call too
     # memory, utilization, temperature, field values, processes, process samples, device samples
     assert sum(calls.values()) == 7
+
+
+def test_mps_clients_and_graphics_processes_are_listed_and_a_refused_list_is_asked_once(install: Any) -> None:
+    node, sampler = install(
+        {
+            "gpus": [{"count": 1}],
+            "processes": [
+                {"pid": 700, "gpus": [0], "memory_mib": 500, "cmdline": "nvidia-cuda-mps-server"},
+                {"pid": 701, "gpus": [0], "context": "mps", "sm_util": 60, "memory_mib": 4000},
+                {"pid": 702, "gpus": [0], "context": "graphics", "sm_util": 10, "memory_mib": 100},
+            ],
+            "faults": [{"call": "nvmlDeviceGetGraphicsRunningProcesses", "error": "NOT_SUPPORTED"}],
+        }
+    )
+    sampler.poll()
+    before = node.calls.copy()
+    for _ in range(3):
+        node.clock.advance(5)
+        reading = by_label(sampler.poll())["0"]
+        # The server and its client; the graphics list is refused, so 702 is not known.
+        assert {p.pid: p.sm_util for p in reading.processes} == {700: 0.0, 701: pytest.approx(0.60)}
+    calls = node.calls - before
+    # The MPS list names a process, so it is read every poll; the refused graphics list never again.
+    assert calls["nvmlDeviceGetMPSComputeRunningProcesses_v3"] == 3
+    assert calls["nvmlDeviceGetGraphicsRunningProcesses_v3"] == 0
+
+
+def test_a_graphics_process_that_starts_between_asks_is_listed_once_it_has_a_sample(install: Any) -> None:
+    node, sampler = install(
+        {
+            "gpus": [{"count": 1}],
+            "processes": [
+                {"pid": 5, "gpus": [0], "sm_util": 50, "memory_mib": 100},
+                {"pid": 6, "gpus": [0], "context": "graphics", "start": "7s", "sm_util": 30, "memory_mib": 200},
+            ],
+        }
+    )
+    sampler.poll()  # asks the MPS and graphics lists: both empty, next due in a slow interval
+    node.clock.advance(5)
+    before = node.calls.copy()
+    assert [p.pid for p in by_label(sampler.poll())["0"].processes] == [5]
+    assert (node.calls - before)["nvmlDeviceGetGraphicsRunningProcesses_v3"] == 0  # not due
+    node.clock.advance(5)
+    # 6 started at 7 s: its samples name a pid no list read at this poll did, so the lists are
+    # asked now, not at the next slow interval.
+    reading = by_label(sampler.poll())["0"]
+    assert [p.pid for p in reading.processes] == [5, 6]
+    assert reading.processes[1].used_memory_bytes == 200 * MiB

@@ -199,7 +199,7 @@ class DeviceBackend(Protocol):
     Every method raises only `DeviceError`s. `DeviceLost` and `DriverUnavailable` are always
     raised (they end the device's poll, or the whole poll); `read` returns other per-key
     failures in its result. Discovery methods (`name` .. `compute_instance_id`) are called
-    once per device when the sampler (re)discovers devices; `read`, `running_processes`,
+    once per device when the sampler (re)discovers devices; `read`, the process lists,
     `process_utilization` and `utilization_samples` every poll, so those are the ones to make cheap: batch, pre-size
     buffers, remember which call variant the driver has.
     """
@@ -246,6 +246,15 @@ class DeviceBackend(Protocol):
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
         """Compute processes on the device. On a MIG-enabled GPU: every process on any of its
         MIG devices, with instance ids (PermissionDenied where that needs privileges)."""
+        ...
+
+    def mps_processes(self, handle: Handle) -> list[ProcessInfo]:
+        """CUDA MPS clients on the device: under MPS the compute list shows only the MPS server."""
+        ...
+
+    def graphics_processes(self, handle: Handle) -> list[ProcessInfo]:
+        """Processes with a graphics context on the device; one with a compute context too is
+        in both lists."""
         ...
 
     def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:

@@ -446,10 +446,12 @@ class _Device:
     __slots__ = (
         "celsius",
         "field_level",
+        "graphics_processes",
         "handle",
         "learned",
         "memory",
         "memory_v2",
+        "mps_processes",
         "no_fields",
         "older",
         "out_u64",
@@ -479,6 +481,8 @@ class _Device:
         self.plans: dict[tuple[ReadingKey, ...], _Plan] = {}
         # Reused result buffers, grown when the driver says they are too small.
         self.processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 32)()
+        self.mps_processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 8)()
+        self.graphics_processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 8)()
         self.samples: ctypes.Array[_ProcessSample] = (_ProcessSample * 64)()
         self.utilization_samples: ctypes.Array[_Sample] = (_Sample * 128)()
         # Reused result structs of the single calls read every poll.
@@ -633,7 +637,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         self.clock = clock
         # Versioned C functions this driver lacks (FUNCTION_NOT_FOUND): the older one is read.
         self._missing: set[str] = set()
-        self._processes_fn: str | None = None
+        # Per process-list call (compute, MPS, graphics), the version this driver answered.
+        self._list_fns: dict[str, str] = {}
         self._field_values = True
 
     # -- library ------------------------------------------------------------------------------
@@ -1060,36 +1065,46 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
         """Compute processes with their memory, through the newest call version the driver has."""
-        variants: tuple[str, ...] = (
-            ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
-            if self._processes_fn is None
-            else (self._processes_fn,)
-        )
+        return self._process_list(handle, "nvmlDeviceGetComputeRunningProcesses", "processes")
+
+    def mps_processes(self, handle: Handle) -> list[ProcessInfo]:
+        """CUDA MPS clients: under MPS the compute list holds the MPS server, and the processes
+        that run the work are only in this list (v2 from R470, v3 from R510)."""
+        return self._process_list(handle, "nvmlDeviceGetMPSComputeRunningProcesses", "mps_processes")
+
+    def graphics_processes(self, handle: Handle) -> list[ProcessInfo]:
+        """Processes with a graphics context (rendering, Vulkan), absent from the compute list
+        unless they hold a compute context too."""
+        return self._process_list(handle, "nvmlDeviceGetGraphicsRunningProcesses", "graphics_processes")
+
+    def _process_list(self, handle: _Device, call: str, buffer: str) -> list[ProcessInfo]:
+        known = self._list_fns.get(call)
+        variants = (f"{call}_v3", f"{call}_v2") if known is None else (known,)
         missing: _FunctionMissing | None = None
         for variant in variants:
             try:
-                infos = self._process_infos(handle, variant)
+                infos = self._process_infos(handle, call, variant, buffer)
             except _FunctionMissing as exc:
                 missing = exc
                 continue
-            self._processes_fn = variant
+            self._list_fns[call] = variant
             return infos
         assert missing is not None
         raise missing
 
-    def _process_infos(self, handle: _Device, variant: str) -> list[ProcessInfo]:
-        call = "nvmlDeviceGetComputeRunningProcesses"
+    @staticmethod
+    def _process_infos(handle: _Device, call: str, variant: str, buffer_name: str) -> list[ProcessInfo]:
         fn = _function(call, variant)
         count = ctypes.c_uint(0)
         # Processes may start between a too-small call and the next: try a few times.
         for _attempt in range(3):
-            buffer = handle.processes
+            buffer: ctypes.Array[_ProcessInfo] = getattr(handle, buffer_name)
             count.value = len(buffer)
             code = fn(handle.handle, ctypes.byref(count), buffer)
             if code == pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
                 if len(buffer) >= MAX_PROCESSES:
                     break  # a driver that never says enough: not a reason to grow without bound
-                handle.processes = (_ProcessInfo * min(count.value * 2 + 5, MAX_PROCESSES))()
+                setattr(handle, buffer_name, (_ProcessInfo * min(count.value * 2 + 5, MAX_PROCESSES))())
                 continue
             _check(call, code)
             return [

@@ -162,6 +162,10 @@ class _Gpu:
     # The pids the GPU's process list named at its last reading: a process named then ran all
     # the interval since; one that was not may have started at any point in it.
     listed_pids: frozenset[int] = frozenset()
+    # The MPS-client and graphics process lists: whether they named a process when last asked
+    # (then they are asked every poll), and when they are next due while they do not.
+    other_lists_found: bool = False
+    other_lists_due_at: float = 0.0
     # The device's own utilization samples: the newest one read, and the sampling period as
     # observed (the smallest gap between two of them).
     utilization_seen_us: int = 0
@@ -825,10 +829,22 @@ class Sampler:
         infos = self._call(where, gpu.unsupported, "processes", lambda: self.backend.running_processes(gpu.handle))
         if infos is None:
             return None
+        asked = gpu.other_lists_found or gpu.poll_at is None or gpu.poll_at >= gpu.other_lists_due_at
+        if asked:
+            infos = self._with_other_lists(gpu, where, infos)
+            if infos is None:
+                return None
         listed_before, gpu.listed_pids = gpu.listed_pids, frozenset([i.pid for i in infos])
         if not infos:
             return ()
         utils = self._process_utils(gpu, where, listed_before)
+        if not asked and utils is not None and not utils.keys() <= gpu.listed_pids:
+            # A pid at work that no list read this poll names: an MPS client or a graphics
+            # process that started since the other lists were last asked.
+            infos = self._with_other_lists(gpu, where, infos)
+            if infos is None:
+                return None
+            gpu.listed_pids = frozenset([i.pid for i in infos])
         if utils is None:
             return tuple(ProcessReading(i.pid, i.used_memory_bytes, None, i.gpu_instance_id) for i in infos)
         # A process with no sample since the last poll did no work: the driver only reports
@@ -956,6 +972,31 @@ class Sampler:
             found[mig.slot] = None if mig_infos is None else _readings(mig_infos)
         return found
 
+    def _with_other_lists(self, gpu: _Gpu, where: str, infos: list[ProcessInfo]) -> list[ProcessInfo] | None:
+        """The compute list with the MPS clients and graphics processes merged in; None where
+        one of those lists failed this poll. While they name no process they are asked once a
+        slow interval (and when a process sample names a pid no list does), not every poll:
+        two calls a GPU a poll would take a busy GPU past its budget of ten."""
+        # MPS clients run inside the MPS server's context, so the server is in the compute list
+        # whenever there are any: on a GPU with no compute process the MPS list is not asked.
+        mps = self._other_list(gpu, where, "mps processes", self.backend.mps_processes) if infos else []
+        graphics = self._other_list(gpu, where, "graphics processes", self.backend.graphics_processes)
+        if mps is None or graphics is None:
+            return None
+        gpu.other_lists_found = bool(mps or graphics)
+        gpu.other_lists_due_at = (gpu.poll_at or 0.0) + self.readings.slow_interval_s
+        return _merged(infos, mps, graphics) if gpu.other_lists_found else infos
+
+    def _other_list(
+        self, gpu: _Gpu, where: str, what: str, read: Callable[[Handle], list[ProcessInfo]]
+    ) -> list[ProcessInfo] | None:
+        """An MPS-client or graphics process list: [] where the driver has no such list (learned
+        once), None where it failed this poll (the GPU's list is then incomplete, not read)."""
+        found = self._call(where, gpu.unsupported, what, lambda: read(gpu.handle))
+        if found is None:
+            return [] if what in gpu.unsupported else None
+        return found
+
     def _process_utils(self, gpu: _Gpu, where: str, listed_before: frozenset[int]) -> dict[int, float] | None:
         """SM utilization per pid, time-weighted over the interval since the previous poll.
 
@@ -1037,6 +1078,19 @@ def _by_instance(migs: Sequence[_Mig]) -> dict[tuple[int, int], _Mig] | None:
             return None
         found[(mig.gpu_instance_id, mig.compute_instance_id)] = mig
     return found if len(found) == len(migs) else None
+
+
+def _merged(*lists: list[ProcessInfo]) -> list[ProcessInfo]:
+    """The process lists as one, each process once: a process with compute and graphics
+    contexts is in both lists, with the same memory (the larger is kept where they differ)."""
+    found: dict[tuple[int, int | None, int | None], ProcessInfo] = {}
+    for infos in lists:
+        for info in infos:
+            key = (info.pid, info.gpu_instance_id, info.compute_instance_id)
+            seen = found.get(key)
+            if seen is None or (seen.used_memory_bytes or 0) < (info.used_memory_bytes or 0):
+                found[key] = info
+    return list(found.values())
 
 
 def _split_by_instance(

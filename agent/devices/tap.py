@@ -184,6 +184,12 @@ class TappedBackend:
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
         return self._tapped(handle, lambda: self._inner.running_processes(handle), what="running_processes")
 
+    def mps_processes(self, handle: Handle) -> list[ProcessInfo]:
+        return self._tapped(handle, lambda: self._inner.mps_processes(handle), what="mps_processes")
+
+    def graphics_processes(self, handle: Handle) -> list[ProcessInfo]:
+        return self._tapped(handle, lambda: self._inner.graphics_processes(handle), what="graphics_processes")
+
     def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:
         samples = self._tapped(
             handle, lambda: self._inner.process_utilization(handle, since_us), what="process_utilization"

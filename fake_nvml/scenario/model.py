@@ -184,6 +184,11 @@ class Process:
     # Its figures on some of its GPUs where they differ from the ones above (`per_gpu:`): on each
     # GPU named here, its own load segments and memory (a model split over two GPUs unevenly).
     per_gpu: Mapping[GpuRef, tuple[tuple[UtilSegment, ...], int]] = field(default_factory=dict)
+    # The kinds of GPU context it holds, which decide the NVML process lists it is in:
+    # "compute" (nvmlDeviceGetComputeRunningProcesses), "graphics" (...GraphicsRunningProcesses),
+    # "mps" (a CUDA MPS client: ...MPSComputeRunningProcesses, while its work runs in the MPS
+    # server's compute context, which the scenario lists as a process of its own).
+    contexts: frozenset[str] = frozenset({"compute"})
 
     def on(self, ref: GpuRef) -> Process:
         """The process as GPU `ref` sees it: its own figures there, where `per_gpu` gives some."""

@@ -530,6 +530,23 @@ def _parse_per_gpu(
     return found
 
 
+CONTEXTS = {
+    "compute": frozenset({"compute"}),
+    "graphics": frozenset({"graphics"}),
+    "compute+graphics": frozenset({"compute", "graphics"}),
+    "mps": frozenset({"mps"}),
+}
+
+
+def _parse_contexts(r: _Reader) -> frozenset[str]:
+    """`context:` compute (the default), graphics, compute+graphics, or mps (an MPS client)."""
+    raw = r.str_("context", "compute") or "compute"
+    found = CONTEXTS.get(raw)
+    if found is None:
+        raise r.fail("context", f"expected one of {', '.join(CONTEXTS)}, got {raw!r}")
+    return found
+
+
 def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]:
     processes: list[Process] = []
     seen: dict[int, Process] = {}
@@ -539,7 +556,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
             [
                 "pid", "gpus", "start", "end", "sm_util", "sm_active", "tensor", "memory_mib", "uid", "user",
                 "cmdline", "environ", "cgroup", "pod", "slurm_job", "container_id", "encoder_util",
-                "decoder_util", "parent", "per_gpu",
+                "decoder_util", "parent", "per_gpu", "context",
             ]
         )  # fmt: skip
         pid = r.int_("pid", minimum=1, maximum=MAX_PID)
@@ -580,6 +597,7 @@ def _parse_processes(top: _Reader, gpus: tuple[Gpu, ...]) -> tuple[Process, ...]
             encoder_util=r.num("encoder_util", 0.0, maximum=100) or 0.0,
             decoder_util=r.num("decoder_util", 0.0, maximum=100) or 0.0,
             parent=parent,
+            contexts=_parse_contexts(r),
         )
         process = replace(process, per_gpu=_parse_per_gpu(r, process, gpus))
         seen[pid] = process
