@@ -4,7 +4,6 @@ in for the store)."""
 
 from __future__ import annotations
 
-import datetime
 import http.server
 import ipaddress
 import json
@@ -162,42 +161,14 @@ def _private_ca_chain(directory: Path) -> tuple[Path, Path, Path]:
     identifier extensions (Subject and Authority Key Identifier) RFC 5280 asks CAs to add.
     Returns the CA certificate, the server's certificate and its key."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.UTC)
+    from tests.certs import issue, write_pem
 
-    def issue(cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None, *, ca: bool) -> Any:
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-        issuer_name, signing_key = (issuer[0].subject, issuer[1]) if issuer else (subject, key)
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(issuer_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if not ca:
-            san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-            builder = builder.add_extension(san, critical=False)
-        return builder.sign(signing_key, hashes.SHA256()), key
-
-    ca = issue("internal CA", None, ca=True)
-    server_cert, server_key = issue("store", ca, ca=False)
-    paths = directory / "ca.pem", directory / "store.pem", directory / "store.key"
-    paths[0].write_bytes(ca[0].public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        server_key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return paths
+    ca = issue("internal CA", [], None, ca=True)
+    store = issue("store", [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))], ca)
+    ca_cert, _ = write_pem(directory, "ca", ca)
+    store_cert, store_key = write_pem(directory, "store", store)
+    return ca_cert, store_cert, store_key
 
 
 def test_a_store_certified_by_a_private_ca_is_trusted_through_the_ca_file_as_python_3_13_checks(

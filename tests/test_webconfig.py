@@ -4,7 +4,6 @@ HTTPS requests against the real server (in-process and as `gpuledger run`)."""
 from __future__ import annotations
 
 import base64
-import datetime
 import ipaddress
 import os
 import shutil
@@ -64,53 +63,17 @@ def _openssl_self_signed(directory: Path) -> Pki:
 
 def _cryptography_pki(directory: Path) -> Pki:
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.UTC)
-
-    def write(name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[Path, Path]:
-        cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
-        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-        return cert_path, key_path
-
-    def issue(
-        cn: str,
-        sans: list[x509.GeneralName],
-        issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
-        ca: bool = False,
-    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-        issuer_name, signing_key = (issuer[0].subject, issuer[1]) if issuer else (subject, key)
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(issuer_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        return builder.sign(signing_key, hashes.SHA256()), key
+    from tests.certs import issue, write_pem
 
     server = issue("localhost", [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))], None)
     ca = issue("gpuledger test CA", [], None, ca=True)
     client = issue("prometheus", [x509.DNSName("prometheus.monitoring.svc")], ca)
     stranger = issue("someone", [x509.DNSName("someone.example")], ca)
-    server_cert, server_key = write("server", *server)
-    ca_cert, _ = write("ca", *ca)
-    client_cert, client_key = write("client", *client)
-    stranger_cert, stranger_key = write("stranger", *stranger)
+    server_cert, server_key = write_pem(directory, "server", server)
+    ca_cert, _ = write_pem(directory, "ca", ca)
+    client_cert, client_key = write_pem(directory, "client", client)
+    stranger_cert, stranger_key = write_pem(directory, "stranger", stranger)
     return Pki(server_cert, server_key, ca_cert, client_cert, client_key, stranger_cert, stranger_key)
 
 
