@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sqlite3
 import sys
@@ -50,6 +51,25 @@ if sys.version_info < (3, 13):
                 warnings.warn(f"unclosed database in {self!r}", ResourceWarning, stacklevel=1, source=self)
 
     sqlite3.connect = functools.partial(sqlite3.connect, factory=_WarnsUnclosed)  # type: ignore[assignment]
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_left_behind() -> Iterator[None]:
+    """Take away the log handler a test's in-process `main()` left on the root logger.
+
+    `main()` sets logging up (agent/cli/logs.py: a StreamHandler on the sys.stderr of that
+    moment), which inside a test is pytest's capture of it, closed when the test ends. Left in
+    place, every later test in the worker that logs gets "--- Logging error ---" and a traceback
+    on stderr, and a test that checks stderr for tracebacks fails (tests/test_http.py did, once a
+    snapshot test ran main() in-process before it on the same worker).
+    """
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if type(handler) is logging.StreamHandler and handler not in before:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(autouse=True)
