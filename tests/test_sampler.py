@@ -432,3 +432,26 @@ def test_a_graphics_process_that_starts_between_asks_is_listed_once_it_has_a_sam
     reading = by_label(sampler.poll())["0"]
     assert [p.pid for p in reading.processes] == [5, 6]
     assert reading.processes[1].used_memory_bytes == 200 * MiB
+
+
+def test_a_working_pid_no_list_names_asks_the_lists_once_not_every_poll(install: Any) -> None:
+    # The graphics list is refused, so graphics process 6's samples name a pid no list ever
+    # does. The lists were asked again on its account at every poll: here one MPS-list call a
+    # poll (the refused graphics list is not called), on every GPU with such a process.
+    node, sampler = install(
+        {
+            "gpus": [{"count": 1}],
+            "processes": [
+                {"pid": 5, "gpus": [0], "sm_util": 50, "memory_mib": 100},
+                {"pid": 6, "gpus": [0], "context": "graphics", "sm_util": 30, "memory_mib": 200},
+            ],
+            "faults": [{"call": "nvmlDeviceGetGraphicsRunningProcesses", "error": "NOT_SUPPORTED"}],
+        }
+    )
+    sampler.poll()  # asks both lists: MPS empty, graphics refused (learned); next due in 30 s
+    before = node.calls.copy()
+    for _ in range(4):  # 5-20 s: none due
+        node.clock.advance(5)
+        assert [p.pid for p in by_label(sampler.poll())["0"].processes] == [5]
+    # Asked once on 6's account (at 5 s), not again at 10, 15 and 20 s.
+    assert (node.calls - before)["nvmlDeviceGetMPSComputeRunningProcesses_v3"] == 1

@@ -166,6 +166,10 @@ class _Gpu:
     # (then they are asked every poll), and when they are next due while they do not.
     other_lists_found: bool = False
     other_lists_due_at: float = 0.0
+    # Pids the per-process samples named that no list did when the lists were last asked on
+    # their account: they do not make the lists be asked again before they are due (a graphics
+    # list the driver refuses, say, would otherwise cost the MPS list's call every poll).
+    unlisted_pids: frozenset[int] = frozenset()
     # The device's own utilization samples: the newest one read, and the sampling period as
     # observed (the smallest gap between two of them).
     utilization_seen_us: int = 0
@@ -831,6 +835,7 @@ class Sampler:
             return None
         asked = gpu.other_lists_found or gpu.poll_at is None or gpu.poll_at >= gpu.other_lists_due_at
         if asked:
+            gpu.unlisted_pids = frozenset()
             infos = self._with_other_lists(gpu, where, infos)
             if infos is None:
                 return None
@@ -838,13 +843,14 @@ class Sampler:
         if not infos:
             return ()
         utils = self._process_utils(gpu, where, listed_before)
-        if not asked and utils is not None and not utils.keys() <= gpu.listed_pids:
+        if not asked and utils is not None and not utils.keys() <= gpu.listed_pids | gpu.unlisted_pids:
             # A pid at work that no list read this poll names: an MPS client or a graphics
             # process that started since the other lists were last asked.
             infos = self._with_other_lists(gpu, where, infos)
             if infos is None:
                 return None
             gpu.listed_pids = frozenset([i.pid for i in infos])
+            gpu.unlisted_pids = frozenset(utils.keys() - gpu.listed_pids)
         if utils is None:
             return tuple(ProcessReading(i.pid, i.used_memory_bytes, None, i.gpu_instance_id) for i in infos)
         # A process with no sample since the last poll did no work: the driver only reports
