@@ -836,8 +836,9 @@ def _num_fans(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
 def power_averaged(model: str) -> bool:
     """Whether the board reports power averaged over a second (NVML_FI_DEV_POWER_AVERAGE, and
     nvmlDeviceGetPowerUsage): Ampere on, except GA100 (A100, A30), which, like the GPUs before
-    Ampere (V100, T4), reports the instant power."""
-    return model[:1] in "HBL" or (model[:1] == "A" and not model.startswith(("A100", "A30")))
+    Ampere (V100, T4), reports the instant power. Grace Hopper and Grace Blackwell (GH200, GB200)
+    are Hopper and Blackwell, as for GPM (fake_nvml.gpm.gpm_supported)."""
+    return model[:1] in ("H", "B", "L", "G") or (model[:1] == "A" and not model.startswith(("A100", "A30")))
 
 
 @_c("nvmlDeviceGetPowerUsage")

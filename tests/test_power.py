@@ -72,6 +72,7 @@ def test_a_counter_that_goes_back_leaves_the_drivers_reading(h100: fake_nvml.Ins
         # At 3.5 s the instant is 100 W (idle since 3 s); the mean over 2.5-3.5 s is 400 W.
         ("H100-SXM5-80GB", 400_000, 400_000),  # Hopper: both the call and the field average
         ("L4", 400_000, 400_000),  # Ada likewise
+        ("GH200", 400_000, 400_000),  # Grace Hopper: Hopper
         ("A100-SXM4-80GB", 100_000, None),  # GA100: the instant, and no averaged field
     ],
 )

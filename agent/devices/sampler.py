@@ -1113,8 +1113,8 @@ def _split_by_instance(
     return {slot: tuple(readings) for slot, readings in found.items()}
 
 
-# The spans _mean_power takes a mean over. Shorter: the energy counter moves in steps (the driver
-# updates it a few times a second), so at 0.1 s polls a mean would jump between 0 and double; the
+# The spans _mean_power takes a mean over. Shorter: the energy counter moves in steps, so at
+# polls a tenth of a second apart a mean could jump between 0 and a multiple of the draw; the
 # mean then spans the polls since the last one at least this long ago. Longer: a clock set forward
 # (a year, say) would spread a few seconds' energy over it and read ~0 W.
 MEAN_POWER_MIN_SPAN_S = 1.0
