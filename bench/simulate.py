@@ -1,6 +1,6 @@
 """How fast `simulate` runs, and how big the ledger it writes gets.
 
-    python bench/simulate.py [--scenario demo] [--for 7d] [--step 15s] [--against DIR --rounds N]
+    python bench/simulate.py [--scenario demo] [--for 7d] [--step 15s] [--against DIR --rounds N] [--stages]
 
 Runs `gpuledger simulate SCENARIO --for D --step S --ledger FILE` as a subprocess (the real
 command, start-up included), then prints polls per second of wall time against its target, how
@@ -10,11 +10,16 @@ with its rows.
 With --against DIR (another checkout, e.g. `git worktree add /tmp/base v0.1.0`), the two take
 turns, N rounds each, and the ratio of their median rates is printed: on a noisy machine a
 ratio measured in one run says more than two figures measured an hour apart.
+
+With --stages, the same simulation is run again in this process and the time of a poll is
+split by pipeline stage (sample, attribute, account, rules, publish, as each poll's state
+reports them) and the rest (the ledger's flushes, the schedule): where to look next.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sqlite3
 import statistics
@@ -22,11 +27,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
 
+from agent.cli.wiring import build_agent
+from agent.config import load_config
+from agent.pipeline import run_on_scenario_time
 from agent.units import parse_duration
 from fake_nvml.scenario import load_scenario
 
@@ -44,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", default="15s")
     parser.add_argument("--against", type=Path, help="another checkout to run in turn with this one")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each checkout with --against")
+    parser.add_argument("--stages", action="store_true", help="then split a poll's time by pipeline stage")
     args = parser.parse_args(argv)
     duration_s, step_s = parse_duration(args.duration), parse_duration(args.step)
     polls = math.ceil(duration_s / step_s - 1e-9) + 1  # a last, shorter step ends at --for
@@ -69,7 +80,46 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ledger on disk        {size / 1024:.0f} KiB")
     print(f"  ledger rows           {workload_rows} workload-hours, {gpu_rows} GPU-hours")
     print(f"  ledger per GPU-day    {size / 1024 / (gpus * duration_s / 86400):.1f} KiB ({gpus} GPUs)")
+    if args.stages:
+        stage_breakdown(args.scenario, duration_s, step_s)
     return 0
+
+
+def stage_breakdown(scenario: str, duration_s: float, step_s: float) -> None:
+    """Microseconds of wall time per poll in each pipeline stage, summed from each poll's own
+    stage durations, and in everything else the simulation does (flushes, the schedule)."""
+    logging.disable(logging.CRITICAL)  # the flags it raises are not the point here
+    spent: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = build_agent(
+            load_config(None), fake=load_scenario(scenario), ledger_path=str(Path(tmp) / "ledger.db"),
+            poll_interval_s=step_s, actions="dry_run", ledger_fsync=False,
+        )  # fmt: skip
+        assert agent.node is not None
+        polls = 0
+
+        def poll_then_tally(poll: Callable[[], object]) -> Callable[[], None]:
+            def run() -> None:
+                nonlocal polls
+                poll()
+                polls += 1
+                for stage in agent.pipeline.state.health.stages:
+                    spent[stage.stage] = spent.get(stage.stage, 0.0) + stage.duration_s
+
+            return run
+
+        jobs = [
+            replace(job, run=poll_then_tally(job.run)) if job.name == "poll" else job for job in agent.pipeline.jobs()
+        ]
+        started = time.perf_counter()
+        run_on_scenario_time(jobs, agent.node.clock.advance, duration_s, step_s)
+        agent.close()
+        elapsed = time.perf_counter() - started
+    print(f"  a poll, by stage      {elapsed / polls * 1e6:,.0f} us in all ({polls / elapsed:.0f} polls/s in process)")
+    for stage, seconds in spent.items():
+        print(f"    {stage:19s} {seconds / polls * 1e6:7,.0f} us  {seconds / elapsed:4.0%}")
+    rest = elapsed - sum(spent.values())
+    print(f"    {'the rest':19s} {rest / polls * 1e6:7,.0f} us  {rest / elapsed:4.0%}  (ledger flushes, schedule)")
 
 
 def simulate(args: argparse.Namespace, checkout: Path, tmp: Path) -> float | None:
