@@ -75,6 +75,7 @@ POLICIES = (
     POLICY_TOTAL_BASE_CLOCKS,
 )
 _POLICY_INDEX = {policy: i for i, policy in enumerate(POLICIES)}
+_NS_PER_S = 1e9
 
 
 class _Integral:
@@ -273,6 +274,15 @@ class NodeHealth:
             return row.violation_ns[policy]
         return round(self._violations[gpu].at(t)[index] * 1e9)
 
+    def violation_ns_all(self, gpu: int, t: float) -> tuple[int, ...]:
+        """`violation_ns` of every policy in POLICIES, in that order: a batch asks for them all."""
+        row = self._recorded(gpu, t)
+        held = self._violations[gpu].at(t)
+        if row is None or not row.violation_ns:
+            return tuple(map(round, map(_NS_PER_S.__mul__, held)))  # round(seconds * 1e9), each
+        recorded = row.violation_ns
+        return tuple([recorded.get(p, round(seconds * 1e9)) for p, seconds in zip(POLICIES, held, strict=True)])
+
     def fan_percent(self, gpu: int, t: float) -> int | None:
         """The fan's speed, rising with temperature; None for a passively cooled board."""
         row = self._recorded(gpu, t)
@@ -301,6 +311,23 @@ class NodeHealth:
             if fault.ecc is not None:
                 total += fault.accrued(fault.ecc.uncorrected if uncorrected else fault.ecc.corrected, t)
         return int(total)
+
+    def ecc_errors_all(self, gpu: int, t: float) -> tuple[int, int, int, int]:
+        """`ecc_errors` as (corrected, uncorrected, corrected aggregate, uncorrected aggregate),
+        the faults gone through once: a batch asks for all four."""
+        corrected = uncorrected = 0.0
+        for fault in self._faults[gpu]:
+            if fault.ecc is not None:
+                corrected += fault.accrued(fault.ecc.corrected, t)
+                uncorrected += fault.accrued(fault.ecc.uncorrected, t)
+        counts = (int(corrected), int(uncorrected), int(corrected), int(uncorrected))
+        row = self._recorded(gpu, t)
+        if row is None or not row.ecc:
+            return counts
+        recorded = row.ecc
+        names = ("corrected", "uncorrected", "corrected_aggregate", "uncorrected_aggregate")
+        found = [recorded.get(name, count) for name, count in zip(names, counts, strict=True)]
+        return found[0], found[1], found[2], found[3]
 
     @staticmethod
     def ecc_error_times(fault: Fault) -> list[tuple[float, bool]]:

@@ -1110,6 +1110,7 @@ class _FieldGroup:
     call: str | None = None  # its faults, when it has any on this device, hit the field too
     read: _ManyReader | None = None
     spaced: slice | None = None  # the positions, as a slice, where they are evenly spaced
+    field: int | None = None  # the field id, where the group has one alone
 
 
 def _field_plan(lib: FakeNvmlLibrary, dev: Dev, heads: tuple[int, ...]) -> list[_FieldGroup]:
@@ -1136,18 +1137,23 @@ def _field_plan(lib: FakeNvmlLibrary, dev: Dev, heads: tuple[int, ...]) -> list[
         read = _MANY_READERS[fid] if code is None else None
         if is_mig and fid == FI_NVLINK_LINK_COUNT:
             read = _mig_link_count
-        plan.append(_group(positions, scopes, code, call if faulted else None, read))
+        plan.append(_group(positions, scopes, code, call if faulted else None, read, fid))
     return _merge_lone(_merge_alike(plan))
 
 
 def _group(
-    positions: list[int], scopes: list[int], code: int | None, call: str | None, read: _ManyReader | None
+    positions: list[int],
+    scopes: list[int],
+    code: int | None,
+    call: str | None,
+    read: _ManyReader | None,
+    field: int | None = None,
 ) -> _FieldGroup:
     step = positions[1] - positions[0] if len(positions) > 1 else 1
     spaced = None
     if step > 0 and positions == list(range(positions[0], positions[-1] + 1, step)):
         spaced = slice(positions[0], positions[-1] + 1, step)
-    return _FieldGroup(tuple(positions), tuple(scopes), code, call, read, spaced)
+    return _FieldGroup(tuple(positions), tuple(scopes), code, call, read, spaced, field)
 
 
 def _merge_alike(plan: list[_FieldGroup]) -> list[_FieldGroup]:
@@ -1168,18 +1174,87 @@ def _merge_alike(plan: list[_FieldGroup]) -> list[_FieldGroup]:
     return merged
 
 
+# Readers of a whole family of health fields at once, (node, gpu, t) -> each field's answer: a
+# batch asks for every ECC counter, every policy's violation time, ..., and each family's fields
+# come from one reading (the faults gone through, or the recorded row looked up, once).
+_FamilyReader = Callable[[FakeNode, int, float], tuple[Any, ...]]
+
+
+def _ecc_family(node: FakeNode, gpu: int, t: float) -> tuple[Any, ...]:
+    return tuple(zip(_ULONGLONG_TYPES, node.health.ecc_errors_all(gpu, t), strict=False))
+
+
+def _retired_family(node: FakeNode, gpu: int, t: float) -> tuple[Any, ...]:
+    retired = node.health.retired_pages(gpu, t)
+    if retired is None:
+        return (NOT_SUPPORTED,) * 3
+    return tuple(zip(_ULONGLONG_TYPES, map(int, retired), strict=False))
+
+
+def _remap_family(node: FakeNode, gpu: int, t: float) -> tuple[Any, ...]:
+    rows = node.health.remapped_rows(gpu, t)
+    if rows is None:
+        return (NOT_SUPPORTED,) * 4
+    return tuple(zip(_UINT_TYPES, map(int, rows), strict=False))
+
+
+def _violation_family(node: FakeNode, gpu: int, t: float) -> tuple[Any, ...]:
+    return tuple(zip(_ULONGLONG_TYPES, node.health.violation_ns_all(gpu, t), strict=False))
+
+
+# A value type for each of a family's fields, zipped with their values (zip stops at the shorter).
+_ULONGLONG_TYPES = (_VALUE_TYPE_ULONGLONG,) * 8
+_UINT_TYPES = (_VALUE_TYPE_UINT,) * 8
+
+
+# Field id -> (its family's reader, where its answer is among the family's): the same answers as
+# the field's own reader in _HEALTH_FIELDS (fields 3-6 in ecc_errors_all's order, 74-81 in
+# POLICIES', which is nvmlPerfPolicyType_t's).
+_FAMILY_OF: dict[int, tuple[_FamilyReader, int]] = {
+    **{3 + i: (_ecc_family, i) for i in range(4)},
+    **{29 + i: (_retired_family, i) for i in range(3)},
+    **{74 + i: (_violation_family, i) for i in range(8)},
+    **{142 + i: (_remap_family, i) for i in range(4)},
+}
+
+
+_FAMILY_SIZES: dict[_FamilyReader, int] = {_ecc_family: 4, _retired_family: 3, _violation_family: 8, _remap_family: 4}
+
+
+def _alone(one: Callable[[FakeNode, int, int, float], Any], scope: int) -> _FamilyReader:
+    """A field with no family, as a family of one."""
+    return lambda node, gpu, t: (one(node, gpu, scope, t),)
+
+
 def _merge_lone(plan: list[_FieldGroup]) -> list[_FieldGroup]:
     """The plan with its lone fields that no fault can touch (ECC, violation time, ...: a field
-    id each) read as one group, by one reader: a group costs more to answer than a field."""
+    id each) read as one group, by one reader: a group costs more to answer than a field, and
+    a field more than one reading of its family (_FAMILY_OF)."""
     lone = [
         g for g in plan if len(g.positions) == 1 and g.code is None and g.call is None and g.read in _ONE_FIELD_READERS
     ]
     if len(lone) < 2:
         return plan
-    reads = tuple((_ONE_FIELD_READERS[g.read], g.scopes[0]) for g in lone if g.read is not None)
+    # The families to read, and each field's place among their answers laid end to end.
+    families: list[_FamilyReader] = []
+    offsets: dict[_FamilyReader, int] = {}
+    places: list[int] = []
+    size = 0
+    for g in lone:
+        assert g.read is not None
+        family_of = _FAMILY_OF.get(g.field) if g.field is not None else None
+        reader, index = family_of if family_of is not None else (_alone(_ONE_FIELD_READERS[g.read], g.scopes[0]), 0)
+        if reader not in offsets:
+            families.append(reader)
+            offsets[reader] = size
+            size += _FAMILY_SIZES.get(reader, 1)
+        places.append(offsets[reader] + index)
 
     def read(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
-        return [one(node, gpu, scope, t) for one, scope in reads]
+        found: tuple[Any, ...] = ()
+        for family in families:
+            found += family(node, gpu, t)
+        return list(map(found.__getitem__, places))
 
     merged = _FieldGroup(tuple(g.positions[0] for g in lone), tuple(g.scopes[0] for g in lone), read=read)
     return [g for g in plan if g not in lone] + [merged]
@@ -1239,14 +1314,21 @@ def _answer(group: _FieldGroup, answers: _Answers, kinds: list[int], numbers: li
     spaced = group.spaced
     if isinstance(answers, tuple) and spaced is not None:
         value_type, found = answers
-        kinds[spaced] = [_pair(value_type, SUCCESS)] * len(found)
+        kinds[spaced] = [_SUCCEEDED.get(value_type) or _pair(value_type, SUCCESS)] * len(found)
+        # A number is masked to the bytes its C type has: a no-op for the numbers that fit it
+        # (all of them, but for a recording's odd value), checked for the group at once.
         if value_type == _VALUE_TYPE_ULONGLONG:
-            numbers[spaced] = [number & 0xFFFFFFFFFFFFFFFF for number in found]
-        else:  # as ctypes writes a c_uint: its 4 bytes, truncated
-            numbers[spaced] = [
-                (old & _UINT_KEPT) | ((number & _LOW32) << _UINT_SHIFT)
-                for old, number in zip(numbers[spaced], found, strict=True)
-            ]
+            fits = min(found) >= 0 and max(found) <= _LOW64
+            numbers[spaced] = found if fits else [number & _LOW64 for number in found]
+        else:  # as ctypes writes a c_uint: its 4 bytes, truncated, the word's other 4 kept
+            old = numbers[spaced]
+            if _LITTLE and max(old) <= _LOW32 and min(found) >= 0 and max(found) <= _LOW32:
+                numbers[spaced] = found  # the other 4 bytes are 0, and each number fits in 4
+            else:
+                numbers[spaced] = [
+                    (kept & _UINT_KEPT) | ((number & _LOW32) << _UINT_SHIFT)
+                    for kept, number in zip(old, found, strict=True)
+                ]
         return
     each: list[_Answer]
     if isinstance(answers, int):
@@ -1260,11 +1342,16 @@ def _answer(group: _FieldGroup, answers: _Answers, kinds: list[int], numbers: li
             kinds[position] = _pair(_first(kinds[position]), answer)  # the type stays the caller's
             continue
         value_type, number = answer
-        kinds[position] = _pair(value_type, SUCCESS)
+        kinds[position] = _SUCCEEDED.get(value_type) or _pair(value_type, SUCCESS)
         if value_type == _VALUE_TYPE_ULONGLONG:
-            numbers[position] = number & 0xFFFFFFFFFFFFFFFF
+            numbers[position] = number & _LOW64
         else:
             numbers[position] = (numbers[position] & _UINT_KEPT) | ((number & _LOW32) << _UINT_SHIFT)
+
+
+# The (valueType, nvmlReturn) word of a field answered with each value type the fake gives.
+_SUCCEEDED = {value_type: _pair(value_type, SUCCESS) for value_type in (_VALUE_TYPE_UINT, _VALUE_TYPE_ULONGLONG)}
+_LOW64 = 0xFFFFFFFFFFFFFFFF
 
 
 # ---------------------------------------------------------------------------------------------
