@@ -1434,26 +1434,24 @@ def _samples(
     # GPU utilization samples only, and, like nvmlDeviceGetUtilizationRates, none under MIG.
     if _int(kind) != GPU_UTILIZATION_SAMPLES or dev.mig is not None or lib._node.gpu(dev.gpu).mig:
         return NOT_SUPPORTED
-    found = lib._node.device_samples(dev.gpu, _int(last_seen), t)
-    if not found:
+    stamps, percents = lib._node.device_sample_columns(dev.gpu, _int(last_seen), t)
+    n = len(stamps)
+    if not n:
         return NOT_FOUND
     _obj(value_type).value = _VALUE_TYPE_UINT
     counter = _obj(count)
     if samples is None:  # the size query pynvml's wrapper makes first
-        counter.value = len(found)
+        counter.value = n
         return SUCCESS
-    if counter.value < len(found):
-        counter.value = len(found)
+    if counter.value < n:
+        counter.value = n
         return INSUFFICIENT_SIZE
     # nvmlSample_t is two words, the time stamp and the value union: written a column at a time.
-    n = len(found)
-    words = memoryview(_obj(samples)).cast("B").cast("Q")
-    stamps, percents = zip(*found, strict=True)
-    words[0 : 2 * n : 2] = array("Q", stamps)
-    values = slice(1, 2 * n, 2)
-    # uiVal: the 4 bytes a C uint has; the union's others are left as they were.
-    kept = words[values].tolist()
-    words[values] = array("Q", [(old & _UINT_KEPT) | (p << _UINT_SHIFT) for old, p in zip(kept, percents, strict=True)])
+    buffer = memoryview(_obj(samples)).cast("B")
+    buffer.cast("Q")[0 : 2 * n : 2] = array("Q", stamps)
+    # uiVal: the union's first 4 bytes, the third uint32 of each sample whatever the byte order;
+    # the union's others are left as they were.
+    buffer.cast("I")[2 : 4 * n : 4] = array("I", percents)
     counter.value = n
     return SUCCESS
 

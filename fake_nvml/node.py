@@ -140,6 +140,10 @@ class FakeNode:
             self._breakpoints.append(sorted(points))
         # A recorded trace's readings per GPU (row start times, rows): they stand in for physics.
         self._rows = [([row.at_s for row in gpu.readings], gpu.readings) for gpu in scenario.gpus]
+        # Which GPUs' device samples a recorded row's interval mean gives (see _recorded_sample).
+        self._interval_recorded = [
+            any(row.interval_utilization is not None for row in gpu.readings) for gpu in scenario.gpus
+        ]
         self._energy_cache: list[tuple[float, float]] = [(0.0, 0.0) for _ in scenario.gpus]
         self._energy_lock = threading.Lock()
         # Every reading is a pure function of (GPU, t) over a frozen scenario: a MIG instance's
@@ -333,33 +337,78 @@ class FakeNode:
         DEVICE_SAMPLES_KEPT survive. Where a recorded row gives the interval's mean
         (`interval_utilization`), the samples of that interval give it instead (`_recorded_sample`).
         """
+        return list(zip(*self.device_sample_columns(gpu, last_seen_us, t), strict=True))
+
+    def device_sample_columns(self, gpu: int, last_seen_us: int, t: float) -> tuple[list[int], list[int]]:
+        """`device_samples` as two columns, (time stamps, percents)."""
         start_epoch = self.clock.start_epoch
-        times, rows = self._rows[gpu]
-        recorded = any(row.interval_utilization is not None for row in rows)
         newest_k = int(t // DEVICE_SAMPLE_PERIOD_S)
         unseen_k = math.floor((last_seen_us / 1_000_000 - start_epoch) / DEVICE_SAMPLE_PERIOD_S)
-        entries = self._by_gpu[gpu]
+        first_k = max(newest_k - DEVICE_SAMPLES_KEPT + 1, unseen_k, 0)
+        stamps = self._device_stamps(first_k, newest_k + 1)
+        # Stamps only grow with k: those not newer than last_seen are a prefix.
+        skipped = bisect.bisect_right(stamps, last_seen_us)
+        del stamps[:skipped]
+        first_k += skipped
+        if self._interval_recorded[gpu]:
+            return stamps, self._recorded_percents(gpu, first_k, newest_k + 1)
         # Which processes run, and at what, changes only at the GPU's breakpoints: a sample's
-        # percent is worked out once per stretch between two of them, not once per sample (and
-        # again just before a breakpoint: a segment's start is found by a subtraction, which
-        # may round the other way than the breakpoint's sum).
+        # percent is worked out once per stretch between two of them, and the stretch's samples
+        # share it (and again just before a breakpoint: a segment's start is found by a
+        # subtraction, which may round the other way than the breakpoint's sum).
+        points = self._breakpoints[gpu]
+        percents: list[int] = []
+        k, end = first_k, newest_k + 1
+        while k < end:
+            at = k * DEVICE_SAMPLE_PERIOD_S
+            stretch = bisect.bisect_right(points, at)
+            percent = min(self._device_percent(gpu, at), 100)
+            following = end
+            if stretch < len(points):
+                # The first later sample at or past the breakpoint (less the rounding margin),
+                # where the percent is worked out again.
+                bound = points[stretch] - _ROUNDING_S
+                following = max(k + 1, math.ceil(bound / DEVICE_SAMPLE_PERIOD_S))
+                while following > k + 1 and (following - 1) * DEVICE_SAMPLE_PERIOD_S >= bound:
+                    following -= 1
+                while following * DEVICE_SAMPLE_PERIOD_S < bound:
+                    following += 1
+                following = min(following, end)
+            percents += [percent] * (following - k)
+            k = following
+        return stamps, percents
+
+    def _device_stamps(self, first_k: int, end_k: int) -> list[int]:
+        """The time stamps of device samples first_k..end_k-1: round((epoch + k * period) * 1e6),
+        which, for a whole-second epoch and period (as every scenario has), is exact integer
+        arithmetic, a range (the float sum and product are then exact below 2**53)."""
+        start_epoch = self.clock.start_epoch
+        exact = DEVICE_SAMPLE_PERIOD_S == 1.0 and start_epoch == int(start_epoch)
+        if exact and (abs(start_epoch) + end_k) * 1_000_000 < 2**53:
+            base = int(start_epoch)
+            return list(range((base + first_k) * 1_000_000, (base + end_k) * 1_000_000, 1_000_000))
+        return [round((start_epoch + k * DEVICE_SAMPLE_PERIOD_S) * 1_000_000) for k in range(first_k, end_k)]
+
+    def _device_percent(self, gpu: int, at: float) -> int:
+        """The whole percents of the GPU's processes running at `at`, summed (uncapped)."""
+        return sum(round(self._util_at(e.process, at)) for e in self._by_gpu[gpu] if e.process.running_at(at))
+
+    def _recorded_percents(self, gpu: int, first_k: int, end_k: int) -> list[int]:
+        """The device samples' percents on a GPU a recorded trace gives interval means for."""
+        times, rows = self._rows[gpu]
         points = self._breakpoints[gpu]
         stretch, percent = -1, 0
-        samples: list[tuple[int, int]] = []
-        for k in range(max(newest_k - DEVICE_SAMPLES_KEPT + 1, unseen_k, 0), newest_k + 1):
+        percents: list[int] = []
+        for k in range(first_k, end_k):
             at = k * DEVICE_SAMPLE_PERIOD_S
-            stamp_us = round((start_epoch + at) * 1_000_000)
-            if stamp_us <= last_seen_us:
-                continue
-            if recorded and (value := _recorded_sample(times, rows, k)) is not None:
-                samples.append((stamp_us, value))
+            if (value := _recorded_sample(times, rows, k)) is not None:
+                percents.append(value)
                 continue
             if stretch < 0 or (stretch < len(points) and at >= points[stretch] - _ROUNDING_S):
                 stretch = bisect.bisect_right(points, at)
-                found = sum(round(self._util_at(e.process, at)) for e in entries if e.process.running_at(at))
-                percent = min(found, 100)
-            samples.append((stamp_us, percent))
-        return samples
+                percent = min(self._device_percent(gpu, at), 100)
+            percents.append(percent)
+        return percents
 
     def _util_at(self, process: Process, t: float) -> float:
         """`process.sm_util_at` for scenario time t, by bisection: a bursty process has hundreds
