@@ -1409,19 +1409,27 @@ for _list_, _context_ in (
 def _process_utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, samples: Any, count: Any, last_seen: Any) -> int:
     if lib._node.gpu(dev.gpu).mig:
         return NOT_SUPPORTED
-    found = lib._node.process_samples(dev.gpu, _int(last_seen), t)
+    pids, stamps, utils = lib._node.process_sample_columns(dev.gpu, _int(last_seen), t)
+    n = len(pids)
     counter = _obj(count)
-    if not found:
+    if not n:
         return NOT_FOUND
-    if samples is None or counter.value < len(found):
-        counter.value = len(found)
+    if samples is None or counter.value < n:
+        counter.value = n
         return INSUFFICIENT_SIZE
     # Packed in one go (memUtil, encUtil and decUtil 0): a busy GPU has dozens of samples a
-    # poll, and six ctypes attribute writes each cost more.
-    values = [value for pid, stamp_us, sm_util in found for value in (pid, stamp_us, sm_util, 0, 0, 0)]
-    _samples_layout(len(found)).pack_into(_obj(samples), 0, *values)
-    counter.value = len(found)
+    # poll, and six ctypes attribute writes each cost more. The columns go into their places
+    # among the six a slice at a time.
+    values = [0] * (_SAMPLE_FIELDS * n)
+    values[0::_SAMPLE_FIELDS] = pids
+    values[1::_SAMPLE_FIELDS] = stamps
+    values[2::_SAMPLE_FIELDS] = utils
+    _samples_layout(n).pack_into(_obj(samples), 0, *values)
+    counter.value = n
     return SUCCESS
+
+
+_SAMPLE_FIELDS = 6  # nvmlProcessUtilizationSample_t: pid, timeStamp, smUtil, memUtil, encUtil, decUtil
 
 
 GPU_UTILIZATION_SAMPLES = 1  # nvmlSamplingType_t NVML_GPU_UTILIZATION_SAMPLES

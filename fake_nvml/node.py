@@ -345,7 +345,7 @@ class FakeNode:
         newest_k = int(t // DEVICE_SAMPLE_PERIOD_S)
         unseen_k = math.floor((last_seen_us / 1_000_000 - start_epoch) / DEVICE_SAMPLE_PERIOD_S)
         first_k = max(newest_k - DEVICE_SAMPLES_KEPT + 1, unseen_k, 0)
-        stamps = self._device_stamps(first_k, newest_k + 1)
+        stamps = self._sample_stamps(first_k, newest_k + 1, DEVICE_SAMPLE_PERIOD_S)
         # Stamps only grow with k: those not newer than last_seen are a prefix.
         skipped = bisect.bisect_right(stamps, last_seen_us)
         del stamps[:skipped]
@@ -368,26 +368,28 @@ class FakeNode:
                 # The first later sample at or past the breakpoint (less the rounding margin),
                 # where the percent is worked out again.
                 bound = points[stretch] - _ROUNDING_S
-                following = max(k + 1, math.ceil(bound / DEVICE_SAMPLE_PERIOD_S))
-                while following > k + 1 and (following - 1) * DEVICE_SAMPLE_PERIOD_S >= bound:
-                    following -= 1
-                while following * DEVICE_SAMPLE_PERIOD_S < bound:
-                    following += 1
-                following = min(following, end)
+                following = min(end, _first_at_or_past(bound, k + 1, DEVICE_SAMPLE_PERIOD_S))
             percents += [percent] * (following - k)
             k = following
         return stamps, percents
 
-    def _device_stamps(self, first_k: int, end_k: int) -> list[int]:
-        """The time stamps of device samples first_k..end_k-1: round((epoch + k * period) * 1e6),
+    def _sample_stamps(self, first_k: int, end_k: int, period_s: float) -> list[int]:
+        """The time stamps of samples first_k..end_k-1: round((epoch + k * period) * 1e6),
         which, for a whole-second epoch and period (as every scenario has), is exact integer
         arithmetic, a range (the float sum and product are then exact below 2**53)."""
         start_epoch = self.clock.start_epoch
-        exact = DEVICE_SAMPLE_PERIOD_S == 1.0 and start_epoch == int(start_epoch)
+        exact = period_s == 1.0 and start_epoch == int(start_epoch)
         if exact and (abs(start_epoch) + end_k) * 1_000_000 < 2**53:
             base = int(start_epoch)
             return list(range((base + first_k) * 1_000_000, (base + end_k) * 1_000_000, 1_000_000))
-        return [round((start_epoch + k * DEVICE_SAMPLE_PERIOD_S) * 1_000_000) for k in range(first_k, end_k)]
+        return [round((start_epoch + k * period_s) * 1_000_000) for k in range(first_k, end_k)]
+
+    def _segment_starts(self, process: Process) -> list[float]:
+        """The process's segments' start times (seconds after it started), kept per process."""
+        times = self._segment_times.get(id(process))
+        if times is None:
+            times = self._segment_times[id(process)] = [s.at_s for s in process.segments]
+        return times
 
     def _device_percent(self, gpu: int, at: float) -> int:
         """The whole percents of the GPU's processes running at `at`, summed (uncapped)."""
@@ -413,9 +415,7 @@ class FakeNode:
     def _util_at(self, process: Process, t: float) -> float:
         """`process.sm_util_at` for scenario time t, by bisection: a bursty process has hundreds
         of segments and every device sample looks one up."""
-        times = self._segment_times.get(id(process))
-        if times is None:
-            times = self._segment_times[id(process)] = [s.at_s for s in process.segments]
+        times = self._segment_starts(process)
         i = bisect.bisect_right(times, t - process.start_s)
         return process.segments[i - 1].sm_util if i else 0.0
 
@@ -427,39 +427,51 @@ class FakeNode:
         PROCESS_SAMPLES_KEPT per process survive; a process at 0% leaves no sample (the real
         driver reports only processes with non-zero utilization in the sample period).
         """
+        return list(zip(*self.process_sample_columns(gpu, last_seen_us, t), strict=True))
+
+    def process_sample_columns(self, gpu: int, last_seen_us: int, t: float) -> tuple[list[int], list[int], list[int]]:
+        """`process_samples` as three columns, (pids, time stamps, SM utilizations)."""
         start_epoch = self.clock.start_epoch
         newest_k = int(t // PROCESS_SAMPLE_PERIOD_S)
         # The first sample newer than last_seen, found by arithmetic rather than by walking
         # the whole buffer (the exact comparison below settles rounding at the edge).
         unseen_k = math.floor((last_seen_us / 1_000_000 - start_epoch) / PROCESS_SAMPLE_PERIOD_S)
-        samples: list[tuple[int, int, int]] = []
+        pids: list[int] = []
+        stamps: list[int] = []
+        utils: list[int] = []
+        end = newest_k + 1
         for process in self.processes_on(gpu, None, t):
             first_k = max(
                 newest_k - PROCESS_SAMPLES_KEPT + 1,
                 int(-(-process.start_s // PROCESS_SAMPLE_PERIOD_S)),
                 unseen_k,
+                0,
             )
-            # The segments in force are those before the first one starting after the sample:
-            # as samples move forward in time that boundary only moves forward too, so it is
-            # walked once per process rather than searched for every sample (`sm_util_at`).
-            segments, start_s, pid = process.segments, process.start_s, process.pid
+            pid, start_s = process.pid, process.start_s
             early_us = pid % PROCESS_STAMP_SPREAD_US
-            count = len(segments)
-            in_force, util = 0, 0
-            next_change_s = segments[0].at_s if count else math.inf
-            for k in range(max(first_k, 0), newest_k + 1):
-                at = k * PROCESS_SAMPLE_PERIOD_S
-                stamp_us = round((start_epoch + at) * 1_000_000) - early_us
-                if stamp_us <= last_seen_us:
-                    continue
-                if at - start_s >= next_change_s:
-                    while in_force < count and segments[in_force].at_s <= at - start_s:
-                        in_force += 1
-                    util = round(segments[in_force - 1].sm_util)
-                    next_change_s = segments[in_force].at_s if in_force < count else math.inf
+            taken = self._sample_stamps(first_k, end, PROCESS_SAMPLE_PERIOD_S)
+            if early_us:
+                taken = [stamp - early_us for stamp in taken]
+            # Stamps only grow with k: those not newer than last_seen are a prefix.
+            skipped = bisect.bisect_right(taken, last_seen_us)
+            # The segment in force at a sample is the last one starting at or before it: the
+            # samples between two segments' starts share its utilization, taken as a run.
+            segments, times = process.segments, self._segment_starts(process)
+            k = first_k + skipped
+            while k < end:
+                offset_s = k * PROCESS_SAMPLE_PERIOD_S - start_s
+                i = bisect.bisect_right(times, offset_s)
+                util = round(segments[i - 1].sm_util) if i else 0
+                following = end
+                if i < len(times):  # the first later sample that the next segment is in force at
+                    following = min(end, _first_at_or_past(times[i], k + 1, PROCESS_SAMPLE_PERIOD_S, start_s))
                 if util > 0:
-                    samples.append((pid, stamp_us, util))
-        return samples
+                    run = following - k
+                    pids += [pid] * run
+                    stamps += taken[k - first_k : following - first_k]
+                    utils += [util] * run
+                k = following
+        return pids, stamps, utils
 
     # -- faults -------------------------------------------------------------------------------
 
@@ -522,6 +534,17 @@ class FakeNode:
 
     def gpu(self, index: int) -> Gpu:
         return self.scenario.gpus[index]
+
+
+def _first_at_or_past(bound: float, first_k: int, period_s: float, less_s: float = 0.0) -> int:
+    """The first k from first_k on with k * period_s - less_s >= bound, in the float arithmetic
+    a sample's loop would use: where a run of samples sharing one reading ends."""
+    k = max(first_k, math.ceil((bound + less_s) / period_s))
+    while k > first_k and (k - 1) * period_s - less_s >= bound:
+        k -= 1
+    while k * period_s - less_s < bound:
+        k += 1
+    return k
 
 
 def _recorded_sample(times: list[float], rows: tuple[ReadingRow, ...], k: int) -> int | None:
