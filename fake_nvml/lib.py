@@ -20,12 +20,12 @@ import threading
 import time
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fake_nvml.node import FakeNode
-from fake_nvml.scenario import ERROR_CODES, MODEL_FACTS
+from fake_nvml.scenario import ERROR_CODES, MODEL_FACTS, Process
 
 SUCCESS = 0
 INVALID_ARGUMENT = ERROR_CODES["INVALID_ARGUMENT"]
@@ -1388,11 +1388,11 @@ def _process_list(context: str) -> Callable[[FakeNvmlLibrary, float, Dev, Any, A
     def running(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, infos: Any) -> int:
         node = lib._node
         gpu = node.gpu(dev.gpu)
+        entries: Sequence[tuple[Process, int | None]]
         if dev.mig is None:
-            entries = [(e.process, e.mig) for e in node.process_entries(dev.gpu, t)]
+            entries = node.context_entries(dev.gpu, context, t)
         else:
-            entries = [(p, dev.mig) for p in node.processes_on(dev.gpu, dev.mig, t)]
-        entries = [(p, mig) for p, mig in entries if context in p.contexts]
+            entries = [(p, dev.mig) for p in node.processes_on(dev.gpu, dev.mig, t) if context in p.contexts]
         counter = _obj(count)
         if infos is None:
             counter.value = len(entries)

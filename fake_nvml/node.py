@@ -151,6 +151,7 @@ class FakeNode:
         # (GpuState), between the edges where any of them can change.
         self._running_memo: dict[tuple[int, int | None], tuple[float, tuple[Process, ...]]] = {}
         self._states = [_NO_STATE for _ in scenario.gpus]
+        self._context_memo: dict[tuple[int, str], tuple[GpuState, tuple[tuple[Process, int | None], ...]]] = {}
         self._edges: list[list[float]] = []
         for gpu in scenario.gpus:
             edges = set(self._breakpoints[gpu.index]) | {row.at_s for row in gpu.readings}
@@ -194,6 +195,23 @@ class FakeNode:
 
     def process_entries(self, gpu: int, t: float) -> list[ProcessOnGpu]:
         return [entry for entry in self._by_gpu[gpu] if entry.process.running_at(t)]
+
+    def context_entries(self, gpu: int, context: str, t: float) -> tuple[tuple[Process, int | None], ...]:
+        """(process, MIG instance or None) of the processes running on the GPU at t that hold a
+        context of this kind ("compute", "graphics", "mps"): what a process-list call lists.
+        Processes start and end only at the GPU's edges, so it is worked out once per state
+        (FakeNode.state) and kind, not for each of the poll's list calls."""
+        state = self.state(gpu, t)
+        memo = self._context_memo.get((gpu, context))
+        if memo is not None and memo[0] is state:  # the state is held here: its id is not reused
+            return memo[1]
+        found = tuple(
+            (entry.process, entry.mig)
+            for entry in self._by_gpu[gpu]
+            if entry.process.running_at(t) and context in entry.process.contexts
+        )
+        self._context_memo[(gpu, context)] = (state, found)
+        return found
 
     @staticmethod
     def process_util(process: Process, t: float) -> float:
