@@ -23,7 +23,8 @@ until it answers; one the GPU does not have is learned by the sampler and never 
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+import operator
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -131,7 +132,6 @@ class TelemetryReader:
     _every_poll_set: frozenset[ReadingKey] = frozenset()
     _link_keys: tuple[tuple[ReadingKey, ...], ...] = ()  # per link, a key per _LINK_QUANTITIES
     _per_link: bool = False  # some per-link reading is on
-    _traffic: bool = False  # NVLink traffic is read
     _slow_due_at: float | None = None  # backend clock; None: at the first poll
     _retry: set[ReadingKey] = field(default_factory=set)  # slow or once readings that failed
     _kept: dict[ReadingKey, float] = field(default_factory=dict)  # the last slow and once values
@@ -145,6 +145,17 @@ class TelemetryReader:
     _last_counts: tuple[float | None, ...] = ()
     _scalar_fields: dict[str, Any] = field(default_factory=dict)  # Telemetry's fields of _last_scalars
     _link_counters: tuple[NvLinkCounters, ...] = ()  # made from _last_counts
+    # The readings of a slow poll as `keys` last gave them (the extra once readings retried,
+    # what it returned, and the part after the every-poll readings), made again only when they
+    # change: `telemetry` knows the list by identity and keeps its values in bulk.
+    _slow_asked: tuple[tuple[ReadingKey, ...], tuple[ReadingKey, ...], tuple[ReadingKey, ...]] | None = None
+    # `_kept`'s values for _SCALAR_KEYS and for _all_link_keys (None: not worked out since it
+    # last changed): a poll's readings are looked up in what it read, these the defaults, rather
+    # than in a merged copy of both dicts made every poll.
+    _kept_scalars: tuple[float | None, ...] | None = None
+    _kept_counts: tuple[float | None, ...] = ()
+    # Where NVLink traffic is read: each link's transmit and receive counts out of all counts.
+    _traffic_of: Callable[[tuple[float | None, ...]], tuple[float | None, ...]] | None = None
 
     def __post_init__(self) -> None:
         groups = [GROUPS[name] for name in sorted(self.options.groups)]
@@ -164,7 +175,11 @@ class TelemetryReader:
         self._link_keys = tuple(tuple(ReadingKey(q, link) for q in _LINK_QUANTITIES) for link in links)
         self._all_link_keys = tuple(key for keys in self._link_keys for key in keys)
         self._per_link = self.links > 0 and any(g.per_link_every_poll or g.per_link_slow for g in groups)
-        self._traffic = self.links > 0 and any(Q.NVLINK_TX_BYTES in g.per_link_every_poll for g in groups)
+        if self.links > 0 and any(Q.NVLINK_TX_BYTES in g.per_link_every_poll for g in groups):
+            # Each link's transmit and receive bytes, link by link (the last two of its counts).
+            self._traffic_of = operator.itemgetter(
+                *[link * _LINK_WIDTH + offset for link in links for offset in (3, 4)]
+            )
         self._retry.update(self._once)
 
     @property
@@ -174,7 +189,14 @@ class TelemetryReader:
     def keys(self, now: float) -> tuple[ReadingKey, ...]:
         """The readings to ask for at a poll at `now` (backend clock)."""
         if self._slow_due_at is None or now >= self._slow_due_at:
-            return self._every_poll + self._slow + tuple(k for k in self._once if k in self._retry)
+            extra = tuple(k for k in self._once if k in self._retry)
+            cached = self._slow_asked
+            if cached is None or cached[0] != extra:
+                rest = self._slow + extra
+                every_set = self._every_poll_set
+                kept = tuple(k for k in rest if k not in every_set)
+                cached = self._slow_asked = (extra, self._every_poll + rest, kept)
+            return cached[1]
         if self._retry:
             return self._every_poll + tuple(k for k in self._slow + self._once if k in self._retry)
         return self._every_poll
@@ -191,12 +213,51 @@ class TelemetryReader:
         if self._slow_due_at is None or now >= self._slow_due_at:
             self._slow_due_at = now + self.options.slow_interval_s
         every = self._every_poll
-        # `keys` puts the every-poll readings first: only those after them are kept or retried.
-        rest = asked[len(every) :] if asked[: len(every)] == every else asked
-        every_set = self._every_poll_set
+        slow_asked = self._slow_asked
+        if asked is every:
+            pass  # the every-poll readings alone: nothing to keep or retry
+        elif slow_asked is not None and asked is slow_asked[1]:
+            self._keep(slow_asked[2], values, unsupported)
+        else:
+            # `keys` puts the every-poll readings first: only those after them are kept or retried.
+            rest = asked[len(every) :] if asked[: len(every)] == every else asked
+            every_set = self._every_poll_set
+            self._keep_each(tuple(key for key in rest if key not in every_set), values, unsupported)
+        self._fix_memory_clock()
+        kept_scalars = self._kept_scalars
+        if kept_scalars is None:
+            kept = self._kept.get
+            kept_scalars = self._kept_scalars = tuple(map(kept, _SCALAR_KEYS))
+            self._kept_counts = tuple(map(kept, self._all_link_keys)) if self._per_link else ()
+        # Each reading as read this poll, else as kept (`values.get` with `_kept`'s value as the
+        # default: what a merged {**_kept, **values} would give).
+        get = values.get
+        counts = tuple(map(get, self._all_link_keys, self._kept_counts)) if self._per_link else ()
+        rate = None
+        if self._traffic_of is not None:
+            rate = self._nvlink_rate(now, self._traffic_of(counts))
+        return self._made(tuple(map(get, _SCALAR_KEYS, kept_scalars)), counts, rate)
+
+    def _keep(
+        self, rest: tuple[ReadingKey, ...], values: Mapping[ReadingKey, float], unsupported: Container[object]
+    ) -> None:
+        """Keeps the values of `rest` (readings not asked every poll) for the polls that do not
+        read them. Where all of them answered, as they usually do, in bulk."""
+        got = tuple(map(values.get, rest))
+        if None in got:
+            self._keep_each(rest, values, unsupported)
+            return
+        self._kept.update(zip(rest, cast("tuple[float, ...]", got), strict=True))
+        if self._retry:
+            self._retry.difference_update(rest)
+        self._kept_scalars = None
+
+    def _keep_each(
+        self, rest: tuple[ReadingKey, ...], values: Mapping[ReadingKey, float], unsupported: Container[object]
+    ) -> None:
+        """`_keep`, a reading at a time: one that failed is dropped, and retried unless the GPU
+        does not have it."""
         for key in rest:
-            if key in every_set:
-                continue
             if key in values:
                 self._kept[key] = values[key]
                 self._retry.discard(key)
@@ -206,16 +267,8 @@ class TelemetryReader:
                 self._retry.discard(key)
             else:
                 self._retry.add(key)  # failed this poll: asked again at the next
-        self._fix_memory_clock()
-        merged = {**self._kept, **values} if self._kept else values
-        get = merged.get
-        counts = tuple(map(get, self._all_link_keys)) if self._per_link else ()
-        rate = None
-        if self._traffic:
-            # Each link's transmit and receive bytes, link by link (the last two of its counts).
-            traffic = [c for link in range(0, len(counts), _LINK_WIDTH) for c in counts[link + 3 : link + 5]]
-            rate = self._nvlink_rate(now, traffic)
-        return self._made(tuple(map(get, _SCALAR_KEYS)), counts, rate)
+        if rest:
+            self._kept_scalars = None
 
     def _made(
         self, scalars: tuple[float | None, ...], counts: tuple[float | None, ...], nvlink_rate: float | None
@@ -250,14 +303,15 @@ class TelemetryReader:
             return
         self._slow = tuple(k for k in self._slow if k != _MEMORY_CLOCK)
         self._once += (_MEMORY_CLOCK,)
+        self._slow_asked = None
 
-    def _nvlink_rate(self, now: float, counts: list[float | None]) -> float | None:
+    def _nvlink_rate(self, now: float, counts: tuple[float | None, ...]) -> float | None:
         """Bytes per second over every link, both ways, since the previous poll, from each link's
         transmit and receive bytes (in link order)."""
         if not counts or None in counts:
             self._nvlink_total = None
             return None
-        total = sum(c for c in counts if c is not None)
+        total = sum(cast("tuple[float, ...]", counts))  # none is None (above)
         previous, self._nvlink_total = self._nvlink_total, (now, total)
         if previous is None or now <= previous[0] or total < previous[1]:
             return None  # the first poll, or the driver reloaded and its counters restarted
