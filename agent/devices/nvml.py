@@ -457,6 +457,7 @@ class _Device:
         "out_u64",
         "out_uint",
         "out_uint2",
+        "plan_by_id",
         "plans",
         "processes",
         "samples",
@@ -477,8 +478,11 @@ class _Device:
         # through the older call instead. And the versioned calls it has answered.
         self.older: set[str] = set()
         self.worked: set[str] = set()
-        # How each list of keys the sampler asks for is read, by that list.
+        # How each list of keys the sampler asks for is read, by that list; and by the list's
+        # identity, (the list, its plan): the sampler hands the same tuple objects every poll,
+        # and a tuple of dozens of keys hashes each key every time it is looked up.
         self.plans: dict[tuple[ReadingKey, ...], _Plan] = {}
+        self.plan_by_id: dict[int, tuple[tuple[ReadingKey, ...], _Plan]] = {}
         # Reused result buffers, grown when the driver says they are too small.
         self.processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 32)()
         self.mps_processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 8)()
@@ -748,6 +752,18 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         values: dict[ReadingKey, float] = {}
         errors: dict[ReadingKey, DeviceError] = {}
         wanted = tuple(keys)
+        known = handle.plan_by_id.get(id(wanted))
+        if known is not None and known[0] is wanted and known[1].current(self, handle):
+            plan = known[1]
+        else:
+            plan = self._plan(handle, wanted)
+        self._read_singles(handle, plan.single, values, errors)
+        if plan.batched:
+            self._read_singles(handle, self._read_batched(handle, plan, values, errors), values, errors)
+        return ReadResult(values, errors)
+
+    def _plan(self, handle: _Device, wanted: tuple[ReadingKey, ...]) -> _Plan:
+        """The plan for reading `wanted`, made where there is none or it is out of date."""
         plan = handle.plans.get(wanted)
         if plan is None or not plan.current(self, handle):
             if len(handle.plans) >= _MAX_PLANS:
@@ -755,10 +771,10 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 # bound, so that a long run of varied failures cannot grow this without end.
                 handle.plans.clear()
             plan = handle.plans[wanted] = _Plan(self, handle, wanted)
-        self._read_singles(handle, plan.single, values, errors)
-        if plan.batched:
-            self._read_singles(handle, self._read_batched(handle, plan, values, errors), values, errors)
-        return ReadResult(values, errors)
+        if len(handle.plan_by_id) >= _MAX_PLANS:
+            handle.plan_by_id.clear()
+        handle.plan_by_id[id(wanted)] = (wanted, plan)
+        return plan
 
     def _read_singles(
         self,

@@ -89,21 +89,38 @@ class Unsupported(set[object]):
         self.worked: set[object] = set()
         # Each list of reading keys asked for, less what the device does not have, and what it
         # had shown then: a poll asks one of the same few lists of dozens of keys every time,
-        # and what it lacks is learned early and seldom changes after.
-        self._wanted: dict[tuple[ReadingKey, ...], tuple[set[object], tuple[ReadingKey, ...]]] = {}
+        # and what it lacks is learned early and seldom changes after. By the list's identity
+        # (the entry holds the list, so its id is not reused): the sampler hands the same tuple
+        # objects every poll, and hashing one (a tuple does not keep its hash) costs a hash of
+        # each of its dozens of keys.
+        self._wanted: dict[int, tuple[tuple[ReadingKey, ...], set[object], tuple[ReadingKey, ...]]] = {}
+        # Lists of reading keys (by identity, as above) every one of which has answered: reading
+        # one of them again adds nothing to `worked`.
+        self._all_worked: dict[int, tuple[ReadingKey, ...]] = {}
 
     def wanted(self, keys: tuple[ReadingKey, ...]) -> tuple[ReadingKey, ...]:
         """`keys` less those the device has shown it does not have, in their order."""
         if not self:
             return keys
-        kept = self._wanted.get(keys)
-        if kept is not None and kept[0] == self:  # nothing learned (or forgotten) since
-            return kept[1]
+        kept = self._wanted.get(id(keys))
+        if kept is not None and kept[0] is keys and kept[1] == self:  # nothing learned (or forgotten) since
+            return kept[2]
         if len(self._wanted) >= _WANTED_KEPT:
             self._wanted.clear()  # the lists vary only with the slow readings being retried
         wanted = tuple(k for k in keys if k not in self)
-        self._wanted[keys] = (set(self), wanted)
+        self._wanted[id(keys)] = (keys, set(self), wanted)
         return wanted
+
+    def answered(self, asked: tuple[ReadingKey, ...], values: Mapping[ReadingKey, float]) -> None:
+        """Adds the readings in `values`, read for `asked`, to `worked`."""
+        if self._all_worked.get(id(asked)) is asked:
+            return
+        self.worked.update(values)
+        # Every key asked has answered (checked only at a poll where as many answered as asked).
+        if len(values) == len(asked) and self.worked.issuperset(asked):
+            if len(self._all_worked) >= _WANTED_KEPT:
+                self._all_worked.clear()
+            self._all_worked[id(asked)] = asked
 
 
 @dataclass
@@ -141,6 +158,12 @@ class _Gpu:
     # NVLink keys among them.
     keys: tuple[ReadingKey, ...] = ()
     links: tuple[tuple[ReadingKey, int], ...] = ()
+    # `keys` with each list of health readings the poll adds, by the health list's id: (keys,
+    # health, both). The same tuple object each poll, which `Unsupported` and the backend know
+    # by identity (see `_poll_keys`).
+    asked: dict[int, tuple[tuple[ReadingKey, ...], ...]] = field(default_factory=dict)
+    # The NVLink readings of the last poll: (links, their keys, each key's value, the readings).
+    nvlinks_seen: tuple[object, tuple[ReadingKey, ...], tuple[object, ...], tuple[NvLinkReading, ...]] | None = None
     migs: list[_Mig] = field(default_factory=list)
     # MIG-enabled GPUs: the GPU's memory total (read at discovery; `used` is the instances' sum)
     # and which MIG device a process runs on, by (GPU instance, compute instance) id. None: the
@@ -696,7 +719,7 @@ class Sampler:
             self._count(exc)
             return {}
         counted: set[int] = set()
-        unsupported.worked.update(result.values)
+        unsupported.answered(wanted, result.values)
         for key, failure in result.errors.items():
             if isinstance(failure, ReadingNotSupported) and (
                 key not in unsupported.worked or isinstance(failure, ReadingNoLongerSupported)
@@ -747,8 +770,8 @@ class Sampler:
         where = f"GPU {gpu.index} ({gpu.uuid})"
         reader, now = self._telemetry_reader(gpu), gpu.poll_at or 0.0
         health = reader.keys(now) if reader is not None else ()
-        values = self._read(where, gpu.unsupported, gpu.handle, gpu.keys + health if health else gpu.keys)
-        links = tuple([_nvlink(link, bool(values[key])) for key, link in gpu.links if key in values])
+        values = self._read(where, gpu.unsupported, gpu.handle, _poll_keys(gpu, health))
+        links = _nvlinks(gpu, values)
         telemetry = reader.telemetry(now, health, values, gpu.unsupported) if reader is not None else None
         if gpu.migs:
             return self._read_mig_gpu(gpu, where, values, links, telemetry)
@@ -1062,6 +1085,42 @@ class Sampler:
                 periods = min(periods, (now_us - oldest_us) // period_us + 1)
             found[pid] = min(sum(utils) / max(periods, len(utils)) / 100, 1.0)
         return found
+
+
+def _poll_keys(gpu: _Gpu, health: tuple[ReadingKey, ...]) -> tuple[ReadingKey, ...]:
+    """What a poll of `gpu` asks `read` for: its keys and the health readings. Made once for each
+    health list `TelemetryReader.keys` hands out (a poll alternates between two or three), not
+    concatenated every poll: `Unsupported.wanted` and the backend's read plans know it by
+    identity, where an equal new tuple would have them hash its dozens of keys."""
+    if not health:
+        return gpu.keys
+    known = gpu.asked.get(id(health))
+    if known is not None and known[0] is gpu.keys and known[1] is health:
+        return known[2]
+    if len(gpu.asked) >= _WANTED_KEPT:
+        gpu.asked.clear()  # the health lists vary only with the slow readings being retried
+    keys = gpu.keys + health
+    gpu.asked[id(health)] = (gpu.keys, health, keys)
+    return keys
+
+
+_ABSENT = object()  # a reading `values` lacks (`_nvlinks`)
+
+
+def _nvlinks(gpu: _Gpu, values: Mapping[ReadingKey, float]) -> tuple[NvLinkReading, ...]:
+    """The GPU's NVLink readings: each link whose state was read, up or down. The last poll's
+    tuple where every link reads as it did then, as links seldom change state."""
+    seen = gpu.nvlinks_seen
+    if seen is None or seen[0] is not gpu.links:
+        seen = (gpu.links, tuple([key for key, _link in gpu.links]), (), ())
+    states = tuple(map(values.get, seen[1], itertools.repeat(_ABSENT)))
+    if states == seen[2]:
+        return seen[3]
+    readings = tuple(
+        [_nvlink(link, bool(up)) for (_key, link), up in zip(gpu.links, states, strict=True) if up is not _ABSENT]
+    )
+    gpu.nvlinks_seen = (gpu.links, seen[1], states, readings)
+    return readings
 
 
 @functools.cache
