@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import operator
 import socket
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -832,22 +833,31 @@ class Sampler:
         )
         if not samples:
             return None
-        stamps = sorted((stamp, percent) for stamp, percent in samples if stamp > since)
+        stamps = sorted([(stamp, percent) for stamp, percent in samples if stamp > since])
         if not stamps:
             return None
-        gaps = [b - a for (a, _), (b, _) in itertools.pairwise(stamps) if b > a]
+        # A column at a time (a poll reads a sample a second of every GPU).
+        times, percents = zip(*stamps, strict=True)
+        gaps = _gaps(times)
         if gaps:
             gpu.utilization_period_us = min(*gaps, gpu.utilization_period_us or min(gaps))
         period = gpu.utilization_period_us
-        weighted = total = 0.0
-        previous = since if since else None
-        for stamp, percent in stamps:
-            span = period if period is not None else 1
-            if previous is not None and period is not None:
-                span = min(stamp - previous, period)
-            weighted += percent * span
-            total += span
-            previous = stamp
+        if period is not None and since:
+            # Each sample spans the time since the one before (the first: since the last poll's
+            # last), at most a period. The sums are added up in order, as the loop below does.
+            spans = [period if period < gap else gap for gap in map(operator.sub, times, (since, *times[:-1]))]
+            weighted = functools.reduce(operator.add, map(operator.mul, percents, spans), 0.0)
+            total = functools.reduce(operator.add, spans, 0.0)
+        else:
+            weighted = total = 0.0
+            previous = since if since else None
+            for stamp, percent in stamps:
+                span = period if period is not None else 1
+                if previous is not None and period is not None:
+                    span = min(stamp - previous, period)
+                weighted += percent * span
+                total += span
+                previous = stamp
         gpu.utilization_seen_us = stamps[-1][0]
         return min(weighted / total / 100, 1.0) if total > 0 else None
 
@@ -1056,14 +1066,20 @@ class Sampler:
         fresh = [sample for sample in samples if sample[1] > since]
         by_pid: defaultdict[int, list[int]] = defaultdict(list)
         stamps_by_pid: defaultdict[int, list[int]] = defaultdict(list)
-        for pid, stamp_us, util in fresh:
-            by_pid[pid].append(util)
-            stamps_by_pid[pid].append(stamp_us)
-        gpu.last_seen_us = max(since, max((sample[1] for sample in fresh), default=since))
+        if fresh:
+            pids, stamps_us, utils_of = zip(*fresh, strict=True)
+            gpu.last_seen_us = max(since, *stamps_us)
+            if pids.count(pids[0]) == len(pids):
+                # One process at work, the usual case: its samples are the columns as they are.
+                by_pid[pids[0]], stamps_by_pid[pids[0]] = list(utils_of), list(stamps_us)
+            else:
+                for pid, stamp_us, util in fresh:
+                    by_pid[pid].append(util)
+                    stamps_by_pid[pid].append(stamp_us)
         # A period is the gap between two samples of one process. The driver stamps each
         # process's sample when it records that process, so two processes' stamps are any
         # distance apart (microseconds, on one GPU: NVIDIA/go-nvml issue 51), never a period.
-        gaps = [b - a for stamps in stamps_by_pid.values() for a, b in itertools.pairwise(sorted(stamps)) if b > a]
+        gaps = [gap for stamps in stamps_by_pid.values() for gap in _gaps(sorted(stamps))]
         if gaps:
             gpu.sample_period_us = min(*gaps, gpu.sample_period_us or min(gaps))
         gpu.samples_kept = max(gpu.samples_kept, max(map(len, by_pid.values()), default=0))
@@ -1085,6 +1101,11 @@ class Sampler:
                 periods = min(periods, (now_us - oldest_us) // period_us + 1)
             found[pid] = min(sum(utils) / max(periods, len(utils)) / 100, 1.0)
         return found
+
+
+def _gaps(stamps: Sequence[int]) -> list[int]:
+    """The gaps between consecutive stamps (in order) that are not zero."""
+    return [gap for gap in map(operator.sub, stamps[1:], stamps) if gap > 0]
 
 
 def _poll_keys(gpu: _Gpu, health: tuple[ReadingKey, ...]) -> tuple[ReadingKey, ...]:
