@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import operator
 import struct
 import sys
 from collections.abc import Callable, Sequence
@@ -377,15 +378,21 @@ class _FieldRequest:
     """One field-values request, built once and sent every poll: the driver writes only the
     outputs, so the ids stay; the outputs are reset from `template` before each call."""
 
-    __slots__ = ("_views", "array", "length", "template")
+    __slots__ = ("_kinds", "_narrow", "_views", "_words", "array", "length", "reference", "template")
 
     def __init__(self, fields: Sequence[tuple[int, int]]) -> None:
         self.array = (_FieldValue * len(fields))()
         for item, (field_id, scope_id) in zip(self.array, fields, strict=True):
             item.fieldId, item.scopeId = field_id, scope_id
         self.length = ctypes.c_int32(len(fields))
+        self.reference = ctypes.byref(self.array)
         self.template = bytes(self.array)
         self._views: tuple[tuple[_FieldValue, ...], tuple[ctypes.Union, ...]] | None = None
+        # For `unsigned`: the array as 64-bit words (made once), the value types of the last
+        # answer it decoded, and the fields among them whose value is 32 bits wide.
+        self._words: memoryview | None = None
+        self._kinds: list[int] | None = None
+        self._narrow: list[int] = []
 
     def views(self) -> tuple[tuple[_FieldValue, ...], tuple[ctypes.Union, ...]]:
         """Each field, and its value union, as ctypes views into `array`: made once, at the first
@@ -402,13 +409,22 @@ class _FieldRequest:
         otherwise, and on a big-endian host: the caller then reads field by field."""
         if not _LITTLE_ENDIAN:
             return None
-        words = memoryview(self.array).cast("B").cast("Q")
+        words = self._words
+        if words is None:
+            words = self._words = memoryview(self.array).cast("B").cast("Q")
         kinds = words[3::_FIELD_WORDS].tolist()
-        # Little-endian: valueType in the low half of the word, nvmlReturn (0: success) above it.
-        if not kinds or max(kinds) > 0xFFFFFFFF or not _UNSIGNED_TYPES.issuperset(kinds):
-            return None
+        # A driver answers each field with the same type every poll: the types are checked, and
+        # the 32-bit fields found, when they differ from the last answer's.
+        if kinds != self._kinds:
+            # Little-endian: valueType in the low half of the word, nvmlReturn (0: success) above it.
+            if not kinds or max(kinds) > 0xFFFFFFFF or not _UNSIGNED_TYPES.issuperset(kinds):
+                return None
+            self._kinds = kinds
+            self._narrow = [field for field, kind in enumerate(kinds) if kind not in _WORD_TYPES]
         raw = words[4::_FIELD_WORDS].tolist()
-        return [value if kind in _WORD_TYPES else value & 0xFFFFFFFF for kind, value in zip(kinds, raw, strict=True)]
+        for field in self._narrow:
+            raw[field] &= 0xFFFFFFFF
+        return raw
 
 
 class _Plan:
@@ -416,7 +432,7 @@ class _Plan:
     its request), which by single calls. Rebuilt when the backend learns something that
     changes the split (a field the device refuses, or no field values at all)."""
 
-    __slots__ = ("batched", "field_values", "learned", "request", "scales", "single")
+    __slots__ = ("batched", "divisors", "field_values", "learned", "link_states", "request", "single")
 
     def __init__(self, backend: NvmlBackend, handle: _Device, keys: Sequence[ReadingKey]) -> None:
         self.field_values = backend._field_values and not handle.no_fields
@@ -433,7 +449,11 @@ class _Plan:
             else:
                 self.single.append(key)
         self.request = _FieldRequest(fields)
-        self.scales = [_SCALES[key.quantity] for key in self.batched]  # see _SCALES
+        # What each batched field's raw value is divided by (see _SCALES), 1.0 for the link
+        # states, which are read as up or down instead: which fields those are.
+        scales = [_SCALES[key.quantity] for key in self.batched]
+        self.divisors = [by or 1.0 for by in scales]
+        self.link_states = [field for field, by in enumerate(scales) if not by]
 
     def current(self, backend: NvmlBackend, handle: _Device) -> bool:
         fields = backend._field_values and not handle.no_fields
@@ -759,7 +779,9 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
             plan = self._plan(handle, wanted)
         self._read_singles(handle, plan.single, values, errors)
         if plan.batched:
-            self._read_singles(handle, self._read_batched(handle, plan, values, errors), values, errors)
+            left = self._read_batched(handle, plan, values, errors)
+            if left:  # fields the batch could not read, by their single calls
+                self._read_singles(handle, left, values, errors)
         return ReadResult(values, errors)
 
     def _plan(self, handle: _Device, wanted: tuple[ReadingKey, ...]) -> _Plan:
@@ -859,7 +881,9 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 return left
             if request is plan.request and (numbers := request.unsigned()) is not None:
                 # Every field answered: the same floats as the loop below, a column at a time.
-                scaled = [n / by if by else float(n != 0) for n, by in zip(numbers, plan.scales, strict=True)]
+                scaled = list(map(operator.truediv, numbers, plan.divisors))
+                for field in plan.link_states:
+                    scaled[field] = float(numbers[field] != 0)
                 values.update(zip(keys, scaled, strict=True))
                 return left
             retry: list[ReadingKey] = []
@@ -1075,9 +1099,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
     def _send(handle: _Device, request: _FieldRequest) -> None:
         """One field-values call; each field's outcome is then in `request.array`."""
         call = "nvmlDeviceGetFieldValues"
-        array = request.array
-        ctypes.memmove(array, request.template, len(request.template))
-        _check(call, _function(call, call)(handle.handle, request.length, ctypes.byref(array)))
+        ctypes.memmove(request.array, request.template, len(request.template))
+        _check(call, _function(call, call)(handle.handle, request.length, request.reference))
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
         """Compute processes with their memory, through the newest call version the driver has."""
