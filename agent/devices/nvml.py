@@ -468,6 +468,7 @@ class _Device:
         "field_level",
         "graphics_processes",
         "handle",
+        "infos_seen",
         "learned",
         "memory",
         "memory_v2",
@@ -505,6 +506,9 @@ class _Device:
         self.plan_by_id: dict[int, tuple[tuple[ReadingKey, ...], _Plan]] = {}
         # Reused result buffers, grown when the driver says they are too small.
         self.processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 32)()
+        # Per process-list buffer, the bytes of its last answer and the ProcessInfos they made:
+        # a GPU's processes and their memory seldom change from one poll to the next.
+        self.infos_seen: dict[str, tuple[bytes, list[ProcessInfo]]] = {}
         self.mps_processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 8)()
         self.graphics_processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 8)()
         self.samples: ctypes.Array[_ProcessSample] = (_ProcessSample * 64)()
@@ -1146,7 +1150,11 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 setattr(handle, buffer_name, (_ProcessInfo * min(count.value * 2 + 5, MAX_PROCESSES))())
                 continue
             _check(call, code)
-            return [
+            answer = bytes(memoryview(buffer).cast("B")[: count.value * ctypes.sizeof(_ProcessInfo)])
+            seen = handle.infos_seen.get(buffer_name)
+            if seen is not None and seen[0] == answer:
+                return list(seen[1])  # the same processes as last time: their ProcessInfos again
+            infos = [
                 ProcessInfo(
                     pid=info.pid,
                     used_memory_bytes=None if info.usedGpuMemory == _NOT_AVAILABLE_U64 else info.usedGpuMemory,
@@ -1155,6 +1163,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 )
                 for info in buffer[: count.value]
             ]
+            handle.infos_seen[buffer_name] = (answer, infos)
+            return list(infos)
         raise DeviceError(call, "INSUFFICIENT_SIZE", "the process list kept growing while it was read")
 
     def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:

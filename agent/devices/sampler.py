@@ -165,6 +165,8 @@ class _Gpu:
     asked: dict[int, tuple[tuple[ReadingKey, ...], ...]] = field(default_factory=dict)
     # The NVLink readings of the last poll: (links, their keys, each key's value, the readings).
     nvlinks_seen: tuple[object, tuple[ReadingKey, ...], tuple[object, ...], tuple[NvLinkReading, ...]] | None = None
+    # The process readings of the last poll, and what they were made from (`_process_readings`).
+    processes_seen: tuple[list[ProcessInfo], dict[int, float] | None, tuple[ProcessReading, ...]] | None = None
     migs: list[_Mig] = field(default_factory=list)
     # MIG-enabled GPUs: the GPU's memory total (read at discovery; `used` is the instances' sum)
     # and which MIG device a process runs on, by (GPU instance, compute instance) id. None: the
@@ -884,13 +886,7 @@ class Sampler:
                 return None
             gpu.listed_pids = frozenset([i.pid for i in infos])
             gpu.unlisted_pids = frozenset(utils.keys() - gpu.listed_pids)
-        if utils is None:
-            return tuple(ProcessReading(i.pid, i.used_memory_bytes, None, i.gpu_instance_id) for i in infos)
-        # A process with no sample since the last poll did no work: the driver only reports
-        # processes with non-zero utilization.
-        return tuple(
-            ProcessReading(i.pid, i.used_memory_bytes, utils.get(i.pid, 0.0), i.gpu_instance_id) for i in infos
-        )
+        return _process_readings(gpu, infos, utils)
 
     def _read_mig_gpu(
         self,
@@ -1101,6 +1097,27 @@ class Sampler:
                 periods = min(periods, (now_us - oldest_us) // period_us + 1)
             found[pid] = min(sum(utils) / max(periods, len(utils)) / 100, 1.0)
         return found
+
+
+def _process_readings(
+    gpu: _Gpu, infos: list[ProcessInfo], utils: dict[int, float] | None
+) -> tuple[ProcessReading, ...]:
+    """A whole GPU's processes with their SM utilization (None where it could not be read). The
+    last poll's tuple where the processes and their utilization are as they were then: a job's
+    memory, and its utilization over a poll, seldom change."""
+    seen = gpu.processes_seen
+    if seen is not None and seen[0] == infos and seen[1] == utils:
+        return seen[2]
+    if utils is None:
+        readings = tuple(ProcessReading(i.pid, i.used_memory_bytes, None, i.gpu_instance_id) for i in infos)
+    else:
+        # A process with no sample since the last poll did no work: the driver only reports
+        # processes with non-zero utilization.
+        readings = tuple(
+            ProcessReading(i.pid, i.used_memory_bytes, utils.get(i.pid, 0.0), i.gpu_instance_id) for i in infos
+        )
+    gpu.processes_seen = (infos, utils, readings)
+    return readings
 
 
 def _gaps(stamps: Sequence[int]) -> list[int]:
