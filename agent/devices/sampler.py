@@ -840,9 +840,9 @@ class Sampler:
             return None
         # A column at a time (a poll reads a sample a second of every GPU).
         times, percents = zip(*stamps, strict=True)
-        gaps = _gaps(times)
-        if gaps:
-            gpu.utilization_period_us = min(*gaps, gpu.utilization_period_us or min(gaps))
+        shortest = _shortest_gap(times)
+        if shortest is not None:
+            gpu.utilization_period_us = min(shortest, gpu.utilization_period_us or shortest)
         period = gpu.utilization_period_us
         if period is not None and since:
             # Each sample spans the time since the one before (the first: since the last poll's
@@ -1075,9 +1075,10 @@ class Sampler:
         # A period is the gap between two samples of one process. The driver stamps each
         # process's sample when it records that process, so two processes' stamps are any
         # distance apart (microseconds, on one GPU: NVIDIA/go-nvml issue 51), never a period.
-        gaps = [gap for stamps in stamps_by_pid.values() for gap in _gaps(sorted(stamps))]
+        gaps = [gap for stamps in stamps_by_pid.values() if (gap := _shortest_gap(sorted(stamps))) is not None]
         if gaps:
-            gpu.sample_period_us = min(*gaps, gpu.sample_period_us or min(gaps))
+            shortest = min(gaps)
+            gpu.sample_period_us = min(shortest, gpu.sample_period_us or shortest)
         gpu.samples_kept = max(gpu.samples_kept, max(map(len, by_pid.values()), default=0))
         period_us, kept = gpu.sample_period_us, gpu.samples_kept
         if not period_us or gpu.previous_poll_at is None or gpu.poll_at is None:
@@ -1120,9 +1121,10 @@ def _process_readings(
     return readings
 
 
-def _gaps(stamps: Sequence[int]) -> list[int]:
-    """The gaps between consecutive stamps (in order) that are not zero."""
-    return [gap for gap in map(operator.sub, stamps[1:], stamps) if gap > 0]
+def _shortest_gap(stamps: Sequence[int]) -> int | None:
+    """The shortest gap between two consecutive stamps (in order) that is not zero; None where
+    there is none. All the periods are learned from: only the shortest is kept."""
+    return min(filter(None, map(operator.sub, stamps[1:], stamps)), default=None)
 
 
 def _poll_keys(gpu: _Gpu, health: tuple[ReadingKey, ...]) -> tuple[ReadingKey, ...]:

@@ -23,8 +23,9 @@ until it answers; one the GPU does not have is learned by the sampler and never 
 
 from __future__ import annotations
 
+import itertools
 import operator
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -241,15 +242,17 @@ class TelemetryReader:
     def _keep(
         self, rest: tuple[ReadingKey, ...], values: Mapping[ReadingKey, float], unsupported: Container[object]
     ) -> None:
-        """Keeps the values of `rest` (readings not asked every poll) for the polls that do not
-        read them. Where all of them answered, as they usually do, in bulk."""
-        got = tuple(map(values.get, rest))
-        if None in got:
-            self._keep_each(rest, values, unsupported)
-            return
-        self._kept.update(zip(rest, cast("tuple[float, ...]", got), strict=True))
+        """Keeps the values of `rest` (readings not asked every poll, each once) for the polls
+        that do not read them: `_keep_each`, with the readings that answered kept in bulk (a
+        slow poll has dozens) and only those that did not (the GPU does not have them, or they
+        failed) one at a time."""
+        got = tuple(map(values.get, rest, itertools.repeat(_ABSENT)))
+        answered = list(map(operator.is_not, got, itertools.repeat(_ABSENT)))
+        kept = cast("Iterable[float]", itertools.compress(got, answered))
+        self._kept.update(zip(itertools.compress(rest, answered), kept, strict=True))
         if self._retry:
-            self._retry.difference_update(rest)
+            self._retry.difference_update(itertools.compress(rest, answered))
+        self._keep_each(tuple(itertools.compress(rest, map(operator.not_, answered))), values, unsupported)
         self._kept_scalars = None
 
     def _keep_each(
@@ -403,3 +406,4 @@ def _link_counters(counts: tuple[float | None, ...]) -> tuple[NvLinkCounters, ..
 
 
 _NO_COUNTS: tuple[None, ...] = (None,) * _LINK_WIDTH
+_ABSENT = object()  # a reading the poll's values lack (`TelemetryReader._keep`)
