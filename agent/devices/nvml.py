@@ -134,6 +134,7 @@ _NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a process outs
 _SENSOR_GPU = pynvml.NVML_TEMPERATURE_GPU
 _SENSOR = pynvml._nvmlTemperatureSensors_t(_SENSOR_GPU)
 _PSTATE_UNKNOWN = getattr(pynvml, "NVML_PSTATE_UNKNOWN", 32)
+_GPU_UTILIZATION_SAMPLES = ctypes.c_uint(pynvml.NVML_GPU_UTILIZATION_SAMPLES)  # passed by value
 
 # Quantities one single call answers together: within one `read` it is made once, for whichever
 # of them is asked first.
@@ -465,6 +466,7 @@ class _Device:
 
     __slots__ = (
         "celsius",
+        "count",
         "field_level",
         "graphics_processes",
         "handle",
@@ -482,9 +484,12 @@ class _Device:
         "plans",
         "processes",
         "samples",
+        "since",
         "temperature",
         "utilization",
         "utilization_samples",
+        "value_type",
+        "words",
         "worked",
     )
 
@@ -522,6 +527,13 @@ class _Device:
         self.out_uint = ctypes.c_uint()
         self.out_uint2 = ctypes.c_uint()
         self.out_u64 = ctypes.c_ulonglong()
+        # The in-and-out arguments of the list and sample calls, made once rather than per call.
+        self.count = ctypes.c_uint()
+        self.since = ctypes.c_ulonglong()
+        self.value_type = ctypes.c_uint()
+        # The utilization-sample buffer as 64-bit words: (the buffer, the view), made again when
+        # the buffer is grown.
+        self.words: tuple[ctypes.Array[_Sample], memoryview] | None = None
 
 
 class _EventData(ctypes.Structure):
@@ -1138,7 +1150,7 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
     @staticmethod
     def _process_infos(handle: _Device, call: str, variant: str, buffer_name: str) -> list[ProcessInfo]:
         fn = _function(call, variant)
-        count = ctypes.c_uint(0)
+        count = handle.count
         # Processes may start between a too-small call and the next: try a few times.
         for _attempt in range(3):
             buffer: ctypes.Array[_ProcessInfo] = getattr(handle, buffer_name)
@@ -1170,8 +1182,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
     def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:
         call = "nvmlDeviceGetProcessUtilization"
         fn = _function(call, call)
-        count = ctypes.c_uint(0)
-        since = ctypes.c_ulonglong(since_us)
+        count, since = handle.count, handle.since
+        since.value = since_us
         for _attempt in range(3):
             buffer = handle.samples
             count.value = len(buffer)
@@ -1196,10 +1208,9 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         makes two (the size, then the samples)."""
         call = "nvmlDeviceGetSamples"
         fn = _function(call, call)
-        kind = ctypes.c_uint(pynvml.NVML_GPU_UTILIZATION_SAMPLES)
-        since = ctypes.c_ulonglong(since_us)
-        value_type = ctypes.c_uint(0)
-        count = ctypes.c_uint(0)
+        kind = _GPU_UTILIZATION_SAMPLES
+        since, value_type, count = handle.since, handle.value_type, handle.count
+        since.value, value_type.value = since_us, 0
         for _attempt in range(3):
             buffer = handle.utilization_samples
             count.value = len(buffer)
@@ -1216,7 +1227,9 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
             if _LITTLE_ENDIAN and value_kind in _UNSIGNED_TYPES:
                 # nvmlSample_t is two words, the time stamp and the value: read a column at a time
                 # (a poll reads a sample a second of every GPU).
-                words = memoryview(buffer).cast("B").cast("Q")
+                if handle.words is None or handle.words[0] is not buffer:
+                    handle.words = (buffer, memoryview(buffer).cast("B").cast("Q"))
+                words = handle.words[1]
                 values = words[1 : 2 * taken : 2].tolist()
                 if value_kind not in _WORD_TYPES:
                     values = [value & 0xFFFFFFFF for value in values]
