@@ -39,10 +39,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
-from agent.accounting.boundaries import Part, stretches
+from agent.accounting.boundaries import stretches
 from agent.model import (
     BUSY_GPM,
     BUSY_NVML,
@@ -66,6 +67,44 @@ from agent.model import (
     WorkloadTotals,
 )
 from agent.units import add_known, joules_to_kwh, scaled
+
+T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+# Past this many keys a `Recent` starts over: workloads come and go, and each keeps one entry.
+RECENT_LIMIT = 4096
+
+
+class Recent(dict[K, tuple[tuple[object, ...], T]]):
+    """The object last made for each key, and the fields it was made from, to hand it out again
+    where a poll's figures are the last poll's.
+
+    A steady node charges the same figures poll after poll: the same seconds, dollars and joules
+    for each workload and GPU. Making a frozen dataclass costs about 0.7 us, several for one with
+    many fields (each goes through object.__setattr__); comparing a tuple of its fields with the
+    tuple it was made from last time costs a fraction of that. Equal fields make an equal object,
+    so the one made last serves: floats that compare equal are the same float (but for the sign
+    of a zero, which no charge carries: its sums start at +0.0), and a NaN never equals the last
+    one, so it is made afresh."""
+
+    def __init__(self, make: Callable[..., T], *names: str) -> None:
+        """`make` takes `names`, in order, positionally: checked here against the dataclass's
+        fields, so a field added or moved fails at import rather than shifting the figures."""
+        super().__init__()
+        if isinstance(make, type) and tuple(f.name for f in fields(make)) != names:
+            raise TypeError(f"{make.__name__} has fields {[f.name for f in fields(make)]}, not {list(names)}")
+        self.make = make
+
+    def get_or_make(self, key: K, values: tuple[object, ...]) -> T:
+        """`make(*values)`, or the object made last for `key` where it was made from equal values."""
+        last = self.get(key)
+        if last is not None and last[0] == values:
+            return last[1]
+        made = self.make(*values)
+        if len(self) >= RECENT_LIMIT:
+            self.clear()
+        self[key] = (values, made)
+        return made
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,32 +207,42 @@ def _charge(
     workloads: dict[tuple[int, str, Workload], _Acc],
     gpu_index: int,
     unit: CostUnit,
-    parts: tuple[Part, ...],
+    holders: tuple[Holding, ...],
+    util_scales: tuple[float, ...] | None,
     held: float,
     dollars: float,
     joules: float | None,
     *,
     whole: bool,
 ) -> None:
-    """`held` unit-seconds costing `dollars` and `joules`, split among the holders of `parts`;
+    """`held` unit-seconds costing `dollars` and `joules`, split among `holders`; `util_scales`,
+    each holder's `Part.util_scale` (None: 1 for all, as for holders of the whole interval);
     `whole`: they held the unit all the interval."""
-    holders = tuple(p.holding for p in parts)
-    count = len({h.workload for h in holders})
-    utils = [holder_utilization(h, unit, count, whole=whole, together=len(holders)) for h in holders]
-    # Each holder's utilization over its own part of the interval (see Part.util_scale).
-    utils = [None if u is None else min(u * p.util_scale, 1.0) for u, p in zip(utils, parts, strict=True)]
+    together = len(holders)
+    count = 1 if together == 1 else len({h.workload for h in holders})
+    utils = [holder_utilization(h, unit, count, whole=whole, together=together) for h in holders]
+    # Each holder's utilization over its own part of the interval (see Part.util_scale); a
+    # scale of 1 is left out, x 1.0 being the same float.
+    if util_scales is None:
+        utils = [None if u is None else min(u, 1.0) for u in utils]
+    else:
+        utils = [None if u is None else min(u * k, 1.0) for u, k in zip(utils, util_scales, strict=True)]
+    # A sole holding's share is all of it: split_shares gives one holding 1.0 by every rule
+    # (u / u, m / m, 1 / 1), so it is not asked (this runs for nearly every unit, every poll).
+    shares = _SOLE_SHARE if together == 1 else split_shares(holders, utils)
+    uuid = unit.uuid
     seen: dict[Workload, float] = {}
-    for holding, share, util in zip(holders, split_shares(holders, utils), utils, strict=True):
+    for holding, share, util in zip(holders, shares, utils, strict=True):
         workload = holding.workload
-        acc = workloads.get((gpu_index, unit.uuid, workload))
-        if acc is None:
-            acc = workloads[(gpu_index, unit.uuid, workload)] = _Acc()
+        acc = workloads.setdefault((gpu_index, uuid, workload), _Acc())
         acc.account = acc.account or holding.account
         # Per-pid holdings of one workload each held the unit: count its time once (per part).
-        counted = seen.get(workload, 0.0)
+        # (A sole holding needs no count, and so no lookups: a Workload hashes in a Python call.)
+        counted = seen.get(workload, 0.0) if seen else 0.0
         if held > counted:
             acc.held_s += held - counted
-            seen[workload] = held
+            if together > 1:
+                seen[workload] = held
         busy = holder_busy(unit, util, share)
         # Summed, unlike held: each of a workload's holdings is its own part of the share.
         acc.charged_s += held * share
@@ -202,7 +251,52 @@ def _charge(
         else:
             acc.busy_s += held * busy
         acc.dollars += dollars * share
-        acc.joules = add_known(acc.joules, scaled(joules, share))
+        if joules is not None:  # add_known(acc.joules, scaled(joules, share)), inline
+            acc.joules = joules * share if acc.joules is None else acc.joules + joules * share
+
+
+_SOLE_SHARE = (1.0,)
+
+
+# The charges made at the last poll, made again only where their figures changed (`Recent`):
+# positional, in the order of the dataclasses' fields (checked at import).
+_WORKLOAD_CHARGES: Recent[tuple[int, str, Workload], WorkloadCharge] = Recent(
+    WorkloadCharge, "gpu", "uuid", "workload", "held_s", "busy_s", "dollars", "joules", "energy_dollars", "charged_s",
+    "account", "unmeasured_s",
+)  # fmt: skip
+_GPU_CHARGES: Recent[str, GpuCharge] = Recent(
+    GpuCharge, "gpu", "uuid", "model", "dollars_per_hour", "observed_s", "dollars", "idle_s", "idle_dollars",
+    "unobserved_s", "joules", "idle_joules", "unobserved_dollars", "energy_dollars", "idle_energy_dollars",
+    "unobserved_reason", "idle_by", "busy_s", "purchase", "price_source",
+)  # fmt: skip
+_IDLE_CHARGES: Recent[tuple[str, Workload], IdleCharge] = Recent(
+    IdleCharge, "left_by", "idle_s", "idle_dollars", "idle_joules", "idle_energy_dollars"
+)
+
+
+def _first(item: tuple[Workload, _IdleSums]) -> Workload:
+    return item[0]
+
+
+class _HeldByDevice:
+    """`Attribution.by_device()`, worked out once per attribution: a poll's attribution is asked
+    again by `unit_usage`, and as the next poll's earlier one (the last two are kept). Callers
+    must not change the dict."""
+
+    def __init__(self) -> None:
+        self._recent: tuple[tuple[Attribution, dict[str, tuple[Holding, ...]]], ...] = ()
+
+    def __call__(self, attribution: Attribution) -> dict[str, tuple[Holding, ...]]:
+        recent = self._recent  # read once: another thread may replace it meanwhile
+        for known, found in recent:
+            if known is attribution:
+                return found
+        found = attribution.by_device()
+        self._recent = (*recent[-1:], (attribution, found))
+        return found
+
+
+held_by_device = _HeldByDevice()
 
 
 def _by_index(index: int) -> str:
@@ -300,25 +394,27 @@ def account(
     share, like the energy of units whose holders could not be known, is in the GPU's joules and
     in no workload's or idle stretch's: its unobserved energy."""
     dt = curr.taken_at - prev.taken_at
-    charges = Charges(start=prev.taken_at, end=curr.taken_at, node=curr.node.hostname, energy_per_kwh=energy_per_kwh)
     if dt <= 0:
-        return charges
-    previous = {d.uuid: d for d in prev.gpus}
+        return Charges(start=prev.taken_at, end=curr.taken_at, node=curr.node.hostname, energy_per_kwh=energy_per_kwh)
+    prev_gpus = prev.gpus
+    previous = {d.uuid: d for d in prev_gpus}
     # A GPU discovered at this poll went by a remembered or provisional uuid at the last one:
     # that reading (down, for why it could not be identified) is where its interval starts.
-    for d in prev.gpus:
+    for d in prev_gpus:
         if not d.discovered:
             previous.setdefault(_by_index(d.index), d)
     prev_devices = {d.uuid: d for d in prev.devices}
     # Each unit's holders, now and at the start, in attribution order, and each GPU's MIG devices.
-    holders_of = attribution.by_device()
-    earlier_of = earlier.by_device() if earlier is not None else {}
+    holders_of = held_by_device(attribution)
+    earlier_of = held_by_device(earlier) if earlier is not None else {}
     migs_of = curr.migs_by_parent()
     workloads: dict[tuple[int, str, Workload], _Acc] = {}
     gpus: list[GpuCharge] = []
     # Whether a unit nobody runs on is idle or of unknown holder, at each end of the interval.
     allocated = attribution.allocations_known
     allocated_before = earlier.allocations_known if earlier is not None else allocated
+    last_energy = energy_before if energy_before is not None else {}
+    last_held = left_by if left_by is not None else {}
     for gpu in curr.gpus:
         price = prices.get(gpu.uuid)
         # A price that changed within the interval charges each part at its own figure.
@@ -327,7 +423,7 @@ def account(
         was_gpu = previous.get(gpu.uuid) or previous.get(_by_index(gpu.index))
         reason = _unobserved(was_gpu, gpu, dt, max_interval_s)
         gpu_joules, interval_joules = _energy_delta(
-            previous.get(gpu.uuid), gpu, prev.taken_at, curr.taken_at, (energy_before or {}).get(gpu.uuid)
+            previous.get(gpu.uuid), gpu, prev.taken_at, curr.taken_at, last_energy.get(gpu.uuid)
         )
         if reason is not None:
             # What the counter counted meanwhile (polls too far apart, the gap of an outage this
@@ -353,87 +449,110 @@ def account(
                 unobserved_dollars += unit_dollars
                 unobserved_reason = UNOBSERVED_PROCESSES
                 continue
-            last = (left_by or {}).get(unit.uuid, ()) if unit.uuid else ()
+            last = last_held.get(unit.uuid, ()) if unit.uuid else ()
             charged: dict[tuple[int, str, Workload], _Acc] = {}
-            for stretch in stretches(prev.taken_at, dt, before, holders, last):
-                part = stretch.seconds / dt
+            cut: Iterable[tuple[float, float, tuple[Holding, ...], tuple[float, ...] | None, tuple[Workload, ...]]]
+            if before is holders or {h.workload for h in before} == {h.workload for h in holders}:
+                # The same workloads at both ends (most units at most polls): one stretch, the
+                # whole interval, as `stretches` finds it, without making its Stretch and Parts.
+                cut = ((0.0, dt, holders, None, last),)
+            else:
+                cut = (
+                    (
+                        st.start_s,
+                        st.end_s,
+                        tuple(p.holding for p in st.parts),
+                        tuple(p.util_scale for p in st.parts),
+                        st.left_by,
+                    )
+                    for st in stretches(prev.taken_at, dt, before, holders, last)
+                )
+            for start_s, end_s, held_by, util_scales, stretch_left_by in cut:
+                part = (end_s - start_s) / dt
                 # Whether the allocations were known at the end of the interval this stretch
                 # belongs to (a stretch wholly in the first half: the earlier poll's).
-                whole = stretch.start_s == 0.0 and stretch.end_s == dt
-                allocations_known = allocated_before if not whole and stretch.end_s <= dt / 2 else allocated
-                if not stretch.parts and not allocations_known:
+                whole = start_s == 0.0 and end_s == dt
+                allocations_known = allocated_before if not whole and end_s <= dt / 2 else allocated
+                if not held_by and not allocations_known:
                     # Nobody runs on it, and whom the scheduler allocated it to cannot be known
                     # (the kubelet unreachable): not idle.
                     unobserved_s += dt * unit.weight * part
                     unobserved_dollars += unit_dollars * part
                     unobserved_reason = UNOBSERVED_ATTRIBUTION
                     continue
-                if not stretch.parts:
+                if not held_by:
                     idle_s += dt * unit.weight * part
                     idle_dollars += unit_dollars * part
                     idle_joules = add_known(idle_joules, scaled(unit_joules, part))
                     _leave_idle(
                         idle_by,
-                        stretch.left_by,
+                        stretch_left_by,
                         dt * unit.weight * part,
                         unit_dollars * part,
                         scaled(unit_joules, part),
                     )
                     continue
                 _charge(
-                    charged, gpu.index, unit, stretch.parts, dt * unit.weight * part, unit_dollars * part,
+                    charged, gpu.index, unit, held_by, util_scales, dt * unit.weight * part, unit_dollars * part,
                     scaled(unit_joules, part), whole=whole,
                 )  # fmt: skip
             _cap_busy(charged, device_busy_ratio(unit.device), dt * unit.weight)
             workloads.update(charged)
         if gpu_joules is not None and idle_joules is None:
             idle_joules = 0.0  # its counter measured the interval, and nobody left it idle
+        idle_charges = tuple(
+            _IDLE_CHARGES.get_or_make(
+                (gpu.uuid, w), (w, i.seconds, i.dollars, i.joules, energy_dollars(i.joules, energy_per_kwh))
+            )
+            for w, i in (sorted(idle_by.items(), key=_first) if len(idle_by) > 1 else idle_by.items())
+        )
         gpus.append(
-            GpuCharge(
-                gpu=gpu.index,
-                uuid=gpu.uuid,
-                model=gpu.model,
-                dollars_per_hour=in_force.dollars_per_hour if in_force is not None else 0.0,
-                observed_s=dt - unobserved_s,
-                dollars=gpu_dollars - unobserved_dollars,
-                idle_s=idle_s,
-                idle_dollars=idle_dollars,
-                unobserved_s=unobserved_s,
-                joules=gpu_joules,
-                idle_joules=idle_joules,
-                unobserved_dollars=unobserved_dollars,
-                energy_dollars=energy_dollars(gpu_joules, energy_per_kwh),
-                idle_energy_dollars=energy_dollars(idle_joules, energy_per_kwh),
-                unobserved_reason=unobserved_reason,
-                idle_by=tuple(
-                    IdleCharge(w, i.seconds, i.dollars, i.joules, energy_dollars(i.joules, energy_per_kwh))
-                    for w, i in sorted(idle_by.items(), key=lambda item: item[0])
+            _GPU_CHARGES.get_or_make(
+                gpu.uuid,
+                (
+                    gpu.index,
+                    gpu.uuid,
+                    gpu.model,
+                    in_force.dollars_per_hour if in_force is not None else 0.0,
+                    dt - unobserved_s,  # observed_s
+                    gpu_dollars - unobserved_dollars,  # dollars
+                    idle_s,
+                    idle_dollars,
+                    unobserved_s,
+                    gpu_joules,
+                    idle_joules,
+                    unobserved_dollars,
+                    energy_dollars(gpu_joules, energy_per_kwh),
+                    energy_dollars(idle_joules, energy_per_kwh),
+                    unobserved_reason,
+                    idle_charges,
+                    _gpu_busy_s(gpu, gpu.uuid in migs_of, dt - unobserved_s),
+                    in_force.purchase if in_force is not None else "",
+                    in_force.origin if in_force is not None else "",  # price_source
                 ),
-                busy_s=_gpu_busy_s(gpu, gpu.uuid in migs_of, dt - unobserved_s),
-                purchase=in_force.purchase if in_force is not None else "",
-                price_source=in_force.origin if in_force is not None else "",
             )
         )
     return Charges(
-        start=charges.start,
-        end=charges.end,
-        node=charges.node,
+        start=prev.taken_at,
+        end=curr.taken_at,
+        node=curr.node.hostname,
         energy_per_kwh=energy_per_kwh,
         workloads=tuple(
-            WorkloadCharge(
-                gpu=gpu,
-                uuid=uuid,
-                workload=workload,
-                held_s=acc.held_s,
-                busy_s=acc.busy_s,
-                dollars=acc.dollars,
-                joules=acc.joules,
-                energy_dollars=energy_dollars(acc.joules, energy_per_kwh),
-                charged_s=acc.charged_s,
-                account=acc.account,
-                unmeasured_s=acc.unmeasured_s,
+            _WORKLOAD_CHARGES.get_or_make(
+                key,
+                (
+                    *key,  # gpu, uuid, workload
+                    acc.held_s,
+                    acc.busy_s,
+                    acc.dollars,
+                    acc.joules,
+                    energy_dollars(acc.joules, energy_per_kwh),
+                    acc.charged_s,
+                    acc.account,
+                    acc.unmeasured_s,
+                ),
             )
-            for (gpu, uuid, workload), acc in workloads.items()
+            for key, acc in workloads.items()
         ),
         gpus=tuple(gpus),
     )
@@ -461,12 +580,17 @@ def _leave_idle(
 ) -> None:
     """Idle time left by `left_by`, in equal parts where several held the unit last together
     (nobody: Workload(), the empty labels)."""
-    owners = left_by or (Workload(),)
+    owners = left_by or _NOBODY
     for workload in owners:
         sums = idle_by.setdefault(workload, _IdleSums())
         sums.seconds += seconds / len(owners)
         sums.dollars += dollars / len(owners)
         sums.joules = add_known(sums.joules, scaled(joules, 1 / len(owners)))
+
+
+# Nobody known, as the one owner of idle time: made once, not at each idle stretch (an idle GPU
+# has one every poll), and its hash with it.
+_NOBODY = (Workload(),)
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ it is conservative (it recommends less than SM activity would).
 
 from __future__ import annotations
 
-from agent.accounting.cost import device_busy_ratio
+from agent.accounting.cost import Recent, device_busy_ratio, held_by_device
 from agent.model import Attribution, DeviceReading, Snapshot, UnitUsage
 
 BUSY_GPM = "gpm"
@@ -35,7 +35,7 @@ def _clamp(value: float | None) -> float | None:
 def unit_usage(snapshot: Snapshot, attribution: Attribution) -> tuple[UnitUsage, ...]:
     """One `UnitUsage` per workload and unit it holds at this snapshot."""
     by_uuid = {d.uuid: d for d in snapshot.devices}
-    held = attribution.by_device()
+    held = held_by_device(attribution)
     usage: list[UnitUsage] = []
     for device_uuid in sorted(held):
         device = by_uuid.get(device_uuid)
@@ -45,11 +45,13 @@ def unit_usage(snapshot: Snapshot, attribution: Attribution) -> tuple[UnitUsage,
         if parent is None:
             continue
         holdings = held[device_uuid]
-        alone = len({h.workload for h in holdings}) == 1
-        for holding in holdings:
+        alone = len(holdings) == 1 or len({h.workload for h in holdings}) == 1
+        # The device's own figures, the same for each of its holdings.
+        gpm = sm_active(device) if alone else None
+        gpu_model, mig_profile = parent.model, device.mig_profile if device.is_mig else ""
+        for i, holding in enumerate(holdings):
             busy: float | None = None
             source = ""
-            gpm = sm_active(device) if alone else None
             if gpm is not None:
                 busy, source = gpm, BUSY_GPM
             elif holding.sm_util is not None:
@@ -61,15 +63,34 @@ def unit_usage(snapshot: Snapshot, attribution: Attribution) -> tuple[UnitUsage,
             if memory is None and alone:
                 memory = device.memory_used_bytes
             usage.append(
-                UnitUsage(
-                    workload=holding.workload,
-                    uuid=device_uuid,
-                    gpu_model=parent.model,
-                    mig_profile=device.mig_profile if device.is_mig else "",
-                    memory_bytes=memory,
-                    memory_total_bytes=device.memory_total_bytes,
-                    busy=_clamp(busy),
-                    busy_source=source,
+                _USAGE.get_or_make(
+                    (device_uuid, i),
+                    (
+                        holding.workload,
+                        device_uuid,
+                        gpu_model,
+                        mig_profile,
+                        memory,
+                        device.memory_total_bytes,
+                        _clamp(busy),
+                        source,
+                    ),
                 )
             )
     return tuple(usage)
+
+
+# Each unit's usage at the last poll, by holding (its place in the unit's holdings), handed out
+# again where it is the same (`agent.accounting.cost.Recent`): a steady workload's is, poll after poll. Positional, in
+# UnitUsage's field order (checked).
+_USAGE: Recent[tuple[str, int], UnitUsage] = Recent(
+    UnitUsage,
+    "workload",
+    "uuid",
+    "gpu_model",
+    "mig_profile",
+    "memory_bytes",
+    "memory_total_bytes",
+    "busy",
+    "busy_source",
+)
