@@ -102,15 +102,19 @@ class _PendingSizing:
         if usage.memory_total_bytes is not None:
             self.memory_total_bytes = float(usage.memory_total_bytes)
         self.held_s += unit_s
-        if usage.busy is not None:
+        busy = usage.busy
+        if busy is not None:
             self.busy_source = usage.busy_source or self.busy_source
-            self.busy_s += usage.busy * unit_s
+            self.busy_s += busy * unit_s
             self.measured_s += unit_s
-            sketch.add(self.busy_sketch, sketch.busy_bucket(usage.busy), unit_s)
-        if usage.memory_bytes is not None:
+            bucket = sketch.busy_bucket(busy)
+            self.busy_sketch[bucket] = self.busy_sketch.get(bucket, 0.0) + unit_s  # sketch.add, inline
+        memory = usage.memory_bytes
+        if memory is not None:
             self.memory_s += unit_s
-            self.peak_memory_bytes = max(self.peak_memory_bytes or 0.0, float(usage.memory_bytes))
-            sketch.add(self.memory_sketch, sketch.memory_bucket(usage.memory_bytes), unit_s)
+            self.peak_memory_bytes = max(self.peak_memory_bytes or 0.0, float(memory))
+            bucket = sketch.memory_bucket(memory)
+            self.memory_sketch[bucket] = self.memory_sketch.get(bucket, 0.0) + unit_s  # sketch.add, inline
 
     def absorb(self, later: _PendingSizing) -> None:
         self.memory_total_bytes = later.memory_total_bytes or self.memory_total_bytes
@@ -431,16 +435,22 @@ class PendingCharges:
         node = charges.node
         with self._lock:
             batch = self._batch
+            # Rows are found by plain tuples: a NamedTuple key hashes and compares as the tuple it
+            # is, and making one is a Python call, so it is made only for a new row.
+            workload_rows, gpu_rows = batch.workload_rows, batch.gpu_rows
             for wc, measures in workloads:
                 for hour, share in shares:
-                    key = _WorkloadHour(hour, node, wc.gpu, wc.uuid, wc.workload, wc.account)
-                    _add_sums(batch.workload_rows.setdefault(key, {}), WORKLOAD_MEASURES, measures, share)
+                    key = (hour, node, wc.gpu, wc.uuid, wc.workload, wc.account)
+                    sums = workload_rows.get(key)  # type: ignore[call-overload]
+                    if sums is None:
+                        sums = workload_rows[_WorkloadHour(*key)] = {}
+                    _add_sums(sums, WORKLOAD_MEASURES, measures, share)
             for gc, gpu_measures in gpus:
                 for hour, share in shares:
-                    gpu_key = _GpuHour(hour, node, gc.uuid)
-                    pending = batch.gpu_rows.get(gpu_key)
+                    gpu_key = (hour, node, gc.uuid)
+                    pending = gpu_rows.get(gpu_key)  # type: ignore[call-overload]
                     if pending is None:
-                        pending = batch.gpu_rows[gpu_key] = _PendingGpu(
+                        pending = gpu_rows[_GpuHour(*gpu_key)] = _PendingGpu(
                             gc.gpu, gc.model, gc.dollars_per_hour, purchase=gc.purchase, price_source=gc.price_source
                         )
                     else:
@@ -511,16 +521,29 @@ def _add_usage(batch: Batch, charges: Charges, shares: Sequence[tuple[int, float
     interval_s = charges.end - charges.start
     if not charges.usage or not interval_s > 0:
         return
-    units: dict[tuple[Workload, str, str], int] = {}
+    node = charges.node
+    rows = batch.sizing_rows
+    # Per kind of unit a workload holds: how many it holds, and its pending row in each hour.
+    units: dict[tuple[Workload, str, str], tuple[list[int], list[_PendingSizing]]] = {}
     for usage in charges.usage:
         if not _finite((usage.busy, usage.memory_bytes, usage.memory_total_bytes)):
             continue
         kind = (usage.workload, usage.gpu_model, usage.mig_profile)
-        units[kind] = units.get(kind, 0) + 1
-        for hour, share in shares:
-            key = _SizingHour(hour, charges.node, *kind)
-            batch.sizing_rows.setdefault(key, _PendingSizing()).add(usage, interval_s * share)
-    for kind, count in units.items():
-        for hour, _share in shares:
-            pending = batch.sizing_rows[_SizingHour(hour, charges.node, *kind)]
+        found = units.get(kind)
+        if found is None:
+            pendings = []
+            for hour, _share in shares:
+                key = (hour, node, *kind)
+                # A plain tuple finds the _SizingHour key (a NamedTuple hashes and compares as
+                # the tuple it is): the key is made only for a new row.
+                pending = rows.get(key)  # type: ignore[call-overload]
+                if pending is None:
+                    pending = rows[_SizingHour(*key)] = _PendingSizing()
+                pendings.append(pending)
+            found = units[kind] = ([0], pendings)
+        found[0][0] += 1
+        for pending, (_hour, share) in zip(found[1], shares, strict=True):
+            pending.add(usage, interval_s * share)
+    for (count,), pendings in units.values():
+        for pending in pendings:
             pending.max_units = max(pending.max_units, count)
