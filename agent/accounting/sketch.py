@@ -80,14 +80,35 @@ def quantile_bucket(sketch: Mapping[int, float], q: float) -> int | None:
     return max(sketch)
 
 
+# json.dumps with separators makes an encoder at each call; this one is made once.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
+# The sketches this process encoded lately, by their text, as `decode` gives them back: a flush
+# merges each sizing row's new sketch (encoded just before) into the stored one (encoded by the
+# flush before), so that decoding both is a lookup. Bounded.
+_ENCODED: dict[str, Sketch] = {}
+_ENCODED_LIMIT = 4096
+
+
 def encode(sketch: Mapping[int, float]) -> str:
     """As stored in the ledger: a JSON object, bucket -> unit-seconds, buckets in order."""
-    return json.dumps({str(k): sketch[k] for k in sorted(sketch) if sketch[k]}, separators=(",", ":"))
+    kept = {k: sketch[k] for k in sorted(sketch) if sketch[k]}
+    text = _ENCODER.encode({str(k): v for k, v in kept.items()})
+    if len(_ENCODED) >= _ENCODED_LIMIT:
+        _ENCODED.clear()
+    # What json.loads of the text would give: int keys (str(k) read back), float values (a
+    # float's repr reads back as the same float).
+    _ENCODED[text] = {int(k): float(v) for k, v in kept.items()}
+    return text
 
 
 def decode(text: str | None) -> Sketch:
     if not text:
         return {}
+    known = _ENCODED.get(text)
+    if known is not None:
+        return dict(known)  # a copy: callers add to it
     raw = json.loads(text)
     if not isinstance(raw, dict):
         raise ValueError(f"not a sketch: {text[:40]!r}")
@@ -97,5 +118,6 @@ def decode(text: str | None) -> Sketch:
 def merge_encoded(a: str | None, b: str | None) -> str:
     """Two stored sketches added (SQLite calls this to merge a flush into a stored row)."""
     merged = decode(a)
-    merge(merged, decode(b))
+    for bucket, seconds in decode(b).items():  # merge(merged, ...), inline: this runs per row and flush
+        merged[bucket] = merged.get(bucket, 0.0) + seconds
     return encode(merged)

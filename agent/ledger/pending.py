@@ -273,6 +273,12 @@ class Batch:
             for key in self.workload_rows
         }
 
+    def holds_before(self, hour: int) -> bool:
+        """Whether a row here, or the period these rows cover, starts before `hour`."""
+        if self.first_at is not None and self.first_at < hour:
+            return True
+        return any(key.hour < hour for rows in (self.workload_rows, self.gpu_rows, self.sizing_rows) for key in rows)
+
     def nodes(self) -> set[str]:
         return {key.node for key in self.gpu_rows} | {key.node for key in self.workload_rows}
 

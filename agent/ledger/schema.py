@@ -364,6 +364,9 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
+# Each upsert binds its columns by position (?), in the order of its *_COLUMNS: by name (:col),
+# sqlite3 makes a str and looks it up in the row's dict for every column of every row, which
+# took half of a flush's upserts (measured: 13 us a row by name, 7 by position).
 def _upsert(table: str, keys: Sequence[str], replaced: Sequence[str], summed: Sequence[str]) -> str:
     columns = (*keys, *replaced, *summed)
     updates = [f"{c} = excluded.{c}" for c in replaced] + [
@@ -374,24 +377,29 @@ def _upsert(table: str, keys: Sequence[str], replaced: Sequence[str], summed: Se
         for c in summed
     ]
     return (
-        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(f':{c}' for c in columns)}) "
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' for _ in columns)}) "
         f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(updates)}"
     )
 
 
 UPSERT_WORKLOAD = _upsert("workload_hours", _WORKLOAD_KEYS, PRICE_ATTRIBUTES, WORKLOAD_MEASURES)
+WORKLOAD_COLUMNS = (*_WORKLOAD_KEYS, *PRICE_ATTRIBUTES, *WORKLOAD_MEASURES)
 UPSERT_GPU = _upsert("gpu_hours", _GPU_KEYS, _GPU_ATTRIBUTES, GPU_MEASURES)
+GPU_COLUMNS = (*_GPU_KEYS, *_GPU_ATTRIBUTES, *GPU_MEASURES)
 UPSERT_IDLE = _upsert("idle_hours", _IDLE_KEYS, ("gpu",), IDLE_MEASURES)
+IDLE_COLUMNS = (*_IDLE_KEYS, "gpu", *IDLE_MEASURES)
 
 SIZING_KEYS = ("hour", "node", *WORKLOAD_LABELS, "gpu_model", "mig_profile")
 SIZING_MEASURES = ("held_s", "busy_s", "measured_s", "memory_s")
 # Peaks keep the larger side (SQLite's two-argument max is NULL where either is: hence coalesce);
 # sketches add bucket by bucket (the writer registers gpuledger_merge_sketch).
+SIZING_COLUMNS = (
+    *SIZING_KEYS, "memory_total_bytes", "busy_source", *SIZING_MEASURES, "peak_memory_bytes", "max_units",
+    "busy_sketch", "memory_sketch",
+)  # fmt: skip
 UPSERT_SIZING = (
-    f"INSERT INTO sizing_hours ({', '.join((*SIZING_KEYS, 'memory_total_bytes', 'busy_source', *SIZING_MEASURES))},"
-    " peak_memory_bytes, max_units, busy_sketch, memory_sketch)"
-    f" VALUES ({', '.join(f':{c}' for c in (*SIZING_KEYS, 'memory_total_bytes', 'busy_source', *SIZING_MEASURES))},"
-    " :peak_memory_bytes, :max_units, :busy_sketch, :memory_sketch)"
+    f"INSERT INTO sizing_hours ({', '.join(SIZING_COLUMNS)})"
+    f" VALUES ({', '.join('?' for _ in SIZING_COLUMNS)})"
     f" ON CONFLICT ({', '.join(SIZING_KEYS)}) DO UPDATE SET"
     " memory_total_bytes = coalesce(excluded.memory_total_bytes, memory_total_bytes),"
     " busy_source = CASE WHEN excluded.busy_source != '' THEN excluded.busy_source ELSE busy_source END,"

@@ -42,12 +42,16 @@ from agent.accounting.sketch import merge_encoded
 from agent.ledger.files import CorruptLedger, LedgerError, file_id, is_corruption, move_aside, open_file
 from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS, Batch, PendingCharges, Sums, hour_start
 from agent.ledger.schema import (
+    GPU_COLUMNS,
     GPU_MEASURES,
+    IDLE_COLUMNS,
     PRICED_MEASURES,
+    SIZING_COLUMNS,
     UPSERT_GPU,
     UPSERT_IDLE,
     UPSERT_SIZING,
     UPSERT_WORKLOAD,
+    WORKLOAD_COLUMNS,
     WORKLOAD_MEASURES,
 )
 from agent.model import Charges
@@ -103,6 +107,10 @@ class Ledger:
         self._failed_flushes = 0
         self._last_flush_at: float | None = None
         self._retained_below: int | None = None
+        # The connection that last committed retention at `_pruned_below`, and the one that
+        # recorded the node: what a flush need not do again on it (see `_write`).
+        self._pruned: tuple[sqlite3.Connection, int] | None = None
+        self._node_recorded: sqlite3.Connection | None = None
         self._closed = False
         self._written_at_close = True
         self._moved_aside: list[Path] = []
@@ -345,31 +353,45 @@ class Ledger:
             conn.executemany(
                 UPSERT_WORKLOAD,
                 [
-                    key.columns() | prices[key] | _measure_columns(sums, WORKLOAD_MEASURES)
+                    _in_order(key.columns() | prices[key] | _measure_columns(sums, WORKLOAD_MEASURES), WORKLOAD_COLUMNS)
                     for key, sums in batch.workload_rows.items()
                 ],
             )
             conn.executemany(
                 UPSERT_GPU,
                 [
-                    key.columns() | p.columns() | _measure_columns(p.sums, GPU_MEASURES)
+                    _in_order(key.columns() | p.columns() | _measure_columns(p.sums, GPU_MEASURES), GPU_COLUMNS)
                     for key, p in batch.gpu_rows.items()
                 ],
             )
-            conn.executemany(UPSERT_IDLE, batch.idle_columns())
-            conn.executemany(UPSERT_SIZING, batch.sizing_columns())
+            conn.executemany(UPSERT_IDLE, [_in_order(row, IDLE_COLUMNS) for row in batch.idle_columns()])
+            conn.executemany(UPSERT_SIZING, [_in_order(row, SIZING_COLUMNS) for row in batch.sizing_columns()])
             if batch.first_at is not None and batch.last_at is not None:
                 conn.execute(_RECORD_PERIOD, {"first": batch.first_at, "last": batch.last_at})
-            nodes = batch.nodes()
-            if len(nodes) == 1:  # a ledger opened without its node learns it from what it writes
-                conn.execute("UPDATE ledger_meta SET node = ? WHERE node = ''", (nodes.pop(),))
-            if cutoff is not None:
+            # A ledger opened without its node learns it from what it writes; once recorded (through
+            # this connection: a file replaced under us is another), the UPDATE would change nothing.
+            recorded = False
+            if self._node_recorded is not conn:
+                nodes = batch.nodes()
+                if len(nodes) == 1:
+                    node = nodes.pop()
+                    conn.execute("UPDATE ledger_meta SET node = ? WHERE node = ''", (node,))
+                    recorded = node != ""
+            # Retention: four DELETEs and an UPDATE, a third of a flush's statements. Once they have
+            # committed at this cutoff through this connection, nothing older than it is left, and
+            # only this writer adds rows (`WriterLock`): they are run again when the cutoff moves (at
+            # each hour), the file is another, or this batch holds rows older than it (downtime).
+            pruned = cutoff is not None and self._pruned == (conn, cutoff) and not batch.holds_before(cutoff)
+            if cutoff is not None and not pruned:
                 conn.execute("DELETE FROM workload_hours WHERE hour < ?", (cutoff,))
                 conn.execute("DELETE FROM gpu_hours WHERE hour < ?", (cutoff,))
                 conn.execute("DELETE FROM idle_hours WHERE hour < ?", (cutoff,))
                 conn.execute("DELETE FROM sizing_hours WHERE hour < ?", (cutoff,))
                 conn.execute(_RETAIN_PERIOD, {"cutoff": cutoff})
             conn.execute("COMMIT")
+            if recorded:
+                self._node_recorded = conn
+            self._pruned = (conn, cutoff) if cutoff is not None else None
         except BaseException:
             if conn.in_transaction:
                 # SQLite may have rolled back already (after SQLITE_FULL); either way nothing committed.
@@ -390,6 +412,11 @@ _RETAIN_PERIOD = (
     " last_at = CASE WHEN last_at <= :cutoff THEN NULL ELSE last_at END"
     " WHERE first_at < :cutoff"
 )
+
+
+def _in_order(row: dict[str, object], columns: Sequence[str]) -> tuple[object, ...]:
+    """`row`'s values in the order of `columns`: an upsert's parameters, bound by position."""
+    return tuple(map(row.__getitem__, columns))
 
 
 def _measure_columns(sums: Sums, measures: Sequence[str]) -> dict[str, object]:
