@@ -11,6 +11,8 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agent.accounting import sketch
 from agent.accounting.rightsize import (
@@ -284,3 +286,22 @@ def test_report_recommend_prints_json_and_a_table(tmp_path: Path) -> None:
     assert "serving/embedder-0" in table.stdout
     assert "2120.56" in table.stdout
     assert "730 h/month" in table.stdout
+
+
+@given(
+    st.dictionaries(
+        st.integers(0, sketch.MEMORY_BUCKETS),
+        st.one_of(st.floats(allow_nan=False), st.integers(0, 10**6), st.just(math.inf)),
+        max_size=12,
+    )
+)
+def test_a_sketch_is_stored_as_the_json_encoder_writes_it_and_read_back_as_json_reads_it(
+    counts: dict[int, float],
+) -> None:
+    # encode writes finite floats itself and remembers what it wrote, for decode: both must
+    # agree with json to the character and the bit, whatever the sketch holds.
+    text = sketch.encode(counts)
+    assert text == json.dumps({str(k): counts[k] for k in sorted(counts) if counts[k]}, separators=(",", ":"))
+    expected = {int(k): float(v) for k, v in json.loads(text).items()}
+    assert repr(sketch.decode(text)) == repr(expected)
+    assert sketch.merge_encoded(text, text) == sketch.encode({k: v + v for k, v in expected.items()})

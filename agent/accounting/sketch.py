@@ -94,13 +94,28 @@ _ENCODED_LIMIT = 4096
 def encode(sketch: Mapping[int, float]) -> str:
     """As stored in the ledger: a JSON object, bucket -> unit-seconds, buckets in order."""
     kept = {k: sketch[k] for k in sorted(sketch) if sketch[k]}
-    text = _ENCODER.encode({str(k): v for k, v in kept.items()})
+    text = _format(kept)
+    if text is None:
+        text = _ENCODER.encode({str(k): v for k, v in kept.items()})
     if len(_ENCODED) >= _ENCODED_LIMIT:
         _ENCODED.clear()
     # What json.loads of the text would give: int keys (str(k) read back), float values (a
     # float's repr reads back as the same float).
     _ENCODED[text] = {int(k): float(v) for k, v in kept.items()}
     return text
+
+
+def _format(sketch: Mapping[int, float]) -> str | None:
+    """What the JSON encoder writes for a sketch of int buckets and finite floats, written
+    directly (a flush encodes two per sizing row, and the encoder's machinery costs more than
+    the text): its float is repr's, and a bucket's digits need no escaping. None for anything
+    else (an int or a float subclass's value, an infinity, a NaN): the encoder writes those."""
+    parts = []
+    for bucket, seconds in sketch.items():
+        if type(bucket) is not int or type(seconds) is not float or not math.isfinite(seconds):
+            return None
+        parts.append(f'"{bucket}":{seconds!r}')
+    return "{" + ",".join(parts) + "}"
 
 
 def decode(text: str | None) -> Sketch:
