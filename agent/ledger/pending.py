@@ -188,11 +188,11 @@ class _PendingGpu:
 
     def price(self) -> dict[str, object]:
         """The price columns (PRICE_ATTRIBUTES); '' is stored as NULL: not known."""
-        return {
-            "dollars_per_hour": self.dollars_per_hour,
-            "purchase": self.purchase or None,
-            "price_source": self.price_source or None,
-        }
+        return dict(zip(PRICE_ATTRIBUTES, self.price_values(), strict=True))
+
+    def price_values(self) -> tuple[float, str | None, str | None]:
+        """The price columns' values, in PRICE_ATTRIBUTES order."""
+        return (self.dollars_per_hour, self.purchase or None, self.price_source or None)
 
     def update(self, gpu: int, model: str, dollars_per_hour: float, purchase: str, price_source: str) -> None:
         """The GPU's attributes as a later charge gives them (the latest in the hour wins)."""

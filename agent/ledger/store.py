@@ -40,11 +40,12 @@ from types import TracebackType
 
 from agent.accounting.sketch import merge_encoded
 from agent.ledger.files import CorruptLedger, LedgerError, file_id, is_corruption, move_aside, open_file
-from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS, Batch, PendingCharges, Sums, hour_start
+from agent.ledger.pending import DEFAULT_MAX_PENDING_ROWS, Batch, PendingCharges, hour_start
 from agent.ledger.schema import (
     GPU_COLUMNS,
     GPU_MEASURES,
     IDLE_COLUMNS,
+    PRICE_ATTRIBUTES,
     PRICED_MEASURES,
     SIZING_COLUMNS,
     UPSERT_GPU,
@@ -54,7 +55,7 @@ from agent.ledger.schema import (
     WORKLOAD_COLUMNS,
     WORKLOAD_MEASURES,
 )
-from agent.model import Charges
+from agent.model import WORKLOAD_LABELS, Charges
 
 log = logging.getLogger("gpuledger.ledger")
 
@@ -349,18 +350,26 @@ class Ledger:
     def _write(self, conn: sqlite3.Connection, batch: Batch, cutoff: int | None) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            prices = batch.workload_prices()
+            # Each workload row at its GPU's price in the same hour (Batch.workload_prices).
+            prices = {(k.hour, k.node, p.gpu): p.price_values() for k, p in batch.gpu_rows.items()}
+            unpriced = (None,) * len(PRICE_ATTRIBUTES)
             conn.executemany(
                 UPSERT_WORKLOAD,
                 [
-                    _in_order(key.columns() | prices[key] | _measure_columns(sums, WORKLOAD_MEASURES), WORKLOAD_COLUMNS)
+                    (
+                        *key[:4],  # hour, node, gpu, uuid
+                        *key.workload.labels(),
+                        key.account,
+                        *prices.get((key.hour, key.node, key.gpu), unpriced),
+                        *map(sums.get, WORKLOAD_MEASURES, _WORKLOAD_DEFAULTS),
+                    )
                     for key, sums in batch.workload_rows.items()
                 ],
             )
             conn.executemany(
                 UPSERT_GPU,
                 [
-                    _in_order(key.columns() | p.columns() | _measure_columns(p.sums, GPU_MEASURES), GPU_COLUMNS)
+                    (*key, p.gpu, p.model, *p.price_values(), *map(p.sums.get, GPU_MEASURES, _GPU_DEFAULTS))
                     for key, p in batch.gpu_rows.items()
                 ],
             )
@@ -414,11 +423,17 @@ _RETAIN_PERIOD = (
 )
 
 
+# The workload and GPU upserts' parameters are made as tuples, straight from the pending rows
+# (a flush writes tens, every scenario minute in simulate): in these columns' order, checked here.
+_WORKLOAD_ROW = ("hour", "node", "gpu", "uuid", *WORKLOAD_LABELS, "account", *PRICE_ATTRIBUTES, *WORKLOAD_MEASURES)
+_GPU_ROW = ("hour", "node", "uuid", "gpu", "model", *PRICE_ATTRIBUTES, *GPU_MEASURES)
+if _WORKLOAD_ROW != WORKLOAD_COLUMNS or _GPU_ROW != GPU_COLUMNS:
+    raise ImportError("the workload_hours or gpu_hours upsert columns changed: update Ledger._write")
+# A measure no charge carried is 0 (a priced one NULL: nothing priced reached this row).
+_WORKLOAD_DEFAULTS = tuple(None if name in PRICED_MEASURES else 0.0 for name in WORKLOAD_MEASURES)
+_GPU_DEFAULTS = tuple(None if name in PRICED_MEASURES else 0.0 for name in GPU_MEASURES)
+
+
 def _in_order(row: dict[str, object], columns: Sequence[str]) -> tuple[object, ...]:
     """`row`'s values in the order of `columns`: an upsert's parameters, bound by position."""
     return tuple(map(row.__getitem__, columns))
-
-
-def _measure_columns(sums: Sums, measures: Sequence[str]) -> dict[str, object]:
-    # A measure no charge carried is 0 (a priced one NULL: nothing priced reached this row).
-    return {name: sums.get(name, None if name in PRICED_MEASURES else 0.0) for name in measures}
