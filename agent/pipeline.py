@@ -250,12 +250,17 @@ class Pipeline:
         # The last attribution scrubbed and its scrubbed form: a steady state hands on the same
         # attribution poll after poll (Attributor.attribute).
         self._scrubbed_last: tuple[Attribution, Attribution] | None = None
+        # The last attribution the rules stage saw, its devices' parents, and who holds what (`_holders`).
+        self._holders_last: (
+            tuple[Attribution, dict[str, str], dict[str, set[Workload]], dict[str, tuple[Workload, ...]]] | None
+        ) = None
         self._last_energy: dict[str, LastEnergy] = {}  # GPU uuid -> its last energy counter reading
         # Where the time booked so far ends (the ledger's record, then each interval booked): a
         # clock stepped back (NTP) must not book the same wall-clock time twice.
         self._booked_until: float | None = None
         self._behind_since: float | None = None  # the clock of the last poll found behind it
-        self._last_held: dict[str, LeftBy] = {}  # GPU uuid -> its holders when last seen held
+        # GPU uuid -> (its index, its holders, the time) when last seen held.
+        self._last_held: dict[str, tuple[int, tuple[Workload, ...], float]] = {}
         self._left_by: dict[str, LeftBy] = {}  # GPU uuid -> who left it idle (while nobody holds it)
         # MIG instance uuid -> its holders when last seen held: whom its idle flag's lines name.
         self._mig_last_held: dict[str, LeftBy] = {}
@@ -689,16 +694,7 @@ class Pipeline:
 
     def _judge(self, sampled: Sampled, attribution: Attribution, charges: Charges | None) -> None:
         snapshot = sampled.snapshot
-        parent = {d.uuid: d.parent_uuid or d.uuid for d in snapshot.devices}
-        # Who holds each unit (a GPU or a MIG instance), and so each GPU: found once per poll.
-        unit_held_by: dict[str, set[Workload]] = {}
-        held_by: dict[str, set[Workload]] = {}
-        for h in attribution.holdings:
-            gpu_uuid = parent.get(h.device_uuid)
-            if gpu_uuid is not None:
-                unit_held_by.setdefault(h.device_uuid, set()).add(h.workload)
-                held_by.setdefault(gpu_uuid, set()).add(h.workload)
-        holders = {uuid: tuple(sorted(workloads)) for uuid, workloads in held_by.items()}
+        unit_held_by, holders = self._holders(snapshot, attribution)
         # Who left each GPU idle, as of before this poll: a clearing idle flag names them, not
         # the workload whose arrival cleared it.
         left_before = dict(self._left_by)
@@ -736,10 +732,11 @@ class Pipeline:
                 )
         # Without accounting there is no longest interval: no time is unobserved.
         max_interval_s = self.costing.max_interval_s if self.costing is not None else math.inf
-        result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at, max_interval_s)
+        result = evaluate(self._rule_states, observations, self.rules, snapshot.taken_at, max_interval_s, self._flags)
         self._rule_states = result.states
         self._flags = result.flags
-        idle_rules = IDLE_RULES | {r.name for r in self.rules if r.condition == "idle"}
+        if result.transitions:
+            idle_rules = IDLE_RULES | {r.name for r in self.rules if r.condition == "idle"}
         for t in result.transitions:
             left = self._left_by.get(t.uuid) or left_before.get(t.uuid) or self._mig_last_held.get(t.uuid)
             _log_transition(t, left, idle=t.rule in idle_rules)
@@ -750,6 +747,28 @@ class Pipeline:
                 self._mig_last_held[device.uuid] = LeftBy(
                     device.index, device.uuid, tuple(sorted(held)), snapshot.taken_at
                 )
+
+    def _holders(
+        self, snapshot: Snapshot, attribution: Attribution
+    ) -> tuple[Mapping[str, set[Workload]], Mapping[str, tuple[Workload, ...]]]:
+        """Who holds each unit (a GPU or a MIG instance), and so each GPU (sorted). The same
+        attribution on the same devices holds them as at the last poll: a steady state hands on
+        one attribution poll after poll (`_scrubbed`), and these are the last poll's then, the
+        very same tuples, which `_track_left_by` and the rules compare by identity first."""
+        parent = {d.uuid: d.parent_uuid or d.uuid for d in snapshot.devices}
+        last = self._holders_last
+        if last is not None and last[0] is attribution and last[1] == parent:
+            return last[2], last[3]
+        unit_held_by: dict[str, set[Workload]] = {}
+        held_by: dict[str, set[Workload]] = {}
+        for h in attribution.holdings:
+            gpu_uuid = parent.get(h.device_uuid)
+            if gpu_uuid is not None:
+                unit_held_by.setdefault(h.device_uuid, set()).add(h.workload)
+                held_by.setdefault(gpu_uuid, set()).add(h.workload)
+        holders = {uuid: tuple(sorted(workloads)) for uuid, workloads in held_by.items()}
+        self._holders_last = (attribution, parent, unit_held_by, holders)
+        return unit_held_by, holders
 
     def _mig_observations(
         self,
@@ -793,15 +812,20 @@ class Pipeline:
     def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, tuple[Workload, ...]]) -> None:
         """Remember who held each GPU at the last poll that saw it held; once nobody holds it,
         they are who left it idle (`left_by`), until someone holds it again."""
+        # `_last_held` keeps the parts of a LeftBy, built only once nobody holds the GPU (and then
+        # once for the whole idle stretch): a GPU held poll after poll would build one every poll.
+        last_held, left_by = self._last_held, self._left_by
         for gpu in snapshot.gpus:
             if not gpu.up:
                 continue
-            held = holders.get(gpu.uuid)
+            uuid = gpu.uuid
+            held = holders.get(uuid)
             if held:
-                self._last_held[gpu.uuid] = LeftBy(gpu.index, gpu.uuid, held, snapshot.taken_at)
-                self._left_by.pop(gpu.uuid, None)
-            elif gpu.uuid in self._last_held:
-                self._left_by[gpu.uuid] = self._last_held[gpu.uuid]
+                last_held[uuid] = (gpu.index, held, snapshot.taken_at)
+                left_by.pop(uuid, None)
+            elif uuid not in left_by and (last := last_held.get(uuid)) is not None:
+                index, workloads, at = last
+                left_by[uuid] = LeftBy(index, uuid, workloads, at)
 
     def _publish(self, sampled: Sampled | None, poll_duration_s: float) -> AgentState:
         previous = self._state

@@ -167,9 +167,13 @@ def evaluate(
     specs: Sequence[RuleSpec],
     now: float,
     max_interval_s: float = math.inf,
+    flags_before: Sequence[Flag] = (),
 ) -> Evaluation:
     """One poll's worth of rule evaluation. `states` is keyed by (GPU uuid, rule name); an
-    observation whose interval is longer than `max_interval_s` follows time nobody saw."""
+    observation whose interval is longer than `max_interval_s` follows time nobody saw.
+    `flags_before`: the last poll's flags, if any. A lowered flag that is the same as the one in
+    its place there is handed on rather than built again: on most GPUs most rules hold at no poll,
+    and their flags stay as they were, poll after poll."""
     new_states: dict[tuple[str, str], RuleState] = {}
     flags: list[Flag] = []
     transitions: list[Transition] = []
@@ -177,51 +181,65 @@ def evaluate(
     applicable: dict[tuple[str, str], tuple[RuleSpec, ...]] = {}
     for obs in observations:
         where = (obs.model, obs.node)
-        if where not in applicable:
-            applicable[where] = tuple(spec for spec in specs if spec.applies_to(obs.model, obs.node))
-        for spec in applicable[where]:
-            key = (obs.uuid, spec.name)
+        specs_here = applicable.get(where)
+        if specs_here is None:
+            specs_here = applicable[where] = tuple(spec for spec in specs if spec.applies_to(obs.model, obs.node))
+        uuid, holders = obs.uuid, obs.holders
+        # Time nobody saw, or a clock set back (NTP): no duration runs on across either.
+        unseen = obs.interval_s > max_interval_s or obs.interval_s < 0
+        for spec in specs_here:
+            key = (uuid, spec.name)
             old = states.get(key, _CLEAR)
-            # Time nobody saw, or a clock set back (NTP): no duration runs on across either.
-            unseen = obs.interval_s > max_interval_s or obs.interval_s < 0
+            condition = spec.condition
+            if old is _CLEAR and (condition != "underused" or not holders) and not _condition(spec, obs, None):
+                # The common case, a condition that did not hold and does not: nothing to keep,
+                # no line, a lowered flag (see below for what each part would have been).
+                new_states[key] = _CLEAR
+                flag_holders = holders if condition in _FLAG_NAMES_HOLDERS else ()
+                flags.append(_lowered(flags_before, len(flags), obs.gpu, uuid, spec.name, flag_holders))
+                continue
             window, w_seconds, w_weighted, mean = old.window, 0.0, 0.0, None
-            if spec.condition == "underused":
-                sample = None
-                if obs.up and obs.utilization is not None and obs.interval_s > 0 and not unseen:
-                    sample = (now, obs.interval_s, obs.utilization)
-                if obs.interval_s < 0 or (obs.holders and _arrived(obs.holders, old)):
-                    # Underuse is a holder's: a workload that has just come is judged on its own
-                    # time on the GPU, not on the hours it sat idle (or busy) before. Samples
-                    # stamped later than the clock now reads would never leave the window.
-                    old = replace(old, window=(), window_seconds=0.0, window_weighted=0.0)
-                window, w_seconds, w_weighted, mean = _slide(old, sample, now, spec.window_s)
+            if condition == "underused":
+                if not holders:
+                    # Nobody holds it: underuse holds for nobody, and the window is emptied when a
+                    # holder comes (below), so samples of no holder's time are not kept at all.
+                    window, mean = (), None
+                else:
+                    sample = None
+                    if obs.up and obs.utilization is not None and obs.interval_s > 0 and not unseen:
+                        sample = (now, obs.interval_s, obs.utilization)
+                    if obs.interval_s < 0 or _arrived(holders, old):
+                        # Underuse is a holder's: a workload that has just come is judged on its
+                        # own time on the GPU, not on the hours it sat idle (or busy) before.
+                        # Samples stamped later than the clock now reads would never leave the window.
+                        old = replace(old, window=(), window_seconds=0.0, window_weighted=0.0)
+                    window, w_seconds, w_weighted, mean = _slide(old, sample, now, spec.window_s)
             holds = _condition(spec, obs, mean)
             if old.since is not None and (
-                unseen or (holds and spec.condition in HELD_CONDITIONS and _arrived(obs.holders, old))
+                unseen or (holds and condition in HELD_CONDITIONS and _arrived(holders, old))
             ):
                 if old.raised:  # the flag of those who held it clears, naming them
                     # After a gap, it held for as long as it was seen to: until the poll before.
                     seen_until = now - obs.interval_s if unseen else now
+                    held_s = seen_until - old.since
                     transitions.append(
-                        Transition(
-                            obs.gpu, obs.uuid, spec.name, False, now, seen_until - old.since, old.holders, old.dollars
-                        )
+                        Transition(obs.gpu, uuid, spec.name, False, now, held_s, old.holders, old.dollars)
                     )
                 old = replace(old, since=None, raised=False, dollars=0.0)
             if holds:
                 # The condition counts from the first poll that saw it: a flag never raises early.
                 since = old.since if old.since is not None else now
-                cost = obs.idle_dollars if spec.condition == "idle" else obs.dollars
+                cost = obs.idle_dollars if condition == "idle" else obs.dollars
                 dollars = old.dollars + cost if old.since is not None else 0.0
                 held_s = now - since
                 raised = held_s >= spec.for_s
-                state = RuleState(since, raised, dollars, window, w_seconds, w_weighted, obs.holders, obs.gpu)
+                state = RuleState(since, raised, dollars, window, w_seconds, w_weighted, holders, obs.gpu)
             else:
                 held_s = now - old.since if old.since is not None else 0.0
                 # Most rules hold on most GPUs at no poll: one shared cleared state for them all.
                 if window or w_seconds or w_weighted:
                     state = RuleState(
-                        window=window, window_seconds=w_seconds, window_weighted=w_weighted, holders=obs.holders
+                        window=window, window_seconds=w_seconds, window_weighted=w_weighted, holders=holders
                     )
                 else:
                     state = _CLEAR
@@ -229,15 +247,40 @@ def evaluate(
             if raised != old.raised:
                 dollars_so_far = state.dollars if raised else old.dollars
                 # A holder's flag clears naming that holder, though it may have just left the GPU.
-                who = old.holders if not raised and spec.condition in HELD_CONDITIONS else obs.holders
-                transitions.append(Transition(obs.gpu, obs.uuid, spec.name, raised, now, held_s, who, dollars_so_far))
+                who = old.holders if not raised and condition in HELD_CONDITIONS else holders
+                transitions.append(Transition(obs.gpu, uuid, spec.name, raised, now, held_s, who, dollars_so_far))
             new_states[key] = state
-            holders = obs.holders if spec.condition in ("allocated_idle", "stranded_memory") else ()
-            dollars = state.dollars if raised else 0.0
-            flags.append(Flag(obs.gpu, obs.uuid, spec.name, raised, held_s if raised else 0.0, holders, dollars))
+            flag_holders = holders if condition in _FLAG_NAMES_HOLDERS else ()
+            if raised:
+                flags.append(Flag(obs.gpu, uuid, spec.name, True, held_s, flag_holders, state.dollars))
+            else:
+                flags.append(_lowered(flags_before, len(flags), obs.gpu, uuid, spec.name, flag_holders))
     # A unit this poll did not observe at all (the MIG instances of a GPU lost, or destroyed) holds
     # no condition either: its raised flags clear, naming their holders, as a GPU's do when it is down.
     for (uuid, rule), old in states.items():
         if old.raised and old.since is not None and (uuid, rule) not in new_states:
             transitions.append(Transition(old.gpu, uuid, rule, False, now, now - old.since, old.holders, old.dollars))
     return Evaluation(new_states, tuple(flags), tuple(transitions))
+
+
+# The conditions whose flags name the GPU's holders, lowered or raised: the others' name nobody
+# (an idle GPU has none; an underused one is its holders' flag only in the transitions' lines).
+_FLAG_NAMES_HOLDERS = frozenset({"allocated_idle", "stranded_memory"})
+
+
+def _lowered(before: Sequence[Flag], i: int, gpu: int, uuid: str, rule: str, holders: tuple[Workload, ...]) -> Flag:
+    """A lowered flag: `before[i]` where that is the same flag (the last poll's, in the same
+    place when the GPUs and rules are the same), else a new one."""
+    if i < len(before):
+        flag = before[i]
+        if (
+            not flag.raised
+            and flag.uuid == uuid
+            and flag.rule == rule
+            and flag.gpu == gpu
+            and flag.holders == holders
+            and flag.held_s == 0.0
+            and flag.dollars == 0.0
+        ):
+            return flag
+    return Flag(gpu, uuid, rule, False, 0.0, holders, 0.0)
