@@ -48,6 +48,8 @@ from agent.model import ProcessFacts, ProcessIdentity, Snapshot
 log = logging.getLogger(__name__)
 
 _READ_CHUNK_BYTES = 65536
+# Files of a single line: read whole once a read returns that line's newline.
+_ONE_LINE_FILES = frozenset({"stat"})
 # Clock ticks a second in /proc/<pid>/stat's start time: USER_HZ, 100 on every Linux platform
 # that matters; sysconf says so where it can.
 try:
@@ -92,9 +94,16 @@ class ProcFS:
         try:
             fd = os.open(f"{self._root}/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                chunks = []
+                chunk = os.read(fd, _READ_CHUNK_BYTES)
+                # A one-line file comes whole in one read (procfs makes the line at once, and a
+                # file on disk reads to its end): the read that would return nothing is saved,
+                # a third of the syscalls of the stat read every process on a GPU gets every poll.
+                if name in _ONE_LINE_FILES and chunk.endswith(b"\n"):
+                    return chunk
+                chunks = [chunk]
                 # procfs reports no size and may return a file in pieces: read to the end.
-                while chunk := os.read(fd, _READ_CHUNK_BYTES):
+                while chunk:
+                    chunk = os.read(fd, _READ_CHUNK_BYTES)
                     chunks.append(chunk)
             finally:
                 os.close(fd)
@@ -172,7 +181,8 @@ def parse_stat(stat: bytes) -> tuple[int, int]:
     """(parent pid, start ticks) from a /proc/<pid>/stat line (proc(5) fields 4 and 22). The
     command name before them sits in parentheses and may itself hold spaces, '(' and ')': the
     fields after it start after the last ')'. ValueError where the line is cut short."""
-    after_comm = stat[stat.rfind(b")") + 2 :].split()
+    # Split no further than field 22: the 30 after it are not needed.
+    after_comm = stat[stat.rfind(b")") + 2 :].split(maxsplit=20)
     try:
         return int(after_comm[1]), int(after_comm[19])  # fields after comm start at 3
     except IndexError:

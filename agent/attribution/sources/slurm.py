@@ -71,7 +71,7 @@ class SlurmMap:
         before = settled_before(self._now_ns)
         kept: dict[str, tuple[StatKey, SlurmAllocation | None]] = {}
         found: list[SlurmAllocation] = []
-        encoding = locale.getpreferredencoding(False)  # asked once per read, not once per file
+        encoding = None  # asked once per read that reads a file, not once per file (nor per poll)
         for name, path, match in self._files_listed():
             known = self._files.get(name)
             try:
@@ -79,6 +79,8 @@ class SlurmMap:
                     kept[name] = known
                     allocation = known[1]
                 else:
+                    if encoding is None:
+                        encoding = locale.getpreferredencoding(False)
                     text, st = _read_text(path, encoding)
                     self.file_reads += 1
                     allocation = _parse(path, match, text, st.st_mtime) if self._trusted(path, st) else None
