@@ -269,6 +269,13 @@ class Pipeline:
         self._unit_left_by: dict[str, tuple[Workload, ...]] = {}
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
+        # What the last state published of each of these, while it still stands (None: built
+        # again at the next publish). Most polls change none of them: each is rebuilt only when
+        # it changed, not sorted and copied at every poll.
+        self._published_prices: tuple[tuple[str, Price | None], ...] | None = None
+        self._published_left_by: tuple[LeftBy, ...] | None = None
+        self._published_errors: tuple[tuple[tuple[str, str], int], ...] = ()  # the sampler's errors, unsorted
+        self._published_nvml_errors: tuple[tuple[str, str, int], ...] = ()
         # Unobserved time waiting for a GPU to book it to, or for a GPU's price (accounting/unpriced.py).
         self._unplaced = Unplaced()
         self._unpriced = Unpriced()
@@ -528,6 +535,7 @@ class Pipeline:
         snapshot = sampled.snapshot
         if any(g.uuid not in self._prices for g in snapshot.gpus):
             self._prices.update(costing.prices(snapshot))
+            self._published_prices = None
         previous = sampled.previous
         if previous is None:
             self._book_downtime(snapshot, costing)
@@ -822,10 +830,12 @@ class Pipeline:
             held = holders.get(uuid)
             if held:
                 last_held[uuid] = (gpu.index, held, snapshot.taken_at)
-                left_by.pop(uuid, None)
+                if left_by.pop(uuid, None) is not None:
+                    self._published_left_by = None
             elif uuid not in left_by and (last := last_held.get(uuid)) is not None:
                 index, workloads, at = last
                 left_by[uuid] = LeftBy(index, uuid, workloads, at)
+                self._published_left_by = None
 
     def _publish(self, sampled: Sampled | None, poll_duration_s: float) -> AgentState:
         previous = self._state
@@ -842,7 +852,7 @@ class Pipeline:
             polls_failed=self._failed,
             polls_overran=self._overran,
             last_success_at=last_success_at,
-            nvml_errors=tuple((call, error, n) for (call, error), n in sorted(self.sampler.errors.items())),
+            nvml_errors=self._nvml_errors(),
             stages=self._stage_health(snapshot.taken_at if sampled is not None and snapshot is not None else None),
         )
         return AgentState(
@@ -852,17 +862,39 @@ class Pipeline:
             prices=self._prices_at(snapshot.taken_at if snapshot is not None else None) if costing is not None else (),
             ledger=costing.sink.health() if costing is not None and costing.sink is not None else None,
             flags=self._flags,
-            left_by=tuple(self._left_by[uuid] for uuid in sorted(self._left_by)),
+            left_by=self._left_by_published(),
             health=health,
             events=self.events.events if self.events is not None else None,
         )
 
     def _prices_at(self, t: float | None) -> tuple[tuple[str, Price | None], ...]:
         """Each GPU's price in force at `t` (a price history changes it over time)."""
-        return tuple(
+        published = self._published_prices
+        if published is not None:
+            return published
+        found = tuple(
             (uuid, price.at(t) if price is not None and t is not None else price)
             for uuid, price in sorted(self._prices.items())
         )
+        # Prices without a history are in force at any time: the same until the prices change.
+        if all(price is None or not price.changes for price in self._prices.values()):
+            self._published_prices = found
+        return found
+
+    def _nvml_errors(self) -> tuple[tuple[str, str, int], ...]:
+        """The sampler's error counts by (call, error), sorted."""
+        errors = tuple(self.sampler.errors.items())
+        if errors != self._published_errors:
+            self._published_errors = errors
+            self._published_nvml_errors = tuple((call, error, n) for (call, error), n in sorted(errors))
+        return self._published_nvml_errors
+
+    def _left_by_published(self) -> tuple[LeftBy, ...]:
+        """Who left each GPU nobody holds, by GPU uuid."""
+        published = self._published_left_by
+        if published is None:
+            published = self._published_left_by = tuple(self._left_by[uuid] for uuid in sorted(self._left_by))
+        return published
 
     def _stage_health(self, taken_at: float | None) -> tuple[StageHealth, ...]:
         """Every stage's record as this poll leaves it. The publish stage, still running, counts
@@ -874,7 +906,7 @@ class Pipeline:
         for stage in self._stages.values():
             if stage.succeeded and taken_at is not None:
                 stage.last_success_at = taken_at
-        return tuple(stage.health() for stage in self._stages.values())
+        return tuple([stage.health() for stage in self._stages.values()])
 
     # -- periodic work ------------------------------------------------------------------------
 
