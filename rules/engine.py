@@ -68,11 +68,29 @@ class GpuObservation(NamedTuple):
     idle_dollars: float = 0.0  # of which nobody held it
 
 
+class Window(NamedTuple):
+    """An underused rule's samples, (end, seconds, utilization) oldest first: `samples[start:end]`.
+
+    The list is shared by the states that follow one another and only ever grows at its end, so
+    that sliding the window by a poll is a new view and one append, not a copy of the hundreds of
+    samples a window holds. No view ever changes: the list is appended to in place only by the
+    view that ends where the list does (the latest); any other (an earlier state judged again)
+    copies its own samples first. Samples that left every window are dropped from the list once
+    they outnumber those in it."""
+
+    samples: list[tuple[float, float, float]]
+    start: int
+    end: int
+
+
+_NO_SAMPLES = Window([], 0, 0)  # an empty window: never appended to (a sample starts a list of its own)
+
+
 class RuleState(NamedTuple):
     since: float | None = None  # when the condition started holding, without a break
     raised: bool = False
     dollars: float = 0.0  # cost while the condition has held (idle cost for `idle`)
-    window: tuple[tuple[float, float, float], ...] = ()  # underused: (end, seconds, utilization)
+    window: Window = _NO_SAMPLES  # underused: the samples the mean is taken over
     window_seconds: float = 0.0  # sums over `window`, kept so the mean costs O(1) per poll
     window_weighted: float = 0.0
     holders: tuple[Workload, ...] = ()  # HELD_CONDITIONS: who held the GPU at the last poll
@@ -105,37 +123,42 @@ class Evaluation:
 
 def _slide(
     state: RuleState, sample: tuple[float, float, float] | None, now: float, window_s: float
-) -> tuple[tuple[tuple[float, float, float], ...], float, float, float | None]:
+) -> tuple[Window, float, float, float | None]:
     """The window after adding `sample` and dropping what ended before now - window_s, its
     running sums, and the time-weighted mean over exactly the last window_s seconds."""
-    old, seconds, weighted = state.window, state.window_seconds, state.window_weighted
+    samples, first, end = state.window
+    seconds, weighted = state.window_seconds, state.window_weighted
     if sample is not None:
         seconds += sample[1]
         weighted += sample[1] * sample[2]
     start = now - window_s
-    drop = 0
-    for end, dt, util in old:
-        if end > start:
+    while first < end:
+        sample_end, dt, util = samples[first]
+        if sample_end > start:
             break
-        drop += 1
+        first += 1
         seconds -= dt
         weighted -= dt * util
-    # The window holds hundreds of samples: one slice and one concatenation, not a copy to
-    # add and another to drop.
-    window = old[drop:] if drop else old
     if sample is not None:
-        if drop < len(old) or sample[0] > start:
-            window += (sample,)
+        if first < end:
+            if end != len(samples):  # a later state's samples follow: copy this one's
+                samples, first, end = samples[first:end], 0, end - first
+            samples.append(sample)
+            end += 1
+        elif sample[0] > start:
+            samples, first, end = [sample], 0, 1
         else:  # the window is shorter than the interval: the sample ended before it began
             seconds -= sample[1]
             weighted -= sample[1] * sample[2]
-    if not window:
-        return (), 0.0, 0.0, None
-    first_end, first_dt, first_util = window[0]
+    if first == end:
+        return _NO_SAMPLES, 0.0, 0.0, None
+    if first > end - first:  # mostly samples no window holds any more
+        samples, first, end = samples[first:end], 0, end - first
+    first_end, first_dt, first_util = samples[first]
     excess = max(0.0, first_dt - (first_end - start))  # the part of the oldest sample before the window
     covered = seconds - excess
     mean = (weighted - excess * first_util) / covered if covered > 0 else None
-    return window, seconds, weighted, mean
+    return Window(samples, first, end), seconds, weighted, mean
 
 
 def _condition(spec: RuleSpec, obs: GpuObservation, window_mean: float | None) -> bool:
@@ -206,7 +229,7 @@ def evaluate(
                 if not holders:
                     # Nobody holds it: underuse holds for nobody, and the window is emptied when a
                     # holder comes (below), so samples of no holder's time are not kept at all.
-                    window, mean = (), None
+                    window, mean = _NO_SAMPLES, None
                 else:
                     sample = None
                     if obs.up and obs.utilization is not None and obs.interval_s > 0 and not unseen:
@@ -215,7 +238,7 @@ def evaluate(
                         # Underuse is a holder's: a workload that has just come is judged on its
                         # own time on the GPU, not on the hours it sat idle (or busy) before.
                         # Samples stamped later than the clock now reads would never leave the window.
-                        old = old._replace(window=(), window_seconds=0.0, window_weighted=0.0)
+                        old = old._replace(window=_NO_SAMPLES, window_seconds=0.0, window_weighted=0.0)
                     window, w_seconds, w_weighted, mean = _slide(old, sample, now, spec.window_s)
             holds = _condition(spec, obs, mean)
             if old.since is not None and (
@@ -240,7 +263,7 @@ def evaluate(
             else:
                 held_s = now - old.since if old.since is not None else 0.0
                 # Most rules hold on most GPUs at no poll: one shared cleared state for them all.
-                if window or w_seconds or w_weighted:
+                if window is not _NO_SAMPLES or w_seconds or w_weighted:
                     state = RuleState(
                         window=window, window_seconds=w_seconds, window_weighted=w_weighted, holders=holders
                     )

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.model import Flag, Workload
-from rules.engine import Evaluation, GpuObservation, RuleSpec, RuleState, _slide, evaluate
+from rules.engine import Evaluation, GpuObservation, RuleSpec, RuleState, Window, _slide, evaluate
 
 IDLE = RuleSpec("idle", "idle", 0.05, 1800)
 ALLOCATED_IDLE = RuleSpec("allocated_idle", "allocated_idle", 0.05, 1800)
@@ -169,6 +169,27 @@ def test_the_running_window_mean_equals_the_mean_recomputed_from_scratch(
         overlaps = [(min(d, end - start), u) for end, d, u in seen if end > start]
         expected = sum(o * u for o, u in overlaps) / sum(o for o, _ in overlaps)
         assert mean == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_a_window_slid_on_from_an_earlier_state_leaves_every_other_state_as_it_was() -> None:
+    # The states that follow one another share their samples (rules.engine.Window): sliding any
+    # of them, the latest or an earlier one judged again, must leave the others' windows alone.
+    def samples(window: Window) -> list[tuple[float, float, float]]:
+        return window.samples[window.start : window.end]
+
+    sampled = [(i * STEP, STEP, util) for i, util in enumerate((0.1, 0.2, 0.3, 0.9), start=1)]
+    states = [RuleState()]
+    for sample in sampled[:3]:
+        window, seconds, weighted, _ = _slide(states[-1], sample, sample[0], 7200)
+        states.append(RuleState(window=window, window_seconds=seconds, window_weighted=weighted))
+    _, first, earlier, latest = states
+    later = _slide(latest, sampled[3], sampled[3][0], 7200)[0]
+    branched = _slide(earlier, sampled[3], sampled[3][0], 7200)[0]
+    assert samples(first.window) == sampled[:1]
+    assert samples(earlier.window) == sampled[:2]
+    assert samples(latest.window) == sampled[:3]
+    assert samples(later) == sampled
+    assert samples(branched) == [*sampled[:2], sampled[3]]
 
 
 def test_a_lowered_flag_names_its_holders_as_they_change() -> None:
