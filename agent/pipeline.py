@@ -706,14 +706,17 @@ class Pipeline:
         # Who left each GPU idle, as of before this poll: a clearing idle flag names them, not
         # the workload whose arrival cleared it.
         left_before = dict(self._left_by)
-        self._track_left_by(snapshot, holders)
+        gpus = snapshot.gpus
+        # The devices that are no GPU are MIG instances: most nodes have none, and skip their work.
+        has_migs = len(gpus) != len(snapshot.devices)
+        self._track_left_by(snapshot.taken_at, gpus, holders)
         if not self.rules:
             return
         cost = {g.uuid: g for g in charges.gpus} if charges is not None else {}
-        migs_of = snapshot.migs_by_parent()
+        migs_of = snapshot.migs_by_parent() if has_migs else {}
         observations = []
         node, interval_s = snapshot.node.hostname, sampled.interval_s
-        for gpu in snapshot.gpus:
+        for gpu in gpus:
             charge = cost.get(gpu.uuid)
             migs = migs_of.get(gpu.uuid, ())
             observations.append(
@@ -749,7 +752,7 @@ class Pipeline:
             left = self._left_by.get(t.uuid) or left_before.get(t.uuid) or self._mig_last_held.get(t.uuid)
             _log_transition(t, left, idle=t.rule in idle_rules)
         # After the lines: one that clears an instance's idle flag names who left it, not who came.
-        for device in snapshot.devices:
+        for device in snapshot.devices if has_migs else ():
             held = unit_held_by.get(device.uuid)
             if device.parent_uuid is not None and device.up and held:
                 self._mig_last_held[device.uuid] = LeftBy(
@@ -817,19 +820,21 @@ class Pipeline:
             )
         return found
 
-    def _track_left_by(self, snapshot: Snapshot, holders: Mapping[str, tuple[Workload, ...]]) -> None:
+    def _track_left_by(
+        self, taken_at: float, gpus: Sequence[DeviceReading], holders: Mapping[str, tuple[Workload, ...]]
+    ) -> None:
         """Remember who held each GPU at the last poll that saw it held; once nobody holds it,
         they are who left it idle (`left_by`), until someone holds it again."""
         # `_last_held` keeps the parts of a LeftBy, built only once nobody holds the GPU (and then
         # once for the whole idle stretch): a GPU held poll after poll would build one every poll.
         last_held, left_by = self._last_held, self._left_by
-        for gpu in snapshot.gpus:
+        for gpu in gpus:
             if not gpu.up:
                 continue
             uuid = gpu.uuid
             held = holders.get(uuid)
             if held:
-                last_held[uuid] = (gpu.index, held, snapshot.taken_at)
+                last_held[uuid] = (gpu.index, held, taken_at)
                 if left_by.pop(uuid, None) is not None:
                     self._published_left_by = None
             elif uuid not in left_by and (last := last_held.get(uuid)) is not None:
