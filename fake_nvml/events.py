@@ -59,6 +59,7 @@ _SET_TAG = 0x65760000  # "ev" in the high bytes: an event set this library made
 # within a tick of scenario time reaching it, and a waiting thread (a Python loop here, where the
 # real driver blocks in C) takes too little of the interpreter to slow a poll beside it.
 WAIT_TICK_S = 0.01
+_WAIT, _WAIT_FAMILY = "nvmlEventSetWait_v2", "nvmlEventSetWait"  # the call and its family
 
 
 @dataclass(order=True)
@@ -81,11 +82,24 @@ class _EventSet:
 class _Sets:
     """One library's event sets, by the id their handle carries."""
 
-    def __init__(self) -> None:
+    def __init__(self, lib: FakeNvmlLibrary) -> None:
         self.lock = threading.Lock()
         self.sets: dict[int, _EventSet] = {}
         self.ids = itertools.count(1)
         self.waiters = 0  # calls blocked in a wait right now (tests look)
+        # What a wait looks at on every pass, from faults fixed for the node's life, found once
+        # (a poll waits with a zero timeout, and going through every fault cost it ~44 us):
+        # when each node-wide fault that takes the driver away strikes (`_stale`), and the GPUs
+        # some fault can make a wait fail on (`_lost`: on any other GPU no fault error applies).
+        node = lib._node
+        self.driver_gone_at = tuple(
+            f.at_s
+            for f in node.scenario.faults
+            if f.gpu is None and f.error in _DRIVER_GONE and f.call in (None, "*", _WAIT, _WAIT_FAMILY)
+        )
+        self.lossy = frozenset(
+            gpu for gpu in range(len(node.scenario.gpus)) if node.faults_for(_WAIT, _WAIT_FAMILY, gpu)[0]
+        )
 
 
 _STATE: weakref.WeakKeyDictionary[FakeNvmlLibrary, _Sets] = weakref.WeakKeyDictionary()
@@ -96,7 +110,7 @@ def _sets(lib: FakeNvmlLibrary) -> _Sets:
     with _STATE_LOCK:
         state = _STATE.get(lib)
         if state is None:
-            state = _STATE[lib] = _Sets()
+            state = _STATE[lib] = _Sets(lib)
         return state
 
 
@@ -221,22 +235,20 @@ def _fault_events(fault: Fault, board: BoardFacts) -> list[tuple[float, int, int
     return found
 
 
-def _stale(lib: FakeNvmlLibrary, events: _EventSet, now: float) -> bool:
+def _stale(state: _Sets, events: _EventSet, now: float) -> bool:
     """Whether the driver went away (and came back) since the set was made."""
-    return any(
-        f.gpu is None
-        and f.error in _DRIVER_GONE
-        and f.call in (None, "*", "nvmlEventSetWait_v2", "nvmlEventSetWait")
-        and events.created_s < f.at_s <= now
-        for f in lib._node.scenario.faults
-    )
+    return any(events.created_s < at_s <= now for at_s in state.driver_gone_at)
 
 
-def _lost(lib: FakeNvmlLibrary, events: _EventSet, now: float) -> bool:
+def _lost(lib: FakeNvmlLibrary, state: _Sets, events: _EventSet, now: float) -> bool:
+    lossy = state.lossy
+    if not lossy:
+        return False
     node = lib._node
     return any(
-        node.fault_error("nvmlEventSetWait_v2", "nvmlEventSetWait", gpu, now) in ("GPU_IS_LOST", "GPU_NOT_FOUND")
+        node.fault_error(_WAIT, _WAIT_FAMILY, gpu, now) in ("GPU_IS_LOST", "GPU_NOT_FOUND")
         for gpu in events.registered
+        if gpu in lossy
     )
 
 
@@ -263,13 +275,13 @@ def _wait(lib: FakeNvmlLibrary, t: float, event_set: Any, data: Any, timeout_ms:
     try:
         while True:
             now = node.now()
-            if _stale(lib, events, now):
+            if _stale(state, events, now):
                 return UNINITIALIZED
             with state.lock:
                 if events.pending and events.pending[0].at_s <= now:
                     _fill(lib, _obj(data), heapq.heappop(events.pending))
                     return SUCCESS
-            if _lost(lib, events, now):
+            if _lost(lib, state, events, now):
                 return GPU_IS_LOST
             left = deadline - time.monotonic()
             if left <= 0:
