@@ -265,7 +265,8 @@ class FakeNvmlLibrary:
         self._devices: dict[int, Dev | None] = {}
         self._decoded: dict[int, tuple[Any, Dev | None]] = {}  # id(handle) -> (handle, device)
         # How each batch of fields is answered on each device (see _field_plan).
-        self._field_plans: dict[tuple[bool, frozenset[str], bytes], list[_FieldGroup]] = {}
+        self._field_plans: dict[tuple[bool, frozenset[str], bool, bytes], list[_FieldGroup]] = {}
+        self._links_quiet: dict[int, bool] = {}  # per GPU, see _quiet_links
         self._field_faults: dict[int, frozenset[str]] = {}  # per GPU, see _faulted_field_calls
         self._synced_at: float | None = None
 
@@ -388,6 +389,16 @@ class FakeNvmlLibrary:
             calls = {call for call, _read in _HEALTH_FIELDS.values()} | set(_FIELD_CALLS.values())
             faults_for = self._node.faults_for
             found = self._field_faults[gpu] = frozenset(c for c in calls if faults_for(c, family(c), gpu)[0])
+        return found
+
+    def _quiet_links(self, gpu: int) -> bool:
+        """Whether the GPU's NVLink error counters are zeros at all times: no fault gives its
+        links errors and no recorded row gives their counts (`nvlink_errors_all`'s shortcut,
+        which holds for the node's life, as its faults and rows are fixed)."""
+        found = self._links_quiet.get(gpu)
+        if found is None:
+            node = self._node
+            found = self._links_quiet[gpu] = not node.health._nvlink_error_faults[gpu] and not node._rows[gpu][1]
         return found
 
     # -- handles ------------------------------------------------------------------------------
@@ -1094,6 +1105,11 @@ _NVLINK_DATA_TX = _per_link(_nvlink_kib_tx)
 _NVLINK_DATA_RX = _per_link(_nvlink_kib_rx)
 _NVLINK_RAW_TX = _per_link(_nvlink_kib_tx, 1.1)  # data plus protocol overhead
 _NVLINK_RAW_RX = _per_link(_nvlink_kib_rx, 1.1)
+# The NVLink error counters (161-163) of a GPU whose links no fault or recorded row gives errors:
+# zeros on every link, at any time, as `nvlink_errors_all` answers them. One reader for all three
+# kinds, so a batch's three groups (each link's counters side by side) merge into one.
+_NVLINK_ERROR_FIELDS = frozenset({161, 162, 163})
+_NVLINK_NO_ERRORS = _per_link(lambda node, gpu, t: (0,) * node.gpu(gpu).nvlink_links)
 
 # Each field id the fake answers, read for many scopes at once: the health fields (those a
 # batch asks for every link of, for all the links in one go), then those of _FIELD_CALLS.
@@ -1131,9 +1147,10 @@ class _FieldGroup:
     field: int | None = None  # the field id, where the group has one alone
 
 
-def _field_plan(lib: FakeNvmlLibrary, dev: Dev, heads: tuple[int, ...]) -> list[_FieldGroup]:
+def _field_plan(lib: FakeNvmlLibrary, dev: Dev, heads: tuple[int, ...], quiet: bool = False) -> list[_FieldGroup]:
     """How a batch of these fields (`heads`: each one's fieldId and scopeId word) is answered on
-    `dev`, worked out once: a field's answer depends on the time, never on the fields beside it."""
+    `dev`, worked out once: a field's answer depends on the time, never on the fields beside it.
+    `quiet`: the GPU's NVLink error counters are zeros at all times (`_quiet_links`)."""
     node, hidden, is_mig = lib._node, lib._fields_hidden, dev.mig is not None
     by_id: dict[int, tuple[list[int], list[int]]] = {}
     for position, head in enumerate(heads):
@@ -1153,6 +1170,8 @@ def _field_plan(lib: FakeNvmlLibrary, dev: Dev, heads: tuple[int, ...]) -> list[
             code = NOT_SUPPORTED
         faulted = call is not None and bool(node.faults_for(call, family(call), dev.gpu)[0])
         read = _MANY_READERS[fid] if code is None else None
+        if read is not None and quiet and fid in _NVLINK_ERROR_FIELDS:
+            read = _NVLINK_NO_ERRORS
         if is_mig and fid == FI_NVLINK_LINK_COUNT:
             read = _mig_link_count
         plan.append(_group(positions, scopes, code, call if faulted else None, read, fid))
@@ -1288,13 +1307,14 @@ def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: 
     heads = words[0::_FIELD_WORDS]
     # A plan serves every device alike in what it depends on (MIG or not, which of the fields'
     # calls faults can touch: none, on most GPUs), keyed by the ids' and scopes' bytes.
-    key = (dev.mig is not None, lib._faulted_field_calls(dev.gpu), heads.tobytes())
+    quiet = lib._quiet_links(dev.gpu)
+    key = (dev.mig is not None, lib._faulted_field_calls(dev.gpu), quiet, heads.tobytes())
     plans = lib._field_plans
     plan = plans.get(key)
     if plan is None:
         if len(plans) >= _FIELD_PLANS_KEPT:
             plans.clear()
-        plan = plans[key] = _field_plan(lib, dev, tuple(heads.tolist()))
+        plan = plans[key] = _field_plan(lib, dev, tuple(heads.tolist()), quiet)
     node, gpu = lib._node, dev.gpu
     # Each field's (valueType, nvmlReturn) word and value as the caller left them: a field that
     # fails keeps its type and value, as the driver writes only its return code then.
