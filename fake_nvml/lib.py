@@ -265,8 +265,9 @@ class FakeNvmlLibrary:
         self._devices: dict[int, Dev | None] = {}
         self._decoded: dict[int, tuple[Any, Dev | None]] = {}  # id(handle) -> (handle, device)
         # How each batch of fields is answered on each device (see _field_plan).
-        self._field_plans: dict[tuple[bool, frozenset[str], bool, bytes], list[_FieldGroup]] = {}
+        self._field_plans: dict[tuple[bool, frozenset[str], bool, bool, bytes], list[_FieldGroup]] = {}
         self._links_quiet: dict[int, bool] = {}  # per GPU, see _quiet_links
+        self._all_up: dict[int, bool] = {}  # per GPU, see _links_up
         self._field_faults: dict[int, frozenset[str]] = {}  # per GPU, see _faulted_field_calls
         self._synced_at: float | None = None
 
@@ -399,6 +400,15 @@ class FakeNvmlLibrary:
         if found is None:
             node = self._node
             found = self._links_quiet[gpu] = not node.health._nvlink_error_faults[gpu] and not node._rows[gpu][1]
+        return found
+
+    def _links_up(self, gpu: int) -> bool:
+        """Whether every NVLink of the GPU is up at all times: no fault of its takes a link down
+        and no recorded row says one is (the only ways `GpuState.nvlinks_down` gets a link)."""
+        found = self._all_up.get(gpu)
+        if found is None:
+            node = self._node
+            found = self._all_up[gpu] = not node._nvlink_faults.get(gpu) and not node._rows[gpu][1]
         return found
 
     # -- handles ------------------------------------------------------------------------------
@@ -1111,6 +1121,18 @@ _NVLINK_RAW_RX = _per_link(_nvlink_kib_rx, 1.1)
 _NVLINK_ERROR_FIELDS = frozenset({161, 162, 163})
 _NVLINK_NO_ERRORS = _per_link(lambda node, gpu, t: (0,) * node.gpu(gpu).nvlink_links)
 
+
+def _nvlink_all_up(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
+    """`_nvlink_state_many` for a GPU no fault or recorded row ever takes a link of down: every
+    link up, at any time, with no state to look up."""
+    links = node.gpu(gpu).nvlink_links
+    if links == 0:
+        return NOT_SUPPORTED
+    if max(scopes) < links:
+        return _VALUE_TYPE_UINT, [1] * len(scopes)
+    return [(_VALUE_TYPE_UINT, 1) if scope < links else INVALID_ARGUMENT for scope in scopes]
+
+
 # Each field id the fake answers, read for many scopes at once: the health fields (those a
 # batch asks for every link of, for all the links in one go), then those of _FIELD_CALLS.
 _MANY_READERS: dict[int, _ManyReader] = {
@@ -1147,10 +1169,13 @@ class _FieldGroup:
     field: int | None = None  # the field id, where the group has one alone
 
 
-def _field_plan(lib: FakeNvmlLibrary, dev: Dev, heads: tuple[int, ...], quiet: bool = False) -> list[_FieldGroup]:
+def _field_plan(
+    lib: FakeNvmlLibrary, dev: Dev, heads: tuple[int, ...], quiet: bool = False, up: bool = False
+) -> list[_FieldGroup]:
     """How a batch of these fields (`heads`: each one's fieldId and scopeId word) is answered on
     `dev`, worked out once: a field's answer depends on the time, never on the fields beside it.
-    `quiet`: the GPU's NVLink error counters are zeros at all times (`_quiet_links`)."""
+    `quiet`: the GPU's NVLink error counters are zeros at all times (`_quiet_links`); `up`: its
+    links are up at all times (`_links_up`)."""
     node, hidden, is_mig = lib._node, lib._fields_hidden, dev.mig is not None
     by_id: dict[int, tuple[list[int], list[int]]] = {}
     for position, head in enumerate(heads):
@@ -1172,6 +1197,8 @@ def _field_plan(lib: FakeNvmlLibrary, dev: Dev, heads: tuple[int, ...], quiet: b
         read = _MANY_READERS[fid] if code is None else None
         if read is not None and quiet and fid in _NVLINK_ERROR_FIELDS:
             read = _NVLINK_NO_ERRORS
+        if read is _nvlink_state_many and up:
+            read = _nvlink_all_up
         if is_mig and fid == FI_NVLINK_LINK_COUNT:
             read = _mig_link_count
         plan.append(_group(positions, scopes, code, call if faulted else None, read, fid))
@@ -1307,14 +1334,14 @@ def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: 
     heads = words[0::_FIELD_WORDS]
     # A plan serves every device alike in what it depends on (MIG or not, which of the fields'
     # calls faults can touch: none, on most GPUs), keyed by the ids' and scopes' bytes.
-    quiet = lib._quiet_links(dev.gpu)
-    key = (dev.mig is not None, lib._faulted_field_calls(dev.gpu), quiet, heads.tobytes())
+    quiet, up = lib._quiet_links(dev.gpu), lib._links_up(dev.gpu)
+    key = (dev.mig is not None, lib._faulted_field_calls(dev.gpu), quiet, up, heads.tobytes())
     plans = lib._field_plans
     plan = plans.get(key)
     if plan is None:
         if len(plans) >= _FIELD_PLANS_KEPT:
             plans.clear()
-        plan = plans[key] = _field_plan(lib, dev, tuple(heads.tolist()), quiet)
+        plan = plans[key] = _field_plan(lib, dev, tuple(heads.tolist()), quiet, up)
     node, gpu = lib._node, dev.gpu
     # Each field's (valueType, nvmlReturn) word and value as the caller left them: a field that
     # fails keeps its type and value, as the driver writes only its return code then.
