@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from agent.accounting import sketch
-from agent.ledger.schema import GPU_MEASURES, IDLE_MEASURES, PRICE_ATTRIBUTES, PRICED_MEASURES, WORKLOAD_MEASURES
+from agent.ledger.schema import GPU_MEASURES, IDLE_MEASURES, PRICED_MEASURES, WORKLOAD_MEASURES
 from agent.model import Charges, GpuCharge, IdleCharge, UnitUsage, Workload, WorkloadCharge
 from agent.units import iso_time
 
@@ -41,16 +41,6 @@ class _WorkloadHour(NamedTuple):
     uuid: str
     workload: Workload
     account: str = ""
-
-    def columns(self) -> dict[str, object]:
-        return {
-            "hour": self.hour,
-            "node": self.node,
-            "gpu": self.gpu,
-            "uuid": self.uuid,
-            **self.workload.label_dict(),
-            "account": self.account,
-        }
 
 
 class _GpuHour(NamedTuple):
@@ -183,13 +173,6 @@ class _PendingGpu:
     purchase: str = ""
     price_source: str = ""
 
-    def columns(self) -> dict[str, object]:
-        return {"gpu": self.gpu, "model": self.model, **self.price()}
-
-    def price(self) -> dict[str, object]:
-        """The price columns (PRICE_ATTRIBUTES); '' is stored as NULL: not known."""
-        return dict(zip(PRICE_ATTRIBUTES, self.price_values(), strict=True))
-
     def price_values(self) -> tuple[float, str | None, str | None]:
         """The price columns' values, in PRICE_ATTRIBUTES order."""
         return (self.dollars_per_hour, self.purchase or None, self.price_source or None)
@@ -262,16 +245,6 @@ class Batch:
                 for p in self.gpu_rows.values()
             ]
         )
-
-    def workload_prices(self) -> dict[_WorkloadHour, dict[str, object]]:
-        """The price columns of each workload row: its GPU's in the same hour (a GPU's row and
-        its workloads' rows are added, dropped and restored together)."""
-        gpus = {(k.hour, k.node, p.gpu): p for k, p in self.gpu_rows.items()}
-        unknown = dict.fromkeys(PRICE_ATTRIBUTES)
-        return {
-            key: found.price() if (found := gpus.get((key.hour, key.node, key.gpu))) is not None else unknown
-            for key in self.workload_rows
-        }
 
     def holds_before(self, hour: int) -> bool:
         """Whether a row here, or the period these rows cover, starts before `hour`."""

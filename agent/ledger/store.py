@@ -350,7 +350,8 @@ class Ledger:
     def _write(self, conn: sqlite3.Connection, batch: Batch, cutoff: int | None) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            # Each workload row at its GPU's price in the same hour (Batch.workload_prices).
+            # Each workload row at its GPU's price in the same hour (a GPU's row and its workloads'
+            # rows are added, dropped and restored together); unpriced where the batch has no GPU row.
             prices = {(k.hour, k.node, p.gpu): p.price_values() for k, p in batch.gpu_rows.items()}
             unpriced = (None,) * len(PRICE_ATTRIBUTES)
             conn.executemany(
