@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import bisect
 import math
+import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fake_nvml.health import NodeHealth
@@ -29,6 +30,7 @@ DEVICE_SAMPLE_PERIOD_S = 1.0
 DEVICE_SAMPLES_KEPT = 120
 _NONE_DOWN: frozenset[int] = frozenset()
 _ROUNDING_S = 1e-6  # far above a float's rounding error at scenario times, far below a sample period
+_NO_RUN = (0, 0, 0)  # a run of samples holding none
 
 
 class ScenarioClock:
@@ -159,6 +161,11 @@ class FakeNode:
                 edges.update(edge for edge in (fault.at_s, fault.until_s) if edge is not None)
             self._edges.append(sorted(edges))
         self._segment_times: dict[int, list[float]] = {}  # id(process) -> its segments' start times
+        # The last run of samples found to share one reading, (its first k, the k past it, the
+        # reading): per GPU for its device samples (`_device_run`), per id(process) for that
+        # process's samples. A poll's samples mostly lie in the run the previous poll's ended in.
+        self._device_runs = [_NO_RUN for _ in scenario.gpus]
+        self._process_runs: dict[int, tuple[int, int, int]] = {}
         # The faults that can touch a call, per (call, family, gpu): the scenario's faults never
         # change, so each call looks through only its own.
         self._nvlink_faults = {
@@ -366,41 +373,50 @@ class FakeNode:
         stamps = self._sample_stamps(first_k, newest_k + 1, DEVICE_SAMPLE_PERIOD_S)
         # Stamps only grow with k: those not newer than last_seen are a prefix.
         skipped = bisect.bisect_right(stamps, last_seen_us)
-        del stamps[:skipped]
+        unseen = list(stamps[skipped:])
         first_k += skipped
         if self._interval_recorded[gpu]:
-            return stamps, self._recorded_percents(gpu, first_k, newest_k + 1)
-        # Which processes run, and at what, changes only at the GPU's breakpoints: a sample's
-        # percent is worked out once per stretch between two of them, and the stretch's samples
-        # share it (and again just before a breakpoint: a segment's start is found by a
-        # subtraction, which may round the other way than the breakpoint's sum).
-        points = self._breakpoints[gpu]
+            return unseen, self._recorded_percents(gpu, first_k, newest_k + 1)
         percents: list[int] = []
         k, end = first_k, newest_k + 1
         while k < end:
-            at = k * DEVICE_SAMPLE_PERIOD_S
-            stretch = bisect.bisect_right(points, at)
-            percent = min(self._device_percent(gpu, at), 100)
-            following = end
-            if stretch < len(points):
-                # The first later sample at or past the breakpoint (less the rounding margin),
-                # where the percent is worked out again.
-                bound = points[stretch] - _ROUNDING_S
-                following = min(end, _first_at_or_past(bound, k + 1, DEVICE_SAMPLE_PERIOD_S))
+            run_from, run_past, percent = self._device_runs[gpu]
+            if not run_from <= k < run_past:
+                run_past, percent = self._device_run(gpu, k)
+            following = min(end, run_past)
             percents += [percent] * (following - k)
             k = following
-        return stamps, percents
+        return unseen, percents
 
-    def _sample_stamps(self, first_k: int, end_k: int, period_s: float) -> list[int]:
-        """The time stamps of samples first_k..end_k-1: round((epoch + k * period) * 1e6),
-        which, for a whole-second epoch and period (as every scenario has), is exact integer
-        arithmetic, a range (the float sum and product are then exact below 2**53)."""
+    def _device_run(self, gpu: int, k: int) -> tuple[int, int]:
+        """(the k past the run of device samples from the k-th that share its percent, the
+        percent). Which processes run, and at what, changes only at the GPU's breakpoints: a run
+        ends at the first sample at or past the next one, less the rounding margin (a segment's
+        start is found by a subtraction, which may round the other way than the breakpoint's
+        sum). A run that starts clear of its stretch's first breakpoint is kept: any sample in it
+        has the percent it would have had worked out on its own."""
+        points = self._breakpoints[gpu]
+        at = k * DEVICE_SAMPLE_PERIOD_S
+        stretch = bisect.bisect_right(points, at)
+        percent = min(self._device_percent(gpu, at), 100)
+        following = sys.maxsize  # past every sample: no later breakpoint
+        if stretch < len(points):
+            following = _first_at_or_past(points[stretch] - _ROUNDING_S, k + 1, DEVICE_SAMPLE_PERIOD_S)
+        if not stretch or at >= points[stretch - 1] + _ROUNDING_S:
+            self._device_runs[gpu] = (k, following, percent)
+        return following, percent
+
+    def _sample_stamps(self, first_k: int, end_k: int, period_s: float, early_us: int = 0) -> Sequence[int]:
+        """The time stamps of samples first_k..end_k-1, each `early_us` early:
+        round((epoch + k * period) * 1e6) - early_us, which, for a whole-second epoch and period
+        (as every scenario has), is exact integer arithmetic, a range (the float sum and product
+        are then exact below 2**53)."""
         start_epoch = self.clock.start_epoch
         exact = period_s == 1.0 and start_epoch == int(start_epoch)
         if exact and (abs(start_epoch) + end_k) * 1_000_000 < 2**53:
             base = int(start_epoch)
-            return list(range((base + first_k) * 1_000_000, (base + end_k) * 1_000_000, 1_000_000))
-        return [round((start_epoch + k * period_s) * 1_000_000) for k in range(first_k, end_k)]
+            return range((base + first_k) * 1_000_000 - early_us, (base + end_k) * 1_000_000 - early_us, 1_000_000)
+        return [round((start_epoch + k * period_s) * 1_000_000) - early_us for k in range(first_k, end_k)]
 
     def _segment_starts(self, process: Process) -> list[float]:
         """The process's segments' start times (seconds after it started), kept per process."""
@@ -458,6 +474,7 @@ class FakeNode:
         stamps: list[int] = []
         utils: list[int] = []
         end = newest_k + 1
+        runs = self._process_runs
         for process in self.processes_on(gpu, None, t):
             first_k = max(
                 newest_k - PROCESS_SAMPLES_KEPT + 1,
@@ -465,24 +482,16 @@ class FakeNode:
                 unseen_k,
                 0,
             )
-            pid, start_s = process.pid, process.start_s
-            early_us = pid % PROCESS_STAMP_SPREAD_US
-            taken = self._sample_stamps(first_k, end, PROCESS_SAMPLE_PERIOD_S)
-            if early_us:
-                taken = [stamp - early_us for stamp in taken]
+            pid = process.pid
+            taken = self._sample_stamps(first_k, end, PROCESS_SAMPLE_PERIOD_S, pid % PROCESS_STAMP_SPREAD_US)
             # Stamps only grow with k: those not newer than last_seen are a prefix.
             skipped = bisect.bisect_right(taken, last_seen_us)
-            # The segment in force at a sample is the last one starting at or before it: the
-            # samples between two segments' starts share its utilization, taken as a run.
-            segments, times = process.segments, self._segment_starts(process)
             k = first_k + skipped
             while k < end:
-                offset_s = k * PROCESS_SAMPLE_PERIOD_S - start_s
-                i = bisect.bisect_right(times, offset_s)
-                util = round(segments[i - 1].sm_util) if i else 0
-                following = end
-                if i < len(times):  # the first later sample that the next segment is in force at
-                    following = min(end, _first_at_or_past(times[i], k + 1, PROCESS_SAMPLE_PERIOD_S, start_s))
+                run_from, run_past, util = runs.get(id(process), _NO_RUN)
+                if not run_from <= k < run_past:
+                    run_past, util = self._process_run(process, k)
+                following = min(end, run_past)
                 if util > 0:
                     run = following - k
                     pids += [pid] * run
@@ -490,6 +499,22 @@ class FakeNode:
                     utils += [util] * run
                 k = following
         return pids, stamps, utils
+
+    def _process_run(self, process: Process, k: int) -> tuple[int, int]:
+        """(the k past the run of the process's samples from the k-th that share its
+        utilization, the utilization), kept as the process's run. The segment in force at a
+        sample is the last one starting at or before it: the samples before the next segment's
+        start share its utilization, and every sample of the run finds it on its own (the same
+        subtraction, of a larger k)."""
+        offset_s = k * PROCESS_SAMPLE_PERIOD_S - process.start_s
+        times = self._segment_starts(process)
+        i = bisect.bisect_right(times, offset_s)
+        util = round(process.segments[i - 1].sm_util) if i else 0
+        following = sys.maxsize  # past every sample: no later segment
+        if i < len(times):  # the first later sample that the next segment is in force at
+            following = _first_at_or_past(times[i], k + 1, PROCESS_SAMPLE_PERIOD_S, process.start_s)
+        self._process_runs[id(process)] = (k, following, util)
+        return following, util
 
     # -- faults -------------------------------------------------------------------------------
 
