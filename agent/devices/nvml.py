@@ -280,6 +280,48 @@ def _check(call: str, code: int) -> None:
         raise _error(call, code)
 
 
+# A key read by its single call, with what reads it; None where one call answers its quantity
+# together with others (`_SHARED`).
+_SingleRead = tuple[ReadingKey, Callable[[], float] | None]
+
+
+def _output_reader(
+    call: str,
+    name: str,
+    arguments: tuple[Any, ...],
+    out: ctypes.c_uint | ctypes.c_ulonglong,
+    convert: Callable[[int], float],
+) -> Callable[[], float]:
+    """A reading of the C function `name` (reported as `call`) called as pynvml's wrapper calls it,
+    with `arguments` made once and `out` among them: the device's reused output, so that no
+    pynvml object is made for a value read every poll. The function is looked up at the first
+    read and kept, as pynvml keeps it for the life of the library."""
+    function: Callable[..., int] | None = None
+
+    def read() -> float:
+        nonlocal function
+        if function is None:
+            function = _function(call, name)
+        code = function(*arguments)
+        if code != pynvml.NVML_SUCCESS:
+            raise _error(call, code)
+        return convert(out.value)
+
+    return read
+
+
+def _hz(mhz: int) -> float:
+    return mhz * 1e6
+
+
+def _percent(value: int) -> float:
+    return value / 100
+
+
+def _from_kib(kib: int) -> float:
+    return kib * 1024.0
+
+
 class _FieldValue(ctypes.Structure):
     """pynvml's c_nvmlFieldValue_t layout in a plain ctypes struct.
 
@@ -439,7 +481,7 @@ class _Plan:
         self.field_values = backend._field_values and not handle.no_fields
         self.learned = handle.learned
         self.batched: list[ReadingKey] = []
-        self.single: list[ReadingKey] = []
+        single: list[ReadingKey] = []
         fields: list[tuple[int, int]] = []
         for key in keys:
             ids = _field_ids(key) if self.field_values else ()
@@ -448,7 +490,8 @@ class _Plan:
                 self.batched.append(key)
                 fields.append(ids[level])
             else:
-                self.single.append(key)
+                single.append(key)
+        self.single = backend._single_reads(handle, single)
         self.request = _FieldRequest(fields)
         # What each batched field's raw value is divided by (see _SCALES), 1.0 for the link
         # states, which are read as up or down instead: which fields those are.
@@ -483,6 +526,7 @@ class _Device:
         "plan_by_id",
         "plans",
         "processes",
+        "readers",
         "samples",
         "since",
         "temperature",
@@ -509,6 +553,8 @@ class _Device:
         # and a tuple of dozens of keys hashes each key every time it is looked up.
         self.plans: dict[tuple[ReadingKey, ...], _Plan] = {}
         self.plan_by_id: dict[int, tuple[tuple[ReadingKey, ...], _Plan]] = {}
+        # What reads each key by its single call (`NvmlBackend._reader`), made at its first read.
+        self.readers: dict[ReadingKey, Callable[[], float]] = {}
         # Reused result buffers, grown when the driver says they are too small.
         self.processes: ctypes.Array[_ProcessInfo] = (_ProcessInfo * 32)()
         # Per process-list buffer, the bytes of its last answer and the ProcessInfos they made:
@@ -797,7 +843,7 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         if plan.batched:
             left = self._read_batched(handle, plan, values, errors)
             if left:  # fields the batch could not read, by their single calls
-                self._read_singles(handle, left, values, errors)
+                self._read_singles(handle, self._single_reads(handle, left), values, errors)
         return ReadResult(values, errors)
 
     def _plan(self, handle: _Device, wanted: tuple[ReadingKey, ...]) -> _Plan:
@@ -814,21 +860,34 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         handle.plan_by_id[id(wanted)] = (wanted, plan)
         return plan
 
+    def _single_reads(self, handle: _Device, keys: Sequence[ReadingKey]) -> list[_SingleRead]:
+        """Each key with what reads it alone (`_reader`, made at the device's first read of it)."""
+        readers = handle.readers
+        found: list[_SingleRead] = []
+        for key in keys:
+            read = None
+            if key.quantity not in _SHARED:
+                read = readers.get(key)
+                if read is None:
+                    read = readers[key] = self._reader(handle, key)
+            found.append((key, read))
+        return found
+
     def _read_singles(
         self,
         handle: _Device,
-        keys: list[ReadingKey],
+        reads: list[_SingleRead],
         values: dict[ReadingKey, float],
         errors: dict[ReadingKey, DeviceError],
     ) -> None:
         """One call per key (keys whose quantities one call answers share it), in the order given."""
         shared: dict[str, dict[Quantity, float] | DeviceError] = {}
-        for key in keys:
+        for key, read in reads:
             try:
-                group = _SHARED.get(key.quantity)
-                if group is None:
-                    values[key] = self._single(handle, key)
+                if read is not None:
+                    values[key] = read()
                     continue
+                group = _SHARED[key.quantity]
                 answer = shared.get(group)
                 if answer is None:
                     try:
@@ -933,75 +992,88 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 request = _FieldRequest([_field_ids(k)[handle.field_level[k.quantity]] for k in keys])
         return left
 
-    def _single(self, handle: _Device, key: ReadingKey) -> float:
-        quantity = key.quantity
-        if quantity is Q.TEMPERATURE:
-            return self._temperature_c(handle)
-        if quantity is Q.POWER:
-            return _from_milli(_call("nvmlDeviceGetPowerUsage", pynvml.nvmlDeviceGetPowerUsage, handle.handle))
-        if quantity is Q.ENERGY:
-            call = "nvmlDeviceGetTotalEnergyConsumption"
-            return _from_milli(_call(call, pynvml.nvmlDeviceGetTotalEnergyConsumption, handle.handle))
-        if quantity is Q.NVLINK_UP:
-            return float(self._nvlink_up(handle, key.link or 0))
+    def _reader(self, handle: _Device, key: ReadingKey) -> Callable[[], float]:
+        """What reads `key` from the device by its single call: the call, its arguments and its
+        output are chosen once per device and key, not at every read (a poll makes dozens)."""
+        quantity, device = key.quantity, handle.handle
+        out, out_u64 = handle.out_uint, handle.out_u64
         if quantity in _CLOCKS:
             call, clock_type = _CLOCKS[quantity]
-            return self._uint(call, call, handle, clock_type) * 1e6
-        if quantity is Q.CLOCK_EVENT_REASONS:
-            return float(self._clock_event_reasons(handle))
-        if quantity is Q.MEMORY_CLOCKS_SUPPORTED:
-            return float(self._memory_clock_count(handle))
-        if quantity is Q.PERFORMANCE_STATE:
-            call = "nvmlDeviceGetPerformanceState"
-            pstate = self._uint(call, call, handle)
-            if pstate == _PSTATE_UNKNOWN:
-                raise DeviceError(call, "UNKNOWN", "the driver does not know the performance state now")
-            return float(pstate)
-        if quantity is Q.FAN_SPEED:
-            return self._uint("nvmlDeviceGetFanSpeed", "nvmlDeviceGetFanSpeed", handle) / 100
-        if quantity in _CODECS:
-            call = _CODECS[quantity]
-            util, period = handle.out_uint, handle.out_uint2
-            _check(call, _function(call, call)(handle.handle, ctypes.byref(util), ctypes.byref(period)))
-            return float(util.value) / 100
+            return _output_reader(call, call, (device, clock_type, ctypes.byref(out)), out, _hz)
         if quantity in _PCIE_LINK:
             call = _PCIE_LINK[quantity]
-            return float(self._uint(call, call, handle))
+            return _output_reader(call, call, (device, ctypes.byref(out)), out, float)
+        if quantity in _CODECS:
+            call = _CODECS[quantity]
+            period = handle.out_uint2
+            return _output_reader(call, call, (device, ctypes.byref(out), ctypes.byref(period)), out, _percent)
+        if quantity is Q.TEMPERATURE:
+            return self._temperature_reader(handle)
+        if quantity is Q.PERFORMANCE_STATE:
+            call = "nvmlDeviceGetPerformanceState"
+            read_pstate = _output_reader(call, call, (device, ctypes.byref(out)), out, float)
+
+            def pstate() -> float:
+                value = read_pstate()
+                if value == _PSTATE_UNKNOWN:
+                    raise DeviceError(call, "UNKNOWN", "the driver does not know the performance state now")
+                return value
+
+            return pstate
+        if quantity is Q.CLOCK_EVENT_REASONS:
+            call = "nvmlDeviceGetCurrentClocksEventReasons"  # nvmlDeviceGetCurrentClocksThrottleReasons before R535
+            newer, older = (
+                _output_reader(call, name, (device, ctypes.byref(out_u64)), out_u64, float)
+                for name in (call, "nvmlDeviceGetCurrentClocksThrottleReasons")
+            )
+            return functools.partial(self._versioned, handle, call, newer, older)
+        if quantity is Q.POWER:
+            return lambda: _from_milli(_call("nvmlDeviceGetPowerUsage", pynvml.nvmlDeviceGetPowerUsage, device))
+        if quantity is Q.ENERGY:
+            call = "nvmlDeviceGetTotalEnergyConsumption"
+            return lambda: _from_milli(_call(call, pynvml.nvmlDeviceGetTotalEnergyConsumption, device))
+        if quantity is Q.NVLINK_UP:
+            link = key.link or 0
+            return lambda: float(self._nvlink_up(handle, link))
+        if quantity is Q.MEMORY_CLOCKS_SUPPORTED:
+            return lambda: float(self._memory_clock_count(handle))
+        if quantity is Q.FAN_SPEED:
+            call = "nvmlDeviceGetFanSpeed"
+            return _output_reader(call, call, (device, ctypes.byref(out)), out, _percent)
         if quantity is Q.PCIE_REPLAYS:
             call = "nvmlDeviceGetPcieReplayCounter"
-            return float(self._uint(call, call, handle))
+            return _output_reader(call, call, (device, ctypes.byref(out)), out, float)
         if quantity in _PCIE_THROUGHPUT:
             call = "nvmlDeviceGetPcieThroughput"
-            return self._uint(call, call, handle, _PCIE_THROUGHPUT[quantity]) * 1024.0  # KiB/s
+            counter = _PCIE_THROUGHPUT[quantity]
+            return _output_reader(call, call, (device, counter, ctypes.byref(out)), out, _from_kib)
         if quantity in _POLICIES:
             call = "nvmlDeviceGetViolationStatus"
-            status = _call(call, pynvml.nvmlDeviceGetViolationStatus, handle.handle, _POLICIES[quantity])
-            return int(status.violationTime) / 1e9
+            policy = _POLICIES[quantity]
+            return lambda: int(_call(call, pynvml.nvmlDeviceGetViolationStatus, device, policy).violationTime) / 1e9
         if quantity in _ECC:
             call = "nvmlDeviceGetTotalEccErrors"
-            return float(_call(call, pynvml.nvmlDeviceGetTotalEccErrors, handle.handle, *_ECC[quantity]))
+            ecc = _ECC[quantity]
+            return lambda: float(_call(call, pynvml.nvmlDeviceGetTotalEccErrors, device, *ecc))
         if quantity in _RETIREMENT_CAUSES:
             call = "nvmlDeviceGetRetiredPages"
-            pages = _call(call, pynvml.nvmlDeviceGetRetiredPages, handle.handle, _RETIREMENT_CAUSES[quantity])
-            return float(len(pages))
+            cause = _RETIREMENT_CAUSES[quantity]
+            return lambda: float(len(_call(call, pynvml.nvmlDeviceGetRetiredPages, device, cause)))
         if quantity is Q.RETIRED_PAGES_PENDING:
             call = "nvmlDeviceGetRetiredPagesPendingStatus"
-            return float(bool(_call(call, pynvml.nvmlDeviceGetRetiredPagesPendingStatus, handle.handle)))
+            return lambda: float(bool(_call(call, pynvml.nvmlDeviceGetRetiredPagesPendingStatus, device)))
         if quantity in _NVLINK_COUNTERS:
             call = "nvmlDeviceGetNvLinkErrorCounter"
-            fn = pynvml.nvmlDeviceGetNvLinkErrorCounter
-            return float(_call(call, fn, handle.handle, key.link or 0, _NVLINK_COUNTERS[quantity]))
+            link, counter = key.link or 0, _NVLINK_COUNTERS[quantity]
+            return lambda: float(_call(call, pynvml.nvmlDeviceGetNvLinkErrorCounter, device, link, counter))
+
         # NVLink traffic has no single call left (nvmlDeviceGetNvLinkUtilizationCounter is gone
         # from current drivers): without its field, the device does not have it, whether or not
         # the field answered before the field-values call stopped serving the device.
-        raise ReadingNoLongerSupported("nvmlDeviceGetFieldValues", "NOT_SUPPORTED", f"no field or call reads {key}")
+        def no_call() -> float:
+            raise ReadingNoLongerSupported("nvmlDeviceGetFieldValues", "NOT_SUPPORTED", f"no field or call reads {key}")
 
-    def _uint(self, call: str, name: str, handle: _Device, *args: Any) -> int:
-        """The C function `name` writing one unsigned int, as pynvml's wrapper calls it, into the
-        device's reused output (no pynvml objects made for a value read every poll)."""
-        out = handle.out_uint
-        _check(call, _function(call, name)(handle.handle, *args, ctypes.byref(out)))
-        return int(out.value)
+        return no_call
 
     def _versioned(self, handle: _Device, newer: str, read_newer: Callable[[], T], read_older: Callable[[], T]) -> T:
         """A reading through the versioned call `newer` where it serves, else the older call.
@@ -1037,18 +1109,6 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
             _check(call, code)
         return int(count.value)
 
-    def _clock_event_reasons(self, handle: _Device) -> int:
-        call = "nvmlDeviceGetCurrentClocksEventReasons"  # nvmlDeviceGetCurrentClocksThrottleReasons before R535
-
-        def read(name: str) -> int:
-            out = handle.out_u64
-            _check(call, _function(call, name)(handle.handle, ctypes.byref(out)))
-            return int(out.value)
-
-        return self._versioned(
-            handle, call, lambda: read(call), lambda: read("nvmlDeviceGetCurrentClocksThrottleReasons")
-        )
-
     @staticmethod
     def _struct_call(call: str, name: str, handle: _Device, out: ctypes.Structure) -> None:
         """The C function `name` filling `out`, as pynvml's wrapper of it calls it, but into the
@@ -1074,26 +1134,23 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
 
         return self._versioned(handle, "nvmlDeviceGetMemoryInfo_v2", v2, v1)
 
-    def _temperature_c(self, handle: _Device) -> float:
+    def _temperature_reader(self, handle: _Device) -> Callable[[], float]:
         call = "nvmlDeviceGetTemperature"
+        # As pynvml's nvmlDeviceGetTemperature calls it, into the device's reused output.
+        celsius = handle.celsius
+        unversioned = _output_reader(call, call, (handle.handle, _SENSOR, ctypes.byref(celsius)), celsius, float)
+        if _TemperatureV1 is None:
+            return unversioned
 
         def versioned() -> float:
             reading = handle.temperature
             if reading is None:
-                reading = handle.temperature = _TemperatureV1()  # type: ignore[misc]
+                reading = handle.temperature = _TemperatureV1()
             reading.version, reading.sensorType = pynvml.nvmlTemperature_v1, _SENSOR_GPU
             self._struct_call(call, "nvmlDeviceGetTemperatureV", handle, reading)
             return float(reading.temperature)
 
-        def unversioned() -> float:
-            # As pynvml's nvmlDeviceGetTemperature calls it, into the device's reused output.
-            celsius = handle.celsius
-            _check(call, _function(call, call)(handle.handle, _SENSOR, ctypes.byref(celsius)))
-            return float(celsius.value)
-
-        if _TemperatureV1 is None:
-            return unversioned()
-        return self._versioned(handle, "nvmlDeviceGetTemperatureV", versioned, unversioned)
+        return functools.partial(self._versioned, handle, "nvmlDeviceGetTemperatureV", versioned, unversioned)
 
     def _nvlink_up(self, handle: _Device, link: int) -> bool:
         state = _call("nvmlDeviceGetNvLinkState", pynvml.nvmlDeviceGetNvLinkState, handle.handle, link)
