@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from agent.devices.backend import VIOLATION_QUANTITIES, Quantity, ReadingKey
-from agent.model import VIOLATION_CAUSES, NvLinkCounters, Telemetry
+from agent.model import VIOLATION_CAUSES, NvLinkCounters, Telemetry, nvlink_counters
 
 Q = Quantity
 
@@ -392,10 +392,7 @@ def _link_counters(counts: tuple[float | None, ...]) -> tuple[NvLinkCounters, ..
     left out only when none of its counters was read."""
     width = _LINK_WIDTH
     if None not in counts:  # every link read in full, the usual case
-        ints = list(map(int, cast("tuple[float, ...]", counts)))
-        return tuple(
-            [NvLinkCounters(link, *ints[link * width : (link + 1) * width]) for link in range(len(ints) // width)]
-        )
+        return nvlink_counters(list(map(int, cast("tuple[float, ...]", counts))))
     return tuple(
         [
             NvLinkCounters(link, *[None if c is None else int(c) for c in counts[link * width : (link + 1) * width]])
