@@ -267,6 +267,7 @@ class Pipeline:
         # Cost unit uuid -> the workloads that held it at the last poll that saw it held: whom
         # accounting books its idle time to (`IdleCharge.left_by`).
         self._unit_left_by: dict[str, tuple[Workload, ...]] = {}
+        self._holders_remembered: Attribution | None = None  # the attribution `_unit_left_by` last took in
         self._totals = CostTotals()
         self._prices: dict[str, Price | None] = {}
         # What the last state published of each of these, while it still stands (None: built
@@ -638,6 +639,11 @@ class Pipeline:
             self._totals = totals  # only once the ledger has them too: counters and ledger agree
 
     def _remember_holders(self, attribution: Attribution) -> None:
+        # A steady state hands on the same attribution poll after poll (`_scrubbed`): its holders
+        # are remembered already.
+        if attribution is self._holders_remembered:
+            return
+        self._holders_remembered = attribution
         held: dict[str, set[Workload]] = {}
         for h in attribution.holdings:
             held.setdefault(h.device_uuid, set()).add(h.workload)
