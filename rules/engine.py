@@ -121,6 +121,12 @@ class Evaluation:
     transitions: tuple[Transition, ...] = field(default=())
 
 
+# A rule that applies to a GPU, with what `evaluate` reads of it at each of its GPUs: its name,
+# condition and whether its flags name the GPU's holders (`_FLAG_NAMES_HOLDERS`). A plain tuple,
+# not a NamedTuple: unpacking a tuple's subclass takes the interpreter's slow path.
+_Applied = tuple[RuleSpec, str, str, bool]
+
+
 def _slide(
     state: RuleState, sample: tuple[float, float, float] | None, now: float, window_s: float
 ) -> tuple[Window, float, float, float | None]:
@@ -203,26 +209,30 @@ def evaluate(
     new_states: dict[tuple[str, str], RuleState] = {}
     flags: list[Flag] = []
     transitions: list[Transition] = []
-    # A node's GPUs are mostly of one model: decide which rules apply once per (model, node).
-    applicable: dict[tuple[str, str], tuple[RuleSpec, ...]] = {}
+    # A node's GPUs are mostly of one model: decide which rules apply once per (model, node),
+    # each with what its loop reads of it (`_Applied`).
+    applicable: dict[tuple[str, str], tuple[_Applied, ...]] = {}
     for obs in observations:
         where = (obs.model, obs.node)
-        specs_here = applicable.get(where)
-        if specs_here is None:
-            specs_here = applicable[where] = tuple(spec for spec in specs if spec.applies_to(obs.model, obs.node))
-        uuid, holders = obs.uuid, obs.holders
+        applied_here = applicable.get(where)
+        if applied_here is None:
+            applied_here = applicable[where] = tuple(
+                (spec, spec.name, spec.condition, spec.condition in _FLAG_NAMES_HOLDERS)
+                for spec in specs
+                if spec.applies_to(obs.model, obs.node)
+            )
+        gpu, uuid, holders = obs.gpu, obs.uuid, obs.holders
         # Time nobody saw, or a clock set back (NTP): no duration runs on across either.
         unseen = obs.interval_s > max_interval_s or obs.interval_s < 0
-        for spec in specs_here:
-            key = (uuid, spec.name)
+        for spec, name, condition, names_holders in applied_here:
+            key = (uuid, name)
             old = states.get(key, _CLEAR)
-            condition = spec.condition
+            flag_holders = holders if names_holders else ()
             if old is _CLEAR and (condition != "underused" or not holders) and not _condition(spec, obs, None):
                 # The common case, a condition that did not hold and does not: nothing to keep,
                 # no line, a lowered flag (see below for what each part would have been).
                 new_states[key] = _CLEAR
-                flag_holders = holders if condition in _FLAG_NAMES_HOLDERS else ()
-                flags.append(_lowered(flags_before, len(flags), obs.gpu, uuid, spec.name, flag_holders))
+                flags.append(_lowered(flags_before, len(flags), gpu, uuid, name, flag_holders))
                 continue
             window, w_seconds, w_weighted, mean = old.window, 0.0, 0.0, None
             if condition == "underused":
@@ -248,9 +258,7 @@ def evaluate(
                     # After a gap, it held for as long as it was seen to: until the poll before.
                     seen_until = now - obs.interval_s if unseen else now
                     held_s = seen_until - old.since
-                    transitions.append(
-                        Transition(obs.gpu, uuid, spec.name, False, now, held_s, old.holders, old.dollars)
-                    )
+                    transitions.append(Transition(gpu, uuid, name, False, now, held_s, old.holders, old.dollars))
                 old = old._replace(since=None, raised=False, dollars=0.0)
             if holds:
                 # The condition counts from the first poll that saw it: a flag never raises early.
@@ -259,7 +267,7 @@ def evaluate(
                 dollars = old.dollars + cost if old.since is not None else 0.0
                 held_s = now - since
                 raised = held_s >= spec.for_s
-                state = RuleState(since, raised, dollars, window, w_seconds, w_weighted, holders, obs.gpu)
+                state = RuleState(since, raised, dollars, window, w_seconds, w_weighted, holders, gpu)
             else:
                 held_s = now - old.since if old.since is not None else 0.0
                 # Most rules hold on most GPUs at no poll: one shared cleared state for them all.
@@ -274,13 +282,12 @@ def evaluate(
                 dollars_so_far = state.dollars if raised else old.dollars
                 # A holder's flag clears naming that holder, though it may have just left the GPU.
                 who = old.holders if not raised and condition in HELD_CONDITIONS else holders
-                transitions.append(Transition(obs.gpu, uuid, spec.name, raised, now, held_s, who, dollars_so_far))
+                transitions.append(Transition(gpu, uuid, name, raised, now, held_s, who, dollars_so_far))
             new_states[key] = state
-            flag_holders = holders if condition in _FLAG_NAMES_HOLDERS else ()
             if raised:
-                flags.append(Flag(obs.gpu, uuid, spec.name, True, held_s, flag_holders, state.dollars))
+                flags.append(Flag(gpu, uuid, name, True, held_s, flag_holders, state.dollars))
             else:
-                flags.append(_lowered(flags_before, len(flags), obs.gpu, uuid, spec.name, flag_holders))
+                flags.append(_lowered(flags_before, len(flags), gpu, uuid, name, flag_holders))
     # A unit this poll did not observe at all (the MIG instances of a GPU lost, or destroyed) holds
     # no condition either: its raised flags clear, naming their holders, as a GPU's do when it is down.
     for (uuid, rule), old in states.items():
