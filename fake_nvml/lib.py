@@ -1002,15 +1002,22 @@ def _nvlink_state(lib: FakeNvmlLibrary, t: float, dev: Dev, link: Any, out: Any)
 _FIELD_WORDS = 5
 _LITTLE = sys.byteorder == "little"
 _LOW32 = 0xFFFFFFFF
-# Where uiVal lies in the union's word: a uint is written over those 4 bytes only.
-_UINT_SHIFT = 0 if _LITTLE else 32
-_UINT_KEPT = ~(_LOW32 << _UINT_SHIFT) & 0xFFFFFFFFFFFFFFFF
+# A batch seen as 32-bit halves too (ten a field): nvmlReturn is the second half of word 3, and
+# uiVal the first of word 4, in memory order on any byte order. Writing a half alone leaves the
+# other as the caller had it, as the driver's 4-byte writes do.
+_RETURN_HALF = 3 * 2 + 1
+_UINT_HALF = 4 * 2
 
 
 def _pair(first: int, second: int) -> int:
     """Two consecutive uint32 fields (fieldId and scopeId, valueType and nvmlReturn) as the
     word they make up."""
     return first | second << 32 if _LITTLE else first << 32 | second
+
+
+# The (valueType, nvmlReturn) word of a field answered with each value type the fake gives.
+_SUCCEEDED = {value_type: _pair(value_type, SUCCESS) for value_type in (_VALUE_TYPE_UINT, _VALUE_TYPE_ULONGLONG)}
+_LOW64 = 0xFFFFFFFFFFFFFFFF
 
 
 def _first(word: int) -> int:
@@ -1120,6 +1127,10 @@ _NVLINK_RAW_RX = _per_link(_nvlink_kib_rx, 1.1)
 # kinds, so a batch's three groups (each link's counters side by side) merge into one.
 _NVLINK_ERROR_FIELDS = frozenset({161, 162, 163})
 _NVLINK_NO_ERRORS = _per_link(lambda node, gpu, t: (0,) * node.gpu(gpu).nvlink_links)
+# A GPU with no recorded rows carries as much each way on a link (`nvlink_kib_all`): there the
+# receive fields take the transmit fields' reader, so a batch's two groups (each link's transmit
+# and receive side by side) merge into one, read once.
+_NVLINK_SAME_BOTH_WAYS = {_NVLINK_DATA_RX: _NVLINK_DATA_TX, _NVLINK_RAW_RX: _NVLINK_RAW_TX}
 
 
 def _nvlink_all_up(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) -> _Answers:
@@ -1138,7 +1149,8 @@ def _nvlink_all_up(node: FakeNode, gpu: int, scopes: tuple[int, ...], t: float) 
 _MANY_READERS: dict[int, _ManyReader] = {
     **{fid: _each(read) for fid, (_call, read) in _HEALTH_FIELDS.items()},
     # Transmit and receive have a reader each (a recording's may differ), so a batch asking for
-    # both, link by link, answers them as two groups (see _field_plan), each one slice.
+    # both, link by link, answers them as two groups, each one slice (as one group where no
+    # recording can tell them apart: see _NVLINK_SAME_BOTH_WAYS).
     138: _NVLINK_DATA_TX,
     139: _NVLINK_DATA_RX,
     140: _NVLINK_RAW_TX,
@@ -1155,18 +1167,29 @@ _MANY_READERS: dict[int, _ManyReader] = {
 
 
 @dataclass(frozen=True, eq=False, slots=True)
+class _Columns:
+    """Where a group's evenly spaced fields lie in the batch, as slices of its words and of its
+    32-bit halves: a group is answered a slice at a time there."""
+
+    kinds: slice  # their (valueType, nvmlReturn) words
+    numbers: slice  # their value words
+    uints: slice  # their uiVal halves
+    succeeded: dict[int, array[int]]  # their (valueType, nvmlReturn) words, for each value type
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class _FieldGroup:
-    """The fields of one batch that share a field id: where they are in it (also as a slice,
-    where they are evenly spaced), their scopes, and how they are answered: a fixed return
-    code, or the call whose faults they share and the reader of their values."""
+    """The fields of one batch that share a field id: where they are in it, their scopes, and
+    how they are answered: a fixed return code, or the call whose faults they share and the
+    reader of their values; and where they are evenly spaced, where their words are."""
 
     positions: tuple[int, ...]
     scopes: tuple[int, ...]
     code: int | None = None  # answered with this return code, whatever the time
     call: str | None = None  # its faults, when it has any on this device, hit the field too
     read: _ManyReader | None = None
-    spaced: slice | None = None  # the positions, as a slice, where they are evenly spaced
     field: int | None = None  # the field id, where the group has one alone
+    columns: _Columns | None = None
 
 
 def _field_plan(
@@ -1174,8 +1197,8 @@ def _field_plan(
 ) -> list[_FieldGroup]:
     """How a batch of these fields (`heads`: each one's fieldId and scopeId word) is answered on
     `dev`, worked out once: a field's answer depends on the time, never on the fields beside it.
-    `quiet`: the GPU's NVLink error counters are zeros at all times (`_quiet_links`); `up`: its
-    links are up at all times (`_links_up`)."""
+    `quiet`: the GPU's NVLink error counters are zeros at all times (`_quiet_links`, which
+    holds only for a GPU with no recorded rows); `up`: its links are up at all times (`_links_up`)."""
     node, hidden, is_mig = lib._node, lib._fields_hidden, dev.mig is not None
     by_id: dict[int, tuple[list[int], list[int]]] = {}
     for position, head in enumerate(heads):
@@ -1197,6 +1220,8 @@ def _field_plan(
         read = _MANY_READERS[fid] if code is None else None
         if read is not None and quiet and fid in _NVLINK_ERROR_FIELDS:
             read = _NVLINK_NO_ERRORS
+        if read is not None and quiet:
+            read = _NVLINK_SAME_BOTH_WAYS.get(read, read)
         if read is _nvlink_state_many and up:
             read = _nvlink_all_up
         if is_mig and fid == FI_NVLINK_LINK_COUNT:
@@ -1214,10 +1239,17 @@ def _group(
     field: int | None = None,
 ) -> _FieldGroup:
     step = positions[1] - positions[0] if len(positions) > 1 else 1
-    spaced = None
-    if step > 0 and positions == list(range(positions[0], positions[-1] + 1, step)):
-        spaced = slice(positions[0], positions[-1] + 1, step)
-    return _FieldGroup(tuple(positions), tuple(scopes), code, call, read, spaced, field)
+    first, last = positions[0], positions[-1]
+    if step <= 0 or positions != list(range(first, last + 1, step)):
+        return _FieldGroup(tuple(positions), tuple(scopes), code, call, read, field)
+    words, halves = step * _FIELD_WORDS, step * _FIELD_WORDS * 2
+    columns = _Columns(
+        slice(first * _FIELD_WORDS + 3, last * _FIELD_WORDS + 4, words),
+        slice(first * _FIELD_WORDS + 4, last * _FIELD_WORDS + 5, words),
+        slice(first * _FIELD_WORDS * 2 + _UINT_HALF, last * _FIELD_WORDS * 2 + _UINT_HALF + 1, halves),
+        {value_type: array("Q", (kind,)) * len(positions) for value_type, kind in _SUCCEEDED.items()},
+    )
+    return _FieldGroup(tuple(positions), tuple(scopes), code, call, read, field, columns)
 
 
 def _merge_alike(plan: list[_FieldGroup]) -> list[_FieldGroup]:
@@ -1330,7 +1362,8 @@ _FIELD_PLANS_KEPT = 256  # batches' plans kept per library (a poll asks a few ki
 @_c("nvmlDeviceGetFieldValues")
 def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: Any) -> int:
     n = _int(count)
-    words = memoryview(_obj(values)).cast("B").cast("Q")[: n * _FIELD_WORDS]
+    batch = memoryview(_obj(values)).cast("B")[: n * _FIELD_WORDS * 8]
+    words = batch.cast("Q")
     heads = words[0::_FIELD_WORDS]
     # A plan serves every device alike in what it depends on (MIG or not, which of the fields'
     # calls faults can touch: none, on most GPUs), keyed by the ids' and scopes' bytes.
@@ -1343,10 +1376,7 @@ def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: 
             plans.clear()
         plan = plans[key] = _field_plan(lib, dev, tuple(heads.tolist()), quiet, up)
     node, gpu = lib._node, dev.gpu
-    # Each field's (valueType, nvmlReturn) word and value as the caller left them: a field that
-    # fails keeps its type and value, as the driver writes only its return code then.
-    kinds = words[3::_FIELD_WORDS].tolist()
-    numbers = words[4::_FIELD_WORDS].tolist()
+    halves = batch.cast("I")
     # A batch asks for many fields of few calls (every NVLink's state is one call's): each
     # call's fault is looked up once per batch.
     errors: dict[str, str | None] = {}
@@ -1363,37 +1393,35 @@ def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: 
         if answers is None:
             assert group.read is not None
             answers = group.read(node, gpu, group.scopes, t)
-        _answer(group, answers, kinds, numbers)
+        _answer(group, answers, words, halves)
     stamp_us = int(node.clock.start_epoch * 1_000_000 + t * 1_000_000)
     words[1::_FIELD_WORDS] = array("Q", (stamp_us,)) * n
     words[2::_FIELD_WORDS] = array("Q", (0,)) * n  # latencyUsec
-    words[3::_FIELD_WORDS] = array("Q", kinds)
-    words[4::_FIELD_WORDS] = array("Q", numbers)
     return SUCCESS
 
 
-def _answer(group: _FieldGroup, answers: _Answers, kinds: list[int], numbers: list[int]) -> None:
-    """One group's answers into the batch's (valueType, nvmlReturn) words and values: a slice
-    at a time where its fields are evenly spaced and all answered alike (the usual batch: one
-    field id for every link, side by side with another)."""
-    spaced = group.spaced
-    if isinstance(answers, tuple) and spaced is not None:
+def _answer(group: _FieldGroup, answers: _Answers, words: memoryview, halves: memoryview) -> None:
+    """One group's answers into the batch, seen as words and as 32-bit halves: a slice at a time
+    where its fields are evenly spaced and all answered alike (the usual batch: one field id for
+    every link, side by side with another). A field that fails keeps the type and value the
+    caller left, as the driver writes only its return code then."""
+    columns = group.columns
+    if isinstance(answers, tuple) and columns is not None:
         value_type, found = answers
-        kinds[spaced] = [_SUCCEEDED.get(value_type) or _pair(value_type, SUCCESS)] * len(found)
+        kinds = columns.succeeded.get(value_type)
+        words[columns.kinds] = kinds or array("Q", (_pair(value_type, SUCCESS),)) * len(found)
         # A number is masked to the bytes its C type has: a no-op for the numbers that fit it
-        # (all of them, but for a recording's odd value), checked for the group at once.
+        # (all of them, but for a recording's odd value), which an array refuses to hold.
         if value_type == _VALUE_TYPE_ULONGLONG:
-            fits = min(found) >= 0 and max(found) <= _LOW64
-            numbers[spaced] = found if fits else [number & _LOW64 for number in found]
-        else:  # as ctypes writes a c_uint: its 4 bytes, truncated, the word's other 4 kept
-            old = numbers[spaced]
-            if _LITTLE and max(old) <= _LOW32 and min(found) >= 0 and max(found) <= _LOW32:
-                numbers[spaced] = found  # the other 4 bytes are 0, and each number fits in 4
-            else:
-                numbers[spaced] = [
-                    (kept & _UINT_KEPT) | ((number & _LOW32) << _UINT_SHIFT)
-                    for kept, number in zip(old, found, strict=True)
-                ]
+            try:
+                words[columns.numbers] = array("Q", found)
+            except OverflowError:
+                words[columns.numbers] = array("Q", [number & _LOW64 for number in found])
+        else:  # as ctypes writes a c_uint: its 4 bytes, truncated
+            try:
+                halves[columns.uints] = array("I", found)
+            except OverflowError:
+                halves[columns.uints] = array("I", [number & _LOW32 for number in found])
         return
     each: list[_Answer]
     if isinstance(answers, int):
@@ -1404,19 +1432,14 @@ def _answer(group: _FieldGroup, answers: _Answers, kinds: list[int], numbers: li
         each = answers
     for position, answer in zip(group.positions, each, strict=True):
         if isinstance(answer, int):
-            kinds[position] = _pair(_first(kinds[position]), answer)  # the type stays the caller's
+            halves[position * _FIELD_WORDS * 2 + _RETURN_HALF] = answer
             continue
         value_type, number = answer
-        kinds[position] = _SUCCEEDED.get(value_type) or _pair(value_type, SUCCESS)
+        words[position * _FIELD_WORDS + 3] = _SUCCEEDED.get(value_type) or _pair(value_type, SUCCESS)
         if value_type == _VALUE_TYPE_ULONGLONG:
-            numbers[position] = number & _LOW64
+            words[position * _FIELD_WORDS + 4] = number & _LOW64
         else:
-            numbers[position] = (numbers[position] & _UINT_KEPT) | ((number & _LOW32) << _UINT_SHIFT)
-
-
-# The (valueType, nvmlReturn) word of a field answered with each value type the fake gives.
-_SUCCEEDED = {value_type: _pair(value_type, SUCCESS) for value_type in (_VALUE_TYPE_UINT, _VALUE_TYPE_ULONGLONG)}
-_LOW64 = 0xFFFFFFFFFFFFFFFF
+            halves[position * _FIELD_WORDS * 2 + _UINT_HALF] = number & _LOW32
 
 
 # ---------------------------------------------------------------------------------------------
