@@ -100,9 +100,8 @@ class _Integral:
             i = bisect.bisect_right(points, lo)
             while lo < t:
                 hi = min(points[i], t) if i < len(points) else t
-                for k, r in enumerate(self._rate(lo)):
-                    if r:
-                        total[k] += r * (hi - lo)
+                span = hi - lo
+                total = [so_far + r * span for so_far, r in zip(total, self._rate(lo), strict=True)]
                 lo = hi
                 i += 1
             # The total first: a reader that sees the new time must see the new total.
@@ -128,6 +127,11 @@ class NodeHealth:
         self._nvlink: list[_Integral] = []
         self._nvlink_error_faults = [tuple(f for f in faults if f.nvlink_errors is not None) for faults in self._faults]
         self._kib_memo: dict[int, tuple[float, tuple[int, ...]]] = {}
+        # The GPUs whose links no fault and no recorded row takes down: every link of such a GPU
+        # carries the same at all times, so its traffic is kept as one link's (`_nvlink_rates`).
+        self._links_alike = [
+            not gpu.readings and not any(f.nvlink_down for f in self._faults[gpu.index]) for gpu in scenario.gpus
+        ]
         # Throttling (reason bits, clock factor, policies holding the clocks down) of each GPU, a
         # function of its state: what it depends on changes only at the GPU's edges (the
         # throttle faults' edges among them).
@@ -442,6 +446,8 @@ class NodeHealth:
 
     def _nvlink_rates(self, gpu: int) -> Callable[[float], tuple[float, ...]]:
         links = self._node.scenario.gpus[gpu].nvlink_links
+        if self._links_alike[gpu]:
+            links = min(links, 1)
 
         def rates(gpu: int, t: float, state: GpuState) -> tuple[float, ...]:
             busy = state.utilization / 100
@@ -458,7 +464,7 @@ class NodeHealth:
             recorded = row.nvlinks[link].get("rx_kib" if receive else "tx_kib")
             if recorded is not None:
                 return recorded
-        return int(self._nvlink[gpu].at(t)[link] / 1024)
+        return int(self._nvlink[gpu].at(t)[0 if self._links_alike[gpu] else link] / 1024)
 
     def nvlink_kib_all(self, gpu: int, t: float, receive: bool = False) -> tuple[int, ...]:
         """`nvlink_kib` of every link of the GPU, worked out once per instant: a poll asks for
@@ -469,7 +475,11 @@ class NodeHealth:
         memo = self._kib_memo.get(gpu)
         if memo is not None and memo[0] == t:
             return memo[1]
-        kib = tuple([int(carried / 1024) for carried in self._nvlink[gpu].at(t)])
+        totals = self._nvlink[gpu].at(t)
+        if self._links_alike[gpu] and totals:
+            kib = (int(totals[0] / 1024),) * self._node.scenario.gpus[gpu].nvlink_links
+        else:
+            kib = tuple([int(carried / 1024) for carried in totals])
         self._kib_memo[gpu] = (t, kib)
         return kib
 
