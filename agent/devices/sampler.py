@@ -835,11 +835,14 @@ class Sampler:
         )
         if not samples:
             return None
-        stamps = sorted([(stamp, percent) for stamp, percent in samples if stamp > since])
-        if not stamps:
-            return None
-        # A column at a time (a poll reads a sample a second of every GPU).
-        times, percents = zip(*stamps, strict=True)
+        # A column at a time (a poll reads a sample a second of every GPU). The driver answers
+        # the samples newer than `since`, oldest first: they are filtered and sorted only where not.
+        times, percents = zip(*samples, strict=True)
+        if times[0] <= since or not all(map(operator.lt, times, times[1:])):
+            stamps = sorted([(stamp, percent) for stamp, percent in samples if stamp > since])
+            if not stamps:
+                return None
+            times, percents = zip(*stamps, strict=True)
         shortest = _shortest_gap(times)
         if shortest is not None:
             gpu.utilization_period_us = min(shortest, gpu.utilization_period_us or shortest)
@@ -853,14 +856,14 @@ class Sampler:
         else:
             weighted = total = 0.0
             previous = since if since else None
-            for stamp, percent in stamps:
+            for stamp, percent in zip(times, percents, strict=True):
                 span = period if period is not None else 1
                 if previous is not None and period is not None:
                     span = min(stamp - previous, period)
                 weighted += percent * span
                 total += span
                 previous = stamp
-        gpu.utilization_seen_us = stamps[-1][0]
+        gpu.utilization_seen_us = times[-1]
         return min(weighted / total / 100, 1.0) if total > 0 else None
 
     def _whole_gpu_processes(self, gpu: _Gpu, where: str) -> tuple[ProcessReading, ...] | None:
@@ -1058,18 +1061,21 @@ class Sampler:
         )
         if samples is None:
             return None
-        # A busy GPU gives thousands of samples a poll: one dict lookup per sample.
-        fresh = [sample for sample in samples if sample[1] > since]
+        # A busy GPU gives thousands of samples a poll: one dict lookup per sample, and the
+        # samples are filtered only where the driver answered some not newer than `since`.
+        columns = tuple(zip(*samples, strict=True))
+        if columns and min(columns[1]) <= since:
+            columns = tuple(zip(*[sample for sample in samples if sample[1] > since], strict=True))
         by_pid: defaultdict[int, list[int]] = defaultdict(list)
         stamps_by_pid: defaultdict[int, list[int]] = defaultdict(list)
-        if fresh:
-            pids, stamps_us, utils_of = zip(*fresh, strict=True)
+        if columns:
+            pids, stamps_us, utils_of = columns
             gpu.last_seen_us = max(since, *stamps_us)
             if pids.count(pids[0]) == len(pids):
                 # One process at work, the usual case: its samples are the columns as they are.
                 by_pid[pids[0]], stamps_by_pid[pids[0]] = list(utils_of), list(stamps_us)
             else:
-                for pid, stamp_us, util in fresh:
+                for pid, stamp_us, util in zip(*columns, strict=True):
                     by_pid[pid].append(util)
                     stamps_by_pid[pid].append(stamp_us)
         # A period is the gap between two samples of one process. The driver stamps each
