@@ -75,6 +75,14 @@ K = TypeVar("K", bound=Hashable)
 RECENT_LIMIT = 4096
 
 
+def check_fields(made: type, *names: str) -> None:
+    """Raise where the dataclass `made` does not have the fields `names`, in order: for code
+    that makes it positionally (a keyword call costs twice as much through `_made_in_place`'s
+    wrapper), so a field added or moved fails at import rather than shifting the figures."""
+    if tuple(f.name for f in fields(made)) != names:
+        raise TypeError(f"{made.__name__} has fields {[f.name for f in fields(made)]}, not {list(names)}")
+
+
 class Recent(dict[K, tuple[tuple[object, ...], T]]):
     """The object last made for each key, and the fields it was made from, to hand it out again
     where a poll's figures are the last poll's.
@@ -91,8 +99,8 @@ class Recent(dict[K, tuple[tuple[object, ...], T]]):
         """`make` takes `names`, in order, positionally: checked here against the dataclass's
         fields, so a field added or moved fails at import rather than shifting the figures."""
         super().__init__()
-        if isinstance(make, type) and tuple(f.name for f in fields(make)) != names:
-            raise TypeError(f"{make.__name__} has fields {[f.name for f in fields(make)]}, not {list(names)}")
+        if isinstance(make, type):
+            check_fields(make, *names)
         self.make = make
 
     def get_or_make(self, key: K, values: tuple[object, ...]) -> T:
@@ -849,14 +857,14 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
         old = workloads.get(key, _NO_WORKLOAD_TOTALS)
         joules = add_known(old.joules, c.joules)
         workloads[key] = WorkloadTotals(
-            held_s=old.held_s + c.held_s,
-            busy_s=old.busy_s + c.busy_s,
-            charged_s=old.charged_s + c.charged_s,
-            unmeasured_s=old.unmeasured_s + c.unmeasured_s,
-            dollars=old.dollars + c.dollars,
-            joules=joules,
-            last_charged_at=charges.end,
-            energy_dollars=energy_dollars(joules, per_kwh),
+            old.held_s + c.held_s,
+            old.busy_s + c.busy_s,
+            old.charged_s + c.charged_s,
+            old.dollars + c.dollars,
+            joules,
+            charges.end,  # last_charged_at
+            energy_dollars(joules, per_kwh),
+            old.unmeasured_s + c.unmeasured_s,
         )
     horizon = charges.end - forget_after_s
     if any(v.last_charged_at < horizon for v in workloads.values()):
@@ -866,18 +874,30 @@ def accumulate(totals: CostTotals, charges: Charges, *, forget_after_s: float) -
         old_gpu = gpus.get((g.gpu, g.uuid), _NO_GPU_TOTALS)
         gpu_joules, idle_joules = add_known(old_gpu.joules, g.joules), add_known(old_gpu.idle_joules, g.idle_joules)
         gpus[(g.gpu, g.uuid)] = GpuTotals(
-            dollars=old_gpu.dollars + g.dollars,
-            idle_dollars=old_gpu.idle_dollars + g.idle_dollars,
-            idle_s=old_gpu.idle_s + g.idle_s,
-            observed_s=old_gpu.observed_s + g.observed_s,
-            unobserved_s=old_gpu.unobserved_s + g.unobserved_s,
-            joules=gpu_joules,
-            idle_joules=idle_joules,
-            unobserved_dollars=old_gpu.unobserved_dollars + g.unobserved_dollars,
-            energy_dollars=energy_dollars(gpu_joules, per_kwh),
-            idle_energy_dollars=energy_dollars(idle_joules, per_kwh),
-            unobserved_by_reason=_by_reason(old_gpu.unobserved_by_reason, g),
-            idle_by_left=_by_left(old_gpu.idle_by_left, g, charges.end, horizon),
-            busy_s=old_gpu.busy_s if g.busy_s is None else (old_gpu.busy_s or 0.0) + g.busy_s,
+            old_gpu.dollars + g.dollars,
+            old_gpu.idle_dollars + g.idle_dollars,
+            old_gpu.idle_s + g.idle_s,
+            old_gpu.observed_s + g.observed_s,
+            old_gpu.unobserved_s + g.unobserved_s,
+            gpu_joules,
+            idle_joules,
+            old_gpu.unobserved_dollars + g.unobserved_dollars,
+            energy_dollars(gpu_joules, per_kwh),
+            energy_dollars(idle_joules, per_kwh),  # idle_energy_dollars
+            _by_reason(old_gpu.unobserved_by_reason, g),
+            _by_left(old_gpu.idle_by_left, g, charges.end, horizon),
+            old_gpu.busy_s if g.busy_s is None else (old_gpu.busy_s or 0.0) + g.busy_s,
         )
     return CostTotals(workloads, gpus)
+
+
+# accumulate makes its totals positionally, in the order of their fields (checked here).
+check_fields(IdleTotals, "idle_s", "idle_dollars", "last_at")
+check_fields(
+    WorkloadTotals, "held_s", "busy_s", "charged_s", "dollars", "joules", "last_charged_at", "energy_dollars",
+    "unmeasured_s",
+)  # fmt: skip
+check_fields(
+    GpuTotals, "dollars", "idle_dollars", "idle_s", "observed_s", "unobserved_s", "joules", "idle_joules",
+    "unobserved_dollars", "energy_dollars", "idle_energy_dollars", "unobserved_by_reason", "idle_by_left", "busy_s",
+)  # fmt: skip
