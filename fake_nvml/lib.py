@@ -249,13 +249,25 @@ def implemented_functions() -> list[str]:
     return sorted(_REGISTRY)
 
 
+class _CallState:
+    """What every C function reads first: how many nvmlInit calls are not yet shut down, and the
+    instant the host files were last synced to. Kept off the library, whose `__getattr__` (the
+    symbol lookup) sends every attribute read on it down the interpreter's unspecialised path."""
+
+    __slots__ = ("initialised", "synced_at")
+
+    def __init__(self) -> None:
+        self.initialised = 0
+        self.synced_at: float | None = None
+
+
 class FakeNvmlLibrary:
     """Stands where pynvml keeps its loaded ``CDLL``; attributes are the C symbols."""
 
     def __init__(self, node: FakeNode) -> None:
         self._node = node
         self._lock = threading.Lock()
-        self._initialised = 0
+        self._state = _CallState()
         self.missing_lookups: Counter[str] = Counter()
         major = int(node.scenario.node.driver_version.split(".")[0])
         self._driver_major = major
@@ -269,7 +281,6 @@ class FakeNvmlLibrary:
         self._links_quiet: dict[int, bool] = {}  # per GPU, see _quiet_links
         self._all_up: dict[int, bool] = {}  # per GPU, see _links_up
         self._field_faults: dict[int, frozenset[str]] = {}  # per GPU, see _faulted_field_calls
-        self._synced_at: float | None = None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         spec = _REGISTRY.get(name)
@@ -290,6 +301,7 @@ class FakeNvmlLibrary:
         calls = node.calls
         now = node.clock.now
         sync_host = node.sync_host
+        state = self._state
         needs_init = name not in ("nvmlInit_v2", "nvmlInitWithFlags", "nvmlInit")
         # Node-wide faults that can touch this call, found once: the scenario's faults are fixed.
         node_errors, node_latencies = node.faults_for(name, fam, None)
@@ -299,16 +311,16 @@ class FakeNvmlLibrary:
             t = now()
             # Host files depend on scenario time alone: one sync per instant is enough, and a
             # poll makes dozens of calls at the same instant.
-            if t != self._synced_at:
+            if t != state.synced_at:
                 sync_host(t)
-                self._synced_at = t
+                state.synced_at = t
             if node_latencies:
                 latency = node.call_latency_s(name, fam, None, t)
                 if latency:
                     time.sleep(latency)
             if name == "nvmlErrorString":
                 return impl(self, t, *args)
-            if needs_init and not self._initialised:
+            if needs_init and not state.initialised:
                 return UNINITIALIZED
             if node_errors:
                 error = node.fault_error(name, fam, None, t)
@@ -328,6 +340,7 @@ class FakeNvmlLibrary:
         calls = node.calls
         now = node.clock.now
         sync_host = node.sync_host
+        state = self._state
         decoded, decode = self._decoded, self._decode
         node_latencies = node.faults_for(name, fam, None)[1]
         # (error faults, latency faults) that can touch this call, per GPU.
@@ -336,14 +349,14 @@ class FakeNvmlLibrary:
         def symbol(*args: Any) -> Any:
             calls[name] += 1
             t = now()
-            if t != self._synced_at:
+            if t != state.synced_at:
                 sync_host(t)
-                self._synced_at = t
+                state.synced_at = t
             if node_latencies:
                 latency = node.call_latency_s(name, fam, None, t)
                 if latency:
                     time.sleep(latency)
-            if not self._initialised:
+            if not state.initialised:
                 return UNINITIALIZED
             handle = args[0]
             known = decoded.get(id(handle))  # `_decode`'s first step, inline
@@ -368,10 +381,10 @@ class FakeNvmlLibrary:
             # the rest of them, and a poll makes about ten of these calls per GPU.
             calls[name] += 1
             t = now()
-            if t != self._synced_at:
+            if t != state.synced_at:
                 sync_host(t)
-                self._synced_at = t
-            if not self._initialised:
+                state.synced_at = t
+            if not state.initialised:
                 return UNINITIALIZED
             known = decoded.get(id(handle))
             dev = known[1] if known is not None and known[0] is handle else decode(handle)
@@ -472,14 +485,14 @@ def _init(lib: FakeNvmlLibrary, t: float, *flags: Any) -> int:
     if error is not None:
         return ERROR_CODES[error]
     with lib._lock:
-        lib._initialised += 1
+        lib._state.initialised += 1
     return SUCCESS
 
 
 @_c("nvmlShutdown", device=False)
 def _shutdown(lib: FakeNvmlLibrary, t: float) -> int:
     with lib._lock:
-        lib._initialised = max(0, lib._initialised - 1)
+        lib._state.initialised = max(0, lib._state.initialised - 1)
     return SUCCESS
 
 
