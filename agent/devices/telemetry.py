@@ -23,6 +23,7 @@ until it answers; one the GPU does not have is learned by the sampler and never 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Callable, Container, Iterable, Mapping
@@ -133,6 +134,9 @@ class TelemetryReader:
     _every_poll_set: frozenset[ReadingKey] = frozenset()
     _link_keys: tuple[tuple[ReadingKey, ...], ...] = ()  # per link, a key per _LINK_QUANTITIES
     _per_link: bool = False  # some per-link reading is on
+    # The memory clock is on the slow rhythm (as `_fix_memory_clock` may move it): a flag, as
+    # asking `_slow` at every poll compares the tuples of its dozens of keys.
+    _memory_clock_slow: bool = False
     _slow_due_at: float | None = None  # backend clock; None: at the first poll
     _retry: set[ReadingKey] = field(default_factory=set)  # slow or once readings that failed
     _kept: dict[ReadingKey, float] = field(default_factory=dict)  # the last slow and once values
@@ -162,18 +166,18 @@ class TelemetryReader:
         groups = [GROUPS[name] for name in sorted(self.options.groups)]
         links = range(self.links)
         self._every_poll = tuple(
-            [ReadingKey(q) for g in groups for q in g.every_poll]
-            + [ReadingKey(q, link) for g in groups for link in links for q in g.per_link_every_poll]
+            [_key(q) for g in groups for q in g.every_poll]
+            + [_key(q, link) for g in groups for link in links for q in g.per_link_every_poll]
         )
         self._slow = tuple(
-            [ReadingKey(q) for g in groups for q in g.slow]
-            + [ReadingKey(q, link) for g in groups for link in links for q in g.per_link_slow]
+            [_key(q) for g in groups for q in g.slow]
+            + [_key(q, link) for g in groups for link in links for q in g.per_link_slow]
         )
-        self._once = tuple(ReadingKey(q) for g in groups for q in g.once)
+        self._once = tuple(_key(q) for g in groups for q in g.once)
         if self.all_slow:
             self._every_poll, self._slow = (), self._every_poll + self._slow
         self._every_poll_set = frozenset(self._every_poll)
-        self._link_keys = tuple(tuple(ReadingKey(q, link) for q in _LINK_QUANTITIES) for link in links)
+        self._link_keys = tuple(tuple(_key(q, link) for q in _LINK_QUANTITIES) for link in links)
         self._all_link_keys = tuple(key for keys in self._link_keys for key in keys)
         self._per_link = self.links > 0 and any(g.per_link_every_poll or g.per_link_slow for g in groups)
         if self.links > 0 and any(Q.NVLINK_TX_BYTES in g.per_link_every_poll for g in groups):
@@ -182,6 +186,7 @@ class TelemetryReader:
                 *[link * _LINK_WIDTH + offset for link in links for offset in (3, 4)]
             )
         self._retry.update(self._once)
+        self._memory_clock_slow = _MEMORY_CLOCK in self._slow
 
     @property
     def enabled(self) -> bool:
@@ -302,8 +307,9 @@ class TelemetryReader:
         whole H100 at 10 calls a poll). Its last value carries into every poll as before, and a
         memory clock that has not answered yet stays in `_retry`, which the once rhythm asks
         again at the next poll; a count that failed or is unsupported leaves it slow."""
-        if self._kept.get(_MEMORY_CLOCKS_SUPPORTED) != 1.0 or _MEMORY_CLOCK not in self._slow:
+        if not self._memory_clock_slow or self._kept.get(_MEMORY_CLOCKS_SUPPORTED) != 1.0:
             return
+        self._memory_clock_slow = False
         self._slow = tuple(k for k in self._slow if k != _MEMORY_CLOCK)
         self._once += (_MEMORY_CLOCK,)
         self._slow_asked = None
@@ -321,8 +327,15 @@ class TelemetryReader:
         return (total - previous[1]) / (now - previous[0])
 
 
-# One key per quantity, made once: a poll looks up dozens per GPU.
-_KEYS: dict[Quantity, ReadingKey] = {q: ReadingKey(q) for q in Quantity}
+@functools.cache
+def _key(quantity: Quantity, link: int | None = None) -> ReadingKey:
+    """The one key object of a reading, shared by every reader and _SCALAR_KEYS. A poll's values
+    are keyed by the very keys `keys` handed out, and a dict that finds the object it holds
+    skips comparing the tuples: a poll looks up about a hundred per GPU."""
+    return ReadingKey(quantity, link)
+
+
+_KEYS: dict[Quantity, ReadingKey] = {q: _key(q) for q in Quantity}
 _MEMORY_CLOCK = _KEYS[Q.MEMORY_CLOCK]
 _MEMORY_CLOCKS_SUPPORTED = _KEYS[Q.MEMORY_CLOCKS_SUPPORTED]
 _LINK_QUANTITIES = (
