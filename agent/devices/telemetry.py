@@ -142,6 +142,9 @@ class TelemetryReader:
     _kept: dict[ReadingKey, float] = field(default_factory=dict)  # the last slow and once values
     _nvlink_total: tuple[float, float] | None = None  # (time, bytes) of the previous poll
     _all_link_keys: tuple[ReadingKey, ...] = ()  # every link's _LINK_QUANTITIES keys, link by link
+    # The every-poll readings among _SCALAR_KEYS and _all_link_keys, each with its position there.
+    _every_scalars: tuple[tuple[int, ReadingKey], ...] = ()
+    _every_counts: tuple[tuple[int, ReadingKey], ...] = ()
     # What the last poll showed, and the readings it was made from: a poll whose readings are
     # the same hands it on, and one whose readings differ in part rebuilds only that part (see
     # `_made`). Between slow polls most readings are carried, so most polls change little.
@@ -179,6 +182,8 @@ class TelemetryReader:
         self._every_poll_set = frozenset(self._every_poll)
         self._link_keys = tuple(tuple(_key(q, link) for q in _LINK_QUANTITIES) for link in links)
         self._all_link_keys = tuple(key for keys in self._link_keys for key in keys)
+        self._every_scalars = tuple((i, key) for i, key in enumerate(_SCALAR_KEYS) if key in self._every_poll_set)
+        self._every_counts = tuple((i, key) for i, key in enumerate(self._all_link_keys) if key in self._every_poll_set)
         self._per_link = self.links > 0 and any(g.per_link_every_poll or g.per_link_slow for g in groups)
         if self.links > 0 and any(Q.NVLINK_TX_BYTES in g.per_link_every_poll for g in groups):
             # Each link's transmit and receive bytes, link by link (the last two of its counts).
@@ -238,11 +243,18 @@ class TelemetryReader:
         # Each reading as read this poll, else as kept (`values.get` with `_kept`'s value as the
         # default: what a merged {**_kept, **values} would give).
         get = values.get
-        counts = tuple(map(get, self._all_link_keys, self._kept_counts)) if self._per_link else ()
+        if asked is every:
+            # Read in place: a poll that reads only the few every-poll readings (every other
+            # poll at the default rhythms) does not look up the dozens of kept ones.
+            scalars = _read_into(kept_scalars, self._every_scalars, get)
+            counts = _read_into(self._kept_counts, self._every_counts, get)
+        else:
+            scalars = tuple(map(get, _SCALAR_KEYS, kept_scalars))
+            counts = tuple(map(get, self._all_link_keys, self._kept_counts)) if self._per_link else ()
         rate = None
         if self._traffic_of is not None:
             rate = self._nvlink_rate(now, self._traffic_of(counts))
-        return self._made(tuple(map(get, _SCALAR_KEYS, kept_scalars)), counts, rate)
+        return self._made(scalars, counts, rate)
 
     def _keep(
         self, rest: tuple[ReadingKey, ...], values: Mapping[ReadingKey, float], unsupported: Container[object]
@@ -413,6 +425,18 @@ def _link_counters(counts: tuple[float | None, ...]) -> tuple[NvLinkCounters, ..
             if counts[link * width : (link + 1) * width] != _NO_COUNTS
         ]
     )
+
+
+def _read_into(
+    kept: tuple[float | None, ...],
+    read_at: tuple[tuple[int, ReadingKey], ...],
+    get: Callable[[ReadingKey], float | None],
+) -> tuple[float | None, ...]:
+    """`kept`, with the reading at each position of `read_at` as `get` gives it."""
+    merged = list(kept)
+    for position, key in read_at:
+        merged[position] = get(key)
+    return tuple(merged)
 
 
 _NO_COUNTS: tuple[None, ...] = (None,) * _LINK_WIDTH
