@@ -1,6 +1,7 @@
 """How fast `simulate` runs, and how big the ledger it writes gets.
 
     python bench/simulate.py [--scenario demo] [--for 7d] [--step 15s] [--against DIR --rounds N] [--stages]
+    python bench/simulate.py --instructions [--scenario demo] [--against DIR]
 
 Runs `gpuledger simulate SCENARIO --for D --step S --ledger FILE` as a subprocess (the real
 command, start-up included), then prints polls per second of wall time against its target, how
@@ -14,6 +15,12 @@ ratio measured in one run says more than two figures measured an hour apart.
 With --stages, the same simulation is run again in this process and the time of a poll is
 split by pipeline stage (sample, attribute, account, rules, publish, as each poll's state
 reports them) and the rest (the ledger's flushes, the schedule): where to look next.
+
+With --instructions, the figure is CPU instructions per poll instead of time, counted by
+valgrind's callgrind (apt-get install valgrind): the difference between a 1h and a 2h
+simulation, start-up cancelled out, with a fixed hash seed (dict and set layouts otherwise move
+the count by about 1%). Slow (minutes) but the same on a busy machine as on an idle one: it tells
+changes of a percent apart where wall time on two shared cores cannot.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import re
+import shutil
 import sqlite3
 import statistics
 import subprocess
@@ -55,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", type=Path, help="another checkout to run in turn with this one")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each checkout with --against")
     parser.add_argument("--stages", action="store_true", help="then split a poll's time by pipeline stage")
+    parser.add_argument("--instructions", action="store_true", help="count CPU instructions a poll (callgrind)")
     args = parser.parse_args(argv)
+    if args.instructions:
+        return instructions(args)
     duration_s, step_s = parse_duration(args.duration), parse_duration(args.step)
     polls = math.ceil(duration_s / step_s - 1e-9) + 1  # a last, shorter step ends at --for
     if args.against is not None:
@@ -136,6 +149,47 @@ def simulate(args: argparse.Namespace, checkout: Path, tmp: Path) -> float | Non
         print(f"{checkout}: {result.stderr[-2000:]}", file=sys.stderr)
         return None
     return elapsed
+
+
+def instructions(args: argparse.Namespace) -> int:
+    """Instructions a poll of this checkout (and of --against), by callgrind."""
+    if shutil.which("valgrind") is None:
+        print("bench/simulate.py: --instructions needs valgrind (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    step_s = parse_duration(args.step)
+    short_s, long_s = 3600.0, 7200.0
+    checkouts = {"this": REPO} | ({"against": args.against.resolve()} if args.against is not None else {})
+    per_poll: dict[str, float] = {}
+    for name, checkout in checkouts.items():
+        counts = []
+        for duration_s in (short_s, long_s):
+            with tempfile.TemporaryDirectory() as tmp:
+                counted = callgrind(args.scenario, duration_s, args.step, checkout, Path(tmp))
+            if counted is None:
+                return 1
+            counts.append(counted)
+        per_poll[name] = (counts[1] - counts[0]) / ((long_s - short_s) / step_s)
+        print(f"  {name:8s} {checkout}: {per_poll[name] / 1e6:.3f} M instructions a poll ({args.scenario})")
+    if "against" in per_poll:
+        print(f"  this / against   {per_poll['this'] / per_poll['against']:.3f}")
+    return 0
+
+
+def callgrind(scenario: str, duration_s: float, step: str, checkout: Path, tmp: Path) -> int | None:
+    """The instructions one `simulate` of `checkout` ran (start-up included), or None after
+    printing why it failed."""
+    command = [
+        "valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp / 'callgrind.out'}",
+        sys.executable, "-m", "agent", "simulate", scenario, "--for", f"{duration_s:.0f}s", "--step", step,
+        "--ledger", str(tmp / "ledger.db"),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=checkout, env=env)
+    found = re.search(r"Collected : (\d+)", result.stderr)
+    if result.returncode != 0 or found is None:
+        print(f"{checkout}: {result.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return int(found.group(1))
 
 
 def compare(args: argparse.Namespace, polls: int) -> int:
