@@ -200,9 +200,6 @@ class FakeNode:
         self._running_memo[(gpu, mig)] = (t, running)
         return running
 
-    def process_entries(self, gpu: int, t: float) -> list[ProcessOnGpu]:
-        return [entry for entry in self._by_gpu[gpu] if entry.process.running_at(t)]
-
     def context_entries(self, gpu: int, context: str, t: float) -> tuple[tuple[Process, int | None], ...]:
         """(process, MIG instance or None) of the processes running on the GPU at t that hold a
         context of this kind ("compute", "graphics", "mps"): what a process-list call lists.
