@@ -563,6 +563,43 @@ def test_a_slurm_jobs_label_arrives_as_hpc_job_beside_the_scrape_jobs_own(scrapi
 MIN_COVERAGE_S = 30.0  # seconds of samples behind the checked cost rate
 
 
+def prometheus_rate(
+    points: Sequence[tuple[int, float]], at_ms: int, range_ms: int, closure: str, late: int | None = None
+) -> float:
+    """What PromQL's rate() of one counter over `range_ms` reads at `at_ms`, from its raw samples
+    (ms, value): the growth between the first and last sample in the range (a fall is a reset),
+    extrapolated towards each end of the range by the gap there where that gap is under 1.1
+    average sample intervals (else by half an interval), towards the start no further than where
+    the counter would have been zero, per second of the range. Prometheus 2 takes the samples at
+    both ends of the range ("closed"), 3 not the one at the start ("left-open"); `late`: a
+    sample stamped then is left out (not stored yet at `at_ms`)."""
+    start_ms = at_ms - range_ms
+    inside = [
+        (t, v)
+        for t, v in points
+        if (start_ms <= t if closure == "closed" else start_ms < t) and t <= at_ms and t != late
+    ]
+    if len(inside) < 2:
+        return 0.0
+    growth = inside[-1][1] - inside[0][1]
+    previous = 0.0
+    for _, value in inside:
+        if value < previous:
+            growth += previous
+        previous = value
+    sampled_s = (inside[-1][0] - inside[0][0]) / 1000
+    to_start_s = (inside[0][0] - start_ms) / 1000
+    to_end_s = (at_ms - inside[-1][0]) / 1000
+    average_s = sampled_s / (len(inside) - 1)
+    if growth > 0 and inside[0][1] >= 0:
+        to_start_s = min(to_start_s, sampled_s * inside[0][1] / growth)
+    threshold_s = average_s * 1.1
+    covered_s = sampled_s
+    covered_s += to_start_s if to_start_s < threshold_s else average_s / 2
+    covered_s += to_end_s if to_end_s < threshold_s else average_s / 2
+    return growth * covered_s / sampled_s / (range_ms / 1000)
+
+
 def test_cost_rate_rule_is_the_gpu_prices_times_the_clock_speed(scraping: Stack) -> None:
     """The cost counters grow by each GPU's price per scenario hour, and scenario time runs at
     600x, so the $/h rule reads about sum(price) x 600.
@@ -587,11 +624,21 @@ def test_cost_rate_rule_is_the_gpu_prices_times_the_clock_speed(scraping: Stack)
 
     assert not wait_for(young)
     evaluated_at, recorded = (float(v) for v in api.query(f"{rule}[10s]")[0]["values"][-1])
-    by_hand = api.value(
-        f'sum by (cluster) (rate(gpuledger_gpu_cost_dollars_total{{cluster="{CLUSTER}"}}[5m])) * 3600', evaluated_at
-    )
-    # A scrape stamped before the evaluation but stored after it would move the rate a little.
-    assert recorded == pytest.approx(by_hand, rel=0.005)
+    # The rule, worked out here from the raw samples of every GPU's counter. A scrape is stamped
+    # when it starts and stored when the agent has answered: the scrape in flight as the rule was
+    # evaluated (at most one per target) may be stamped before the evaluation and stored after
+    # it. The rule saw the samples either with it or without it; PromQL asked now sees them all.
+    raw = api.query(f'gpuledger_gpu_cost_dollars_total{{cluster="{CLUSTER}"}}[310s]', evaluated_at)
+    series = [[(round(float(t) * 1000), float(v)) for t, v in s["values"]] for s in raw]
+    assert len(series) == GPUS
+    at_ms = round(evaluated_at * 1000)
+    newest = max(t for points in series for t, _ in points if t <= at_ms)
+    ways = {
+        (closure, late): 3600 * math.fsum(prometheus_rate(points, at_ms, 300_000, closure, late) for points in series)
+        for closure in ("closed", "left-open")  # Prometheus 2's range selector, and 3's
+        for late in (None, newest)
+    }
+    assert any(recorded == pytest.approx(by_hand, rel=1e-9) for by_hand in ways.values()), (recorded, ways)
 
     # The same scrapes of GPU 0's cost and of the agent's scenario clock, by their timestamps.
     costs = {float(t): float(v) for t, v in api.query(f"{counter}[5m]", evaluated_at)[0]["values"]}
