@@ -7,8 +7,11 @@ must have data.
 
 What can differ, and by how much: each node's agent goes on polling after Prometheus's last
 scrape of it until it is stopped, so its ledger holds a little more than the store: exactly its
-price x its GPUs x the scenario time between the last poll the store saw
-(gpuledger_last_poll_timestamp_seconds) and the last poll the ledger recorded. Per node the test
+price x its GPUs x the scenario time between the last poll booked that the store saw (the
+accounting stage's last success, gpuledger_stage_last_success_timestamp_seconds{stage="account"})
+and the last poll the ledger recorded. Not the last successful poll: a poll that found the driver
+down books its time unobserved, and on a loaded runner a node's fake driver call can outlast its
+budget (3 intervals, 2.5 real seconds here) and read as hung. Per node the test
 checks that figure to the cent's fraction; per team, model and job, that the store is never
 above the ledgers and below them by at most that tail, for the GPUs the group held.
 
@@ -537,7 +540,9 @@ def tails(fleet: Fleet) -> dict[str, Tail]:
     window = f"{math.ceil(fleet.until - fleet.since)}s"
     seen = {
         s.label("instance"): s.value
-        for s in fleet.api.instant(f"last_over_time(gpuledger_last_poll_timestamp_seconds[{window}])", fleet.until)
+        for s in fleet.api.instant(
+            f'last_over_time(gpuledger_stage_last_success_timestamp_seconds{{stage="account"}}[{window}])', fleet.until
+        )
     }
     out = {}
     for node in fleet.nodes:
@@ -563,7 +568,26 @@ def test_every_node_differs_by_exactly_what_it_charged_after_its_last_scrape(
         # scenario time or two, and every second of it at the node's price (8 GPUs: $20.00 an
         # hour). VictoriaMetrics keeps 12 significant digits: a timestamp to 0.1 ms or so.
         assert -1e-3 <= tail.seconds <= 6 * 3600, node.name
-        assert ledger - math.fsum(stored[node.name]) == pytest.approx(tail.dollars, abs=1e-6), node.name
+        assert ledger - math.fsum(stored[node.name]) == pytest.approx(tail.dollars, abs=1e-6), last_seen(fleet, node)
+
+
+def last_seen(fleet: Fleet, node: Node) -> str:
+    """What the store last saw of a node's polls, and what its ledger and log say: for a failure."""
+    window = f"{math.ceil(fleet.until - fleet.since)}s"
+    names = (
+        "gpuledger_polls_total",
+        "gpuledger_poll_failures_total",
+        "gpuledger_last_poll_timestamp_seconds",
+        "gpuledger_stage_last_success_timestamp_seconds",
+        "gpuledger_stage_failures_total",
+    )
+    seen = [
+        f"{name}{{{s.label('stage')}}} = {s.value!r}"
+        for name in names
+        for s in fleet.api.instant(f'last_over_time({name}{{instance="{node.name}"}}[{window}])', fleet.until)
+    ]
+    info = read_info(node.ledger)
+    return "\n".join([f"{node.name}: ledger {info.first_at!r}..{info.last_at!r}", *seen, node.tail(30)])
 
 
 @pytest.mark.parametrize("by", GROUPINGS, ids=",".join)
