@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import threading
@@ -37,6 +38,18 @@ def _hex_id(*parts: object) -> str:
 
 def pod_container_id(pod: PodRef) -> str:
     return _hex_id("container", pod.namespace, pod.name, pod.container)
+
+
+_PLAIN_WORDS = re.compile(r"[^ \t\r\n]+")
+
+
+def split_cmdline(cmdline: str) -> list[str]:
+    """A scenario's command line as its argv, split as a POSIX shell would (shlex). A line with
+    no quote or backslash, the usual one, is split at its spaces directly: shlex reads one
+    character at a time in Python, a tenth of a second for a 32 KiB line."""
+    if "'" in cmdline or '"' in cmdline or "\\" in cmdline:
+        return shlex.split(cmdline)
+    return _PLAIN_WORDS.findall(cmdline)
 
 
 def default_cgroup(process: Process) -> str:
@@ -148,7 +161,7 @@ class FakeHost:
             if stat_file.exists() and f" {start_ticks} " in stat_file.read_text():
                 continue  # already written for this very process
             directory.mkdir(parents=True, exist_ok=True)
-            argv = shlex.split(process.cmdline)
+            argv = split_cmdline(process.cmdline)
             comm = Path(argv[0]).name[:15] if argv else "python"
             # Fields 3..52 of proc(5); field 22 is the start time in clock ticks after boot.
             # Field 4 is the parent's pid.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import shlex
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -17,10 +18,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pynvml
 import pytest
+from hypothesis import strategies as st
 
 import fake_nvml
+from fake_nvml.host import split_cmdline
 
 InstallFake = Callable[..., fake_nvml.InstalledNode]  # the conftest fixture `install_fake`
 MiB = 2**20
@@ -1809,3 +1813,15 @@ def test_installing_again_replaces_the_node_and_its_cached_symbols(install_fake:
     assert pynvml.nvmlDeviceGetCount() == 2
     assert second.calls["nvmlDeviceGetCount_v2"] == 1
     assert first.calls["nvmlDeviceGetCount_v2"] == 1
+
+
+@hypothesis.settings(max_examples=300)
+@hypothesis.given(st.text(alphabet=" \t\r\n\x0b\x0cab=-/.#;|&$*?~é'\"\\", max_size=40))
+def test_a_scenarios_command_line_splits_into_argv_as_shlex_splits_it(cmdline: str) -> None:
+    # The fake host writes /proc/PID/cmdline from it; lines without quotes skip shlex's
+    # character-by-character reader.
+    try:
+        expected = shlex.split(cmdline)
+    except ValueError:  # an unclosed quote: the scenario's loader refuses it first
+        return
+    assert split_cmdline(cmdline) == expected
