@@ -45,6 +45,8 @@ from tests.test_cli import gpuledger
 pytestmark = pytest.mark.xdist_group("record")
 
 STEP_S = 5.0
+# libyaml's loader where PyYAML has it: the pure-Python one takes seconds over a recorded trace.
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 DURATION_S = 600.0
 
 NODE: dict[str, Any] = {
@@ -264,7 +266,7 @@ def test_the_trace_is_written_as_the_pure_python_emitter_writes_it(recorded: tup
     # The trace is emitted by libyaml (some times faster on a long recording): its text must be
     # the one PyYAML's own emitter gives, so traces do not change with how PyYAML was built.
     path, _ = recorded
-    trace = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    trace = yaml.load(path.read_text(), Loader=LOADER)
     for gpu in trace["gpus"]:  # every kind of row, fewer of each: the pure-Python emitter is slow
         gpu["readings"] = gpu["readings"][:8]
 
@@ -280,7 +282,7 @@ def test_the_trace_is_written_as_the_pure_python_emitter_writes_it(recorded: tup
 
 def test_the_trace_is_a_scenario_with_readings_as_time_series(recorded: tuple[Path, list[Series]]) -> None:
     path, _ = recorded
-    trace = yaml.safe_load(path.read_text())
+    trace = yaml.load(path.read_text(), Loader=LOADER)
     loaded = fake_nvml.load_scenario(str(path))
     assert [g.model for g in loaded.gpus] == [
         "A100-SXM4-80GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H100-SXM5-80GB", "V100-SXM2-32GB"
@@ -366,7 +368,7 @@ def test_command_lines_are_anonymised_unless_kept_and_environments_never_recorde
     # The module's trace keeps command lines (record_node's default): kept whole, but scrubbed, as
     # the token went into every kept trace, which is made to be sent on.
     kept_text = recorded[0].read_text()
-    kept = yaml.load(kept_text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    kept = yaml.load(kept_text, Loader=LOADER)
     kept_cmdline = next(p for p in kept["processes"] if p["pid"] == 4101)["cmdline"]
     assert kept_cmdline == "torchrun --nproc_per_node 4 train.py --model llama-3-8b '--token=[redacted]'"
     assert "secret123" not in kept_text
@@ -1008,7 +1010,7 @@ def test_a_process_on_two_gpus_replays_each_gpus_own_memory_and_load() -> None:
     }  # fmt: skip
     trace, polls = record_node(node)
     fake_nvml.uninstall()
-    replayed = replayed_series(yaml.safe_load(trace_text(trace, "")))
+    replayed = replayed_series(yaml.load(trace_text(trace, ""), Loader=LOADER))
     for k, (original, again) in enumerate(zip(polls, replayed, strict=True)):
         problems = same(original, again)
         assert not problems, f"poll {k} (t={k * STEP_S:g}s): " + "\n".join(problems[:20])
