@@ -332,7 +332,8 @@ def test_the_ledger_names_the_gpus_while_the_driver_is_absent_after_a_restart(tm
     second_node = {**NODE, "start": "2026-11-20T18:02:00Z", "faults": [{"at": "0s", "error": "DRIVER_NOT_LOADED"}]}
     second = Rig(second_node, settings=settings, ledger_path=ledger)
     try:
-        second.node.host.sys_root.rename(tmp_path / "no-sys")  # no PCI view: only the ledger can say
+        sys_root = second.node.host.sys_root
+        sys_root.rename(sys_root.with_name("no-sys"))  # no PCI view: only the ledger can say
         states = poll_every(second, STEP_S, 60.0)
     finally:
         assert second.agent.close()
