@@ -43,6 +43,11 @@ PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool is missing: install the 'prometheus' package (apt-get install prometheus)"
 )
+# One worker runs the module, from the start of the suite: xdist hands out the largest groups
+# first, and a test alone is handed out last, in file order. promtool's unit test of the
+# cluster alerts evaluates days of rules (30-40 s); started last, it ran alone on one worker
+# after the others had finished.
+pytestmark = pytest.mark.xdist_group("promtool")
 
 
 def promtool(*args: str | Path, cwd: Path | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
@@ -184,19 +189,8 @@ def test_unit_tests_exist() -> None:
     assert len(UNIT_TESTS) >= 7, UNIT_TESTS
 
 
-# Unit tests that evaluate days of rules (the weekend subquery at each step) take promtool tens
-# of seconds: each in a group of its own, so that xdist starts them with the other long groups
-# rather than last, alone on one worker while the others have finished.
-SLOW_UNIT_TESTS = ("cluster-alerts.test.yml", "budgets-10s.test.yml")
-
-
-def unit_test_param(path: Path) -> Any:
-    slow = path.name in SLOW_UNIT_TESTS
-    return pytest.param(path, marks=[pytest.mark.xdist_group(f"promtool-{path.stem}")] if slow else [])
-
-
 @needs_promtool
-@pytest.mark.parametrize("path", [unit_test_param(path) for path in UNIT_TESTS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", UNIT_TESTS, ids=lambda p: p.name)
 def test_promtool_unit_tests(path: Path) -> None:
     # Rule files in a unit test are resolved from the test file's own directory.
     result = promtool("test", "rules", path.name, cwd=path.parent)
