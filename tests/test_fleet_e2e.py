@@ -9,9 +9,10 @@ What can differ, and by how much: each node's agent goes on polling after Promet
 scrape of it until it is stopped, so its ledger holds a little more than the store: exactly its
 price x its GPUs x the scenario time between the last poll booked that the store saw (the
 accounting stage's last success, gpuledger_stage_last_success_timestamp_seconds{stage="account"})
-and the last poll the ledger recorded. Not the last successful poll: a poll that found the driver
-down books its time unobserved, and on a loaded runner a node's fake driver call can outlast its
-budget (3 intervals, 2.5 real seconds here) and read as hung. Per node the test
+and the last poll the ledger recorded. Not the last successful poll: a poll that finds the driver
+down still books its time (unobserved); CI once saw a node's store equal to its ledger while its
+last-poll timestamp lagged two polls, cause unknown (a failure prints what the store last saw of
+the node's polls and stages). Per node the test
 checks that figure to the cent's fraction; per team, model and job, that the store is never
 above the ledgers and below them by at most that tail, for the GPUs the group held.
 
