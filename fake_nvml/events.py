@@ -57,8 +57,13 @@ _DRIVER_GONE = frozenset({"DRIVER_NOT_LOADED", "UNINITIALIZED", "LIB_RM_VERSION_
 _SET_TAG = 0x65760000  # "ev" in the high bytes: an event set this library made
 # How often a waiting call looks at the scenario clock again (real seconds): an event arrives
 # within a tick of scenario time reaching it, and a waiting thread (a Python loop here, where the
-# real driver blocks in C) takes too little of the interpreter to slow a poll beside it.
+# real driver blocks in C) takes too little of the interpreter to slow a poll beside it. That is
+# the tick of a clock moved by hand. A clock running at a speed is looked at again when the next
+# thing a wait answers (an event, the driver going, a GPU lost) is due, a tick at the soonest and
+# WAIT_NAP_MAX_S at the latest (a device registered meanwhile may bring an event due sooner): an
+# agent's reader waiting on a quiet node wakes twice a second, not a hundred times.
 WAIT_TICK_S = 0.01
+WAIT_NAP_MAX_S = 0.5
 _WAIT, _WAIT_FAMILY = "nvmlEventSetWait_v2", "nvmlEventSetWait"  # the call and its family
 
 
@@ -99,6 +104,16 @@ class _Sets:
         )
         self.lossy = frozenset(
             gpu for gpu in range(len(node.scenario.gpus)) if node.faults_for(_WAIT, _WAIT_FAMILY, gpu)[0]
+        )
+        # When either can change a wait's answer, soonest first: a driver gone, and the start of a
+        # fault on a GPU a wait can fail on.
+        self.changes_at = tuple(
+            sorted(
+                {
+                    *self.driver_gone_at,
+                    *(fault.at_s for gpu in self.lossy for fault in node.faults_for(_WAIT, _WAIT_FAMILY, gpu)[0]),
+                }
+            )
         )
 
 
@@ -252,6 +267,21 @@ def _lost(lib: FakeNvmlLibrary, state: _Sets, events: _EventSet, now: float) -> 
     )
 
 
+def _nap_s(speed: float, state: _Sets, events: _EventSet, now: float) -> float:
+    """How long a wait may sleep before it looks again (real seconds): WAIT_TICK_S on a clock
+    moved by hand, else until the next event or change is due at `speed` (WAIT_TICK_S to
+    WAIT_NAP_MAX_S)."""
+    if not speed:
+        return WAIT_TICK_S
+    due = [at_s for at_s in state.changes_at if at_s > now][:1]
+    with state.lock:
+        if events.pending:
+            due.append(events.pending[0].at_s)
+    if not due:
+        return WAIT_NAP_MAX_S
+    return min(max((min(due) - now) / speed, WAIT_TICK_S), WAIT_NAP_MAX_S)
+
+
 def _fill(lib: FakeNvmlLibrary, data: Any, pending: _Pending) -> None:
     # The handle of the device the event happened on, as the library hands handles out.
     lib._store_handle(ctypes.c_void_p.from_buffer(data, type(data).device.offset), pending.gpu, pending.mig)
@@ -286,7 +316,7 @@ def _wait(lib: FakeNvmlLibrary, t: float, event_set: Any, data: Any, timeout_ms:
             left = deadline - time.monotonic()
             if left <= 0:
                 return TIMEOUT
-            time.sleep(min(WAIT_TICK_S, left))
+            time.sleep(min(_nap_s(node.clock.speed, state, events, now), left))
     finally:
         with state.lock:
             state.waiters -= 1

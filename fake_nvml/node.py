@@ -60,6 +60,11 @@ class ScenarioClock:
             return base_s + (self._monotonic() - anchor) * speed
         return base_s
 
+    @property
+    def speed(self) -> float:
+        """Scenario seconds per real second (0: moved only by `advance`)."""
+        return self._state[2]
+
     def wall_time(self) -> float:
         """Unix time the scenario is at now: what a real node's wall clock would show."""
         return self.start_epoch + self.now()

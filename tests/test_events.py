@@ -104,6 +104,38 @@ def test_a_wait_blocks_for_its_timeout_and_wakes_when_scenario_time_reaches_an_e
     assert pynvml.nvmlEventSetWait_v2(event_set, 5000).eventData == 31
 
 
+def test_a_wait_on_a_running_clock_sleeps_until_the_next_event_is_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    # At 100x an Xid 60 scenario seconds in is due 0.6 real seconds after the clock starts: the
+    # wait naps at most WAIT_NAP_MAX_S (0.5 s) at a time, then up to the event, and answers it
+    # then, not a hundred times a second looking in between. With nothing due it naps 0.5 s.
+    fake = fake_nvml.install(node([{"at": "60s", "gpu": 0, "xid": 31}], gpus=1), host=False)
+    pynvml.nvmlInit()
+    event_set = pynvml.nvmlEventSetCreate()
+    pynvml.nvmlDeviceRegisterEvents(pynvml.nvmlDeviceGetHandleByIndex(0), XID, event_set)
+    naps: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        naps.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(fake_events.time, "sleep", sleep)
+    fake.clock.set_speed(100.0)
+    started = time.monotonic()
+    assert pynvml.nvmlEventSetWait_v2(event_set, 5000).eventData == 31
+    # Not before it is due (0.6 s less the moment the first look took), and the naps planned to
+    # end there: a nap that ran late on a loaded machine shortens the next.
+    assert time.monotonic() - started >= 0.55
+    assert len(naps) <= 3, naps
+    assert naps[0] == fake_events.WAIT_NAP_MAX_S
+    assert sum(naps) <= 0.6 + fake_events.WAIT_TICK_S, naps
+    naps.clear()
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        pynvml.nvmlEventSetWait_v2(event_set, 700)  # nothing more is due
+    assert naps[0] == fake_events.WAIT_NAP_MAX_S, naps
+    assert len(naps) <= 2, naps
+
+
 def test_what_happened_before_registration_is_not_delivered() -> None:
     fake = fake_nvml.install(node([{"at": "1h", "gpu": 0, "xid": 13}, {"at": "3h", "gpu": 0, "xid": 43}], gpus=1))
     pynvml.nvmlInit()
