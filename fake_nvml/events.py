@@ -102,19 +102,12 @@ class _Sets:
             for f in node.scenario.faults
             if f.gpu is None and f.error in _DRIVER_GONE and f.call in (None, "*", _WAIT, _WAIT_FAMILY)
         )
-        self.lossy = frozenset(
-            gpu for gpu in range(len(node.scenario.gpus)) if node.faults_for(_WAIT, _WAIT_FAMILY, gpu)[0]
-        )
+        failing = {gpu: node.faults_for(_WAIT, _WAIT_FAMILY, gpu)[0] for gpu in range(len(node.scenario.gpus))}
+        self.lossy = frozenset(gpu for gpu, faults in failing.items() if faults)
         # When either can change a wait's answer, soonest first: a driver gone, and the start of a
         # fault on a GPU a wait can fail on.
-        self.changes_at = tuple(
-            sorted(
-                {
-                    *self.driver_gone_at,
-                    *(fault.at_s for gpu in self.lossy for fault in node.faults_for(_WAIT, _WAIT_FAMILY, gpu)[0]),
-                }
-            )
-        )
+        starts = {fault.at_s for faults in failing.values() for fault in faults}
+        self.changes_at = tuple(sorted({*self.driver_gone_at, *starts}))
 
 
 _STATE: weakref.WeakKeyDictionary[FakeNvmlLibrary, _Sets] = weakref.WeakKeyDictionary()

@@ -44,9 +44,9 @@ needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool is missing: install the 'prometheus' package (apt-get install prometheus)"
 )
 # One worker runs the module, from the start of the suite: xdist hands out the largest groups
-# first, and a test alone is handed out last, in file order. promtool's unit test of the
-# cluster alerts evaluates days of rules (30-40 s); started last, it ran alone on one worker
-# after the others had finished.
+# first, and a test alone is handed out last, in file order. promtool's unit tests of the
+# cluster alerts and the 10 s budgets evaluate days and hours of rules (15-20 s and 6 s alone);
+# started last, they ran alone on one worker after the others had finished.
 pytestmark = pytest.mark.xdist_group("promtool")
 
 
