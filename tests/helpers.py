@@ -25,6 +25,13 @@ from rules.engine import RuleSpec
 
 Sample = tuple[str, dict[str, str], float]  # name, labels, value
 
+# For a module whose tests spend their time waiting on real time (deadlines, sleeps, daemons
+# on a sped-up fake clock) more than computing. Such modules share one xdist worker (pyproject's
+# --dist loadgroup hands a group to one worker, and groups before lone tests), which waits
+# beside workers that keep the two CPUs busy; in file order they came up together, and all
+# three workers waited at once.
+WAITS_ON_REAL_TIME = pytest.mark.xdist_group("waits")
+
 
 class Rig:
     """A fake node with its host files, and the agent built on it.

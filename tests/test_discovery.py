@@ -27,10 +27,12 @@ from agent.config import PricingConfig, Settings
 from agent.devices.pci import nvidia_gpus, nvml_bus_id
 from agent.ledger.known import recorded_gpus
 from agent.model import AgentState, DeviceReading, NodeInfo, Price, Snapshot
-from tests.helpers import Rig
+from tests.helpers import WAITS_ON_REAL_TIME, Rig
 from tests.test_cli import Daemon, daemon, fetch, polls_at_least, samples, value
 from tests.test_fault_matrix import ANN, BOB, NODE, ledger_by_gpu
 from tests.test_ledger_migrations import write_v1_ledger
+
+pytestmark = WAITS_ON_REAL_TIME
 
 __all__ = ["daemon"]  # the fixture, used by name
 

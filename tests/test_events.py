@@ -23,8 +23,10 @@ from agent.pipeline import DriverHung
 from exporters.prometheus import make_registry
 from fake_nvml import events as fake_events
 from fake_nvml.scenario import ScenarioError
-from tests.helpers import Rig
+from tests.helpers import WAITS_ON_REAL_TIME, Rig
 from tests.test_cli import Daemon, polls_at_least
+
+pytestmark = WAITS_ON_REAL_TIME
 
 HOUR = 3600.0
 

@@ -31,7 +31,10 @@ from agent.config import Settings, WatchdogConfig
 from agent.deadline import CallTimeout, Worker
 from agent.model import AgentState
 from agent.pipeline import DriverHung
+from tests.helpers import WAITS_ON_REAL_TIME
 from tests.test_cli import Daemon, free_port
+
+pytestmark = WAITS_ON_REAL_TIME
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -27,7 +27,9 @@ from agent.model import AgentState
 from exporters.http import Limits, MetricsServer
 from exporters.prometheus import make_registry
 from exporters.webconfig import BasicAuth, FailureThrottle, Login, load_web_config
-from tests.helpers import Rig
+from tests.helpers import WAITS_ON_REAL_TIME, Rig
+
+pytestmark = WAITS_ON_REAL_TIME
 
 PASSWORD = "correct horse battery staple"
 # Cost 4 keeps the suite fast; the throttle counts checks, not their cost.

@@ -28,7 +28,7 @@ from agent.ledger.sink import LedgerSink
 from agent.model import AgentState, Price
 from agent.pipeline import Costing
 from rules.engine import RuleSpec
-from tests.helpers import Rig
+from tests.helpers import WAITS_ON_REAL_TIME, Rig
 from tests.test_cli import gpuledger
 
 PRICE = 3.6  # $/GPU-hour: $0.001 a second, so seconds read as thousandths of a dollar
@@ -552,6 +552,7 @@ def last_poll(base: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+@WAITS_ON_REAL_TIME
 def test_a_sped_up_run_charges_the_job_what_simulate_charges(tmp_path: Path) -> None:
     # weekend-idle's job 9001 holds 8 GPUs for its 4 hours, then dies. `run --fake-speed 3600`
     # polled every 5 real seconds, 5 scenario hours, never saw it and booked it all as idle; a

@@ -24,7 +24,9 @@ from agent.model import AgentState, Attribution, Charges, LedgerHealth, Price, S
 from agent.pipeline import STAGES, Costing, PeriodicJob, Pipeline, run_on_scenario_time
 from exporters.prometheus import make_registry
 from rules.engine import RuleSpec
-from tests.helpers import Rig
+from tests.helpers import WAITS_ON_REAL_TIME, Rig
+
+pytestmark = WAITS_ON_REAL_TIME
 
 
 class ManualClock:
