@@ -427,6 +427,10 @@ class ReadingsConfig(_Section):
         groups = frozenset(name for name in GROUPS if getattr(self, name))
         return ReadingOptions(groups, self.slow_interval, mig_activity=self.mig_activity)
 
+    def without_groups(self) -> ReadingsConfig:
+        """These settings with every group off (MIG instances' activity, a busy measure, as set)."""
+        return self.model_copy(update=dict.fromkeys(GROUPS, False))
+
 
 def parse_listen(value: object) -> tuple[str, int]:
     """(host, port) from "HOST:PORT" ("[::1]:9835" for IPv6; an empty host means every

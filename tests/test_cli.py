@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import random
 import re
@@ -13,8 +15,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -536,6 +540,88 @@ def test_simulate_writes_the_exposition_to_stdout_when_asked() -> None:
     families = {f.name for f in text_string_to_metric_families(result.stdout)}
     assert {"gpuledger_gpu_cost_dollars", "gpuledger_polls"} <= families
     assert "simulated" not in result.stdout
+
+
+# The calls of the readings groups (agent/devices/telemetry.py) each have a call of their own.
+GROUP_CALLS = frozenset(
+    {
+        "nvmlDeviceGetClockInfo",  # clocks
+        "nvmlDeviceGetPerformanceState",  # clocks
+        "nvmlDeviceGetCurrentClocksEventReasons",  # throttle
+        "nvmlDeviceGetCurrPcieLinkGeneration",  # pcie
+        "nvmlDeviceGetCurrPcieLinkWidth",  # pcie
+        "nvmlDeviceGetEncoderUtilization",  # codecs
+        "nvmlDeviceGetDecoderUtilization",  # codecs
+    }
+)
+
+
+def simulated_in_process(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[str, Counter[str]]:
+    """`gpuledger simulate ARGS` in this process: its stdout, and each NVML call its fake node answered."""
+    import agent.cli.simulate
+    from agent.cli.main import main
+    from agent.cli.wiring import Agent, build_agent
+
+    built: list[Agent] = []
+
+    def keep(*positional: Any, **named: Any) -> Agent:
+        built.append(build_agent(*positional, **named))
+        return built[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(agent.cli.simulate, "build_agent", keep)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["simulate", *args]) == 0
+    node = built[0].node
+    assert node is not None
+    return out.getvalue(), node.calls
+
+
+def ledger_rows(path: Path) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every table of a ledger but those that say which file it is and when it was
+    made (its id, its creation and its migrations' wall-clock times), in order."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+        assert {"ledger_meta", "schema_version", "gpu_hours"} <= set(tables)
+        return {
+            table: sorted(db.execute(f"SELECT * FROM {table}"), key=repr)
+            for table in tables
+            if table not in ("ledger_meta", "schema_version")
+        }
+
+
+def test_simulate_reads_the_readings_groups_only_for_an_exposition(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The readings groups reach only the exposition: a simulation that writes none does not
+    read them, and its ledger and summary are the same as where they are read. The health
+    scenario has hardware trouble of every kind, so every group has something to read."""
+    plain, shown, textfile = tmp_path / "plain.db", tmp_path / "shown.db", tmp_path / "node.prom"
+    summary, calls = simulated_in_process(monkeypatch, "health", "--for", "2h", "--ledger", str(plain))
+    assert not GROUP_CALLS & calls.keys()
+    assert calls["nvmlDeviceGetFieldValues"] > 0  # the readings that are not in a group are read
+
+    metrics = tmp_path / "metrics.prom"
+    args = ("health", "--for", "2h", "--ledger", str(shown), "--metrics-out", str(metrics))
+    summary_shown, calls_shown = simulated_in_process(monkeypatch, *args)
+    assert all(calls_shown[call] > 0 for call in GROUP_CALLS), calls_shown
+    assert "gpuledger_gpu_sm_clock_hertz" in metrics.read_text()
+    assert ledger_rows(plain) == ledger_rows(shown)
+    assert (
+        summary.replace(str(plain), "LEDGER")
+        == "\n".join(
+            line for line in summary_shown.replace(str(shown), "LEDGER").splitlines() if "metrics.prom" not in line
+        )
+        + "\n"
+    )
+
+    # A textfile in the settings is an exposition too.
+    config = tmp_path / "gpuledger.yaml"
+    config.write_text(f"exporters:\n  textfile_path: {textfile}\n", encoding="utf-8")
+    _, calls_textfile = simulated_in_process(monkeypatch, "health", "--for", "10m", "--config", str(config))
+    assert all(calls_textfile[call] > 0 for call in GROUP_CALLS), calls_textfile
+    assert "gpuledger_gpu_sm_clock_hertz" in textfile.read_text()
 
 
 def test_simulate_shows_progress_on_a_terminal_only() -> None:

@@ -2,7 +2,9 @@
 
 The agent is built as `run` builds it, so every output option `run` honours (per-pid series,
 dcgm-exporter compatibility, the textfile, the ledger) applies here too; its periodic jobs run
-on the scenario clock at the daemon's rhythm, one poll per --step.
+on the scenario clock at the daemon's rhythm, one poll per --step. The readings groups
+(readings.*) are read only where metrics text is written (--metrics-out, the textfile): nothing
+else shows them.
 
 Everything that can be refused is refused before the first poll: a --for or --step that would
 charge nothing, a --ledger that cannot be written or already holds charges (unless --append), and
@@ -66,6 +68,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fake_nvml import load_scenario  # here: `run` on a real driver never loads the fake
 
     scenario = load_scenario(args.scenario)
+    if not args.metrics_out and not settings.exporters.textfile_path:
+        # The readings groups (clocks, errors, NVLink and PCIe, codecs: readings.*) reach only the
+        # exposition, and a run that writes none would spend a third of each poll reading them
+        # for nothing: the ledger, the summary and the flags never see them.
+        settings = settings.model_copy(update={"readings": settings.readings.without_groups()})
     if args.ledger:
         check_ledger(Path(args.ledger), append=args.append, start=scenario.start_epoch)
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
