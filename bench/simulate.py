@@ -1,12 +1,14 @@
 """How fast `simulate` runs, and how big the ledger it writes gets.
 
-    python bench/simulate.py [--scenario demo] [--for 7d] [--step 15s] [--against DIR --rounds N] [--stages]
+    python bench/simulate.py [--scenario demo] [--for 7d] [--step 15s] [--metrics-out]
+                             [--against DIR --rounds N] [--stages]
     python bench/simulate.py --instructions [--scenario demo] [--against DIR]
 
 Runs `gpuledger simulate SCENARIO --for D --step S --ledger FILE` as a subprocess (the real
 command, start-up included), then prints polls per second of wall time against its target, how
 much faster than real time the scenario ran, and the ledger's size on disk (database plus WAL)
-with its rows.
+with its rows. With --metrics-out the command writes the final metrics text too, and so reads
+every readings group (clocks, errors, NVLink, ...), which it skips otherwise.
 
 With --against DIR (another checkout, e.g. `git worktree add /tmp/base v0.1.0`), the two take
 turns, N rounds each, and the ratio of their median rates is printed: on a noisy machine a
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", default="demo")
     parser.add_argument("--for", dest="duration", default="7d")
     parser.add_argument("--step", default="15s")
+    parser.add_argument("--metrics-out", action="store_true", help="write the metrics text too (reads every group)")
     parser.add_argument("--against", type=Path, help="another checkout to run in turn with this one")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each checkout with --against")
     parser.add_argument("--stages", action="store_true", help="then split a poll's time by pipeline stage")
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         with closing(sqlite3.connect(ledger)) as conn, conn:
             workload_rows = conn.execute("SELECT count(*) FROM workload_hours").fetchone()[0]
             gpu_rows = conn.execute("SELECT count(*) FROM gpu_hours").fetchone()[0]
-    print(f"gpuledger simulate {args.scenario} --for {args.duration} --step {args.step}")
+    print(f"gpuledger simulate {args.scenario} --for {args.duration} --step {args.step}{_outputs(args)}")
     print(f"  polls                 {polls}")
     print(f"  wall time             {elapsed:.1f} s (process start-up included)")
     rate = polls / elapsed
@@ -94,18 +97,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ledger rows           {workload_rows} workload-hours, {gpu_rows} GPU-hours")
     print(f"  ledger per GPU-day    {size / 1024 / (gpus * duration_s / 86400):.1f} KiB ({gpus} GPUs)")
     if args.stages:
-        stage_breakdown(args.scenario, duration_s, step_s)
+        stage_breakdown(args.scenario, duration_s, step_s, args.metrics_out)
     return 0
 
 
-def stage_breakdown(scenario: str, duration_s: float, step_s: float) -> None:
+def _outputs(args: argparse.Namespace) -> str:
+    return " --ledger FILE" + (" --metrics-out FILE" if args.metrics_out else "")
+
+
+def stage_breakdown(scenario: str, duration_s: float, step_s: float, metrics_out: bool) -> None:
     """Microseconds of wall time per poll in each pipeline stage, summed from each poll's own
-    stage durations, and in everything else the simulation does (flushes, the schedule)."""
+    stage durations, and in everything else the simulation does (flushes, the schedule). The
+    readings groups are read only with `metrics_out`, as `simulate` reads them."""
     logging.disable(logging.CRITICAL)  # the flags it raises are not the point here
     spent: dict[str, float] = {}
+    settings = load_config(None)
+    if not metrics_out:
+        settings = settings.model_copy(update={"readings": settings.readings.without_groups()})
     with tempfile.TemporaryDirectory() as tmp:
         agent = build_agent(
-            load_config(None), fake=load_scenario(scenario), ledger_path=str(Path(tmp) / "ledger.db"),
+            settings, fake=load_scenario(scenario), ledger_path=str(Path(tmp) / "ledger.db"),
             poll_interval_s=step_s, actions="dry_run", ledger_fsync=False,
         )  # fmt: skip
         assert agent.node is not None
@@ -140,7 +151,8 @@ def simulate(args: argparse.Namespace, checkout: Path, tmp: Path) -> float | Non
     or None after printing why it failed."""
     command = [
         sys.executable, "-m", "agent", "simulate", args.scenario, "--for", args.duration, "--step", args.step,
-        "--ledger", str(tmp / "ledger.db"), "--metrics-out", str(tmp / "metrics.prom"),
+        "--ledger", str(tmp / "ledger.db"),
+        *(("--metrics-out", str(tmp / "metrics.prom")) if args.metrics_out else ()),
     ]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=checkout)
@@ -203,7 +215,10 @@ def compare(args: argparse.Namespace, polls: int) -> int:
             if elapsed is None:
                 return 1
             rates[name].append(polls / elapsed)
-    print(f"gpuledger simulate {args.scenario} --for {args.duration} --step {args.step}, {args.rounds} rounds each")
+    print(
+        f"gpuledger simulate {args.scenario} --for {args.duration} --step {args.step}{_outputs(args)},"
+        f" {args.rounds} rounds each"
+    )
     for name, checkout in checkouts.items():
         print(f"  {name:8s} {checkout}: {', '.join(f'{r:.0f}' for r in rates[name])} polls/s")
     ratio = statistics.median(rates["this"]) / statistics.median(rates["against"])
