@@ -2,7 +2,7 @@
 
     python bench/simulate.py [--scenario demo] [--for 7d] [--step 15s] [--metrics-out]
                              [--against DIR --rounds N] [--stages]
-    python bench/simulate.py --instructions [--scenario demo] [--against DIR]
+    python bench/simulate.py --instructions [--scenario demo] [--metrics-out] [--against DIR]
 
 Runs `gpuledger simulate SCENARIO --for D --step S --ledger FILE` as a subprocess (the real
 command, start-up included), then prints polls per second of wall time against its target, how
@@ -176,7 +176,7 @@ def instructions(args: argparse.Namespace) -> int:
         counts = []
         for duration_s in (short_s, long_s):
             with tempfile.TemporaryDirectory() as tmp:
-                counted = callgrind(args.scenario, duration_s, args.step, checkout, Path(tmp))
+                counted = callgrind(args, duration_s, checkout, Path(tmp))
             if counted is None:
                 return 1
             counts.append(counted)
@@ -187,13 +187,14 @@ def instructions(args: argparse.Namespace) -> int:
     return 0
 
 
-def callgrind(scenario: str, duration_s: float, step: str, checkout: Path, tmp: Path) -> int | None:
+def callgrind(args: argparse.Namespace, duration_s: float, checkout: Path, tmp: Path) -> int | None:
     """The instructions one `simulate` of `checkout` ran (start-up included), or None after
     printing why it failed."""
     command = [
         "valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp / 'callgrind.out'}",
-        sys.executable, "-m", "agent", "simulate", scenario, "--for", f"{duration_s:.0f}s", "--step", step,
+        sys.executable, "-m", "agent", "simulate", args.scenario, "--for", f"{duration_s:.0f}s", "--step", args.step,
         "--ledger", str(tmp / "ledger.db"),
+        *(("--metrics-out", str(tmp / "metrics.prom")) if args.metrics_out else ()),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=checkout, env=env)

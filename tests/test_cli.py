@@ -542,7 +542,8 @@ def test_simulate_writes_the_exposition_to_stdout_when_asked() -> None:
     assert "simulated" not in result.stdout
 
 
-# The calls of the readings groups (agent/devices/telemetry.py) each have a call of their own.
+# NVML calls that only the readings groups make (agent/devices/telemetry.py); the groups' field
+# ids ride in the field-values call that every poll makes anyway.
 GROUP_CALLS = frozenset(
     {
         "nvmlDeviceGetClockInfo",  # clocks
