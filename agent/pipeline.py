@@ -225,6 +225,9 @@ class Pipeline:
         # Called (from the poll thread) when a call has been stuck past exit_after_s; the daemon
         # flushes the ledger and exits. Without it, the poll raises DriverHung.
         self.on_hung: Callable[[DriverHung], None] | None = None
+        # Called once, on the poll thread, just before the first scheduled poll reads anything
+        # (a sped-up fake node starts its clock there).
+        self.before_first_poll: Callable[[], None] | None = None
         self._worker = Worker("gpuledger-poll")
         # False where no driver call can block (a fake node without latency faults): the devices
         # are then read on the poll's own thread. The hand-off to the worker and back, two
@@ -967,6 +970,9 @@ class Pipeline:
     def _scheduled_poll(self) -> None:
         try:
             with self._polling:
+                if self.before_first_poll is not None:
+                    first, self.before_first_poll = self.before_first_poll, None
+                    first()
                 self.poll_once()
         except DriverLibraryMissing as exc:
             log.error("%s", exc)

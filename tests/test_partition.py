@@ -26,7 +26,7 @@ from agent.cli.wiring import build_agent
 from agent.config import Settings, load_catalogue
 from agent.ledger.sink import LedgerSink
 from agent.model import AgentState, Price
-from agent.pipeline import Costing
+from agent.pipeline import Costing, Pipeline
 from rules.engine import RuleSpec
 from tests.helpers import WAITS_ON_REAL_TIME, Rig
 from tests.test_cli import gpuledger
@@ -550,6 +550,43 @@ def last_poll(base: str) -> float | None:
         return None
     found = re.search(r"^gpuledger_last_poll_timestamp_seconds ([0-9.e+]+)$", text, re.M)
     return float(found.group(1)) if found else None
+
+
+@WAITS_ON_REAL_TIME
+def test_a_sped_up_clock_starts_with_the_first_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The scheduler is made half a real second late, as a loaded machine can make it. Had the clock
+    # started with `start`, it would stand at 30 scenario seconds (60x) by the first poll, unwatched
+    # time the job below lost from its bill; started by the first poll, it stands at what passes
+    # between the hook and the poll's first reading (even 50 real ms of a busy machine: 3 s).
+    late_start = Pipeline.start
+
+    def slow_start(self: Pipeline) -> None:
+        time.sleep(0.5)
+        late_start(self)
+
+    monkeypatch.setattr(Pipeline, "start", slow_start)
+    agent = build_agent(Settings(node_name="rig"), fake="weekend-idle", fake_speed=60.0, costing=False, rules=())
+    assert agent.node is not None
+    clock = agent.node.clock
+    first: list[tuple[float, float]] = []
+    polled = threading.Event()
+    poll = agent.pipeline.poll_once
+
+    def watched_poll() -> Any:
+        if not first:
+            first.append((clock.now(), clock.speed))
+            polled.set()
+        return poll()
+
+    monkeypatch.setattr(agent.pipeline, "poll_once", watched_poll)
+    try:
+        agent.start()
+        assert polled.wait(10), "no poll within 10 s"
+    finally:
+        agent.close()
+    at, speed = first[0]
+    assert speed == 60.0
+    assert 0.0 <= at < 15.0
 
 
 @WAITS_ON_REAL_TIME
