@@ -46,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
 
+from agent.cli.simulate import simulation_settings
 from agent.cli.wiring import build_agent
 from agent.config import load_config
 from agent.pipeline import run_on_scenario_time
@@ -108,12 +109,11 @@ def _outputs(args: argparse.Namespace) -> str:
 def stage_breakdown(scenario: str, duration_s: float, step_s: float, metrics_out: bool) -> None:
     """Microseconds of wall time per poll in each pipeline stage, summed from each poll's own
     stage durations, and in everything else the simulation does (flushes, the schedule). The
-    readings groups are read only with `metrics_out`, as `simulate` reads them."""
+    settings are `simulate`'s own (`simulation_settings`): the readings groups are read only with
+    `metrics_out`, and the ledger is flushed once a scenario hour."""
     logging.disable(logging.CRITICAL)  # the flags it raises are not the point here
     spent: dict[str, float] = {}
-    settings = load_config(None)
-    if not metrics_out:
-        settings = settings.model_copy(update={"readings": settings.readings.without_groups()})
+    settings = simulation_settings(load_config(None), metrics_text=metrics_out)
     with tempfile.TemporaryDirectory() as tmp:
         agent = build_agent(
             settings, fake=load_scenario(scenario), ledger_path=str(Path(tmp) / "ledger.db"),

@@ -625,6 +625,58 @@ def test_simulate_reads_the_readings_groups_only_for_an_exposition(
     assert "gpuledger_gpu_sm_clock_hertz" in textfile.read_text()
 
 
+def test_simulate_writes_its_ledger_once_a_scenario_hour(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A simulation flushes its ledger once a scenario hour, not at the daemon's every minute
+    (which is many times a real second here), unless ledger.flush_interval is longer; its rows
+    are those the daemon's rhythm writes, but for the last bits of sums added up in fewer parts."""
+    import agent.ledger.store
+    from agent.cli.wiring import build_agent
+    from agent.config import load_config
+    from agent.pipeline import run_on_scenario_time
+
+    flushes: list[str] = []
+    real_flush = agent.ledger.store.Ledger.flush
+
+    def counted(self: agent.ledger.store.Ledger) -> bool:
+        flushes.append(self._path.name)
+        return real_flush(self)
+
+    monkeypatch.setattr(agent.ledger.store.Ledger, "flush", counted)
+    hourly, daily, minutely = tmp_path / "hourly.db", tmp_path / "daily.db", tmp_path / "minutely.db"
+    simulated_in_process(monkeypatch, "demo", "--for", "3h", "--ledger", str(hourly))
+    assert flushes == ["hourly.db"] * 3  # at 1h, 2h and 3h (and the close's own write)
+
+    config = tmp_path / "gpuledger.yaml"
+    config.write_text("ledger:\n  flush_interval: 2h\n", encoding="utf-8")
+    flushes.clear()
+    simulated_in_process(monkeypatch, "demo", "--for", "3h", "--ledger", str(daily), "--config", str(config))
+    assert flushes == ["daily.db"]  # a longer interval is kept: at 2h
+
+    # The daemon's rhythm on the same clock: a flush each scenario minute.
+    flushes.clear()
+    daemon = build_agent(
+        load_config(None), fake="demo", ledger_path=minutely, poll_interval_s=15, actions="dry_run", ledger_fsync=False
+    )
+    assert daemon.node is not None
+    run_on_scenario_time(daemon.pipeline.jobs(), daemon.node.clock.advance, 3 * 3600, 15)
+    assert daemon.close()
+    assert len(flushes) == 180
+    written, expected = ledger_rows(hourly), ledger_rows(minutely)
+    assert written.keys() == expected.keys()
+    for table, rows in expected.items():
+        assert len(written[table]) == len(rows), table
+        for got, want in zip(sorted(written[table], key=_keys), sorted(rows, key=_keys), strict=True):
+            assert _keys(got) == _keys(want), table
+            assert got == pytest.approx(want, rel=1e-12), table
+    assert ledger_rows(daily) == ledger_rows(hourly)
+
+
+def _keys(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A ledger row's cells but its sums (floats), which the flushes' rhythm can change in the
+    last bits."""
+    return tuple(cell for cell in row if not isinstance(cell, float))
+
+
 def test_simulate_shows_progress_on_a_terminal_only() -> None:
     import fcntl
     import pty

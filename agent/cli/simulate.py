@@ -2,9 +2,9 @@
 
 The agent is built as `run` builds it, so every output option `run` honours (per-pid series,
 dcgm-exporter compatibility, the textfile, the ledger) applies here too; its periodic jobs run
-on the scenario clock at the daemon's rhythm, one poll per --step. The readings groups
-(readings.*) are read only where metrics text is written (--metrics-out, the textfile): nothing
-else shows them.
+on the scenario clock at the daemon's rhythm, one poll per --step, but for the ledger's
+flushes (once a scenario hour). The readings groups (readings.*) are read only where metrics
+text is written (--metrics-out, the textfile): nothing else shows them.
 
 Everything that can be refused is refused before the first poll: a --for or --step that would
 charge nothing, a --ledger that cannot be written or already holds charges (unless --append), and
@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from agent.cli.args import EXIT_OK, duration_arg
 from agent.cli.wiring import build_agent
-from agent.config import load_config
+from agent.config import Settings, load_config
 from agent.errors import BadInputError, GpuledgerError
 from agent.ledger.files import LedgerError
 from agent.ledger.read import recorded_period
@@ -38,6 +38,30 @@ from agent.units import format_duration, iso_time
 log = logging.getLogger("gpuledger")
 
 MAX_POLLS = 6_307_200  # a year of polls 5 s apart: hours at the speed simulate runs
+
+
+# How often a simulation writes its ledger, in scenario time, where ledger.flush_interval is
+# shorter: the interval bounds what a crash of the daemon loses in real time, and 60 scenario
+# seconds go by in a seventh of a real second here.
+SIMULATED_FLUSH_S = 3600.0
+
+
+def simulation_settings(settings: Settings, *, metrics_text: bool) -> Settings:
+    """`settings` as a simulation applies them (`metrics_text`: --metrics-out was given).
+
+    The readings groups (clocks, errors, NVLink and PCIe, codecs: readings.*) reach only the
+    exposition, and a run that writes none (neither --metrics-out nor the textfile) would spend a
+    third of each poll reading them for nothing: the ledger, the summary and the flags never see
+    them. The ledger is written once a scenario hour (SIMULATED_FLUSH_S) and at the end: at the
+    daemon's every minute, its flushes were 7% of the run and bought nothing, as the rows are
+    hours. The rows hold the same charges; only their sums' last bits can differ, as a row is
+    added up in fewer parts."""
+    update: dict[str, object] = {}
+    if not metrics_text and not settings.exporters.textfile_path:
+        update["readings"] = settings.readings.without_groups()
+    if settings.ledger.flush_interval < SIMULATED_FLUSH_S:
+        update["ledger"] = settings.ledger.model_copy(update={"flush_interval": SIMULATED_FLUSH_S})
+    return settings.model_copy(update=update)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -68,11 +92,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fake_nvml import load_scenario  # here: `run` on a real driver never loads the fake
 
     scenario = load_scenario(args.scenario)
-    if not args.metrics_out and not settings.exporters.textfile_path:
-        # The readings groups (clocks, errors, NVLink and PCIe, codecs: readings.*) reach only the
-        # exposition, and a run that writes none would spend a third of each poll reading them
-        # for nothing: the ledger, the summary and the flags never see them.
-        settings = settings.model_copy(update={"readings": settings.readings.without_groups()})
+    settings = simulation_settings(settings, metrics_text=bool(args.metrics_out))
     if args.ledger:
         check_ledger(Path(args.ledger), append=args.append, start=scenario.start_epoch)
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
