@@ -423,13 +423,12 @@ class ReadingsConfig(_Section):
     # last value): dcgm-exporter's collection interval.
     slow_interval: Duration = Field(default=30.0, gt=0)
 
-    def options(self) -> ReadingOptions:
-        groups = frozenset(name for name in GROUPS if getattr(self, name))
-        return ReadingOptions(groups, self.slow_interval, mig_activity=self.mig_activity)
-
-    def without_groups(self) -> ReadingsConfig:
-        """These settings with every group off (MIG instances' activity, a busy measure, as set)."""
-        return self.model_copy(update=dict.fromkeys(GROUPS, False))
+    def options(self, *, metrics_text: bool = True) -> ReadingOptions:
+        """What a poll reads. Without `metrics_text` (nothing the agent makes is shown as metrics
+        text), it reads none of the readings only that text shows: no group, no temperature, no
+        NVLink's state. MIG instances' activity, a busy measure, is read as set."""
+        groups = frozenset(name for name in GROUPS if getattr(self, name)) if metrics_text else frozenset()
+        return ReadingOptions(groups, self.slow_interval, mig_activity=self.mig_activity, exposition=metrics_text)
 
 
 def parse_listen(value: object) -> tuple[str, int]:

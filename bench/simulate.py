@@ -109,15 +109,16 @@ def _outputs(args: argparse.Namespace) -> str:
 def stage_breakdown(scenario: str, duration_s: float, step_s: float, metrics_out: bool) -> None:
     """Microseconds of wall time per poll in each pipeline stage, summed from each poll's own
     stage durations, and in everything else the simulation does (flushes, the schedule). The
-    settings are `simulate`'s own (`simulation_settings`): the readings groups are read only with
-    `metrics_out`, and the ledger is flushed once a scenario hour."""
+    agent is built as `simulate` builds it: its settings (`simulation_settings`: the ledger
+    flushed once a scenario hour), and the readings only metrics text shows read only with
+    `metrics_out`."""
     logging.disable(logging.CRITICAL)  # the flags it raises are not the point here
     spent: dict[str, float] = {}
-    settings = simulation_settings(load_config(None), metrics_text=metrics_out)
+    settings = simulation_settings(load_config(None))
     with tempfile.TemporaryDirectory() as tmp:
         agent = build_agent(
             settings, fake=load_scenario(scenario), ledger_path=str(Path(tmp) / "ledger.db"),
-            poll_interval_s=step_s, actions="dry_run", ledger_fsync=False,
+            poll_interval_s=step_s, actions="dry_run", ledger_fsync=False, metrics_text=metrics_out,
         )  # fmt: skip
         assert agent.node is not None
         polls = 0

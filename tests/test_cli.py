@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.model import WORKLOAD_LABELS
+from agent.model import WORKLOAD_LABELS, AgentState, DeviceReading
 from fake_nvml.scenario import load_scenario
 from tests.cli_server import CliServer
 
@@ -542,10 +542,12 @@ def test_simulate_writes_the_exposition_to_stdout_when_asked() -> None:
     assert "simulated" not in result.stdout
 
 
-# NVML calls that only the readings groups make (agent/devices/telemetry.py); the groups' field
-# ids ride in the field-values call that every poll makes anyway.
-GROUP_CALLS = frozenset(
+# NVML calls that only the readings shown in metrics text alone make: the readings groups'
+# (agent/devices/telemetry.py) and the temperature's. The groups' field ids, and the NVLinks'
+# states, ride in the field-values call that every poll makes anyway.
+TEXT_ONLY_CALLS = frozenset(
     {
+        "nvmlDeviceGetTemperature",  # the temperature
         "nvmlDeviceGetClockInfo",  # clocks
         "nvmlDeviceGetPerformanceState",  # clocks
         "nvmlDeviceGetCurrentClocksEventReasons",  # throttle
@@ -557,8 +559,9 @@ GROUP_CALLS = frozenset(
 )
 
 
-def simulated_in_process(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[str, Counter[str]]:
-    """`gpuledger simulate ARGS` in this process: its stdout, and each NVML call its fake node answered."""
+def simulated_in_process(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[str, Counter[str], AgentState]:
+    """`gpuledger simulate ARGS` in this process: its stdout, each NVML call its fake node
+    answered, and the agent's last state."""
     import agent.cli.simulate
     from agent.cli.main import main
     from agent.cli.wiring import Agent, build_agent
@@ -576,7 +579,7 @@ def simulated_in_process(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[s
             assert main(["simulate", *args]) == 0
     node = built[0].node
     assert node is not None
-    return out.getvalue(), node.calls
+    return out.getvalue(), node.calls, built[0].pipeline.state
 
 
 def ledger_rows(path: Path) -> dict[str, list[tuple[Any, ...]]]:
@@ -592,22 +595,30 @@ def ledger_rows(path: Path) -> dict[str, list[tuple[Any, ...]]]:
         }
 
 
-def test_simulate_reads_the_readings_groups_only_for_an_exposition(
+def test_simulate_reads_what_only_metrics_text_shows_only_for_metrics_text(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The readings groups reach only the exposition: a simulation that writes none does not
-    read them, and its ledger and summary are the same as where they are read. The health
-    scenario has hardware trouble of every kind, so every group has something to read."""
+    """The readings groups, the temperature and the NVLinks' states reach only the metrics
+    text: a simulation that writes none does not read them, and its ledger and summary are the
+    same as where they are read. The health scenario has hardware trouble of every kind, so every
+    group has something to read."""
     plain, shown, textfile = tmp_path / "plain.db", tmp_path / "shown.db", tmp_path / "node.prom"
-    summary, calls = simulated_in_process(monkeypatch, "health", "--for", "2h", "--ledger", str(plain))
-    assert not GROUP_CALLS & calls.keys()
-    assert calls["nvmlDeviceGetFieldValues"] > 0  # the readings that are not in a group are read
+    summary, calls, state = simulated_in_process(monkeypatch, "health", "--for", "2h", "--ledger", str(plain))
+    assert not TEXT_ONLY_CALLS & calls.keys()
+    assert calls["nvmlDeviceGetFieldValues"] > 0  # the readings that are not text-only are read
+    assert all(d.temperature_c is None and d.nvlinks == () for d in devices(state))
+    assert all(d.energy_j is not None for d in devices(state))
 
     metrics = tmp_path / "metrics.prom"
     args = ("health", "--for", "2h", "--ledger", str(shown), "--metrics-out", str(metrics))
-    summary_shown, calls_shown = simulated_in_process(monkeypatch, *args)
-    assert all(calls_shown[call] > 0 for call in GROUP_CALLS), calls_shown
-    assert "gpuledger_gpu_sm_clock_hertz" in metrics.read_text()
+    summary_shown, calls_shown, state_shown = simulated_in_process(monkeypatch, *args)
+    assert all(calls_shown[call] > 0 for call in TEXT_ONLY_CALLS), calls_shown
+    assert all(d.temperature_c is not None for d in devices(state_shown))
+    assert any(d.nvlinks for d in devices(state_shown))
+    text = metrics.read_text()
+    assert "gpuledger_gpu_sm_clock_hertz" in text
+    assert "gpuledger_gpu_temperature_celsius" in text
+    assert "gpuledger_gpu_nvlink_up" in text
     assert ledger_rows(plain) == ledger_rows(shown)
     assert (
         summary.replace(str(plain), "LEDGER")
@@ -617,12 +628,17 @@ def test_simulate_reads_the_readings_groups_only_for_an_exposition(
         + "\n"
     )
 
-    # A textfile in the settings is an exposition too.
+    # A textfile in the settings is metrics text too.
     config = tmp_path / "gpuledger.yaml"
     config.write_text(f"exporters:\n  textfile_path: {textfile}\n", encoding="utf-8")
-    _, calls_textfile = simulated_in_process(monkeypatch, "health", "--for", "10m", "--config", str(config))
-    assert all(calls_textfile[call] > 0 for call in GROUP_CALLS), calls_textfile
-    assert "gpuledger_gpu_sm_clock_hertz" in textfile.read_text()
+    _, calls_textfile, _ = simulated_in_process(monkeypatch, "health", "--for", "10m", "--config", str(config))
+    assert all(calls_textfile[call] > 0 for call in TEXT_ONLY_CALLS), calls_textfile
+    assert "gpuledger_gpu_temperature_celsius" in textfile.read_text()
+
+
+def devices(state: AgentState) -> tuple[DeviceReading, ...]:
+    assert state.snapshot is not None
+    return state.snapshot.devices
 
 
 def test_simulate_writes_its_ledger_once_a_scenario_hour(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

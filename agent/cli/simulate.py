@@ -3,8 +3,8 @@
 The agent is built as `run` builds it, so every output option `run` honours (per-pid series,
 dcgm-exporter compatibility, the textfile, the ledger) applies here too; its periodic jobs run
 on the scenario clock at the daemon's rhythm, one poll per --step, but for the ledger's
-flushes (once a scenario hour). The readings groups (readings.*) are read only where metrics
-text is written (--metrics-out, the textfile): nothing else shows them.
+flushes (once a scenario hour). The readings only metrics text shows (the readings.* groups,
+temperatures, NVLink states) are read only where it is written (--metrics-out, the textfile).
 
 Everything that can be refused is refused before the first poll: a --for or --step that would
 charge nothing, a --ledger that cannot be written or already holds charges (unless --append), and
@@ -46,22 +46,16 @@ MAX_POLLS = 6_307_200  # a year of polls 5 s apart: hours at the speed simulate 
 SIMULATED_FLUSH_S = 3600.0
 
 
-def simulation_settings(settings: Settings, *, metrics_text: bool) -> Settings:
-    """`settings` as a simulation applies them (`metrics_text`: --metrics-out was given).
-
-    The readings groups (clocks, errors, NVLink and PCIe, codecs: readings.*) reach only the
-    exposition, and a run that writes none (neither --metrics-out nor the textfile) would spend a
-    third of each poll reading them for nothing: the ledger, the summary and the flags never see
-    them. The ledger is written once a scenario hour (SIMULATED_FLUSH_S) and at the end: at the
-    daemon's every minute, its flushes were 7% of the run and bought nothing, as the rows are
-    hours. The rows hold the same charges; only their sums' last bits can differ, as a row is
-    added up in fewer parts."""
-    update: dict[str, object] = {}
-    if not metrics_text and not settings.exporters.textfile_path:
-        update["readings"] = settings.readings.without_groups()
-    if settings.ledger.flush_interval < SIMULATED_FLUSH_S:
-        update["ledger"] = settings.ledger.model_copy(update={"flush_interval": SIMULATED_FLUSH_S})
-    return settings.model_copy(update=update)
+def simulation_settings(settings: Settings) -> Settings:
+    """`settings` as a simulation applies them: the ledger is written once a scenario hour
+    (SIMULATED_FLUSH_S) and at the end. At the daemon's every minute, its flushes were 7% of the
+    run and bought nothing, as the rows are hours. The rows hold the same charges; only their
+    sums' last bits can differ, as a row is added up in fewer parts."""
+    if settings.ledger.flush_interval >= SIMULATED_FLUSH_S:
+        return settings
+    return settings.model_copy(
+        update={"ledger": settings.ledger.model_copy(update={"flush_interval": SIMULATED_FLUSH_S})}
+    )
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -92,15 +86,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fake_nvml import load_scenario  # here: `run` on a real driver never loads the fake
 
     scenario = load_scenario(args.scenario)
-    settings = simulation_settings(settings, metrics_text=bool(args.metrics_out))
+    settings = simulation_settings(settings)
     if args.ledger:
         check_ledger(Path(args.ledger), append=args.append, start=scenario.start_epoch)
     # Polls --step apart are this run's normal rhythm (build_agent never counts them as a gap).
     # Scenario time is not the host's: actions are only logged as dry runs.
-    # A flush every scenario minute is many a second here: each commits atomically, but waiting
-    # for the disk at each would take as long as the polls (the file is synced as it closes).
+    # Even hourly, flushes come a few times a real second here: each commits atomically, and
+    # the file is synced as it closes rather than waited on at each.
+    # The readings only metrics text shows (the readings.* groups, temperatures, NVLink states)
+    # are read only where there is some to write, --metrics-out or the textfile: a run without
+    # would spend more than a third of each poll reading them for nothing.
     agent = build_agent(
-        settings, fake=scenario, ledger_path=args.ledger, poll_interval_s=step, actions="dry_run", ledger_fsync=False
+        settings, fake=scenario, ledger_path=args.ledger, poll_interval_s=step, actions="dry_run", ledger_fsync=False,
+        metrics_text=bool(args.metrics_out),
     )  # fmt: skip
     node = agent.node
     assert node is not None

@@ -165,6 +165,7 @@ def build_agent(
     actions: Literal["on", "dry_run", "off"] = "on",
     wrap_backend: Callable[[DeviceBackend], DeviceBackend] | None = None,
     ledger_fsync: bool = True,
+    metrics_text: bool = True,
 ) -> Agent:
     """Assemble the agent, with NVML initialised (raises DriverLibraryMissing without a driver).
 
@@ -183,7 +184,11 @@ def build_agent(
                    is never used (a demo must not mark the host's real episodes as acted on).
     wrap_backend   wraps the device backend before anything uses it (`record` keeps what it says)
     ledger_fsync   sync the ledger to disk at every flush (False for `simulate`, whose flushes
-                   come many times a second: still atomic, synced at checkpoints and at close)
+                   come often: still atomic, synced at checkpoints and at close)
+    metrics_text   False where nothing this agent makes is shown as metrics text (`simulate`
+                   without --metrics-out): the readings only that text shows (the readings.*
+                   groups, the temperature, the NVLinks' states) are then not read, unless the
+                   settings write a textfile. The ledger, the flags and the costs never see them.
     """
     problems = host_problems(settings, "gpuledger")
     if problems:
@@ -206,7 +211,7 @@ def build_agent(
             hostname=node_name(settings, node),
             pci_gpus=partial(nvidia_gpus, sys_root),
             busy_source=settings.accounting.busy_source,
-            readings=settings.readings.options(),
+            readings=settings.readings.options(metrics_text=metrics_text or bool(textfile_path)),
         )
         # The devices first (within the call budget): without a driver nothing else is built,
         # so `run` says that, and only that, in its one line.

@@ -452,7 +452,7 @@ class Sampler:
             total = self._optional(uuid, "memory", lambda: b.read(handle, [_MEMORY_TOTAL]).values.get(_MEMORY_TOTAL))
             gpu.memory_total_bytes = None if total is None else int(total)
             gpu.mig_by_instance = _by_instance(gpu.migs)
-        _set_keys(gpu)
+        _set_keys(gpu, self.readings.exposition)
         return gpu
 
     def _read_facts(self, gpu: _Gpu, now: float, facts: Iterable[str]) -> None:
@@ -696,7 +696,7 @@ class Sampler:
         try:
             if gpu.missing and now >= gpu.facts_retry_at:
                 self._read_facts(gpu, now, sorted(gpu.missing))
-                _set_keys(gpu)
+                _set_keys(gpu, self.readings.exposition)
             gpu.previous_poll_at, gpu.poll_at = gpu.poll_at, now
             readings = self._read_healthy(gpu)
         except DeviceLost as exc:
@@ -1270,10 +1270,12 @@ def _links(count: int) -> tuple[tuple[ReadingKey, int], ...]:
     return tuple((ReadingKey(Quantity.NVLINK_UP, link), link) for link in range(count))
 
 
-def _set_keys(gpu: _Gpu) -> None:
-    """What one poll asks `read` for: a MIG-enabled GPU's memory is its MIG devices'."""
-    links = tuple(key for key, _link in gpu.links)
+def _set_keys(gpu: _Gpu, exposition: bool) -> None:
+    """What one poll asks `read` for: a MIG-enabled GPU's memory is its MIG devices'. The
+    temperature and the NVLinks' states only where there is an `exposition` to show them."""
+    temperature = (_TEMPERATURE,) if exposition else ()
+    links = tuple(key for key, _link in gpu.links) if exposition else ()
     if gpu.migs:
-        gpu.keys = (_UTILIZATION, _TEMPERATURE, _POWER, _ENERGY, *links)
+        gpu.keys = (_UTILIZATION, *temperature, _POWER, _ENERGY, *links)
     else:
-        gpu.keys = (*_MEMORY, _UTILIZATION, _TEMPERATURE, _POWER, _ENERGY, *links)
+        gpu.keys = (*_MEMORY, _UTILIZATION, *temperature, _POWER, _ENERGY, *links)

@@ -105,12 +105,16 @@ MIG_ACTIVITY_MODES = (MIG_ACTIVITY_SLOW, MIG_ACTIVITY_EVERY_POLL, MIG_ACTIVITY_O
 
 @dataclass(frozen=True)
 class ReadingOptions:
-    """Which groups of `GROUPS` a poll reads, how often the slow ones, and how MIG instances'
-    activity is read (one of `MIG_ACTIVITY_MODES`)."""
+    """Which groups of `GROUPS` a poll reads, how often the slow ones, how MIG instances'
+    activity is read (one of `MIG_ACTIVITY_MODES`), and whether it reads the other readings that
+    only the metrics text shows."""
 
     groups: frozenset[str] = DEFAULT_GROUPS
     slow_interval_s: float = DEFAULT_SLOW_INTERVAL_S
     mig_activity: str = MIG_ACTIVITY_SLOW
+    # The readings outside the groups that only the metrics text (and `snapshot`'s table, and
+    # `record`) shows: the GPU's temperature and each NVLink's state, up or down.
+    exposition: bool = True
 
     def __post_init__(self) -> None:
         unknown = self.groups - set(GROUPS)
