@@ -277,10 +277,7 @@ class FakeNvmlLibrary:
         self._devices: dict[int, Dev | None] = {}
         self._decoded: dict[int, tuple[Any, Dev | None]] = {}  # id(handle) -> (handle, device)
         # How each batch of fields is answered on each device (see _field_plan).
-        self._field_plans: dict[tuple[bool, frozenset[str], bool, bool, bytes], list[_FieldGroup]] = {}
-        self._links_quiet: dict[int, bool] = {}  # per GPU, see _quiet_links
-        self._all_up: dict[int, bool] = {}  # per GPU, see _links_up
-        self._field_faults: dict[int, frozenset[str]] = {}  # per GPU, see _faulted_field_calls
+        self._field_plans: dict[tuple[int, int | None, bytes], list[_FieldGroup]] = {}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         spec = _REGISTRY.get(name)
@@ -396,33 +393,18 @@ class FakeNvmlLibrary:
         made.__name__ = name
         return made
 
-    def _faulted_field_calls(self, gpu: int) -> frozenset[str]:
-        """The calls behind field ids that a fault of the scenario can make fail on this GPU."""
-        found = self._field_faults.get(gpu)
-        if found is None:
-            calls = {call for call, _read in _HEALTH_FIELDS.values()} | set(_FIELD_CALLS.values())
-            faults_for = self._node.faults_for
-            found = self._field_faults[gpu] = frozenset(c for c in calls if faults_for(c, family(c), gpu)[0])
-        return found
-
     def _quiet_links(self, gpu: int) -> bool:
         """Whether the GPU's NVLink error counters are zeros at all times: no fault gives its
         links errors and no recorded row gives their counts (`nvlink_errors_all`'s shortcut,
         which holds for the node's life, as its faults and rows are fixed)."""
-        found = self._links_quiet.get(gpu)
-        if found is None:
-            node = self._node
-            found = self._links_quiet[gpu] = not node.health._nvlink_error_faults[gpu] and not node._rows[gpu][1]
-        return found
+        node = self._node
+        return not node.health._nvlink_error_faults[gpu] and not node._rows[gpu][1]
 
     def _links_up(self, gpu: int) -> bool:
         """Whether every NVLink of the GPU is up at all times: no fault of its takes a link down
         and no recorded row says one is (the only ways `GpuState.nvlinks_down` gets a link)."""
-        found = self._all_up.get(gpu)
-        if found is None:
-            node = self._node
-            found = self._all_up[gpu] = not node._nvlink_faults.get(gpu) and not node._rows[gpu][1]
-        return found
+        node = self._node
+        return not node._nvlink_faults.get(gpu) and not node._rows[gpu][1]
 
     # -- handles ------------------------------------------------------------------------------
 
@@ -1378,15 +1360,15 @@ def _field_values(lib: FakeNvmlLibrary, t: float, dev: Dev, count: Any, values: 
     batch = memoryview(_obj(values)).cast("B")[: n * _FIELD_WORDS * 8]
     words = batch.cast("Q")
     heads = words[0::_FIELD_WORDS]
-    # A plan serves every device alike in what it depends on (MIG or not, which of the fields'
-    # calls faults can touch: none, on most GPUs), keyed by the ids' and scopes' bytes.
-    quiet, up = lib._quiet_links(dev.gpu), lib._links_up(dev.gpu)
-    key = (dev.mig is not None, lib._faulted_field_calls(dev.gpu), quiet, up, heads.tobytes())
+    # A device's plan for a batch holds for the node's life (its faults and rows are fixed),
+    # keyed by the ids' and scopes' bytes.
+    key = (dev.gpu, dev.mig, heads.tobytes())
     plans = lib._field_plans
     plan = plans.get(key)
     if plan is None:
         if len(plans) >= _FIELD_PLANS_KEPT:
             plans.clear()
+        quiet, up = lib._quiet_links(dev.gpu), lib._links_up(dev.gpu)
         plan = plans[key] = _field_plan(lib, dev, tuple(heads.tolist()), quiet, up)
     node, gpu = lib._node, dev.gpu
     halves = batch.cast("I")
