@@ -186,8 +186,8 @@ class NodeHealth:
         row = self._recorded(gpu, t)
         if row is not None and row.memory_utilization is not None:
             return row.memory_utilization
-        percent = self._node.utilization(gpu, t)
-        return round(percent * 0.6) if self._node.memory_used_mib(gpu, None, t) else 0
+        state = self._node.state(gpu, t)
+        return round(state.utilization * 0.6) if state.memory_used_mib else 0
 
     # -- clocks and throttling ----------------------------------------------------------------
 

@@ -750,12 +750,12 @@ def _ci_id(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
 @_c("nvmlDeviceGetUtilizationRates")
 def _utilization(lib: FakeNvmlLibrary, t: float, dev: Dev, out: Any) -> int:
     # As on real drivers, neither a MIG-enabled GPU nor its instances report utilization.
-    if lib._node.gpu(dev.gpu).mig:
+    node = lib._node
+    if node.gpu(dev.gpu).mig:
         return NOT_SUPPORTED
     util = _obj(out)
-    percent = lib._node.utilization(dev.gpu, t)
-    util.gpu = round(percent)
-    util.memory = lib._node.health.memory_utilization_percent(dev.gpu, t)
+    util.gpu = round(node.state(dev.gpu, t).utilization)
+    util.memory = node.health.memory_utilization_percent(dev.gpu, t)
     return SUCCESS
 
 
