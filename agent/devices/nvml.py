@@ -267,12 +267,19 @@ def _call(call: str, fn: Callable[..., T], *args: Any) -> T:
 
 
 def _function(call: str, name: str) -> Callable[..., int]:
-    """The C function `name`, looked up the way pynvml's wrappers do."""
+    """The C function `name`, looked up the way pynvml's wrappers do. The calls made for every
+    GPU every poll look in pynvml's cache first (`_cached`), inline: a hit there is what this
+    would return, for a dict lookup where this costs two Python calls (a poll makes dozens)."""
     try:
         fn: Callable[..., int] = pynvml._nvmlGetFunctionPointer(name)
     except pynvml.NVMLError as exc:
         raise _error(call, exc.value) from exc
     return fn
+
+
+# A lookup in pynvml's cache of the library's functions, filled by `_function` (pynvml's own
+# lookup): the dict is emptied, never replaced, when the library is unloaded.
+_cached: Callable[[str], Callable[..., int] | None] = pynvml._nvmlGetFunctionPointer_cache.get
 
 
 def _check(call: str, code: int) -> None:
@@ -1114,7 +1121,7 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         """The C function `name` filling `out`, as pynvml's wrapper of it calls it, but into the
         device's reused plain struct: pynvml's own structs convert every field through
         Python-level hooks, and these calls are made for every GPU every poll."""
-        _check(call, _function(call, name)(handle.handle, ctypes.byref(out)))
+        _check(call, (_cached(name) or _function(call, name))(handle.handle, ctypes.byref(out)))
 
     def _memory(self, handle: _Device) -> tuple[int, int, int]:
         """(used, total, free) bytes. The v2 call counts driver-reserved memory apart, as `used`
@@ -1173,7 +1180,7 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         """One field-values call; each field's outcome is then in `request.array`."""
         call = "nvmlDeviceGetFieldValues"
         ctypes.memmove(request.array, request.template, len(request.template))
-        _check(call, _function(call, call)(handle.handle, request.length, request.reference))
+        _check(call, (_cached(call) or _function(call, call))(handle.handle, request.length, request.reference))
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
         """Compute processes with their memory, through the newest call version the driver has."""
@@ -1206,7 +1213,7 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
 
     @staticmethod
     def _process_infos(handle: _Device, call: str, variant: str, buffer_name: str) -> list[ProcessInfo]:
-        fn = _function(call, variant)
+        fn = _cached(variant) or _function(call, variant)
         count = handle.count
         # Processes may start between a too-small call and the next: try a few times.
         for _attempt in range(3):
@@ -1238,7 +1245,7 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
 
     def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:
         call = "nvmlDeviceGetProcessUtilization"
-        fn = _function(call, call)
+        fn = _cached(call) or _function(call, call)
         count, since = handle.count, handle.since
         since.value = since_us
         for _attempt in range(3):
@@ -1264,7 +1271,7 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         NVML_GPU_UTILIZATION_SAMPLES), in one call into the device's buffer: pynvml's wrapper
         makes two (the size, then the samples)."""
         call = "nvmlDeviceGetSamples"
-        fn = _function(call, call)
+        fn = _cached(call) or _function(call, call)
         kind = _GPU_UTILIZATION_SAMPLES
         since, value_type, count = handle.since, handle.value_type, handle.count
         since.value, value_type.value = since_us, 0
