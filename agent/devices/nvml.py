@@ -283,6 +283,8 @@ _cached: Callable[[str], Callable[..., int] | None] = pynvml._nvmlGetFunctionPoi
 
 
 def _check(call: str, code: int) -> None:
+    """Raises what a C function's return `code` means. The calls made for every GPU every poll
+    test their code inline instead, as they look up their function (`_cached`)."""
     if code != pynvml.NVML_SUCCESS:
         raise _error(call, code)
 
@@ -1121,7 +1123,9 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         """The C function `name` filling `out`, as pynvml's wrapper of it calls it, but into the
         device's reused plain struct: pynvml's own structs convert every field through
         Python-level hooks, and these calls are made for every GPU every poll."""
-        _check(call, (_cached(name) or _function(call, name))(handle.handle, ctypes.byref(out)))
+        code = (_cached(name) or _function(call, name))(handle.handle, ctypes.byref(out))
+        if code != pynvml.NVML_SUCCESS:
+            raise _error(call, code)
 
     def _memory(self, handle: _Device) -> tuple[int, int, int]:
         """(used, total, free) bytes. The v2 call counts driver-reserved memory apart, as `used`
@@ -1180,7 +1184,9 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
         """One field-values call; each field's outcome is then in `request.array`."""
         call = "nvmlDeviceGetFieldValues"
         ctypes.memmove(request.array, request.template, len(request.template))
-        _check(call, (_cached(call) or _function(call, call))(handle.handle, request.length, request.reference))
+        code = (_cached(call) or _function(call, call))(handle.handle, request.length, request.reference)
+        if code != pynvml.NVML_SUCCESS:
+            raise _error(call, code)
 
     def running_processes(self, handle: Handle) -> list[ProcessInfo]:
         """Compute processes with their memory, through the newest call version the driver has."""
@@ -1225,7 +1231,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                     break  # a driver that never says enough: not a reason to grow without bound
                 setattr(handle, buffer_name, (_ProcessInfo * min(count.value * 2 + 5, MAX_PROCESSES))())
                 continue
-            _check(call, code)
+            if code != pynvml.NVML_SUCCESS:
+                raise _error(call, code)
             answer = bytes(memoryview(buffer).cast("B")[: count.value * ctypes.sizeof(_ProcessInfo)])
             seen = handle.infos_seen.get(buffer_name)
             if seen is not None and seen[0] == answer:
@@ -1259,7 +1266,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 continue
             if code == pynvml.NVML_ERROR_NOT_FOUND:
                 return []
-            _check(call, code)
+            if code != pynvml.NVML_SUCCESS:
+                raise _error(call, code)
             # The samples as one unpack of the buffer (pid, time stamp, SM utilization of each):
             # a busy GPU has dozens a poll, and three ctypes attribute reads each cost more.
             flat = _samples_layout(count.value).unpack_from(buffer)
@@ -1286,7 +1294,8 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 continue
             if code == pynvml.NVML_ERROR_NOT_FOUND:
                 return []  # nothing sampled since `since_us`
-            _check(call, code)
+            if code != pynvml.NVML_SUCCESS:
+                raise _error(call, code)
             taken, value_kind = count.value, value_type.value
             if _LITTLE_ENDIAN and value_kind in _UNSIGNED_TYPES:
                 # nvmlSample_t is two words, the time stamp and the value: read a column at a time

@@ -14,8 +14,7 @@ import socket
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 from agent.devices.activity import ActivityBackend, ActivityMeter
 from agent.devices.backend import (
@@ -48,6 +47,7 @@ from agent.model import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class PollAbandoned(Exception):
@@ -735,14 +735,17 @@ class Sampler:
                 log.debug("%s: reading %s failed: %s", where, key, failure)
         return result.values
 
-    def _call(self, where: str, unsupported: Unsupported, what: str, call: Callable[[], T]) -> T | None:
-        """One call's result, or None. Unsupported is learned (never asked again); a lost device
-        or a driver that went away propagates; any other error counts and leaves this poll's
-        result absent."""
+    def _call(
+        self, where: str, unsupported: Unsupported, what: str, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> T | None:
+        """`call(*args, **kwargs)`'s result, or None. Unsupported is learned (never asked again);
+        a lost device or a driver that went away propagates; any other error counts and leaves
+        this poll's result absent. The arguments are passed, not closed over in a lambda: a
+        poll makes dozens of these calls, and a lambda costs one more Python call each."""
         if what in unsupported:
             return None
         try:
-            result = call()
+            result = call(*args, **kwargs)
         except ReadingNotSupported as exc:
             if what in unsupported.worked:  # it answered before: a transient failure
                 self._count(exc)
@@ -831,7 +834,7 @@ class Sampler:
         from the last sample seen, so the mean covers both intervals) or none were new."""
         since = gpu.utilization_seen_us
         samples = self._call(
-            where, gpu.unsupported, "utilization samples", lambda: self.backend.utilization_samples(gpu.handle, since)
+            where, gpu.unsupported, "utilization samples", self.backend.utilization_samples, gpu.handle, since
         )
         if not samples:
             return None
@@ -868,7 +871,7 @@ class Sampler:
 
     def _whole_gpu_processes(self, gpu: _Gpu, where: str) -> tuple[ProcessReading, ...] | None:
         """The GPU's processes; None when the list could not be read this poll (not "none")."""
-        infos = self._call(where, gpu.unsupported, "processes", lambda: self.backend.running_processes(gpu.handle))
+        infos = self._call(where, gpu.unsupported, "processes", self.backend.running_processes, gpu.handle)
         if infos is None:
             return None
         asked = gpu.other_lists_found or gpu.poll_at is None or gpu.poll_at >= gpu.other_lists_due_at
@@ -1005,8 +1008,8 @@ class Sampler:
                 return {mig.slot: split.get(mig.slot, ()) for mig in gpu.migs}
         found: dict[int, tuple[ProcessReading, ...] | None] = {}
         for mig in gpu.migs:
-            read = partial(self.backend.running_processes, mig.handle)
-            mig_infos = self._call(f"{where} MIG {mig.slot}", mig.unsupported, "processes", read)
+            read = self.backend.running_processes
+            mig_infos = self._call(f"{where} MIG {mig.slot}", mig.unsupported, "processes", read, mig.handle)
             found[mig.slot] = None if mig_infos is None else _readings(mig_infos)
         return found
 
@@ -1030,7 +1033,7 @@ class Sampler:
     ) -> list[ProcessInfo] | None:
         """An MPS-client or graphics process list: [] where the driver has no such list (learned
         once), None where it failed this poll (the GPU's list is then incomplete, not read)."""
-        found = self._call(where, gpu.unsupported, what, lambda: read(gpu.handle))
+        found = self._call(where, gpu.unsupported, what, read, gpu.handle)
         if found is None:
             return [] if what in gpu.unsupported else None
         return found
@@ -1057,7 +1060,7 @@ class Sampler:
         than it ran."""
         since = gpu.last_seen_us
         samples = self._call(
-            where, gpu.unsupported, "process utilization", lambda: self.backend.process_utilization(gpu.handle, since)
+            where, gpu.unsupported, "process utilization", self.backend.process_utilization, gpu.handle, since
         )
         if samples is None:
             return None
