@@ -367,6 +367,9 @@ class _ProcessInfo(ctypes.Structure):
     _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
 
 
+_PROCESS_INFO_BYTES = ctypes.sizeof(_ProcessInfo)
+
+
 class _Memory(ctypes.Structure):
     _fields_ = pynvml.c_nvmlMemory_t._fields_
 
@@ -586,9 +589,9 @@ class _Device:
         self.count = ctypes.c_uint()
         self.since = ctypes.c_ulonglong()
         self.value_type = ctypes.c_uint()
-        # The utilization-sample buffer as 64-bit words: (the buffer, the view), made again when
-        # the buffer is grown.
-        self.words: tuple[ctypes.Array[_Sample], memoryview] | None = None
+        # The utilization-sample buffer as 64-bit words and as 32-bit halves: (the buffer, the
+        # views), made again when the buffer is grown.
+        self.words: tuple[ctypes.Array[_Sample], memoryview, memoryview] | None = None
 
 
 class _EventData(ctypes.Structure):
@@ -1233,7 +1236,9 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 continue
             if code != pynvml.NVML_SUCCESS:
                 raise _error(call, code)
-            answer = bytes(memoryview(buffer).cast("B")[: count.value * ctypes.sizeof(_ProcessInfo)])
+            if not count.value:
+                return []  # most lists asked are empty (the MPS and graphics ones): nothing to decode
+            answer = bytes(memoryview(buffer).cast("B")[: count.value * _PROCESS_INFO_BYTES])
             seen = handle.infos_seen.get(buffer_name)
             if seen is not None and seen[0] == answer:
                 return list(seen[1])  # the same processes as last time: their ProcessInfos again
@@ -1301,11 +1306,11 @@ class NvmlBackend(_NvmlEvents, _NvmlActivity):
                 # nvmlSample_t is two words, the time stamp and the value: read a column at a time
                 # (a poll reads a sample a second of every GPU).
                 if handle.words is None or handle.words[0] is not buffer:
-                    handle.words = (buffer, memoryview(buffer).cast("B").cast("Q"))
-                words = handle.words[1]
-                values = words[1 : 2 * taken : 2].tolist()
-                if value_kind not in _WORD_TYPES:
-                    values = [value & 0xFFFFFFFF for value in values]
+                    in_bytes = memoryview(buffer).cast("B")
+                    handle.words = (buffer, in_bytes.cast("Q"), in_bytes.cast("I"))
+                _buffer, words, halves = handle.words
+                # A 32-bit value is the low half of its word: the first, on a little-endian host.
+                values = (words[1 : 2 * taken : 2] if value_kind in _WORD_TYPES else halves[2 : 4 * taken : 4]).tolist()
                 return list(zip(words[0 : 2 * taken : 2].tolist(), map(float, values), strict=True))
             member = _VALUE_MEMBERS.get(value_kind, "uiVal")
             return [(s.timeStamp, float(getattr(s.sampleValue, member))) for s in buffer[:taken]]
