@@ -777,7 +777,8 @@ class Sampler:
         reader, now = self._telemetry_reader(gpu), gpu.poll_at or 0.0
         health = reader.keys(now) if reader is not None else ()
         values = self._read(where, gpu.unsupported, gpu.handle, _poll_keys(gpu, health))
-        links = _nvlinks(gpu, values)
+        # Without an exposition no link state is asked (`_set_keys`): none to look for among the values.
+        links = _nvlinks(gpu, values) if self.readings.exposition else ()
         telemetry = reader.telemetry(now, health, values, gpu.unsupported) if reader is not None else None
         if gpu.migs:
             return self._read_mig_gpu(gpu, where, values, links, telemetry)
