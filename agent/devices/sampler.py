@@ -1070,18 +1070,22 @@ class Sampler:
         columns = tuple(zip(*samples, strict=True))
         if columns and min(columns[1]) <= since:
             columns = tuple(zip(*[sample for sample in samples if sample[1] > since], strict=True))
-        by_pid: defaultdict[int, list[int]] = defaultdict(list)
-        stamps_by_pid: defaultdict[int, list[int]] = defaultdict(list)
-        if columns:
-            pids, stamps_us, utils_of = columns
-            gpu.last_seen_us = max(since, *stamps_us)
-            if pids.count(pids[0]) == len(pids):
-                # One process at work, the usual case: its samples are the columns as they are.
-                by_pid[pids[0]], stamps_by_pid[pids[0]] = list(utils_of), list(stamps_us)
-            else:
-                for pid, stamp_us, util in zip(*columns, strict=True):
-                    by_pid[pid].append(util)
-                    stamps_by_pid[pid].append(stamp_us)
+        if not columns:
+            return {}  # no process did any work since the last poll
+        pids, stamps_us, utils_of = columns
+        gpu.last_seen_us = max(since, *stamps_us)
+        by_pid: Mapping[int, Sequence[int]]
+        stamps_by_pid: Mapping[int, Sequence[int]]
+        if pids.count(pids[0]) == len(pids):
+            # One process at work, the usual case: its samples are the columns as they are.
+            by_pid, stamps_by_pid = {pids[0]: utils_of}, {pids[0]: stamps_us}
+        else:
+            utils_by_pid: defaultdict[int, list[int]] = defaultdict(list)
+            stamps_of_pid: defaultdict[int, list[int]] = defaultdict(list)
+            for pid, stamp_us, util in zip(*columns, strict=True):
+                utils_by_pid[pid].append(util)
+                stamps_of_pid[pid].append(stamp_us)
+            by_pid, stamps_by_pid = utils_by_pid, stamps_of_pid
         # A period is the gap between two samples of one process. The driver stamps each
         # process's sample when it records that process, so two processes' stamps are any
         # distance apart (microseconds, on one GPU: NVIDIA/go-nvml issue 51), never a period.
