@@ -847,14 +847,17 @@ class Sampler:
             if not stamps:
                 return None
             times, percents = zip(*stamps, strict=True)
-        shortest = _shortest_gap(times)
+        # The gaps before each sample (the first: since the last poll's last), worked out once
+        # for the period learned from them and the spans below.
+        gaps = list(map(operator.sub, times, (since, *times[:-1])))
+        shortest = min(filter(None, gaps[1:]), default=None)  # `_shortest_gap(times)`
         if shortest is not None:
             gpu.utilization_period_us = min(shortest, gpu.utilization_period_us or shortest)
         period = gpu.utilization_period_us
         if period is not None and since:
-            # Each sample spans the time since the one before (the first: since the last poll's
-            # last), at most a period. The sums are added up in order, as the loop below does.
-            spans = [period if period < gap else gap for gap in map(operator.sub, times, (since, *times[:-1]))]
+            # Each sample spans the time since the one before, at most a period. The sums are
+            # added up in order, as the loop below does.
+            spans = [period if period < gap else gap for gap in gaps]
             weighted = functools.reduce(operator.add, map(operator.mul, percents, spans), 0.0)
             total = functools.reduce(operator.add, spans, 0.0)
         else:
