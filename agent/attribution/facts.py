@@ -54,7 +54,10 @@ class SlurmAllocation:
         return self.job if self.job.isascii() and self.job.isdigit() else None
 
 
-@dataclass(frozen=True)
+# Not frozen, though no source sets a field: each source hands on a copy (`replace`) every poll,
+# and a frozen dataclass's __init__ sets each field through object.__setattr__, which made those
+# copies cost twice as much.
+@dataclass(slots=True)
 class HostFacts:
     """Everything the sources found in one poll, each field added by the source that knows it."""
 
