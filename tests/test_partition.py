@@ -593,12 +593,14 @@ def test_a_sped_up_clock_starts_with_the_first_poll(monkeypatch: pytest.MonkeyPa
 def test_a_sped_up_run_charges_the_job_what_simulate_charges(tmp_path: Path) -> None:
     # weekend-idle's job 9001 holds 8 GPUs for its 4 hours, then dies. `run --fake-speed 3600`
     # polled every 5 real seconds, 5 scenario hours, never saw it and booked it all as idle; a
-    # sped-up node is now polled every 20 real ms (FAKE_MIN_POLL_S), and the job is charged
-    # within 1% of what simulate charges (at 1-minute steps: the job starts and ends on one, so
-    # simulate charges it exactly, as at 15 s steps, in a quarter of the polls). Run at 1200x (24
-    # scenario seconds a poll): its end costs at most half the gap between two polls, and on a
-    # loaded 2-core machine a poll can be 100 real ms late, which at 3600x is 6 scenario minutes
-    # (1.25% of 4 h) but at 1200x 2.
+    # sped-up node is now polled every 20 real ms (FAKE_MIN_POLL_S), and the job is charged what
+    # simulate charges (at 1-minute steps: the job starts and ends on one, so simulate charges it
+    # exactly, as at 15 s steps, in a quarter of the polls), but for its end. The clock starts
+    # with the first poll, which sees the job start; its end falls between two polls (24
+    # scenario seconds apart at 1200x: an unloaded run charges about one such interval more,
+    # +0.17%), and on a loaded 2-core machine the poll after it can be late: CI saw the job short
+    # by 1.4% and 1.9% (a poll 170 and 230 real ms late). So the band is 5%, 12 scenario minutes
+    # (a poll 600 real ms late); a daemon that missed the job is 100% off.
     simulated, ran = tmp_path / "simulate.db", tmp_path / "run.db"
     sim = gpuledger("simulate", "weekend-idle", "--for", "5h", "--step", "1m", "--ledger", str(simulated), timeout=300)
     assert sim.returncode == 0, sim.stderr
@@ -643,7 +645,7 @@ def test_a_sped_up_run_charges_the_job_what_simulate_charges(tmp_path: Path) -> 
     assert expected == pytest.approx(
         8 * 4 * load_catalogue().instance_types["p4de.24xlarge"].dollars_per_hour / 8, rel=0.01
     )
-    assert job_dollars(ran, "9001") == pytest.approx(expected, rel=0.01)
+    assert job_dollars(ran, "9001") == pytest.approx(expected, rel=0.05)
 
 
 def test_a_holder_gone_between_two_polls_pays_to_the_midpoint_a_new_one_from_its_start(run: Any) -> None:
