@@ -659,19 +659,27 @@ def test_simulate_writes_its_ledger_once_a_scenario_hour(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(agent.ledger.store.Ledger, "flush", counted)
     hourly, daily, minutely = tmp_path / "hourly.db", tmp_path / "daily.db", tmp_path / "minutely.db"
-    simulated_in_process(monkeypatch, "demo", "--for", "3h", "--ledger", str(hourly))
+    # Two GPUs, one held by a process that ends part-way through an hour, one idle: every table
+    # gets rows, in a fraction of the demo node's polls.
+    node = tmp_path / "node.yaml"
+    node.write_text(
+        "start: 2026-11-20T00:00:00Z\ngpus: [{count: 2}]\n"
+        "processes: [{pid: 4242, gpus: [0], sm_util: 40, user: ann, uid: 1001, end: 100m}]\n",
+        encoding="utf-8",
+    )
+    simulated_in_process(monkeypatch, str(node), "--for", "3h", "--ledger", str(hourly))
     assert flushes == ["hourly.db"] * 3  # at 1h, 2h and 3h (and the close's own write)
 
     config = tmp_path / "gpuledger.yaml"
     config.write_text("ledger:\n  flush_interval: 2h\n", encoding="utf-8")
     flushes.clear()
-    simulated_in_process(monkeypatch, "demo", "--for", "3h", "--ledger", str(daily), "--config", str(config))
+    simulated_in_process(monkeypatch, str(node), "--for", "3h", "--ledger", str(daily), "--config", str(config))
     assert flushes == ["daily.db"]  # a longer interval is kept: at 2h
 
     # The daemon's rhythm on the same clock: a flush each scenario minute.
     flushes.clear()
     daemon = build_agent(
-        load_config(None), fake="demo", ledger_path=minutely, poll_interval_s=15, actions="dry_run", ledger_fsync=False
+        load_config(None), fake=node, ledger_path=minutely, poll_interval_s=15, actions="dry_run", ledger_fsync=False
     )
     assert daemon.node is not None
     run_on_scenario_time(daemon.pipeline.jobs(), daemon.node.clock.advance, 3 * 3600, 15)
@@ -679,6 +687,7 @@ def test_simulate_writes_its_ledger_once_a_scenario_hour(tmp_path: Path, monkeyp
     assert len(flushes) == 180
     written, expected = ledger_rows(hourly), ledger_rows(minutely)
     assert written.keys() == expected.keys()
+    assert all(expected[table] for table in ("workload_hours", "gpu_hours", "idle_hours", "sizing_hours"))
     for table, rows in expected.items():
         assert len(written[table]) == len(rows), table
         for got, want in zip(sorted(written[table], key=_keys), sorted(rows, key=_keys), strict=True):
