@@ -15,7 +15,8 @@ _new = object.__new__
 
 
 def _made_in_place(cls: type[_T]) -> type[_T]:
-    """`cls`, a frozen dataclass with slots (and no __post_init__), made at a third of the cost.
+    """`cls`, a frozen dataclass with slots (and no __post_init__), made at a quarter to three
+    fifths of the cost (a DeviceReading 0.9 against 3.8 us, a ProcessReading 0.4 against 0.7).
 
     A frozen dataclass's __init__ sets each field through object.__setattr__, past the
     __setattr__ that freezes it: a wrapped C call of about 1,000 instructions where a slot store

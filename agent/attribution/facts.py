@@ -55,8 +55,8 @@ class SlurmAllocation:
 
 
 # Not frozen, though no source sets a field: each source hands on a copy (`replace`) every poll,
-# and a frozen dataclass's __init__ sets each field through object.__setattr__, which made those
-# copies cost twice as much.
+# and a frozen dataclass's __init__ sets each field through object.__setattr__, which made each
+# copy cost 1.6 times as much (4.6 against 2.8 us).
 @dataclass(slots=True)
 class HostFacts:
     """Everything the sources found in one poll, each field added by the source that knows it."""

@@ -42,7 +42,7 @@ MAX_POLLS = 6_307_200  # a year of polls 5 s apart: hours at the speed simulate 
 
 # How often a simulation writes its ledger, in scenario time, where ledger.flush_interval is
 # shorter: the interval bounds what a crash of the daemon loses in real time, and 60 scenario
-# seconds go by in a seventh of a real second here.
+# seconds go by in about a hundredth of a real second here.
 SIMULATED_FLUSH_S = 3600.0
 
 
