@@ -850,7 +850,8 @@ class Sampler:
         # The gaps before each sample (the first: since the last poll's last), worked out once
         # for the period learned from them and the spans below.
         gaps = list(map(operator.sub, times, (since, *times[:-1])))
-        shortest = min(filter(None, gaps[1:]), default=None)  # `_shortest_gap(times)`
+        # `_shortest_gap(times)`, from the gaps already worked out: the shortest that is not zero.
+        shortest = min(filter(None, gaps[1:]), default=None)
         if shortest is not None:
             gpu.utilization_period_us = min(shortest, gpu.utilization_period_us or shortest)
         period = gpu.utilization_period_us
