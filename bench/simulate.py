@@ -1,7 +1,7 @@
 """How fast `simulate` runs, and how big the ledger it writes gets.
 
     python bench/simulate.py [--scenario demo] [--for 7d] [--step 15s] [--metrics-out]
-                             [--against DIR --rounds N] [--stages]
+                             [--against DIR | --against-release] [--rounds N] [--stages]
     python bench/simulate.py --instructions [--scenario demo] [--metrics-out] [--against DIR]
 
 Runs `gpuledger simulate SCENARIO --for D --step S --ledger FILE` as a subprocess (the real
@@ -10,9 +10,11 @@ much faster than real time the scenario ran, and the ledger's size on disk (data
 with its rows. With --metrics-out the command writes the final metrics text too, and so reads
 every readings group (clocks, errors, NVLink, ...), which it skips otherwise.
 
-With --against DIR (another checkout, e.g. `git worktree add /tmp/base v0.1.0`), the two take
+With --against DIR (another checkout, e.g. `git worktree add /tmp/base <commit>`), the two take
 turns, N rounds each, and the ratio of their median rates is printed: on a noisy machine a
-ratio measured in one run says more than two figures measured an hour apart.
+ratio measured in one run says more than two figures measured an hour apart. --against-release
+compares with the first release (RELEASE, checked out for the run), whose rate the target was
+set from, and judges the target as that ratio too (TARGET_RATIO).
 
 With --stages, the same simulation is run again in this process and the time of a poll is
 split by pipeline stage (sample, attribute, account, rules, publish, as each poll's state
@@ -58,6 +60,12 @@ REPO = Path(__file__).resolve().parent.parent
 # A week of the demo node at 15 s steps in about a minute: fast enough that the test suite and
 # every user's what-if simulation stay cheap.
 TARGET_POLLS_PER_S = 600
+# The first release, where the structure issue measured `simulate demo --for 7d` at 295-306 polls
+# a second and set the target above at twice that. Machines differ (this 2-core one runs the
+# release at 190-230), so the target is also judged as that ratio, measured side by side in one
+# run: the release's lowest figure, 295, is the demanding reading.
+RELEASE = "053f41799b70022969bb98125a40f833d05d5a7c"
+TARGET_RATIO = TARGET_POLLS_PER_S / 295
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", default="15s")
     parser.add_argument("--metrics-out", action="store_true", help="write the metrics text too (reads every group)")
     parser.add_argument("--against", type=Path, help="another checkout to run in turn with this one")
+    parser.add_argument(
+        "--against-release", action="store_true", help="--against the first release (a worktree made for the run)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="runs of each checkout with --against")
     parser.add_argument("--stages", action="store_true", help="then split a poll's time by pipeline stage")
     parser.add_argument("--instructions", action="store_true", help="count CPU instructions a poll (callgrind)")
@@ -75,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return instructions(args)
     duration_s, step_s = parse_duration(args.duration), parse_duration(args.step)
     polls = math.ceil(duration_s / step_s - 1e-9) + 1  # a last, shorter step ends at --for
+    if args.against_release:
+        return compare_with_release(args, polls)
     if args.against is not None:
         return compare(args, polls)
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,7 +238,29 @@ def compare(args: argparse.Namespace, polls: int) -> int:
         print(f"  {name:8s} {checkout}: {', '.join(f'{r:.0f}' for r in rates[name])} polls/s")
     ratio = statistics.median(rates["this"]) / statistics.median(rates["against"])
     print(f"  this / against (medians)   {ratio:.2f}x")
+    if args.against_release:
+        verdict = "met" if ratio >= TARGET_RATIO else "MISSED"
+        target = f"{TARGET_RATIO:.2f}x the release ({TARGET_POLLS_PER_S} against 295)"
+        print(f"  target                     {target}: {verdict}")
     return 0
+
+
+def compare_with_release(args: argparse.Namespace, polls: int) -> int:
+    """`compare` against the first release, checked out from this repository's history into a
+    worktree for the run (its code runs in this Python, on the packages installed here)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        worktree = Path(tmp) / "release"
+        added = subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(worktree), RELEASE],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if added.returncode != 0:
+            print(f"bench/simulate.py: cannot check out the release: {added.stderr.strip()}", file=sys.stderr)
+            return 2
+        try:
+            return compare(argparse.Namespace(**{**vars(args), "against": worktree}), polls)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)], check=False)
 
 
 if __name__ == "__main__":
