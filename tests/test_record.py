@@ -171,38 +171,50 @@ def same(a: Series, b: Series) -> list[str]:
 
 
 def record_node(
-    scenario: Any, keep_cmdlines: bool = True, step_s: float = STEP_S
+    scenario: Any, keep_cmdlines: bool = True, step_s: float = STEP_S, *, every_poll: bool = True
 ) -> tuple[dict[str, Any], list[Series]]:
-    """Record `scenario` for 10 minutes; the trace, and the series at each poll."""
+    """Record `scenario` for 10 minutes; the trace, and the series at each poll (with
+    `every_poll` False, at the last poll only: a test that compares only the end)."""
     agent, tap = build_recording_agent(settings(), scenario, step_s, monotonic=lambda: 0.0)
+    states: list[AgentState] = []
     polls: list[Series] = []
+
+    def on_poll(state: AgentState) -> None:
+        if every_poll:
+            polls.append(series(agent, state))
+        else:
+            states[:] = [state]
+
     try:
-        trace = record(
-            agent,
-            tap,
-            DURATION_S,
-            step_s,
-            keep_cmdlines=keep_cmdlines,
-            on_poll=lambda state: polls.append(series(agent, state)),
-        )
+        trace = record(agent, tap, DURATION_S, step_s, keep_cmdlines=keep_cmdlines, on_poll=on_poll)
+        polls += [series(agent, state) for state in states]
     finally:
         agent.close()
     return trace, polls
 
 
 def replayed_series(
-    trace: Any, with_settings: Settings | None = None, duration_s: float = DURATION_S, step_s: float = STEP_S
+    trace: Any,
+    with_settings: Settings | None = None,
+    duration_s: float = DURATION_S,
+    step_s: float = STEP_S,
+    *,
+    every_poll: bool = True,
 ) -> list[Series]:
-    """`trace` replayed by an agent polling every step_s from 0 to duration_s: each poll's series."""
+    """`trace` replayed by an agent polling every step_s from 0 to duration_s: each poll's series
+    (with `every_poll` False, the last poll's only)."""
     agent = build_agent(with_settings or settings(), fake=trace, poll_interval_s=step_s, monotonic=lambda: 0.0)
     assert agent.node is not None
     polls = []
     try:
-        for k in range(int(duration_s // step_s) + 1):
+        last = int(duration_s // step_s)
+        for k in range(last + 1):
             if k:
                 agent.node.clock.advance(step_s)
             agent.pipeline.refresh_allocations()
-            polls.append(series(agent, agent.pipeline.poll_once()))
+            state = agent.pipeline.poll_once()
+            if every_poll or k == last:
+                polls.append(series(agent, state))
     finally:
         agent.close()
     return polls
@@ -355,7 +367,7 @@ def test_a_slurm_array_task_replays_as_the_one_job_it_was_recorded_as() -> None:
 def test_command_lines_are_anonymised_unless_kept_and_environments_never_recorded(
     recorded: tuple[Path, list[Series]],
 ) -> None:
-    trace, polls = record_node(NODE, keep_cmdlines=False)
+    trace, polls = record_node(NODE, keep_cmdlines=False, every_poll=False)
     text = yaml.dump(trace, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper))
     by_pid = {p["pid"]: p for p in trace["processes"]}
     assert by_pid[4101]["cmdline"] == "torchrun --model llama-3-8b"  # the executable and its model
@@ -364,7 +376,7 @@ def test_command_lines_are_anonymised_unless_kept_and_environments_never_recorde
     assert "never-recorded" not in text
     assert "environ" not in text
     # What is left is what the labels need: the anonymised trace replays to the same series.
-    assert not same(polls[-1], replayed_series(trace)[-1])
+    assert not same(polls[-1], replayed_series(trace, every_poll=False)[-1])
     # The module's trace keeps command lines (record_node's default): kept whole, but scrubbed, as
     # the token went into every kept trace, which is made to be sent on.
     kept_text = recorded[0].read_text()
