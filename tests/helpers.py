@@ -40,7 +40,8 @@ class Rig:
     they enable, a ledger at `ledger_path`. Without, the settings are the defaults plus
     `rules` (attribution rules), `per_pid` and `kubelet_timeout_s`, and the agent prices with
     `costing` (no accounting when None) and flags with `flag_rules` (none by default).
-    Stage durations are pinned to 0: stable output for golden files.
+    Stage durations are pinned to 0: stable output for golden files. With `metrics_text` False
+    the agent skips the readings only metrics text shows, as `simulate` does without it.
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class Rig:
                 costing=costing if costing is not None else False,
                 rules=flag_rules,
                 ledger_path=ledger_path,
+                metrics_text=metrics_text,
             )
         else:
             self.agent = build_agent(
@@ -124,8 +126,9 @@ WEEKEND_ALERT_SERIES = (
 @dataclass
 class WeekendIdleRun:
     """Four days of the `weekend-idle` node (Friday 18:00 to Tuesday 18:00), polled every minute
-    by the agent as the default settings build it, with a ledger, as `simulate` runs it: without
-    the readings only metrics text shows, which no flag, cost or ledger row reads (test_cli's
+    of the first day and every 5 minutes after by the agent as the default settings build it,
+    with a ledger, as `simulate` runs it: without the readings only metrics text shows, which no
+    flag, cost or ledger row reads (test_cli's
     `test_simulate_reads_what_only_metrics_text_shows_only_for_metrics_text`), at half the cost."""
 
     step_s: float
