@@ -176,18 +176,18 @@ def record_node(
     """Record `scenario` for 10 minutes; the trace, and the series at each poll (with
     `every_poll` False, at the last poll only: a test that compares only the end)."""
     agent, tap = build_recording_agent(settings(), scenario, step_s, monotonic=lambda: 0.0)
-    states: list[AgentState] = []
     polls: list[Series] = []
+    last_state: list[AgentState] = []  # without every_poll: the latest poll's, read once recorded
 
     def on_poll(state: AgentState) -> None:
         if every_poll:
             polls.append(series(agent, state))
         else:
-            states[:] = [state]
+            last_state[:] = [state]
 
     try:
         trace = record(agent, tap, DURATION_S, step_s, keep_cmdlines=keep_cmdlines, on_poll=on_poll)
-        polls += [series(agent, state) for state in states]
+        polls += [series(agent, state) for state in last_state]
     finally:
         agent.close()
     return trace, polls
