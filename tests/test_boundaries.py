@@ -439,10 +439,11 @@ def test_at_most_ten_nvml_calls_per_gpu_per_poll(run: Any) -> None:
     calls = rig.node.calls - before
     # One wait on the node's event set (driver events, read in the poll where no reader thread
     # runs), and per GPU: memory, utilization, temperature, field values, processes, process
-    # samples, device samples, the SM clock (the other health readings come every 30 s).
+    # samples, device samples (the health readings, the SM clock among them, come every 30 s).
     assert calls.pop("nvmlEventSetWait_v2") == 1
+    assert "nvmlDeviceGetClockInfo" not in calls
     per_gpu = sum(calls.values()) / 2
-    assert per_gpu == 8, dict(calls)
+    assert per_gpu == 7, dict(calls)
     assert per_gpu + 1 / 2 <= 10
 
 
@@ -463,24 +464,24 @@ def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig(run: Any) -> Non
     calls.pop("nvmlEventSetWait_v2", None)
     # Per poll, each GPU: field values (power, energy, NVLinks, and the counters when due),
     # temperature, its process list. The whole GPU also: memory, utilization, its process
-    # samples, its device samples, the SM clock: 8. The MIG GPU: its instances' memory only
+    # samples, its device samples: 7. The MIG GPU: its instances' memory only
     # where their processes' memory changed (here never), else every slow interval: 3.
-    # Once in the six, the slow readings: the whole GPU's performance state, clock-event reasons,
-    # PCIe generation and width, encoder, decoder (6); the MIG GPU's SM clock, performance state,
+    # Once in the six, the slow readings: the whole GPU's SM clock, performance state, clock-event
+    # reasons, PCIe generation and width, encoder, decoder (7); the MIG GPU's SM clock, performance state,
     # reasons, PCIe generation and width (5) and the seven instances' memory (7). An A100's HBM
     # runs at one memory clock (its supported-clocks list has one entry), so its memory clock was
     # read once, at the first poll, and is not among them (it was: 7 and 6, 9.17 and 5.17).
     # The whole GPU's MPS-client and graphics process lists, empty here, once in the slow
     # interval (2); a MIG GPU reads its compute lists only.
-    whole = 8 * 6 + 6 + 2
+    whole = 7 * 6 + 7 + 2
     mig = 3 * 6 + 5 + 7
     assert sum(calls.values()) == whole + mig, dict(calls)
     assert calls["nvmlDeviceGetMemoryInfo_v2"] == 6 + 7
     assert calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 2 * 6
-    # The whole GPU's SM clock every poll, the MIG GPU's once; no memory clock.
-    assert calls["nvmlDeviceGetClockInfo"] == 6 + 1
+    # Each GPU's SM clock once, at the slow poll; no memory clock.
+    assert calls["nvmlDeviceGetClockInfo"] == 1 + 1
     assert "nvmlDeviceGetSupportedMemoryClocks" not in calls
-    assert whole / 6 == 56 / 6  # 9.33 a poll, within the budget of 10
+    assert whole / 6 == 51 / 6  # 8.5 a poll, within the budget of 10
     assert mig / 6 == 5
     # And the carried memory is the instances' own, as read.
     assert state.snapshot is not None

@@ -423,13 +423,14 @@ def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig_h100_reading_mig
     # Not the default (slow: tests/test_mig_activity.py): the exact per-poll mode, and its cost.
     calls = steady_calls(H100_WHOLE_AND_MIG, settings(mig_activity="every_poll"))
     # The whole H100, each poll: field values, memory, utilization (and the memory controller's),
-    # temperature, processes, process samples, the SM clock, and GPM's sample and metrics: 9.
+    # temperature, processes, process samples, and GPM's sample and metrics: 8.
     # Its device utilization samples are not read: GPM is its busy source. Once in the six, the
-    # slow readings: performance state, clock-event reasons, PCIe generation and width, encoder,
-    # decoder (6). 9 x 6 + 6 = 60 calls. (The memory clock was slow too, 10.17 a
-    # poll: an H100's HBM3 supports one memory clock, so it is read once, at the first poll.)
-    # Once in the six as well, the MPS-client and graphics process lists (2), empty here: 62.
-    whole = 9 * 6 + 6 + 2
+    # slow readings: SM clock, performance state, clock-event reasons, PCIe generation and width,
+    # encoder, decoder (7). 8 x 6 + 7 = 55 calls. (The memory clock was slow too: an H100's HBM3
+    # supports one memory clock, so it is read once, at the first poll. The SM clock was read
+    # every poll, 10.33 a poll.)
+    # Once in the six as well, the MPS-client and graphics process lists (2), empty here: 57.
+    whole = 8 * 6 + 7 + 2
     # The fully split H100, each poll: field values, temperature, the process list (3), its own
     # GPM sample and metrics (2), and per instance a GPM sample and metrics (14): 19. Once in the
     # six: SM clock, performance state, reasons, PCIe generation and width (5), and the seven
@@ -441,7 +442,7 @@ def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig_h100_reading_mig
     assert calls["nvmlGpmMigSampleGet"] == 7 * 6
     assert calls["nvmlGpmMetricsGet"] == (1 + 1 + 7) * 6
     assert "nvmlDeviceGetSupportedMemoryClocks" not in calls
-    assert whole / 6 == pytest.approx(10.33, abs=0.01)
+    assert whole / 6 == 9.5
     assert mig / 6 == 21
 
 
@@ -450,7 +451,7 @@ def test_without_mig_activity_a_fully_split_h100_keeps_to_the_budget_and_its_ins
     calls = steady_calls(H100_WHOLE_AND_MIG, off)
     # The MIG GPU: 3 + its own GPM (2) a poll, 12 once in the six: 5 x 6 + 12 = 42, 7.00 a poll
     # (13 and 7.17 before the memory clock of its HBM, which has one, was read once).
-    assert sum(calls.values()) == (9 * 6 + 6 + 2) + (5 * 6 + 12), dict(calls)
+    assert sum(calls.values()) == (8 * 6 + 7 + 2) + (5 * 6 + 12), dict(calls)
     assert "nvmlGpmMigSampleGet" not in calls
     rig = Rig(H100_WHOLE_AND_MIG, settings=off)
     try:

@@ -170,17 +170,21 @@ def test_slow_readings_are_read_every_slow_interval_and_carried_between(install:
     node, sampler = install(
         {"gpus": [{"model": "A100-SXM4-80GB"}], "processes": [{"pid": 1, "gpus": [0], "sm_util": 50}]}
     )
-    states = []
+    states, clocks = [], []
     before = node.calls.copy()
     for _ in range(13):  # t = 0, 5, .. 60: slow readings due at 0, 30, 60
-        states.append(health_of(sampler.poll(), 0).performance_state)
+        telemetry = health_of(sampler.poll(), 0)
+        states.append(telemetry.performance_state)
+        clocks.append(telemetry.sm_clock_hz)
         node.clock.advance(5)
     calls = node.calls - before
     assert calls["nvmlDeviceGetPerformanceState"] == 3
     assert calls["nvmlDeviceGetCurrPcieLinkGeneration"] == 3
-    # The SM clock every poll; the memory clock once, with the maxima: an A100's HBM2e supports
-    # one memory clock (it was slow, 13 + 3, before that was asked; a GDDR board's still is).
-    assert calls["nvmlDeviceGetClockInfo"] == 13 + 1
+    # The SM clock slow too (with the clock-event reasons it explains; it was read every poll,
+    # 13 here); the memory clock once, with the maxima: an A100's HBM2e supports one memory
+    # clock (it was slow, 3 more, before that was asked; a GDDR board's still is).
+    assert calls["nvmlDeviceGetClockInfo"] == 3 + 1
+    assert clocks == [A100_SM_MHZ * MHZ] * 13  # read at 0, 30, 60 and carried between
     assert calls["nvmlDeviceGetMaxClockInfo"] == 2  # once
     assert calls["nvmlDeviceGetSupportedMemoryClocks"] == 1  # once
     assert states == [0] * 13  # carried into the polls between
@@ -212,14 +216,14 @@ def test_a_default_poll_costs_at_most_ten_calls_per_gpu_in_steady_state(install:
         node.clock.advance(5)
     calls = sum((node.calls - before).values())
     # 8 GPUs; busy ones: field values, memory, utilization, the device's utilization samples,
-    # temperature, processes, process samples, SM clock (8), and every sixth poll the
-    # performance state, clock-event reasons, PCIe generation and width, encoder and decoder (6).
+    # temperature, processes, process samples (7), and every sixth poll the SM clock,
+    # performance state, clock-event reasons, PCIe generation and width, encoder and decoder (7).
     # The two idle GPUs read no process samples. The demo's boards are all HBM (A100, H100): one
     # memory clock each, read once before these polls (slow, it made the sixth-poll calls 7).
     # Every sixth poll too, the MPS-client and graphics process lists, empty here: 2 on a busy
     # GPU, 1 on an idle one (no compute process, so no MPS server and no MPS client).
     assert calls / polls / 8 <= 10
-    assert calls == polls * (6 * 8 + 2 * 7) + 4 * 8 * 6 + 4 * (6 * 2 + 2 * 1)
+    assert calls == polls * (6 * 7 + 2 * 6) + 4 * 8 * 7 + 4 * (6 * 2 + 2 * 1)
 
 
 # --- fallbacks that fall back ---------------------------------------------------------------------
@@ -393,7 +397,7 @@ def test_a_mig_gpu_reads_its_own_health_on_the_slow_rhythm(install: Any) -> None
     assert (t.encoder_utilization, t.memory_utilization) == (None, None)  # none in MIG mode
     assert all(d.telemetry is None for d in instances)
     # Between slow polls the parent asks nothing for its health: its instances fill the poll.
-    assert between["nvmlDeviceGetClockInfo"] == 1  # GPU 1 (whole) only: its SM clock
+    assert between["nvmlDeviceGetClockInfo"] == 0  # the SM clock is slow on every GPU
     assert between["nvmlDeviceGetCurrentClocksEventReasons"] == 0  # slow on every GPU
     assert health_of(first, 1).sm_clock_hz == A100_SM_MHZ * MHZ
 

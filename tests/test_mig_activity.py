@@ -193,13 +193,13 @@ def test_a_fully_split_h100_reads_its_instances_only_on_slow_polls() -> None:
 
 def test_a_fully_split_h100_keeps_to_the_call_budget_by_default() -> None:
     calls = steady_calls(H100_WHOLE_AND_MIG, settings())
-    # Six polls 5 s apart (one slow interval). The whole H100 as in test_gpm: 9 a poll and 8 once,
-    # 62. The split H100: field values, temperature and the process list each poll (3 x 6 = 18);
+    # Six polls 5 s apart (one slow interval). The whole H100 as in test_gpm: 8 a poll and 9 once,
+    # 57. The split H100: field values, temperature and the process list each poll (3 x 6 = 18);
     # once, its slow readings (SM clock, performance state, reasons, PCIe generation and width:
     # 5), its instances' memory (7), its own GPM sample and metrics (2) and its instances' (14):
     # 18 + 5 + 7 + 2 + 14 = 46 calls, 7.67 a poll (21.00 every_poll, 7.00 off).
     mig = 3 * 6 + 5 + 7 + 2 + 14
-    assert sum(calls.values()) == 62 + mig, dict(calls)
+    assert sum(calls.values()) == 57 + mig, dict(calls)
     assert calls["nvmlGpmMigSampleGet"] == 7
     assert calls["nvmlGpmSampleGet"] == 6 + 1
     assert calls["nvmlGpmMetricsGet"] == 6 + 1 + 7

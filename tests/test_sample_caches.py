@@ -26,11 +26,14 @@ def test_telemetry_is_handed_on_while_its_readings_hold_and_rebuilt_where_they_c
     third, asked = poll(10.0)
     assert ReadingKey(Q.ECC_CORRECTED_VOLATILE) not in asked  # between slow polls
     assert third is second  # nothing changed: handed on
-    # Link 1 carries 1 KiB more each way, and the SM clock moves.
+    # Link 1 carries 1 KiB more each way, and the memory controller's utilization moves; the SM
+    # clock is a slow reading, so a new value for it is not asked.
     traffic = {ReadingKey(Q.NVLINK_TX_BYTES, 1): 1025.0, ReadingKey(Q.NVLINK_RX_BYTES, 1): 1025.0}
-    fourth, _ = poll(15.0, {**traffic, ReadingKey(Q.SM_CLOCK): 2.0})
+    fourth, asked = poll(15.0, {**traffic, ReadingKey(Q.MEMORY_UTILIZATION): 0.5, ReadingKey(Q.SM_CLOCK): 2.0})
+    assert ReadingKey(Q.SM_CLOCK) not in asked
     assert fourth is not third
-    assert fourth.sm_clock_hz == 2.0
+    assert fourth.memory_utilization == 0.5
+    assert fourth.sm_clock_hz == 1.0  # as read at the first poll
     assert fourth.nvlinks[1].tx_bytes == 1025
     assert fourth.nvlinks[1].rx_bytes == 1025
     # 2 x 1024 bytes more over the 5 s since the previous poll

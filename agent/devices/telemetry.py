@@ -3,13 +3,17 @@
 The readings come in groups, each switched on or off in the config (`readings:`). A group's
 readings are read on one of three rhythms:
 
-- every poll: what changes from second to second and is cheap to read (the SM clock; NVLink
-  traffic and the memory controller's utilization, which ride on calls the poll makes anyway);
+- every poll: what rides on calls the poll makes anyway (NVLink traffic and the memory
+  controller's utilization);
 - every `slow_interval` (30 s by default, dcgm-exporter's collection interval): the rest
-  (memory clock, performance state, fan, clock-event reasons, violation time, memory errors,
-  PCIe link and replays, NVLink errors, encoder and decoder, PCIe throughput). In between, a
-  poll carries the last value read. NVML has a field only for the counters; the others are a
-  call each, and a poll has about ten calls per GPU to spend. Counters are cheap where the
+  (SM and memory clocks, performance state, fan, clock-event reasons, violation time, memory
+  errors, PCIe link and replays, NVLink errors, encoder and decoder, PCIe throughput). In
+  between, a poll carries the last value read. The SM clock is among them although it changes
+  from second to second: power capping moves it every few milliseconds, so one instant each
+  poll shows it no better than one each slow interval, and read beside the clock-event reasons
+  it shows how far they held it down at that same instant. NVML has a field only for the
+  counters; the others are a call each, and a poll has about ten calls per GPU to spend (read
+  every poll, the SM clock alone took a whole H100 with GPM to 10.33). Counters are cheap where the
   driver batches them as fields, but a driver without those fields answers each with a call
   of its own (36 for the NVLink errors of a 12-link GPU), and this keeps such a driver's polls
   short too;
@@ -54,8 +58,7 @@ GROUPS: dict[str, Group] = {
     # The memory clock changes only with the performance state, and HBM boards never change it:
     # how many memory clocks the GPU supports (read once) says which (`TelemetryReader`).
     "clocks": Group(
-        every_poll=(Q.SM_CLOCK,),
-        slow=(Q.MEMORY_CLOCK, Q.PERFORMANCE_STATE),
+        slow=(Q.SM_CLOCK, Q.MEMORY_CLOCK, Q.PERFORMANCE_STATE),  # the SM clock: see the module's docstring
         once=(Q.SM_CLOCK_MAX, Q.MEMORY_CLOCK_MAX, Q.MEMORY_CLOCKS_SUPPORTED),
     ),
     "fan": Group(slow=(Q.FAN_SPEED,)),
