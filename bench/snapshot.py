@@ -797,7 +797,9 @@ def calls_section(slow_intervals: int = 4) -> list[str]:
     breakdowns = []
     for name, _column, scenario, readings in CALL_CASES:
         per_gpu, by_function = calls_per_gpu(scenario, slow_intervals, readings)
-        verdict = "PASS" if per_gpu <= TARGET_CALLS_PER_GPU else "MISS"
+        # The target is the default configuration's: a mode a user opts into is shown with its
+        # cost, over the target or not, and is not judged.
+        verdict = "PASS" if per_gpu <= TARGET_CALLS_PER_GPU else "over, opt-in" if readings else "MISS"
         rows.append((name, f"{per_gpu:.2f}", f"<= {TARGET_CALLS_PER_GPU:g}", verdict))
         breakdowns.append(by_function)
     lines = table(rows, "<>>>")
