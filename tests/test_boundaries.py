@@ -464,13 +464,14 @@ def test_steady_state_nvml_calls_per_gpu_per_poll_whole_and_mig(run: Any) -> Non
     calls.pop("nvmlEventSetWait_v2", None)
     # Per poll, each GPU: field values (power, energy, NVLinks, and the counters when due),
     # temperature, its process list. The whole GPU also: memory, utilization, its process
-    # samples, its device samples: 7. The MIG GPU: its instances' memory only
-    # where their processes' memory changed (here never), else every slow interval: 3.
-    # Once in the six, the slow readings: the whole GPU's SM clock, performance state, clock-event
-    # reasons, PCIe generation and width, encoder, decoder (7); the MIG GPU's SM clock, performance state,
-    # reasons, PCIe generation and width (5) and the seven instances' memory (7). An A100's HBM
-    # runs at one memory clock (its supported-clocks list has one entry), so its memory clock was
-    # read once, at the first poll, and is not among them (it was: 7 and 6, 9.17 and 5.17).
+    # samples, its device samples: 7. The MIG GPU: its instances' memory only where their
+    # processes' memory changed (here never), else every slow interval: 3.
+    # Once in the six, the slow readings: the whole GPU's SM clock, performance state,
+    # clock-event reasons, PCIe generation and width, encoder, decoder (7); the MIG GPU's SM
+    # clock, performance state, reasons, PCIe generation and width (5) and the seven instances'
+    # memory (7). An A100's HBM runs at one memory clock (its supported-clocks list has one
+    # entry), so its memory clock was read once, at the first poll, and is not among them (slow,
+    # it would make them 8 and 6: 8.67 and 5.17 a poll).
     # The whole GPU's MPS-client and graphics process lists, empty here, once in the slow
     # interval (2); a MIG GPU reads its compute lists only.
     whole = 7 * 6 + 7 + 2

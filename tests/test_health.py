@@ -219,7 +219,7 @@ def test_a_default_poll_costs_at_most_ten_calls_per_gpu_in_steady_state(install:
     # temperature, processes, process samples (7), and every sixth poll the SM clock,
     # performance state, clock-event reasons, PCIe generation and width, encoder and decoder (7).
     # The two idle GPUs read no process samples. The demo's boards are all HBM (A100, H100): one
-    # memory clock each, read once before these polls (slow, it made the sixth-poll calls 7).
+    # memory clock each, read once before these polls (slow, it would make the sixth-poll calls 8).
     # Every sixth poll too, the MPS-client and graphics process lists, empty here: 2 on a busy
     # GPU, 1 on an idle one (no compute process, so no MPS server and no MPS client).
     assert calls / polls / 8 <= 10

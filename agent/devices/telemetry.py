@@ -13,7 +13,7 @@ readings are read on one of three rhythms:
   poll shows it no better than one each slow interval, and read beside the clock-event reasons
   it shows how far they held it down at that same instant. NVML has a field only for the
   counters; the others are a call each, and a poll has about ten calls per GPU to spend (read
-  every poll, the SM clock alone took a whole H100 with GPM to 10.33). Counters are cheap where the
+  every poll, the SM clock took a whole H100 with GPM from 9.5 calls a poll to 10.33). Counters are cheap where the
   driver batches them as fields, but a driver without those fields answers each with a call
   of its own (36 for the NVLink errors of a 12-link GPU), and this keeps such a driver's polls
   short too;
